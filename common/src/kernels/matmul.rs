@@ -1,0 +1,90 @@
+//! Quantised matrix products: weight matrix (rows of ggml blocks) times a batch of activation
+//! rows, threads split by output rows with rayon, each thread's weight rows reused across the
+//! whole batch while they sit in cache.
+
+use rayon::prelude::*;
+
+use super::dot::{quantize_row, vec_dot_type};
+use super::quant::GgmlType;
+use super::vec_dot;
+
+/// A weight matrix borrowed from the model file: `rows` rows of `cols` elements of type `ty`.
+#[derive(Debug, Clone, Copy)]
+pub struct QMatrix<'a> {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Panics if `data` is not `rows` rows of `cols` elements (checked by the loader).
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
+        assert_eq!(data.len(), rows * ty.row_bytes(cols), "QMatrix size");
+        QMatrix { ty, rows, cols, data }
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        let rb = self.ty.row_bytes(self.cols);
+        &self.data[r * rb..(r + 1) * rb]
+    }
+}
+
+/// A batch of activation rows quantised to the vec-dot type of some weight type.
+#[derive(Debug, Clone)]
+pub struct QuantizedActs {
+    pub ty: GgmlType,
+    pub cols: usize,
+    pub n_rows: usize,
+    pub data: Vec<u8>,
+}
+
+impl QuantizedActs {
+    /// Quantises `x` (`x.len() / cols` rows) for multiplication with weights of `weight_ty`.
+    pub fn new(weight_ty: GgmlType, x: &[f32], cols: usize) -> Self {
+        let ty = vec_dot_type(weight_ty);
+        let rb = ty.row_bytes(cols);
+        let n_rows = x.len() / cols;
+        let mut data = vec![0u8; rb * n_rows];
+        data.par_chunks_mut(rb).zip(x.par_chunks(cols)).for_each(|(o, x)| quantize_row(ty, x, o));
+        QuantizedActs { ty, cols, n_rows, data }
+    }
+
+    pub fn row(&self, t: usize) -> &[u8] {
+        let rb = self.ty.row_bytes(self.cols);
+        &self.data[t * rb..(t + 1) * rb]
+    }
+}
+
+/// `out[t * w.rows + r] = w.row(r) · x.row(t)` for every row `r` and batch row `t`.
+pub fn matmul(w: &QMatrix<'_>, x: &QuantizedActs, out: &mut [f32]) {
+    assert_eq!(x.ty, vec_dot_type(w.ty), "activations quantised for another weight type");
+    assert_eq!(x.cols, w.cols, "matmul inner dimension");
+    assert_eq!(out.len(), w.rows * x.n_rows, "matmul output size");
+    let chunk = (w.rows / (rayon::current_num_threads() * 8)).clamp(8, 256);
+    let out_ptr = SyncPtr(out.as_mut_ptr());
+    (0..w.rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let rows = c * chunk..((c + 1) * chunk).min(w.rows);
+        for t in 0..x.n_rows {
+            let a = x.row(t);
+            for r in rows.clone() {
+                let v = vec_dot(w.ty, w.cols, w.row(r), a);
+                // SAFETY: each task writes only its own rows `r` of every batch row `t`, so
+                // the indices `t * w.rows + r` of different tasks never overlap; in bounds by
+                // the size assertion above.
+                unsafe { *out_ptr.get().add(t * w.rows + r) = v };
+            }
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: used only for disjoint writes (see `matmul`).
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}

@@ -1,0 +1,61 @@
+//! CPU kernels: ggml block formats, activation quantisation, dot products, matrix products
+//! and the element-wise ops of a Llama layer. The instruction set is chosen once, here.
+
+pub mod attention;
+pub mod dot;
+pub mod matmul;
+pub mod ops;
+pub mod quant;
+#[cfg(target_arch = "x86_64")]
+mod simd_x86;
+
+use std::sync::OnceLock;
+
+pub use quant::GgmlType;
+
+/// The SIMD level the kernels run at on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Avx2,
+    Scalar,
+}
+
+/// Detected once; `DUET_FORCE_SCALAR=1` forces the scalar twins (for comparison runs).
+pub fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let forced = std::env::var_os("DUET_FORCE_SCALAR").is_some_and(|v| v != "0");
+        let isa = if !forced && has_avx2() { Isa::Avx2 } else { Isa::Scalar };
+        tracing::info!(?isa, forced_scalar = forced, "CPU kernels selected");
+        isa
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn has_avx2() -> bool {
+    false
+}
+
+/// Dot product of a weight row of type `ty` (`n` elements) with an activation row quantised
+/// to `dot::vec_dot_type(ty)`, on the fastest kernel this machine has.
+#[inline]
+pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: AVX2 and FMA were detected; block counts are checked by the slices.
+        unsafe {
+            match ty {
+                GgmlType::Q4_0 => return simd_x86::dot_q4_0_q8_0(w, a),
+                GgmlType::Q4_1 => return simd_x86::dot_q4_1_q8_1(w, a),
+                GgmlType::Q8_0 => return simd_x86::dot_q8_0_q8_0(w, a),
+                _ => {}
+            }
+        }
+    }
+    dot::vec_dot_scalar(ty, n, w, a)
+}

@@ -1,0 +1,109 @@
+//! Element-wise and normalisation ops of a Llama layer, with ggml's arithmetic: RMSNorm,
+//! rotary position embedding (normal and llama3-scaled), SwiGLU, softmax.
+
+/// `out = x / sqrt(mean(x^2) + eps) * weight` (sum of squares in f64, as ggml does).
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let sum: f64 = x.iter().map(|&v| (v * v) as f64).sum();
+    let mean = (sum / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (v * scale) * w;
+    }
+}
+
+/// Rotary embedding tables for one head dimension: frequencies with optional per-pair
+/// divisors (llama3-style scaling, ggml's `rope_freqs`).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    pub n_dims: usize,
+    theta_scale: f32,
+    freq_scale: f32,
+    freq_factors: Option<Vec<f32>>,
+}
+
+impl Rope {
+    /// `freq_factors`, when given, holds `n_dims / 2` divisors of each pair's frequency.
+    pub fn new(n_dims: usize, freq_base: f32, freq_scale: f32, freq_factors: Option<Vec<f32>>) -> Self {
+        let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
+        Rope { n_dims, theta_scale, freq_scale, freq_factors }
+    }
+
+    /// (cos, sin) for each pair at position `pos`, computed as ggml's `rope_cache_init`.
+    pub fn table(&self, pos: usize) -> Vec<(f32, f32)> {
+        let mut theta = pos as f32;
+        (0..self.n_dims / 2)
+            .map(|i| {
+                let ff = self.freq_factors.as_ref().map_or(1.0, |f| f[i]);
+                let t = self.freq_scale * (theta / ff);
+                theta *= self.theta_scale;
+                (t.cos(), t.sin())
+            })
+            .collect()
+    }
+
+    /// Rotates consecutive pairs `(x[2i], x[2i+1])` of one head in place (normal, non-NeoX).
+    pub fn apply(table: &[(f32, f32)], head: &mut [f32]) {
+        for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
+            let (x0, x1) = (pair[0], pair[1]);
+            pair[0] = x0 * c - x1 * s;
+            pair[1] = x0 * s + x1 * c;
+        }
+    }
+}
+
+/// Llama-3 frequency divisors (what llama.cpp's converter stores as `rope_freqs.weight`).
+pub fn llama3_freq_factors(
+    n_dims: usize,
+    freq_base: f32,
+    factor: f32,
+    low_freq_factor: f32,
+    high_freq_factor: f32,
+    original_context: f32,
+) -> Vec<f32> {
+    let low_wavelen = original_context / low_freq_factor;
+    let high_wavelen = original_context / high_freq_factor;
+    (0..n_dims / 2)
+        .map(|i| {
+            let freq = 1.0 / freq_base.powf(2.0 * i as f32 / n_dims as f32);
+            let wavelen = 2.0 * std::f32::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// `gate = silu(gate) * up`, with ggml's `x / (1 + e^-x)`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// In-place softmax; returns the log of the normaliser (max + ln(sum)) for log-sum-exp merges.
+pub fn softmax(x: &mut [f32]) -> f32 {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+    max + (sum as f32).ln()
+}
+
+/// Log-softmax of logits in f64 (for reporting log-probabilities and perplexity).
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|&v| v as f64 - lse).collect()
+}

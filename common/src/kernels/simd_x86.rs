@@ -1,0 +1,90 @@
+//! AVX2 (+FMA) dot products for the weight types of the default model (Q4_0, Q4_1, Q8_0).
+//!
+//! Same arithmetic as ggml's AVX2 path: integer products per block with `maddubs`, scaled and
+//! accumulated in f32 lanes. Each is tested against its scalar twin in `dot.rs`.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::quant::{f16_bytes, BlockQ4_0, BlockQ4_1, BlockQ8_0, BlockQ8_1, ByteBlock};
+
+#[inline(always)]
+unsafe fn hsum_ps(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// 16 bytes of packed nibbles to 32 bytes: low nibbles first, then high nibbles.
+#[inline(always)]
+unsafe fn nibbles_to_bytes(qs: &[u8; 16]) -> __m256i {
+    let tmp = _mm_loadu_si128(qs.as_ptr().cast());
+    let both = _mm256_insertf128_si256(_mm256_castsi128_si256(tmp), _mm_srli_epi16(tmp, 4), 1);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Sum of products of unsigned bytes `ux` and signed bytes `sy`, as 8 f32 lanes.
+#[inline(always)]
+unsafe fn mul_sum_us8_pairs(ux: __m256i, sy: __m256i) -> __m256 {
+    let dot16 = _mm256_maddubs_epi16(ux, sy);
+    _mm256_cvtepi32_ps(_mm256_madd_epi16(dot16, _mm256_set1_epi16(1)))
+}
+
+/// Sum of products of two signed byte vectors, as 8 f32 lanes.
+#[inline(always)]
+unsafe fn mul_sum_i8_pairs(x: __m256i, y: __m256i) -> __m256 {
+    let ax = _mm256_sign_epi8(x, x);
+    let sy = _mm256_sign_epi8(y, x);
+    mul_sum_us8_pairs(ax, sy)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA; `w` and `a` whole blocks of the same count.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let (x, y) = (BlockQ4_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
+    let mut acc = _mm256_setzero_ps();
+    for (x, y) in x.iter().zip(y) {
+        let d = _mm256_set1_ps(f16_bytes(x.d) * f16_bytes(y.d));
+        let qx = _mm256_sub_epi8(nibbles_to_bytes(&x.qs), _mm256_set1_epi8(8));
+        let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs(qx, qy), acc);
+    }
+    hsum_ps(acc)
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA; `w` and `a` whole blocks of the same count.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
+    let (x, y) = (BlockQ4_1::slice(w).unwrap(), BlockQ8_1::slice(a).unwrap());
+    let mut acc = _mm256_setzero_ps();
+    let mut summs = 0f32;
+    for (x, y) in x.iter().zip(y) {
+        summs += f16_bytes(x.m) * f16_bytes(y.s);
+        let d = _mm256_set1_ps(f16_bytes(x.d) * f16_bytes(y.d));
+        let qx = nibbles_to_bytes(&x.qs);
+        let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
+        acc = _mm256_fmadd_ps(d, mul_sum_us8_pairs(qx, qy), acc);
+    }
+    hsum_ps(acc) + summs
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA; `w` and `a` whole blocks of the same count.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
+    let (x, y) = (BlockQ8_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
+    let mut acc = _mm256_setzero_ps();
+    for (x, y) in x.iter().zip(y) {
+        let d = _mm256_set1_ps(f16_bytes(x.d) * f16_bytes(y.d));
+        let qx = _mm256_loadu_si256(x.qs.as_ptr().cast());
+        let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
+        acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs(qx, qy), acc);
+    }
+    hsum_ps(acc)
+}

@@ -1,0 +1,12 @@
+//! duet-common: what every Duet process shares — the GGUF model reader, tokenizer and chat
+//! templates, and the CPU kernels (quantised dot products, attention, norms, RoPE).
+
+pub mod error;
+pub mod kernels;
+pub mod model;
+
+pub use error::{Error, Result};
+pub mod testutil;
+
+/// Where `scripts/fetch-model.sh` puts the default model, relative to the workspace root.
+pub const DEFAULT_MODEL_PATH: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -1,0 +1,135 @@
+//! Llama-family hyper-parameters read from GGUF metadata, validated before any weight is used.
+
+use super::gguf::{GgufError, GgufFile, Value};
+use super::names::{ArchKey, GeneralKey, TensorName};
+use crate::error::Error;
+
+/// How rotary frequencies are scaled.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (`freq_scale = 1 / factor`).
+    Linear { factor: f32 },
+    /// Llama 3: per-pair frequency divisors (from `rope_freqs.weight`, or computed).
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_context: f32 },
+    /// Divisors stored in the file as `rope_freqs.weight`.
+    FreqFactors,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub arch: String,
+    pub n_layer: usize,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub n_rot: usize,
+    pub n_vocab: usize,
+    pub n_ctx_train: usize,
+    pub rope_freq_base: f32,
+    pub rope_scaling: RopeScaling,
+    pub rms_eps: f32,
+}
+
+/// Architectures that are Llama-shaped (same tensors, normal RoPE).
+const LLAMA_LIKE: &[&str] = &["llama", "mistral"];
+
+fn get<'a>(g: &'a GgufFile, key: &str) -> Result<&'a Value, GgufError> {
+    g.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
+}
+
+fn get_usize(g: &GgufFile, key: &str) -> Result<usize, GgufError> {
+    let v = get(g, key)?;
+    v.as_u64()
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or(GgufError::WrongType { key: key.to_string(), expected: "unsigned integer", found: v.type_name() })
+}
+
+fn get_f32(g: &GgufFile, key: &str) -> Result<f32, GgufError> {
+    let v = get(g, key)?;
+    v.as_f64().map(|v| v as f32).ok_or(GgufError::WrongType { key: key.to_string(), expected: "number", found: v.type_name() })
+}
+
+fn opt<T>(r: Result<T, GgufError>) -> Result<Option<T>, GgufError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(GgufError::MissingKey { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+impl LlamaConfig {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, Error> {
+        let arch_key = GeneralKey::Architecture.key();
+        let arch = get(g, arch_key)?
+            .as_str()
+            .ok_or(GgufError::WrongType { key: arch_key.into(), expected: "string", found: "other" })?
+            .to_string();
+        if !LLAMA_LIKE.contains(&arch.as_str()) {
+            return Err(Error::UnsupportedModel(format!("architecture {arch:?} (supported: {LLAMA_LIKE:?})")));
+        }
+        let k = |key: ArchKey| key.key(&arch);
+        let n_embd = get_usize(g, &k(ArchKey::EmbeddingLength))?;
+        let n_head = get_usize(g, &k(ArchKey::HeadCount))?;
+        let n_kv_head = opt(get_usize(g, &k(ArchKey::HeadCountKv)))?.unwrap_or(n_head);
+        if n_head == 0 || n_kv_head == 0 || n_head % n_kv_head != 0 || n_embd % n_head != 0 {
+            return Err(Error::UnsupportedModel(format!(
+                "{n_head} heads / {n_kv_head} KV heads / embedding {n_embd} do not divide evenly"
+            )));
+        }
+        let head_dim = opt(get_usize(g, &k(ArchKey::KeyLength)))?.unwrap_or(n_embd / n_head);
+        let n_rot = opt(get_usize(g, &k(ArchKey::RopeDimensionCount)))?.unwrap_or(head_dim);
+        if n_rot > head_dim || n_rot % 2 != 0 {
+            return Err(Error::UnsupportedModel(format!("rope dimension {n_rot} with head dimension {head_dim}")));
+        }
+        let n_vocab = match opt(get_usize(g, &k(ArchKey::VocabSize)))? {
+            Some(v) => v,
+            None => get(g, GeneralKey::TokenizerTokens.key())?.as_array().map_or(0, <[Value]>::len),
+        };
+        let freq_base = opt(get_f32(g, &k(ArchKey::RopeFreqBase)))?.unwrap_or(10000.0);
+        let scaling_type = g.get(&k(ArchKey::RopeScalingType)).and_then(Value::as_str).unwrap_or("none");
+        let factor = opt(get_f32(g, &k(ArchKey::RopeScalingFactor)))?.unwrap_or(1.0);
+        let rope_scaling = if g.tensor_info(&TensorName::RopeFreqs.name()).is_some() {
+            RopeScaling::FreqFactors
+        } else {
+            match scaling_type {
+                "none" => RopeScaling::None,
+                "linear" => RopeScaling::Linear { factor },
+                "llama3" => RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: opt(get_f32(g, &k(ArchKey::RopeScalingLowFreqFactor)))?.unwrap_or(1.0),
+                    high_freq_factor: opt(get_f32(g, &k(ArchKey::RopeScalingHighFreqFactor)))?.unwrap_or(4.0),
+                    original_context: opt(get_f32(g, &k(ArchKey::RopeScalingOriginalContext)))?.unwrap_or(8192.0),
+                },
+                other => return Err(Error::UnsupportedModel(format!("rope scaling type {other:?}"))),
+            }
+        };
+        Ok(LlamaConfig {
+            n_layer: get_usize(g, &k(ArchKey::BlockCount))?,
+            n_ff: get_usize(g, &k(ArchKey::FeedForwardLength))?,
+            n_ctx_train: get_usize(g, &k(ArchKey::ContextLength))?,
+            rms_eps: opt(get_f32(g, &k(ArchKey::RmsEpsilon)))?.unwrap_or(1e-5),
+            rope_freq_base: freq_base,
+            arch,
+            n_embd,
+            n_head,
+            n_kv_head,
+            head_dim,
+            n_rot,
+            n_vocab,
+            rope_scaling,
+        })
+    }
+
+    /// Width of the K (and V) projection output.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_head * self.head_dim
+    }
+
+    /// Width of the Q projection output.
+    pub fn q_dim(&self) -> usize {
+        self.n_head * self.head_dim
+    }
+}

@@ -1,0 +1,124 @@
+//! GGUF metadata keys and tensor names, from enums and one formatter each: model code never
+//! spells a key or tensor name as a string literal.
+
+/// Architecture-scoped hyper-parameter keys (`{arch}.{suffix}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArchKey {
+    ContextLength,
+    EmbeddingLength,
+    BlockCount,
+    FeedForwardLength,
+    HeadCount,
+    HeadCountKv,
+    KeyLength,
+    RopeDimensionCount,
+    RopeFreqBase,
+    RmsEpsilon,
+    RopeScalingType,
+    RopeScalingFactor,
+    RopeScalingOriginalContext,
+    RopeScalingLowFreqFactor,
+    RopeScalingHighFreqFactor,
+    VocabSize,
+}
+
+impl ArchKey {
+    pub fn key(self, arch: &str) -> String {
+        let suffix = match self {
+            Self::ContextLength => "context_length",
+            Self::EmbeddingLength => "embedding_length",
+            Self::BlockCount => "block_count",
+            Self::FeedForwardLength => "feed_forward_length",
+            Self::HeadCount => "attention.head_count",
+            Self::HeadCountKv => "attention.head_count_kv",
+            Self::KeyLength => "attention.key_length",
+            Self::RopeDimensionCount => "rope.dimension_count",
+            Self::RopeFreqBase => "rope.freq_base",
+            Self::RmsEpsilon => "attention.layer_norm_rms_epsilon",
+            Self::RopeScalingType => "rope.scaling.type",
+            Self::RopeScalingFactor => "rope.scaling.factor",
+            Self::RopeScalingOriginalContext => "rope.scaling.original_context_length",
+            Self::RopeScalingLowFreqFactor => "rope.scaling.low_freq_factor",
+            Self::RopeScalingHighFreqFactor => "rope.scaling.high_freq_factor",
+            Self::VocabSize => "vocab_size",
+        };
+        format!("{arch}.{suffix}")
+    }
+}
+
+/// Keys outside any architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeneralKey {
+    Architecture,
+    Name,
+    TokenizerModel,
+    TokenizerPre,
+    TokenizerTokens,
+    TokenizerTokenType,
+    TokenizerMerges,
+    TokenizerBos,
+    TokenizerEos,
+    TokenizerEot,
+    TokenizerAddBos,
+    TokenizerAddEos,
+    ChatTemplate,
+}
+
+impl GeneralKey {
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::Architecture => "general.architecture",
+            Self::Name => "general.name",
+            Self::TokenizerModel => "tokenizer.ggml.model",
+            Self::TokenizerPre => "tokenizer.ggml.pre",
+            Self::TokenizerTokens => "tokenizer.ggml.tokens",
+            Self::TokenizerTokenType => "tokenizer.ggml.token_type",
+            Self::TokenizerMerges => "tokenizer.ggml.merges",
+            Self::TokenizerBos => "tokenizer.ggml.bos_token_id",
+            Self::TokenizerEos => "tokenizer.ggml.eos_token_id",
+            Self::TokenizerEot => "tokenizer.ggml.eot_token_id",
+            Self::TokenizerAddBos => "tokenizer.ggml.add_bos_token",
+            Self::TokenizerAddEos => "tokenizer.ggml.add_eos_token",
+            Self::ChatTemplate => "tokenizer.chat_template",
+        }
+    }
+}
+
+/// Tensor names of a Llama-family model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorName {
+    TokenEmbd,
+    OutputNorm,
+    Output,
+    RopeFreqs,
+    AttnNorm(usize),
+    AttnQ(usize),
+    AttnK(usize),
+    AttnV(usize),
+    AttnOutput(usize),
+    FfnNorm(usize),
+    FfnGate(usize),
+    FfnUp(usize),
+    FfnDown(usize),
+}
+
+impl TensorName {
+    pub fn name(self) -> String {
+        let layer = |l: usize, s: &str| format!("blk.{l}.{s}.weight");
+        match self {
+            Self::TokenEmbd => "token_embd.weight".into(),
+            Self::OutputNorm => "output_norm.weight".into(),
+            Self::Output => "output.weight".into(),
+            Self::RopeFreqs => "rope_freqs.weight".into(),
+            Self::AttnNorm(l) => layer(l, "attn_norm"),
+            Self::AttnQ(l) => layer(l, "attn_q"),
+            Self::AttnK(l) => layer(l, "attn_k"),
+            Self::AttnV(l) => layer(l, "attn_v"),
+            Self::AttnOutput(l) => layer(l, "attn_output"),
+            Self::FfnNorm(l) => layer(l, "ffn_norm"),
+            Self::FfnGate(l) => layer(l, "ffn_gate"),
+            Self::FfnUp(l) => layer(l, "ffn_up"),
+            Self::FfnDown(l) => layer(l, "ffn_down"),
+        }
+    }
+}
