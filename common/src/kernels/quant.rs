@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use half::{bf16, f16};
+use half::f16;
 
 /// Elements per super-block of the k-quants.
 pub const QK_K: usize = 256;
@@ -247,8 +247,10 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Dequa
             }
         }
         GgmlType::BF16 => {
+            // ggml's GGML_BF16_TO_FP32 is a plain shift; `half` would set the quiet bit of a
+            // signalling NaN, so its conversion is not bit-exact with ggml for those.
             for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
-                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
             }
         }
         GgmlType::Q4_0 => blocks::<BlockQ4_0>(src, out, 32, dequant_q4_0),
