@@ -1,1 +1,11 @@
-fn main(){}
+//! duet-gpu-worker binary: parse flags, start tracing, run the command.
+
+use clap::Parser;
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    duet_gpu_worker::cli::run(duet_gpu_worker::cli::Cli::parse())
+}

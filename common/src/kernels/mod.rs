@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod dot;
+pub mod ggml_exact;
 pub mod matmul;
 pub mod ops;
 pub mod quant;
@@ -33,7 +34,7 @@ pub fn isa() -> Isa {
 
 #[cfg(target_arch = "x86_64")]
 fn has_avx2() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -47,7 +48,7 @@ fn has_avx2() -> bool {
 pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx2 {
-        // SAFETY: AVX2 and FMA were detected; block counts are checked by the slices.
+        // SAFETY: AVX2, FMA and F16C were detected; block counts are checked by the slices.
         unsafe {
             match ty {
                 GgmlType::Q4_0 => return simd_x86::dot_q4_0_q8_0(w, a),

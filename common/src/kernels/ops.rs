@@ -41,12 +41,13 @@ impl Rope {
             .collect()
     }
 
-    /// Rotates consecutive pairs `(x[2i], x[2i+1])` of one head in place (normal, non-NeoX).
+    /// Rotates consecutive pairs `(x[2i], x[2i+1])` of one head in place (normal, non-NeoX),
+    /// with the multiply-adds GCC contracts ggml's `x0*cos - x1*sin` into.
     pub fn apply(table: &[(f32, f32)], head: &mut [f32]) {
         for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
             let (x0, x1) = (pair[0], pair[1]);
-            pair[0] = x0 * c - x1 * s;
-            pair[1] = x0 * s + x1 * c;
+            pair[0] = x0.mul_add(c, -(x1 * s));
+            pair[1] = x0.mul_add(s, x1 * c);
         }
     }
 }
@@ -78,10 +79,10 @@ pub fn llama3_freq_factors(
         .collect()
 }
 
-/// `gate = silu(gate) * up`, with ggml's `x / (1 + e^-x)`.
+/// `gate = silu(gate) * up`, with ggml's vectorised `x / (1 + expf(-x))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = super::ggml_exact::silu(*g) * u;
     }
 }
 

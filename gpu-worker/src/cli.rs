@@ -1,0 +1,182 @@
+//! Command-line interface of duet-gpu-worker: the standalone `run`, `tokenize` and
+//! `perplexity` commands over the single-process runner.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use duet_common::model::chat::ChatMessage;
+use serde_json::json;
+
+use crate::runner::{Engine, GenerateRequest};
+use crate::sampler::SamplingParams;
+
+#[derive(Debug, Parser)]
+#[command(name = "duet-gpu-worker", version, about = "Duet's model runner (standalone commands)")]
+pub struct Cli {
+    /// Worker threads for the CPU device (default: all cores).
+    #[arg(long, global = true, env = "DUET_THREADS")]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate text from a prompt in this process (no gateway, no other worker).
+    Run(RunArgs),
+    /// Print the token ids of a text as JSON: {"ids": [...]}.
+    Tokenize(TokenizeArgs),
+    /// Perplexity of a text file, computed as llama.cpp's llama-perplexity does.
+    Perplexity(PerplexityArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ModelArg {
+    /// GGUF model file.
+    #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
+    pub model: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Prompt text (control tokens such as <|im_start|> written in it are parsed).
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids, used as given.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Treat --prompt as a user message and render it with the model's chat template.
+    #[arg(long, requires = "prompt")]
+    pub chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object (prompt_ids, generated_ids, text, top5) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct TokenizeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Parse control tokens written in the text (e.g. <|im_start|>).
+    #[arg(long)]
+    pub special: bool,
+    /// Text to tokenize.
+    pub text: String,
+}
+
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Text file to score.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(n) = cli.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
+    }
+    match cli.command {
+        Command::Run(args) => run_generate(args),
+        Command::Tokenize(args) => {
+            let engine = load(&args.model)?;
+            let ids = engine.tokenizer.encode_prompt(&args.text, args.special)?;
+            println!("{}", json!({ "ids": ids }));
+            Ok(())
+        }
+        Command::Perplexity(args) => {
+            let engine = load(&args.model)?;
+            let text = std::fs::read_to_string(&args.file).map_err(|e| anyhow::anyhow!("reading {}: {e}", args.file.display()))?;
+            let tokens = engine.tokenizer.encode_prompt(&text, false)?;
+            let start = std::time::Instant::now();
+            let result = engine.perplexity(&tokens, args.ctx, |done, total, ppl| {
+                eprintln!("[{done}/{total}] running perplexity {ppl:.4}");
+            })?;
+            let secs = start.elapsed().as_secs_f64();
+            tracing::info!(tokens_per_s = (result.chunks * args.ctx) as f64 / secs, "perplexity done in {secs:.1}s");
+            println!("{}", json!({ "ppl": result.ppl, "tokens_scored": result.tokens_scored }));
+            Ok(())
+        }
+    }
+}
+
+fn load(model: &ModelArg) -> anyhow::Result<Engine> {
+    let start = std::time::Instant::now();
+    let engine = Engine::load(&model.model).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
+    tracing::info!(model = %model.model.display(), ms = start.elapsed().as_millis() as u64, "model loaded");
+    Ok(engine)
+}
+
+fn run_generate(args: RunArgs) -> anyhow::Result<()> {
+    let engine = load(&args.model)?;
+    let prompt_ids = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(text), None) if args.chat => {
+            let template = engine.chat_template.as_ref().ok_or_else(|| anyhow::anyhow!("--chat: the model has no chat template"))?;
+            let rendered = template.render(&[ChatMessage::new("user", text.as_str())], true)?;
+            engine.tokenizer.encode_prompt(&rendered, true)?
+        }
+        (Some(text), None) => engine.tokenizer.encode_prompt(text, true)?,
+        (None, None) => anyhow::bail!("give --prompt or --prompt-ids"),
+    };
+    let req = GenerateRequest {
+        prompt_ids: prompt_ids.clone(),
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed },
+        top_n: if args.json { 5 } else { 0 },
+    };
+    let stdout = std::io::stdout();
+    let gen = engine.generate(&req, |piece| {
+        if !args.json {
+            let mut out = stdout.lock();
+            let _ = out.write_all(piece.as_bytes());
+            let _ = out.flush();
+        }
+    })?;
+    let (n_prompt, n_gen) = (prompt_ids.len(), gen.generated_ids.len());
+    let prefill_tps = n_prompt as f64 / gen.prefill_time.as_secs_f64();
+    let decode_tps = n_gen.saturating_sub(1) as f64 / gen.decode_time.as_secs_f64();
+    if args.json {
+        let top5: Vec<Vec<serde_json::Value>> =
+            gen.top.iter().map(|pos| pos.iter().map(|&(id, lp)| json!({ "id": id, "logprob": lp })).collect()).collect();
+        println!(
+            "{}",
+            json!({
+                "prompt_ids": prompt_ids,
+                "generated_ids": gen.generated_ids,
+                "text": gen.text,
+                "top5": top5,
+                "stop": gen.stop,
+                "timings": { "prompt_tokens": n_prompt, "prefill_tokens_per_s": prefill_tps,
+                             "generated_tokens": n_gen, "decode_tokens_per_s": decode_tps },
+            })
+        );
+    } else {
+        println!();
+        eprintln!("[{n_prompt} prompt tokens at {prefill_tps:.1} tok/s, {n_gen} generated at {decode_tps:.1} tok/s, stop: {:?}]", gen.stop);
+    }
+    Ok(())
+}

@@ -1,0 +1,273 @@
+//! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file,
+//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon.
+
+use std::sync::Arc;
+
+use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead};
+use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
+use duet_common::kernels::ops::{llama3_freq_factors, rms_norm, silu_mul, Rope};
+use duet_common::kernels::quant::{dequantize, GgmlType};
+use duet_common::model::config::{LlamaConfig, RopeScaling};
+use duet_common::model::gguf::GgufFile;
+use duet_common::model::names::TensorName;
+use half::f16;
+use rayon::prelude::*;
+
+use crate::error::{Result, WorkerError};
+
+/// A weight matrix: the tensor's name in the file and its checked shape.
+#[derive(Debug, Clone)]
+struct Weight {
+    name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    ffn_norm: Vec<f32>,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
+}
+
+/// Which positions of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token (generation).
+    Last,
+    /// Tokens `from..` of the batch (perplexity scoring).
+    From(usize),
+}
+
+/// The model's weights on the CPU device, borrowed from the memory-mapped file.
+pub struct CpuModel {
+    file: Arc<GgufFile>,
+    pub config: LlamaConfig,
+    token_embd: Weight,
+    output: Weight,
+    output_norm: Vec<f32>,
+    layers: Vec<Layer>,
+    rope: Rope,
+}
+
+impl std::fmt::Debug for CpuModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuModel").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+fn shape_err(name: &str, expected: String, found: String) -> WorkerError {
+    WorkerError::Model(duet_common::Error::TensorShape { name: name.to_string(), expected, found })
+}
+
+/// Looks a matrix up and checks it is `cols` wide (ggml dim 0) and `rows` tall.
+fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result<Weight> {
+    let name = name.name();
+    let info = file.tensor_info(&name).ok_or_else(|| WorkerError::Model(duet_common::model::gguf::GgufError::MissingTensor(name.clone()).into()))?;
+    if info.dims != [cols as u64, rows as u64] {
+        return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
+    }
+    Ok(Weight { name, ty: info.ty, rows, cols })
+}
+
+/// A 1-D tensor of `n` elements, dequantised to f32.
+fn vector(file: &GgufFile, name: TensorName, n: usize) -> Result<Vec<f32>> {
+    let name = name.name();
+    let view = file.tensor(&name).map_err(|e| WorkerError::Model(e.into()))?;
+    if view.info.dims != [n as u64] {
+        return Err(shape_err(&name, format!("[{n}]"), format!("{:?}", view.info.dims)));
+    }
+    let mut out = vec![0f32; n];
+    dequantize(view.info.ty, view.data, &mut out).map_err(|e| shape_err(&name, "a dequantisable vector".into(), e.to_string()))?;
+    Ok(out)
+}
+
+impl CpuModel {
+    /// Checks every tensor the forward pass needs against the hyper-parameters.
+    pub fn load(file: Arc<GgufFile>) -> Result<Self> {
+        let config = LlamaConfig::from_gguf(&file)?;
+        let c = &config;
+        let f = &*file;
+        let token_embd = weight(f, TensorName::TokenEmbd, c.n_embd, c.n_vocab)?;
+        let output = if f.tensor_info(&TensorName::Output.name()).is_some() {
+            weight(f, TensorName::Output, c.n_embd, c.n_vocab)?
+        } else {
+            token_embd.clone()
+        };
+        let layers = (0..c.n_layer)
+            .map(|l| {
+                Ok(Layer {
+                    attn_norm: vector(f, TensorName::AttnNorm(l), c.n_embd)?,
+                    wq: weight(f, TensorName::AttnQ(l), c.n_embd, c.q_dim())?,
+                    wk: weight(f, TensorName::AttnK(l), c.n_embd, c.kv_dim())?,
+                    wv: weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
+                    wo: weight(f, TensorName::AttnOutput(l), c.q_dim(), c.n_embd)?,
+                    ffn_norm: vector(f, TensorName::FfnNorm(l), c.n_embd)?,
+                    gate: weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?,
+                    up: weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?,
+                    down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (freq_scale, factors) = match c.rope_scaling {
+            RopeScaling::None => (1.0, None),
+            RopeScaling::Linear { factor } => (1.0 / factor, None),
+            RopeScaling::FreqFactors => (1.0, Some(vector(f, TensorName::RopeFreqs, c.n_rot / 2)?)),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => (
+                1.0,
+                Some(llama3_freq_factors(c.n_rot, c.rope_freq_base, factor, low_freq_factor, high_freq_factor, original_context)),
+            ),
+        };
+        let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
+        let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
+        Ok(CpuModel { config, token_embd, output, output_norm, layers, rope, file })
+    }
+
+    fn mat(&self, w: &Weight) -> QMatrix<'_> {
+        let view = self.file.tensor(&w.name).expect("tensor checked at load");
+        QMatrix::new(w.ty, w.rows, w.cols, view.data)
+    }
+
+    /// `x` (rows of `w.cols`) times `w`: rows of `w.rows`.
+    fn linear(&self, w: &Weight, x: &[f32]) -> Vec<f32> {
+        let acts = QuantizedActs::new(w.ty, x, w.cols);
+        let mut out = vec![0f32; acts.n_rows * w.rows];
+        matmul(&self.mat(w), &acts, &mut out);
+        out
+    }
+
+    /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
+    /// cache, and returns the logits asked for (`[row][vocab]`).
+    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n = tokens.len();
+        let pos0 = kv.len;
+        if n == 0 {
+            return Err(WorkerError::InvalidRequest("empty batch".into()));
+        }
+        if pos0 + n > kv.capacity {
+            return Err(WorkerError::ContextFull { needed: pos0 + n, capacity: kv.capacity });
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(WorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: c.n_vocab }));
+        }
+        let d = c.n_embd;
+        let hd = c.head_dim;
+        let mut x = vec![0f32; n * d];
+        let embd = self.mat(&self.token_embd);
+        x.par_chunks_mut(d).zip(tokens).for_each(|(row, &t)| {
+            dequantize(embd.ty, embd.row(t as usize), row).expect("embedding row");
+        });
+        let tables: Vec<Vec<(f32, f32)>> = (pos0..pos0 + n).map(|p| self.rope.table(p)).collect();
+        let shape = AttnShape { n_head: c.n_head, n_kv_head: c.n_kv_head, head_dim: hd };
+        let mut xn = vec![0f32; n * d];
+
+        for (l, layer) in self.layers.iter().enumerate() {
+            norm_rows(&x, &layer.attn_norm, c.rms_eps, &mut xn);
+            let mut q = self.linear(&layer.wq, &xn);
+            let mut k = self.linear(&layer.wk, &xn);
+            let v = self.linear(&layer.wv, &xn);
+            let n_rot = c.n_rot;
+            q.par_chunks_mut(c.q_dim()).zip(&tables).for_each(|(row, t)| {
+                row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
+            });
+            k.par_chunks_mut(c.kv_dim()).zip(&tables).for_each(|(row, t)| {
+                row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
+            });
+            kv.write(l, pos0, &k, &v);
+            let mut attn = vec![0f32; n * c.q_dim()];
+            causal_attention(&q, &kv.heads(l), shape, pos0, &mut attn);
+            let o = self.linear(&layer.wo, &attn);
+            add(&mut x, &o);
+
+            norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
+            let mut g = self.linear(&layer.gate, &xn);
+            let u = self.linear(&layer.up, &xn);
+            g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| silu_mul(g, u));
+            let down = self.linear(&layer.down, &g);
+            add(&mut x, &down);
+        }
+        kv.len = pos0 + n;
+
+        let first = match logits {
+            Logits::Last => n - 1,
+            Logits::From(i) => i.min(n - 1),
+        };
+        let rows = &x[first * d..];
+        let mut normed = vec![0f32; rows.len()];
+        norm_rows(rows, &self.output_norm, c.rms_eps, &mut normed);
+        Ok(self.linear(&self.output, &normed))
+    }
+}
+
+fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, x)| rms_norm(x, w, eps, o));
+}
+
+fn add(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+/// One sequence's KV cache: per layer and KV head, `[position][head_dim]` in f16.
+#[derive(Debug)]
+pub struct KvCache {
+    /// `k[layer][kv_head]`, `capacity * head_dim` each.
+    k: Vec<Vec<Vec<f16>>>,
+    v: Vec<Vec<Vec<f16>>>,
+    head_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new(config: &LlamaConfig, capacity: usize) -> Self {
+        let make = || vec![vec![vec![f16::ZERO; capacity * config.head_dim]; config.n_kv_head]; config.n_layer];
+        KvCache { k: make(), v: make(), head_dim: config.head_dim, capacity, len: 0 }
+    }
+
+    /// Positions already cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every position (the memory is reused).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Stores rows `[token][kv_head][head_dim]` of K and V at positions `pos0..`.
+    fn write(&mut self, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
+        let hd = self.head_dim;
+        let n_kv = self.k[layer].len();
+        for (src, dst) in [(k, &mut self.k[layer]), (v, &mut self.v[layer])] {
+            for (t, row) in src.chunks_exact(n_kv * hd).enumerate() {
+                for (h, head) in row.chunks_exact(hd).enumerate() {
+                    let p = pos0 + t;
+                    for (d, &x) in dst[h][p * hd..(p + 1) * hd].iter_mut().zip(head) {
+                        *d = f16::from_f32(x);
+                    }
+                }
+            }
+        }
+    }
+
+    fn heads(&self, layer: usize) -> Vec<KvHead<'_>> {
+        self.k[layer].iter().zip(&self.v[layer]).map(|(k, v)| KvHead { k, v }).collect()
+    }
+}

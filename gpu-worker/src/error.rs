@@ -1,0 +1,19 @@
+//! The error type of duet-gpu-worker, one variant per step that can fail.
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("model: {0}")]
+    Model(#[from] duet_common::Error),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("context full: {needed} positions needed, the KV cache holds {capacity}")]
+    ContextFull { needed: usize, capacity: usize },
+}
+
+impl From<duet_common::model::gguf::GgufError> for WorkerError {
+    fn from(e: duet_common::model::gguf::GgufError) -> Self {
+        WorkerError::Model(e.into())
+    }
+}
+
+pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
