@@ -459,7 +459,10 @@ fn parse_header(bytes: &[u8]) -> Result<Header, GgufError> {
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
     let available = (bytes.len() as u64).saturating_sub(data_start);
     for t in &tensors {
-        if t.offset.checked_add(t.size_bytes).is_none_or(|end| end > available) {
+        // Checked against the whole file, not just the data section's length: when the file
+        // ends before its (aligned) data section, even an empty tensor starts past the end.
+        let end = data_start.checked_add(t.offset).and_then(|start| start.checked_add(t.size_bytes));
+        if end.is_none_or(|end| end > bytes.len() as u64) {
             return Err(GgufError::TensorOutOfBounds {
                 tensor: t.name.clone(),
                 offset: t.offset,
