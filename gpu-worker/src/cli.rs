@@ -55,13 +55,13 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep only the K most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches P (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Random seed for sampling.
     #[arg(long, default_value_t = 0)]
@@ -131,6 +131,9 @@ fn load(model: &ModelArg) -> anyhow::Result<Engine> {
 }
 
 fn run_generate(args: RunArgs) -> anyhow::Result<()> {
+    let sampling = SamplingParams { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
+    // Reject bad flags before spending time on loading the model.
+    sampling.validate()?;
     let engine = load(&args.model)?;
     let prompt_ids = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
@@ -145,7 +148,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     let req = GenerateRequest {
         prompt_ids: prompt_ids.clone(),
         max_tokens: args.max_tokens,
-        sampling: SamplingParams { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed },
+        sampling,
         top_n: if args.json { 5 } else { 0 },
     };
     let stdout = std::io::stdout();
