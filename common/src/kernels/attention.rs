@@ -89,9 +89,16 @@ unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32]) {
 #[inline(always)]
 fn attend(job: &Job<'_>, out: &mut [f32]) {
     let Job { q, k, v, n, n_padded, hd, scale, tiled } = *job;
-    let q16: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
-    let dot = if tiled { dot_tiled } else { dot_f16 };
-    let mut w: Vec<f32> = (0..n).map(|p| dot(&q16, &k[p * hd..(p + 1) * hd]) * scale).collect();
+    // Plain loops, no closures: closures would not inherit the caller's FMA target feature.
+    let mut q16 = vec![0f32; hd];
+    for (d, &x) in q16.iter_mut().zip(q) {
+        *d = f16::from_f32(x).to_f32();
+    }
+    let mut w = vec![0f32; n];
+    for (p, s) in w.iter_mut().enumerate() {
+        let key = &k[p * hd..(p + 1) * hd];
+        *s = if tiled { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
+    }
     softmax_in_place(&mut w);
     for x in w.iter_mut() {
         *x = f16::from_f32(*x).to_f32();
@@ -105,7 +112,11 @@ fn attend(job: &Job<'_>, out: &mut [f32]) {
             }
         }
         for (d, o) in out.iter_mut().enumerate() {
-            *o = reduce16(&std::array::from_fn(|l| lanes[l * hd + d]));
+            let mut acc = [0f32; 16];
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = lanes[l * hd + d];
+            }
+            *o = reduce16(&acc);
         }
         return;
     }
@@ -121,7 +132,10 @@ fn attend(job: &Job<'_>, out: &mut [f32]) {
     }
     for (d, o) in out.iter_mut().enumerate() {
         let mut sum = if simd_end > 0 {
-            let acc: [f32; 64] = std::array::from_fn(|l| lanes[l * hd + d]);
+            let mut acc = [0f32; 64];
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = lanes[l * hd + d];
+            }
             reduce64(&acc) as f64
         } else {
             0.0

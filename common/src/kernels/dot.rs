@@ -70,6 +70,22 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
 /// One block of 32 to 8 bits: (scale, quants, sum of quants).
 #[inline(always)]
 fn quantize_block_q8(x: &[f32]) -> (f32, [i8; 32], i32) {
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx2 {
+        // SAFETY: AVX2 (which implies SSE4.1's round instruction) was detected.
+        return unsafe { quantize_block_q8_avx2(x) };
+    }
+    quantize_block_q8_body(x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_q8_avx2(x: &[f32]) -> (f32, [i8; 32], i32) {
+    quantize_block_q8_body(x)
+}
+
+#[inline(always)]
+fn quantize_block_q8_body(x: &[f32]) -> (f32, [i8; 32], i32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };

@@ -25,7 +25,8 @@ pub fn expf(x: f32) -> f32 {
         return if n <= 0.0 { 0.0 } else { f32::INFINITY };
     }
     // vscalefps: j * 2^n rounded once (n is integral here; the f64 product is exact).
-    (j as f64 * (n as f64).exp2()) as f32
+    let pow2 = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (j as f64 * pow2) as f32
 }
 
 /// ggml's vectorised SiLU lane: `x / (1 + expf(0 - x))`.

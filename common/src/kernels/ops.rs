@@ -81,6 +81,22 @@ pub fn llama3_freq_factors(
 
 /// `gate = silu(gate) * up`, with ggml's vectorised `x / (1 + expf(-x))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx2 {
+        // SAFETY: AVX2 and FMA were detected.
+        return unsafe { silu_mul_fma(gate, up) };
+    }
+    silu_mul_body(gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_fma(gate: &mut [f32], up: &[f32]) {
+    silu_mul_body(gate, up)
+}
+
+#[inline(always)]
+fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = super::ggml_exact::silu(*g) * u;
     }
