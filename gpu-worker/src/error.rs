@@ -6,6 +6,8 @@ pub enum WorkerError {
     Model(#[from] duet_common::Error),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    #[error("the prompt of {prompt} tokens does not fit the model's context of {context} tokens (one position must stay free to generate)")]
+    PromptTooLong { prompt: usize, context: usize },
     #[error("context full: {needed} positions needed, the KV cache holds {capacity}")]
     ContextFull { needed: usize, capacity: usize },
 }

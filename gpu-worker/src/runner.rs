@@ -97,7 +97,7 @@ impl Engine {
         self.tokenizer.check_ids(&req.prompt_ids)?;
         let n_ctx = self.model.config.n_ctx_train;
         if req.prompt_ids.len() >= n_ctx {
-            return Err(WorkerError::ContextFull { needed: req.prompt_ids.len() + 1, capacity: n_ctx });
+            return Err(WorkerError::PromptTooLong { prompt: req.prompt_ids.len(), context: n_ctx });
         }
         let capacity = (req.prompt_ids.len() + req.max_tokens).min(n_ctx);
         let mut kv = KvCache::new(&self.model.config, capacity);
