@@ -488,3 +488,21 @@ fn matmul_equals_per_row_vec_dot() {
         }
     }
 }
+
+/// The four-row kernels give, bit for bit, what four single-row `vec_dot` calls give.
+#[test]
+fn four_row_kernels_equal_four_single_rows() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0004);
+    for ty in WEIGHT_TYPES {
+        for n in sizes(ty) {
+            let w = random_weight_row(&mut rng, ty, n);
+            let acts: Vec<Vec<u8>> = (0..4).map(|_| quantized(vec_dot_type(ty), &random_acts(&mut rng, n))).collect();
+            let rows = [acts[0].as_slice(), &acts[1], &acts[2], &acts[3]];
+            let four = kernels::vec_dot_x4(ty, n, &w, rows);
+            for (r, a) in rows.iter().enumerate() {
+                let one = kernels::vec_dot(ty, n, &w, a);
+                assert_eq!(four[r].to_bits(), one.to_bits(), "{ty} n={n} row {r}: {} vs {one}", four[r]);
+            }
+        }
+    }
+}

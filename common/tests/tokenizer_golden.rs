@@ -43,6 +43,31 @@ fn every_golden_case_matches_llama_cpp() {
 }
 
 #[test]
+fn a_tokenizer_json_gives_the_same_tokens_and_bytes() {
+    let tk = tokenizer();
+    let path = std::env::temp_dir().join(format!("duet-tokenizer-{}.json", std::process::id()));
+    std::fs::write(&path, tk.to_json().unwrap()).unwrap();
+    let from_json = Tokenizer::from_file(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(from_json.vocab_size(), tk.vocab_size());
+    for id in 0..tk.vocab_size() as u32 {
+        assert_eq!(from_json.token_bytes(id).unwrap(), tk.token_bytes(id).unwrap(), "bytes of token {id}");
+    }
+    let cases: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(golden("tokenize.json")).unwrap()).unwrap();
+    for c in &cases {
+        let (text, special) = (c["text"].as_str().unwrap(), c["parse_special"].as_bool().unwrap());
+        assert_eq!(from_json.encode(text, special).unwrap(), tk.encode(text, special).unwrap(), "{}", c["name"]);
+    }
+    let sorted = |v: &[u32]| {
+        let mut v = v.to_vec();
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(&from_json.end_of_generation), sorted(&tk.end_of_generation));
+    assert!(Tokenizer::from_file(std::path::Path::new("/nonexistent/tokenizer.json")).is_err());
+}
+
+#[test]
 fn streaming_never_splits_a_character() {
     let tk = tokenizer();
     let text = "Emoji 🎉 and 中文 and café — done";

@@ -64,9 +64,17 @@ pub struct Perplexity {
 }
 
 impl Engine {
+    /// Loads a GGUF model; its tokenizer comes from a `tokenizer.json` beside the file when
+    /// there is one, else from the GGUF's own metadata.
     pub fn load(path: &Path) -> Result<Self> {
         let file = Arc::new(GgufFile::open(path)?);
-        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let tokenizer = match path.parent().map(|dir| dir.join("tokenizer.json")).filter(|p| p.exists()) {
+            Some(json) => {
+                tracing::info!(path = %json.display(), "tokenizer from the model directory's tokenizer.json");
+                Tokenizer::from_file(&json)?
+            }
+            None => Tokenizer::from_gguf(&file)?,
+        };
         let chat_template = match ChatTemplate::from_gguf(&file) {
             Ok(t) => Some(t),
             Err(e) => {

@@ -60,3 +60,21 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
     }
     dot::vec_dot_scalar(ty, n, w, a)
 }
+
+/// Four activation rows against one weight row, bit-identical to four [`vec_dot`] calls (a
+/// four-row kernel unpacks each weight block once where one exists for `ty`).
+#[inline]
+pub fn vec_dot_x4(ty: GgmlType, n: usize, w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected; block counts are checked by the slices.
+        unsafe {
+            match ty {
+                GgmlType::Q4_1 => return simd_x86::dot_q4_1_q8_1_x4(w, a),
+                GgmlType::Q8_0 => return simd_x86::dot_q8_0_q8_0_x4(w, a),
+                _ => {}
+            }
+        }
+    }
+    a.map(|a| vec_dot(ty, n, w, a))
+}

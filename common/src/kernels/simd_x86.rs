@@ -94,3 +94,51 @@ pub unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     }
     hsum_ps(acc)
 }
+
+/// Four activation rows against one Q4_1 weight row, each with exactly the arithmetic of
+/// [`dot_q4_1_q8_1`]; the weight block is unpacked once for all four.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every row whole blocks of the same count.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q4_1_q8_1_x4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let x = BlockQ4_1::slice(w).unwrap();
+    let y = [0, 1, 2, 3].map(|r| BlockQ8_1::slice(a[r]).unwrap());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut summs = [0f32; 4];
+    for (b, x) in x.iter().enumerate() {
+        let (dx, mx) = (f16_bytes(x.d), f16_bytes(x.m));
+        let qx = nibbles_to_bytes(&x.qs);
+        for r in 0..4 {
+            let y = &y[r][b];
+            summs[r] += mx * f16_bytes(y.s);
+            let d = _mm256_set1_ps(dx * f16_bytes(y.d));
+            let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
+            acc[r] = _mm256_fmadd_ps(d, mul_sum_us8_pairs(qx, qy), acc[r]);
+        }
+    }
+    [hsum_ps(acc[0]) + summs[0], hsum_ps(acc[1]) + summs[1], hsum_ps(acc[2]) + summs[2], hsum_ps(acc[3]) + summs[3]]
+}
+
+/// Four activation rows against one Q8_0 weight row, each exactly as [`dot_q8_0_q8_0`].
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every row whole blocks of the same count.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0_q8_0_x4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let x = BlockQ8_0::slice(w).unwrap();
+    let y = [0, 1, 2, 3].map(|r| BlockQ8_0::slice(a[r]).unwrap());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for (b, x) in x.iter().enumerate() {
+        let dx = f16_bytes(x.d);
+        let qx = _mm256_loadu_si256(x.qs.as_ptr().cast());
+        let ax = _mm256_sign_epi8(qx, qx);
+        for r in 0..4 {
+            let y = &y[r][b];
+            let d = _mm256_set1_ps(dx * f16_bytes(y.d));
+            let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
+            acc[r] = _mm256_fmadd_ps(d, mul_sum_us8_pairs(ax, _mm256_sign_epi8(qy, qx)), acc[r]);
+        }
+    }
+    [hsum_ps(acc[0]), hsum_ps(acc[1]), hsum_ps(acc[2]), hsum_ps(acc[3])]
+}

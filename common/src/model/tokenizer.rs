@@ -174,6 +174,11 @@ impl Tokenizer {
         Ok(Tokenizer { with_special, plain, token_bytes, bos, add_bos, end_of_generation })
     }
 
+    /// The tokenizer as a Hugging Face `tokenizer.json` document.
+    pub fn to_json(&self) -> Result<String> {
+        self.with_special.to_string(true).map_err(tok_err)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.token_bytes.len()
     }
