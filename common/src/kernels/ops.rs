@@ -1,5 +1,5 @@
 //! Element-wise and normalisation ops of a Llama layer, with ggml's arithmetic: RMSNorm,
-//! rotary position embedding (normal and llama3-scaled), SwiGLU, softmax.
+//! rotary position embedding (normal and llama3-scaled), SwiGLU, log-softmax.
 
 /// `out = x / sqrt(mean(x^2) + eps) * weight` (sum of squares in f64, as ggml does).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -100,21 +100,6 @@ fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
         *g = super::ggml_exact::silu(*g) * u;
     }
-}
-
-/// In-place softmax; returns the log of the normaliser (max + ln(sum)) for log-sum-exp merges.
-pub fn softmax(x: &mut [f32]) -> f32 {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-    max + (sum as f32).ln()
 }
 
 /// Log-softmax of logits in f64 (for reporting log-probabilities and perplexity).

@@ -150,7 +150,7 @@ pub unsafe trait ByteBlock: Sized {
 
     /// Views `bytes` as blocks; `None` when the length is not a whole number of blocks.
     fn slice(bytes: &[u8]) -> Option<&[Self]> {
-        if bytes.len() % Self::BYTES != 0 {
+        if !bytes.len().is_multiple_of(Self::BYTES) {
             return None;
         }
         // SAFETY: alignment 1, every bit pattern valid, length checked (trait contract).
@@ -158,7 +158,7 @@ pub unsafe trait ByteBlock: Sized {
     }
 
     fn slice_mut(bytes: &mut [u8]) -> Option<&mut [Self]> {
-        if bytes.len() % Self::BYTES != 0 {
+        if !bytes.len().is_multiple_of(Self::BYTES) {
             return None;
         }
         // SAFETY: as above.
@@ -232,7 +232,7 @@ pub enum DequantError {
 /// Dequantises one row (or any whole number of blocks) of `ty` into `out`.
 pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
     let n = out.len();
-    if n % ty.block_size() != 0 || src.len() != ty.row_bytes(n) {
+    if !n.is_multiple_of(ty.block_size()) || src.len() != ty.row_bytes(n) {
         return Err(DequantError::Length { ty, bytes: src.len(), n });
     }
     match ty {

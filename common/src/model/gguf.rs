@@ -343,7 +343,7 @@ fn min_value_bytes(value_type: u32) -> u64 {
     match value_type {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
-        4 | 5 | 6 => 4,
+        4..=6 => 4,
         8 => 8,
         VALUE_TYPE_ARRAY => 12,
         _ => 8,
@@ -478,7 +478,7 @@ fn parse_header(bytes: &[u8]) -> Result<Header, GgufError> {
 fn tensor_size(name: &str, ty: GgmlType, dims: &[u64]) -> Result<u64, GgufError> {
     let bad = |reason: String| GgufError::BadShape { tensor: name.to_string(), reason };
     let block = ty.block_size() as u64;
-    if dims[0] % block != 0 {
+    if !dims[0].is_multiple_of(block) {
         return Err(bad(format!("row length {} is not a multiple of the {ty} block size {block}", dims[0])));
     }
     let mut n: u64 = 1;

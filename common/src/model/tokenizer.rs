@@ -80,7 +80,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
     })
 }
 
-fn string_array<'a>(g: &'a GgufFile, key: GeneralKey) -> Result<Vec<&'a str>> {
+fn string_array(g: &GgufFile, key: GeneralKey) -> Result<Vec<&str>> {
     let arr = g.get(key.key()).and_then(Value::as_array).ok_or_else(|| Error::Tokenizer(format!("{} missing", key.key())))?;
     arr.iter().map(|v| v.as_str().ok_or_else(|| Error::Tokenizer(format!("{} holds a non-string", key.key())))).collect()
 }
