@@ -11,5 +11,5 @@ long=$(python3 -c 'import json; g=json.load(open("testdata/golden/greedy.json"))
 for case in "prefill-512:$long:1" "decode-128:504,3575,282,4649,314:128"; do
   IFS=: read -r name ids max <<<"$case"
   RUST_LOG=warn $bin --threads "$threads" run --prompt-ids "$ids" --max-tokens "$max" --json |
-    python3 -c "import sys,json; t=json.load(sys.stdin)['timings']; print('$name threads=$threads: prefill %.1f tok/s (%d tokens), decode %.1f tok/s (%d tokens)' % (t['prefill_tokens_per_s'], t['prompt_tokens'], t['decode_tokens_per_s'], t['generated_tokens']))"
+    python3 -c "import sys,json; t=json.load(sys.stdin)['timings']; k='prefill' if '$name'.startswith('prefill') else 'decode'; n=t['prompt_tokens'] if k=='prefill' else t['generated_tokens']; print('$name threads=$threads: %s %.1f tok/s over %d tokens' % (k, t[k+'_tokens_per_s'], n))"
 done

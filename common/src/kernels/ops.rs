@@ -109,3 +109,32 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let lse = max + sum.ln();
     logits.iter().map(|&v| v as f64 - lse).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama3_factors_keep_high_frequencies_and_divide_low_ones() {
+        // Llama 3.1: base 500000, factor 8, low 1, high 4, original context 8192, 128 dims.
+        let f = llama3_freq_factors(128, 500_000.0, 8.0, 1.0, 4.0, 8192.0);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0, "short wavelengths are not scaled");
+        assert_eq!(f[63], 8.0, "long wavelengths are divided by the factor");
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "smooth, monotonic in between: {f:?}");
+        assert!(f.iter().any(|&x| x > 1.0 && x < 8.0));
+    }
+
+    #[test]
+    fn rope_rotates_pairs_by_position_angle() {
+        let rope = Rope::new(4, 10000.0, 1.0, None);
+        let table = rope.table(3);
+        assert!((table[0].0 - 3f32.cos()).abs() < 1e-6 && (table[0].1 - 3f32.sin()).abs() < 1e-6);
+        let mut head = [1.0, 0.0, 1.0, 0.0];
+        Rope::apply(&table, &mut head);
+        assert!((head[0] - 3f32.cos()).abs() < 1e-6 && (head[1] - 3f32.sin()).abs() < 1e-6);
+        let mut zero_pos = [0.3, -0.7, 1.1, 2.0];
+        Rope::apply(&rope.table(0), &mut zero_pos);
+        assert_eq!(zero_pos, [0.3, -0.7, 1.1, 2.0]);
+    }
+}
