@@ -3,6 +3,7 @@
 
 pub mod error;
 pub mod kernels;
+pub mod kv;
 pub mod model;
 
 pub use error::{Error, Result};

@@ -1,0 +1,506 @@
+//! Byte layout of one cpu-worker's KV arena: a 4096-byte header, then `n_blocks` blocks.
+//!
+//! A block holds `block_size` tokens of every layer, so a block id names the same token
+//! slots in every layer. Within a block the layers follow each other; within a layer and
+//! block come the K runs of every KV head, then the V runs:
+//!
+//! ```text
+//! arena  = header (HEADER_BYTES) | block 0 | block 1 | ... | block n_blocks-1
+//! block  = layer 0 | layer 1 | ... | layer n_layer-1
+//! layer  = K head 0 | ... | K head n_kv_head-1 | V head 0 | ... | V head n_kv_head-1
+//! run    = [token 0..block_size][0..head_dim] elements of dtype, then padding
+//! ```
+//!
+//! so decode attention streams each KV head's run once for its whole GQA query group.
+//! Every run is padded to a multiple of [`ALIGN`] (64) bytes, which makes every offset this
+//! module returns 64-byte aligned (the header and blocks are multiples of 64 too). Runs of
+//! real models need no padding (16 tokens × 64 dims × 2 bytes = 2048); a layout such as
+//! `head_dim` 3 in f16 pads each 96-byte run to 128.
+//!
+//! Header fields, all little-endian at fixed offsets, the rest zero:
+//!
+//! | offset | type | field |
+//! |---|---|---|
+//! | 0 | `[u8; 8]` | magic `DUETKVAR` |
+//! | 8 | u32 | version (1) |
+//! | 12 | u32 | header bytes (4096) |
+//! | 16 | u32 | dtype (0 f16, 1 bf16, 2 f32) |
+//! | 20 | u32 | n_layer |
+//! | 24 | u32 | n_kv_head |
+//! | 28 | u32 | head_dim |
+//! | 32 | u32 | block_size |
+//! | 36 | u32 | n_blocks |
+//! | 40 | u64 | block bytes (derived, checked on decode) |
+//! | 48 | u64 | total bytes (derived, checked on decode) |
+//!
+//! The fields are public plain data; every size is computed with checked arithmetic and
+//! returns [`KvError::ZeroDimension`] or [`KvError::SizeOverflow`] for a layout that cannot
+//! exist. [`ArenaLayout::validate`] once, then the offset functions cannot fail.
+
+use super::{BlockId, KvError};
+
+/// Magic bytes at the start of every arena.
+pub const MAGIC: [u8; 8] = *b"DUETKVAR";
+/// The header version this build writes and reads.
+pub const VERSION: u32 = 1;
+/// Size of the header; block 0 starts here.
+pub const HEADER_BYTES: usize = 4096;
+/// Alignment of every head run, block and offset, in bytes.
+pub const ALIGN: usize = 64;
+/// Tokens per block unless configured otherwise.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// Element type of the cached K and V values.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    #[default]
+    F16,
+    BF16,
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 | KvDtype::BF16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+
+    fn code(self) -> u32 {
+        match self {
+            KvDtype::F16 => 0,
+            KvDtype::BF16 => 1,
+            KvDtype::F32 => 2,
+        }
+    }
+
+    fn from_code(code: u32) -> Result<Self, KvError> {
+        match code {
+            0 => Ok(KvDtype::F16),
+            1 => Ok(KvDtype::BF16),
+            2 => Ok(KvDtype::F32),
+            _ => Err(KvError::UnknownDtype(code)),
+        }
+    }
+}
+
+/// The shape of one cpu-worker's KV arena (see the module documentation for the bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ArenaLayout {
+    pub n_layer: u32,
+    pub n_kv_head: u32,
+    pub head_dim: u32,
+    /// Tokens per block ([`DEFAULT_BLOCK_SIZE`] unless configured otherwise).
+    pub block_size: u32,
+    pub dtype: KvDtype,
+    pub n_blocks: u32,
+}
+
+// Byte offsets of the header fields.
+const OFF_VERSION: usize = 8;
+const OFF_HEADER_BYTES: usize = 12;
+const OFF_DTYPE: usize = 16;
+const OFF_N_LAYER: usize = 20;
+const OFF_N_KV_HEAD: usize = 24;
+const OFF_HEAD_DIM: usize = 28;
+const OFF_BLOCK_SIZE: usize = 32;
+const OFF_N_BLOCKS: usize = 36;
+const OFF_BLOCK_BYTES: usize = 40;
+const OFF_TOTAL_BYTES: usize = 48;
+
+impl ArenaLayout {
+    /// Bytes before block 0.
+    pub fn header_bytes(&self) -> usize {
+        HEADER_BYTES
+    }
+
+    /// Bytes of one head's `[token][head_dim]` run, padded to [`ALIGN`].
+    pub fn head_run_bytes(&self) -> Result<usize, KvError> {
+        for (field, value) in [
+            ("n_layer", self.n_layer),
+            ("n_kv_head", self.n_kv_head),
+            ("head_dim", self.head_dim),
+            ("block_size", self.block_size),
+        ] {
+            if value == 0 {
+                return Err(KvError::ZeroDimension { field });
+            }
+        }
+        (self.block_size as usize)
+            .checked_mul(self.head_dim as usize)
+            .and_then(|n| n.checked_mul(self.dtype.bytes()))
+            .and_then(|n| n.checked_next_multiple_of(ALIGN))
+            .ok_or(KvError::SizeOverflow { what: "head run" })
+    }
+
+    /// Bytes of one block: every layer's K and V runs of `block_size` tokens.
+    pub fn block_bytes(&self) -> Result<usize, KvError> {
+        self.head_run_bytes()?
+            .checked_mul(2)
+            .and_then(|n| n.checked_mul(self.n_kv_head as usize))
+            .and_then(|n| n.checked_mul(self.n_layer as usize))
+            .ok_or(KvError::SizeOverflow { what: "block" })
+    }
+
+    /// Bytes of the whole arena, header included.
+    pub fn total_bytes(&self) -> Result<usize, KvError> {
+        let block = self.block_bytes()?;
+        if self.n_blocks == 0 {
+            return Err(KvError::ZeroDimension { field: "n_blocks" });
+        }
+        block
+            .checked_mul(self.n_blocks as usize)
+            .and_then(|n| n.checked_add(HEADER_BYTES))
+            .ok_or(KvError::SizeOverflow { what: "arena" })
+    }
+
+    /// Checks that no field is zero and that the arena's size fits in `usize`.
+    pub fn validate(&self) -> Result<(), KvError> {
+        self.total_bytes().map(drop)
+    }
+
+    /// Byte offset, from the start of the arena, of the K run of `kv_head` in `layer` of
+    /// `block`. Panics if an index is out of range or the layout does not validate.
+    pub fn k_offset(&self, block: BlockId, layer: u32, kv_head: u32) -> usize {
+        self.run_offset(block, layer, kv_head, false)
+    }
+
+    /// Byte offset of the V run; as [`k_offset`](Self::k_offset).
+    pub fn v_offset(&self, block: BlockId, layer: u32, kv_head: u32) -> usize {
+        self.run_offset(block, layer, kv_head, true)
+    }
+
+    fn run_offset(&self, block: BlockId, layer: u32, kv_head: u32, is_v: bool) -> usize {
+        assert!(block.0 < self.n_blocks, "block {block} of {}", self.n_blocks);
+        assert!(layer < self.n_layer, "layer {layer} of {}", self.n_layer);
+        assert!(kv_head < self.n_kv_head, "kv head {kv_head} of {}", self.n_kv_head);
+        let block_bytes = self.block_bytes().expect("KV layout does not validate");
+        let run = self.head_run_bytes().expect("KV layout does not validate");
+        let n_kv_head = self.n_kv_head as usize;
+        let head = kv_head as usize + if is_v { n_kv_head } else { 0 };
+        // Below total_bytes(), which fits: no overflow once the indices are in range.
+        HEADER_BYTES
+            + block.0 as usize * block_bytes
+            + layer as usize * 2 * n_kv_head * run
+            + head * run
+    }
+
+    /// How many blocks of this shape fit, with the header, in `budget` bytes (`n_blocks` is
+    /// ignored); at most `u32::MAX`.
+    pub fn n_blocks_for_bytes(&self, budget: usize) -> Result<u32, KvError> {
+        let block = self.block_bytes()?;
+        let n = budget.saturating_sub(HEADER_BYTES) / block;
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// The arena header describing this layout. Fails if the layout does not validate.
+    pub fn encode_header(&self) -> Result<[u8; HEADER_BYTES], KvError> {
+        let block_bytes = self.block_bytes()?;
+        let total_bytes = self.total_bytes()?;
+        let mut h = [0u8; HEADER_BYTES];
+        h[..8].copy_from_slice(&MAGIC);
+        let u32s = [
+            (OFF_VERSION, VERSION),
+            (OFF_HEADER_BYTES, HEADER_BYTES as u32),
+            (OFF_DTYPE, self.dtype.code()),
+            (OFF_N_LAYER, self.n_layer),
+            (OFF_N_KV_HEAD, self.n_kv_head),
+            (OFF_HEAD_DIM, self.head_dim),
+            (OFF_BLOCK_SIZE, self.block_size),
+            (OFF_N_BLOCKS, self.n_blocks),
+        ];
+        for (off, v) in u32s {
+            h[off..off + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        h[OFF_BLOCK_BYTES..OFF_BLOCK_BYTES + 8]
+            .copy_from_slice(&(block_bytes as u64).to_le_bytes());
+        h[OFF_TOTAL_BYTES..OFF_TOTAL_BYTES + 8]
+            .copy_from_slice(&(total_bytes as u64).to_le_bytes());
+        Ok(h)
+    }
+
+    /// Reads a header written by [`encode_header`](Self::encode_header) from the start of
+    /// `bytes` (an arena or just its header), checking magic, version, every field and the
+    /// stored sizes against the ones this build computes.
+    pub fn decode_header(bytes: &[u8]) -> Result<ArenaLayout, KvError> {
+        if bytes.len() < HEADER_BYTES {
+            return Err(KvError::HeaderTruncated { len: bytes.len(), need: HEADER_BYTES });
+        }
+        let u32_at = |off: usize| u32::from_le_bytes(bytes[off..off + 4].try_into().unwrap());
+        let u64_at = |off: usize| u64::from_le_bytes(bytes[off..off + 8].try_into().unwrap());
+        let found: [u8; 8] = bytes[..8].try_into().unwrap();
+        if found != MAGIC {
+            return Err(KvError::BadMagic { found, expected: MAGIC });
+        }
+        let version = u32_at(OFF_VERSION);
+        if version != VERSION {
+            return Err(KvError::UnsupportedVersion { found: version, supported: VERSION });
+        }
+        let header_bytes = u32_at(OFF_HEADER_BYTES);
+        if header_bytes as usize != HEADER_BYTES {
+            return Err(KvError::HeaderMismatch {
+                field: "header_bytes",
+                stored: header_bytes.into(),
+                computed: HEADER_BYTES as u64,
+            });
+        }
+        let layout = ArenaLayout {
+            n_layer: u32_at(OFF_N_LAYER),
+            n_kv_head: u32_at(OFF_N_KV_HEAD),
+            head_dim: u32_at(OFF_HEAD_DIM),
+            block_size: u32_at(OFF_BLOCK_SIZE),
+            dtype: KvDtype::from_code(u32_at(OFF_DTYPE))?,
+            n_blocks: u32_at(OFF_N_BLOCKS),
+        };
+        for (field, off, computed) in [
+            ("block_bytes", OFF_BLOCK_BYTES, layout.block_bytes()?),
+            ("total_bytes", OFF_TOTAL_BYTES, layout.total_bytes()?),
+        ] {
+            let stored = u64_at(off);
+            if stored != computed as u64 {
+                return Err(KvError::HeaderMismatch { field, stored, computed: computed as u64 });
+            }
+        }
+        Ok(layout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(
+        n_layer: u32,
+        n_kv_head: u32,
+        head_dim: u32,
+        block_size: u32,
+        dtype: KvDtype,
+        n_blocks: u32,
+    ) -> ArenaLayout {
+        ArenaLayout { n_layer, n_kv_head, head_dim, block_size, dtype, n_blocks }
+    }
+
+    /// SmolLM2-135M: 30 layers, 3 KV heads of 64.
+    fn smollm2(n_blocks: u32) -> ArenaLayout {
+        layout(30, 3, 64, DEFAULT_BLOCK_SIZE, KvDtype::F16, n_blocks)
+    }
+
+    #[test]
+    fn dtype_sizes_and_default() {
+        assert_eq!(KvDtype::default(), KvDtype::F16);
+        assert_eq!([KvDtype::F16, KvDtype::BF16, KvDtype::F32].map(KvDtype::bytes), [2, 2, 4]);
+    }
+
+    #[test]
+    fn sizes_of_a_real_model() {
+        let l = smollm2(100);
+        assert_eq!(l.head_run_bytes(), Ok(16 * 64 * 2));
+        assert_eq!(l.block_bytes(), Ok(30 * 2 * 3 * 2048));
+        assert_eq!(l.total_bytes(), Ok(4096 + 100 * 368_640));
+        assert_eq!(l.k_offset(BlockId(0), 0, 0), 4096);
+        assert_eq!(l.k_offset(BlockId(0), 0, 1), 4096 + 2048);
+        assert_eq!(l.v_offset(BlockId(0), 0, 0), 4096 + 3 * 2048);
+        assert_eq!(l.k_offset(BlockId(0), 1, 0), 4096 + 6 * 2048);
+        assert_eq!(l.k_offset(BlockId(2), 0, 0), 4096 + 2 * 368_640);
+        assert_eq!(l.v_offset(BlockId(99), 29, 2) + 2048, l.total_bytes().unwrap());
+    }
+
+    #[test]
+    fn runs_are_padded_to_the_alignment() {
+        // 5 tokens x 3 dims x 2 bytes = 30 bytes, padded to 64.
+        let l = layout(2, 2, 3, 5, KvDtype::BF16, 4);
+        assert_eq!(l.head_run_bytes(), Ok(64));
+        assert_eq!(l.block_bytes(), Ok(2 * 2 * 2 * 64));
+    }
+
+    /// Every (block, layer, head, K/V) run lies inside the arena after the header, is
+    /// 64-byte aligned and overlaps no other run.
+    #[test]
+    fn offsets_are_aligned_disjoint_and_inside_the_arena() {
+        let layouts = [
+            layout(1, 1, 1, 1, KvDtype::F16, 1),
+            layout(3, 2, 8, 4, KvDtype::F16, 5),
+            layout(2, 3, 3, 5, KvDtype::BF16, 7),
+            layout(4, 1, 17, 16, KvDtype::F32, 3),
+            layout(2, 4, 64, 16, KvDtype::F16, 6),
+            layout(5, 2, 7, 3, KvDtype::F32, 4),
+        ];
+        for l in layouts {
+            l.validate().unwrap();
+            let total = l.total_bytes().unwrap();
+            let run = l.head_run_bytes().unwrap();
+            let payload = l.block_size as usize * l.head_dim as usize * l.dtype.bytes();
+            assert!(run >= payload && run % ALIGN == 0, "{l:?}");
+            let mut runs = Vec::new();
+            for b in 0..l.n_blocks {
+                for layer in 0..l.n_layer {
+                    for h in 0..l.n_kv_head {
+                        runs.push(l.k_offset(BlockId(b), layer, h));
+                        runs.push(l.v_offset(BlockId(b), layer, h));
+                    }
+                }
+            }
+            let n = runs.len();
+            assert_eq!(n, 2 * (l.n_blocks * l.n_layer * l.n_kv_head) as usize);
+            runs.sort_unstable();
+            runs.dedup();
+            assert_eq!(runs.len(), n, "two runs share an offset in {l:?}");
+            assert!(runs[0] >= l.header_bytes());
+            assert!(runs.iter().all(|off| off % ALIGN == 0), "{l:?}");
+            assert!(runs.windows(2).all(|w| w[0] + run <= w[1]), "runs overlap in {l:?}");
+            assert!(runs[n - 1] + run <= total, "{l:?}");
+            // Without padding the runs tile the blocks exactly.
+            if run == payload {
+                assert_eq!(total, l.header_bytes() + n * run);
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "block 3 of 3")]
+    fn offset_of_a_block_past_the_end_panics() {
+        layout(1, 1, 8, 16, KvDtype::F16, 3).k_offset(BlockId(3), 0, 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "kv head 2 of 2")]
+    fn offset_of_a_head_past_the_end_panics() {
+        layout(1, 2, 8, 16, KvDtype::F16, 3).v_offset(BlockId(0), 0, 2);
+    }
+
+    #[test]
+    fn zero_fields_and_overflow_are_refused() {
+        let good = smollm2(10);
+        for (field, bad) in [
+            ("n_layer", ArenaLayout { n_layer: 0, ..good }),
+            ("n_kv_head", ArenaLayout { n_kv_head: 0, ..good }),
+            ("head_dim", ArenaLayout { head_dim: 0, ..good }),
+            ("block_size", ArenaLayout { block_size: 0, ..good }),
+            ("n_blocks", ArenaLayout { n_blocks: 0, ..good }),
+        ] {
+            assert_eq!(bad.validate(), Err(KvError::ZeroDimension { field }));
+            assert_eq!(bad.encode_header(), Err(KvError::ZeroDimension { field }));
+        }
+        let huge =
+            ArenaLayout { n_layer: u32::MAX, n_kv_head: u32::MAX, n_blocks: u32::MAX, ..good };
+        assert_eq!(huge.block_bytes(), Err(KvError::SizeOverflow { what: "block" }));
+        let many = ArenaLayout { n_layer: 1 << 20, n_blocks: u32::MAX, ..good };
+        assert!(many.block_bytes().is_ok());
+        assert_eq!(many.total_bytes(), Err(KvError::SizeOverflow { what: "arena" }));
+    }
+
+    #[test]
+    fn blocks_for_a_byte_budget() {
+        let l = smollm2(0);
+        let block = l.block_bytes().unwrap();
+        assert_eq!(l.n_blocks_for_bytes(0), Ok(0));
+        assert_eq!(l.n_blocks_for_bytes(HEADER_BYTES + block - 1), Ok(0));
+        assert_eq!(l.n_blocks_for_bytes(HEADER_BYTES + block), Ok(1));
+        let budget = 1 << 30;
+        let n = l.n_blocks_for_bytes(budget).unwrap();
+        let fit = ArenaLayout { n_blocks: n, ..l };
+        assert!(fit.total_bytes().unwrap() <= budget);
+        assert!(ArenaLayout { n_blocks: n + 1, ..l }.total_bytes().unwrap() > budget);
+        let tiny = layout(1, 1, 1, 1, KvDtype::F16, 0);
+        assert_eq!(tiny.n_blocks_for_bytes(usize::MAX), Ok(u32::MAX));
+        assert_eq!(
+            ArenaLayout { head_dim: 0, ..l }.n_blocks_for_bytes(budget),
+            Err(KvError::ZeroDimension { field: "head_dim" })
+        );
+    }
+
+    #[test]
+    fn header_round_trip() {
+        for l in [
+            smollm2(1234),
+            layout(2, 3, 3, 5, KvDtype::BF16, 7),
+            layout(4, 1, 17, 16, KvDtype::F32, 3),
+        ] {
+            let h = l.encode_header().unwrap();
+            assert_eq!(&h[..8], b"DUETKVAR");
+            assert!(h[56..].iter().all(|&b| b == 0));
+            assert_eq!(ArenaLayout::decode_header(&h), Ok(l));
+            // A whole arena decodes too: only the first HEADER_BYTES are read.
+            let mut arena = h.to_vec();
+            arena.extend_from_slice(&[0xAB; 100]);
+            assert_eq!(ArenaLayout::decode_header(&arena), Ok(l));
+        }
+    }
+
+    /// A valid header with `value` written at `off`.
+    fn patched(off: usize, value: &[u8]) -> [u8; HEADER_BYTES] {
+        let mut h = smollm2(10).encode_header().unwrap();
+        h[off..off + value.len()].copy_from_slice(value);
+        h
+    }
+
+    #[test]
+    fn every_bad_header_gives_its_error() {
+        let decode = |h: &[u8]| ArenaLayout::decode_header(h).unwrap_err();
+        let good = smollm2(10).encode_header().unwrap();
+        assert_eq!(
+            decode(&good[..HEADER_BYTES - 1]),
+            KvError::HeaderTruncated { len: HEADER_BYTES - 1, need: HEADER_BYTES }
+        );
+        assert_eq!(decode(&[]), KvError::HeaderTruncated { len: 0, need: HEADER_BYTES });
+        assert_eq!(
+            decode(&patched(0, b"GGUF")),
+            KvError::BadMagic { found: *b"GGUFKVAR", expected: MAGIC }
+        );
+        assert_eq!(
+            decode(&[0; HEADER_BYTES]),
+            KvError::BadMagic { found: [0; 8], expected: MAGIC }
+        );
+        assert_eq!(
+            decode(&patched(OFF_VERSION, &2u32.to_le_bytes())),
+            KvError::UnsupportedVersion { found: 2, supported: 1 }
+        );
+        assert_eq!(
+            decode(&patched(OFF_VERSION, &0u32.to_le_bytes())),
+            KvError::UnsupportedVersion { found: 0, supported: 1 }
+        );
+        assert_eq!(
+            decode(&patched(OFF_HEADER_BYTES, &8192u32.to_le_bytes())),
+            KvError::HeaderMismatch { field: "header_bytes", stored: 8192, computed: 4096 }
+        );
+        assert_eq!(decode(&patched(OFF_DTYPE, &3u32.to_le_bytes())), KvError::UnknownDtype(3));
+        for (field, off) in [
+            ("n_layer", OFF_N_LAYER),
+            ("n_kv_head", OFF_N_KV_HEAD),
+            ("head_dim", OFF_HEAD_DIM),
+            ("block_size", OFF_BLOCK_SIZE),
+            ("n_blocks", OFF_N_BLOCKS),
+        ] {
+            assert_eq!(
+                decode(&patched(off, &0u32.to_le_bytes())),
+                KvError::ZeroDimension { field }
+            );
+        }
+        let mut huge = patched(OFF_N_LAYER, &u32::MAX.to_le_bytes());
+        huge[OFF_N_KV_HEAD..OFF_N_KV_HEAD + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode(&huge), KvError::SizeOverflow { what: "block" });
+        let mut many = patched(OFF_N_LAYER, &(1u32 << 20).to_le_bytes());
+        many[OFF_N_BLOCKS..OFF_N_BLOCKS + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(decode(&many), KvError::SizeOverflow { what: "arena" });
+        // A field changed without its derived sizes: the stored sizes no longer agree.
+        let block = smollm2(10).block_bytes().unwrap() as u64;
+        assert_eq!(
+            decode(&patched(OFF_HEAD_DIM, &128u32.to_le_bytes())),
+            KvError::HeaderMismatch { field: "block_bytes", stored: block, computed: 2 * block }
+        );
+        assert_eq!(
+            decode(&patched(OFF_N_BLOCKS, &11u32.to_le_bytes())),
+            KvError::HeaderMismatch {
+                field: "total_bytes",
+                stored: 4096 + 10 * block,
+                computed: 4096 + 11 * block
+            }
+        );
+        assert_eq!(
+            decode(&patched(OFF_BLOCK_BYTES, &1u64.to_le_bytes())),
+            KvError::HeaderMismatch { field: "block_bytes", stored: 1, computed: block }
+        );
+    }
+}

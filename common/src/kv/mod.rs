@@ -1,0 +1,38 @@
+//! KV-cache bookkeeping, apart from the memory it describes: the byte layout of a
+//! cpu-worker's KV arena ([`layout`]) and which blocks of which worker hold which
+//! sequence's tokens ([`blocks`]).
+//!
+//! Both halves are pure (no shared memory, no I/O, no async) so that every rule is asserted
+//! and unit-tested on its own, as llama.cpp keeps `llama-kv-cells.h` and vLLM keeps
+//! `KVCacheBlocks` apart from the tensors. The shared-memory segments and the attention
+//! kernels use these types; they never recompute an offset or a slot themselves.
+
+pub mod blocks;
+pub mod layout;
+
+pub use blocks::{BlockId, BlockTable, KvPool, Placement, TokenSlot, WorkerId};
+pub use layout::{ArenaLayout, KvDtype};
+
+/// Everything that can go wrong in KV bookkeeping: a bad arena header or layout, or a
+/// request for more blocks than a worker has free.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("KV arena header is {len} bytes, shorter than the {need} bytes of a header")]
+    HeaderTruncated { len: usize, need: usize },
+    #[error("not a Duet KV arena: magic is {found:02x?}, expected {expected:02x?}")]
+    BadMagic { found: [u8; 8], expected: [u8; 8] },
+    #[error("unsupported KV arena version {found} (this build reads version {supported})")]
+    UnsupportedVersion { found: u32, supported: u32 },
+    #[error("unknown KV dtype code {0} (0 = f16, 1 = bf16, 2 = f32)")]
+    UnknownDtype(u32),
+    #[error("KV layout field {field} is zero")]
+    ZeroDimension { field: &'static str },
+    #[error("KV layout is too large: its {what} overflows the address space")]
+    SizeOverflow { what: &'static str },
+    #[error("KV arena header field {field} says {stored} but the layout gives {computed}")]
+    HeaderMismatch { field: &'static str, stored: u64, computed: u64 },
+    #[error("out of KV blocks: {wanted} wanted, {free} free")]
+    OutOfBlocks { wanted: usize, free: usize },
+    #[error("no KV worker {worker} (the pool has {n_workers})")]
+    UnknownWorker { worker: WorkerId, n_workers: usize },
+}
