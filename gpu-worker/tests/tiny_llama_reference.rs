@@ -226,16 +226,11 @@ fn mixed_quant_types_mqa() {
     check("mixed_quant", 1e-1);
 }
 
-/// Head size 24, not a multiple of 16. One-token decode matches the reference, batched prefill
-/// does not (max error ~4 x rms): `common/src/kernels/attention.rs` takes the tinyBLAS-order
-/// dot product (`dot_tiled`, `chunks_exact(16)`) for batches of two or more tokens, which drops
-/// the last `head_dim % 16` elements of every Q·K. llama.cpp's tinyBLAS declines a product whose
-/// inner dimension is not a multiple of its vector width and ggml falls back to
-/// `ggml_vec_dot_f16`, so the fix is to use `dot_f16` for Q·K when `hd % 16 != 0` (the ·V
-/// product can keep tinyBLAS's order: its inner dimension is the KV length, padded to 32).
-/// With that one-line change this test passes (max error 8.9e-3 x rms, as the rounding predicts).
+/// Head size 24, not a multiple of 16: batched prefill must not take tinyBLAS's 16-lane Q·K
+/// (llama.cpp's tinyBLAS declines an inner dimension that is not a multiple of 16 and ggml falls
+/// back to `ggml_vec_dot_f16`). This caught `dot_tiled` dropping the last `head_dim % 16`
+/// elements of every Q·K (max error ~4 x rms before the fix).
 #[test]
-#[ignore = "known bug in attention.rs: batched Q·K drops head_dim % 16 elements"]
 fn f16_head_dim_not_a_multiple_of_16() {
     check("f16_head_dim_24", 1e-2);
 }

@@ -97,7 +97,9 @@ fn attend(job: &Job<'_>, out: &mut [f32]) {
     let mut w = vec![0f32; n];
     for (p, s) in w.iter_mut().enumerate() {
         let key = &k[p * hd..(p + 1) * hd];
-        *s = if tiled { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
+        // tinyBLAS needs the inner length to be a multiple of 16; otherwise llama.cpp falls
+        // back to `ggml_vec_dot_f16` for Q·K (V·weights runs over the KV length, padded to 32).
+        *s = if tiled && hd % 16 == 0 { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
     }
     softmax_in_place(&mut w);
     for x in w.iter_mut() {
