@@ -2,6 +2,8 @@
 //! (non-flash): Q rounded to f16 and dotted with K in ggml's lane order, softmax with ggml's
 //! `exp` over the KV length padded to 32, weights rounded to f16 and dotted with V.
 
+use std::ops::Range;
+
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
@@ -38,8 +40,8 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
     assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
     assert_eq!(out.len(), q.len(), "attention output size");
     let group = n_head / n_kv_head;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let n_padded = n_ctx.div_ceil(KV_PADDING) * KV_PADDING;
+    let scale = attn_scale(hd);
+    let n_padded = padded_len(n_ctx, KV_PADDING);
     // Widen each KV head once for all query tokens.
     let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
         .par_iter()
@@ -50,28 +52,56 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
             (k, v)
         })
         .collect();
-    let use_fma = isa() == Isa::Avx2;
     out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
         let (t, head) = (i / n_head, i % n_head);
         let (k, v) = &widened[head / group];
         let q_row = &q[i * hd..(i + 1) * hd];
-        let job = Job { q: q_row, k, v, n: pos0 + t + 1, n_padded, hd, scale, tiled: n_tok >= 2 };
-        #[cfg(target_arch = "x86_64")]
-        if use_fma {
-            // SAFETY: AVX2 and FMA were detected by `isa()`.
-            return unsafe { attend_fma(&job, o) };
-        }
-        let _ = use_fma;
-        attend(&job, o);
+        let job = Job { q: q_row, k, v, start: 0, end: pos0 + t + 1, n_padded, hd, scale, tiled: n_tok >= 2 };
+        run(&job, o);
     });
 }
 
-/// One query head against positions `0..n` of one KV head.
+/// The softmax scale of attention with heads of `head_dim`: `1 / sqrt(head_dim)` in f32.
+pub fn attn_scale(head_dim: usize) -> f32 {
+    1.0 / (head_dim as f32).sqrt()
+}
+
+/// The KV length llama.cpp attends over for a context of `n_ctx` positions: `n_ctx` rounded
+/// up to a multiple of `padding` ([`KV_PADDING`]). It decides the V lanes of decode attention.
+pub fn padded_len(n_ctx: usize, padding: usize) -> usize {
+    n_ctx.div_ceil(padding) * padding
+}
+
+/// Single-token decode attention of one query head over positions `range` of one KV head,
+/// exactly as [`causal_attention`] computes it for one token when `range` is `0..n_ctx`:
+/// `k` and `v` hold those positions only, widened to f32 (`[range.len()][head_dim]`);
+/// `n_padded` is [`padded_len`] of the sequence's whole context (V lanes follow absolute
+/// positions). Writes `out` (`head_dim` values) and returns the log-sum-exp of the scaled
+/// scores of the range, `max + ln(sum exp(s - max))`, with which partial results over
+/// disjoint ranges merge. Panics if a slice is shorter than the range needs.
+pub fn decode_attention_range(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    range: Range<usize>,
+    n_padded: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> f32 {
+    let hd = out.len();
+    let n = range.end.saturating_sub(range.start);
+    assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
+    let job = Job { q, k, v, start: range.start, end: range.end, n_padded, hd, scale, tiled: false };
+    run(&job, out)
+}
+
+/// One query head against positions `start..end` of one KV head (`k`, `v` from `start`).
 struct Job<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
-    n: usize,
+    start: usize,
+    end: usize,
     n_padded: usize,
     hd: usize,
     scale: f32,
@@ -80,37 +110,51 @@ struct Job<'a> {
     tiled: bool,
 }
 
+/// Runs `attend` on the fastest instruction set of this machine; returns the log-sum-exp.
+#[inline]
+fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: AVX2 and FMA were detected by `isa()`.
+        return unsafe { attend_fma(job, out) };
+    }
+    attend(job, out)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32]) {
+unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32]) -> f32 {
     attend(job, out)
 }
 
 #[inline(always)]
-fn attend(job: &Job<'_>, out: &mut [f32]) {
-    let Job { q, k, v, n, n_padded, hd, scale, tiled } = *job;
+fn attend(job: &Job<'_>, out: &mut [f32]) -> f32 {
+    let Job { q, k, v, start, end, n_padded, hd, scale, tiled } = *job;
+    let n = end.saturating_sub(start);
     // Plain loops, no closures: closures would not inherit the caller's FMA target feature.
     let mut q16 = vec![0f32; hd];
     for (d, &x) in q16.iter_mut().zip(q) {
         *d = f16::from_f32(x).to_f32();
     }
+    // w[i] is position start + i.
     let mut w = vec![0f32; n];
-    for (p, s) in w.iter_mut().enumerate() {
-        let key = &k[p * hd..(p + 1) * hd];
+    for (i, s) in w.iter_mut().enumerate() {
+        let key = &k[i * hd..(i + 1) * hd];
         // tinyBLAS needs the inner length to be a multiple of 16; otherwise llama.cpp falls
         // back to `ggml_vec_dot_f16` for Q·K (V·weights runs over the KV length, padded to 32).
         *s = if tiled && hd % 16 == 0 { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
     }
-    softmax_in_place(&mut w);
+    let lse = softmax_in_place(&mut w);
     for x in w.iter_mut() {
         *x = f16::from_f32(*x).to_f32();
     }
     if tiled {
         let mut lanes = vec![0f32; 16 * hd];
-        for p in 0..n {
+        for p in start..end {
+            let i = p - start;
             let lane = &mut lanes[(p % 16) * hd..(p % 16 + 1) * hd];
-            for (acc, &vv) in lane.iter_mut().zip(&v[p * hd..(p + 1) * hd]) {
-                *acc = vv.mul_add(w[p], *acc);
+            for (acc, &vv) in lane.iter_mut().zip(&v[i * hd..(i + 1) * hd]) {
+                *acc = vv.mul_add(w[i], *acc);
             }
         }
         for (d, o) in out.iter_mut().enumerate() {
@@ -120,20 +164,21 @@ fn attend(job: &Job<'_>, out: &mut [f32]) {
             }
             *o = reduce16(&acc);
         }
-        return;
+        return lse;
     }
     // V · weights per output dimension, in ggml's lanes: position p adds into lane p % 64
     // for p below the last multiple of 64 of the padded length, the rest in f64 afterwards.
-    let simd_end = (n_padded & !63).min(n);
+    let simd_end = (n_padded & !63).min(end).max(start);
     let mut lanes = vec![0f32; 64 * hd];
-    for p in 0..simd_end {
+    for p in start..simd_end {
+        let i = p - start;
         let lane = &mut lanes[(p % 64) * hd..(p % 64 + 1) * hd];
-        for (acc, &vv) in lane.iter_mut().zip(&v[p * hd..(p + 1) * hd]) {
-            *acc = vv.mul_add(w[p], *acc);
+        for (acc, &vv) in lane.iter_mut().zip(&v[i * hd..(i + 1) * hd]) {
+            *acc = vv.mul_add(w[i], *acc);
         }
     }
     for (d, o) in out.iter_mut().enumerate() {
-        let mut sum = if simd_end > 0 {
+        let mut sum = if simd_end > start {
             let mut acc = [0f32; 64];
             for (l, a) in acc.iter_mut().enumerate() {
                 *a = lanes[l * hd + d];
@@ -142,11 +187,13 @@ fn attend(job: &Job<'_>, out: &mut [f32]) {
         } else {
             0.0
         };
-        for p in simd_end..n {
-            sum += (v[p * hd + d] * w[p]) as f64;
+        for p in simd_end..end {
+            let i = p - start;
+            sum += (v[i * hd + d] * w[i]) as f64;
         }
         *o = sum as f32;
     }
+    lse
 }
 
 /// tinyBLAS's dot product: 16 lanes of fused multiply-adds in order, then `reduce16`.

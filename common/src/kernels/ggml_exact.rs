@@ -77,9 +77,11 @@ pub fn dot_f16(x: &[f32], y: &[f32]) -> f32 {
 }
 
 /// `ggml_vec_soft_max_f32` + normalisation over `x[..n_padded]` where only `x[..n]` is real
-/// (the rest is masked to -inf, i.e. contributes 0): returns the probabilities of `x[..n]`.
+/// (the rest is masked to -inf, i.e. contributes 0): leaves the probabilities of `x[..n]` in
+/// `x` and returns the log-sum-exp of the input, `max + ln(sum)` (the sum before
+/// normalisation), with which softmaxes over disjoint parts of a row merge.
 #[inline(always)]
-pub fn softmax_in_place(x: &mut [f32]) {
+pub fn softmax_in_place(x: &mut [f32]) -> f32 {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mut sum = 0f64;
     for chunk in x.chunks_mut(16) {
@@ -94,6 +96,7 @@ pub fn softmax_in_place(x: &mut [f32]) {
     for v in x.iter_mut() {
         *v *= inv;
     }
+    (max as f64 + sum.ln()) as f32
 }
 
 #[cfg(test)]
@@ -127,7 +130,9 @@ mod tests {
     #[test]
     fn softmax_sums_to_one() {
         let mut x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
-        softmax_in_place(&mut x);
+        let lse_exact = x.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
+        let lse = softmax_in_place(&mut x);
+        assert!((lse as f64 - lse_exact).abs() < 2e-6, "{lse} vs {lse_exact}");
         let s: f32 = x.iter().sum();
         assert!((s - 1.0).abs() < 1e-5);
         assert!(x.iter().all(|&p| p > 0.0));

@@ -6,6 +6,7 @@ pub mod dot;
 pub mod ggml_exact;
 pub mod matmul;
 pub mod ops;
+pub mod paged_attention;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
