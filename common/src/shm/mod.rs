@@ -1,5 +1,6 @@
 //! The data plane's shared-memory primitives: named segments in `/dev/shm`, cross-process
-//! futexes, and the single-producer/single-consumer exchange ring built on them.
+//! futexes, the single-producer/single-consumer exchange ring built on them, and the
+//! attention job format carried in its slots ([`job`]).
 //!
 //! Memory rules for everything in here: a segment is shared with other processes, which
 //! Rust's borrow checker cannot see. Only atomics and plain-old-data ([`Pod`]) are ever
@@ -8,6 +9,7 @@
 //! sequence numbers).
 
 mod futex;
+pub mod job;
 mod ring;
 mod segment;
 
