@@ -108,6 +108,8 @@ pub enum JobError {
     BlockOutOfArena { seq: usize, block: u32, n_blocks: u32 },
     #[error("sequence {seq}: blocks cover positions {first_pos}..{covered_end}, not {start}..{end}")]
     RangeNotCovered { seq: usize, start: u32, end: u32, first_pos: u32, covered_end: u64 },
+    #[error("attending the job failed inside the cpu-worker: {0}")]
+    Internal(String),
     #[error("cpu-worker rejected the job (kind {kind}): {message}")]
     Rejected { kind: u32, message: String },
     #[error("the job has no result yet (status still posted)")]
@@ -135,6 +137,7 @@ impl JobError {
             JobError::PastContext { .. } => 13,
             JobError::BlockOutOfArena { .. } => 14,
             JobError::RangeNotCovered { .. } => 15,
+            JobError::Internal(_) => 18,
             JobError::Rejected { kind, .. } => *kind,
             JobError::NotDone => 16,
             JobError::BadStatus(_) => 17,

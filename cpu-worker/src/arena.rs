@@ -1,0 +1,131 @@
+//! The worker's KV arena: a named shared-memory segment laid out by [`ArenaLayout`], bound
+//! to the worker's NUMA node, first-touched by its pinned threads, locked in RAM, and read
+//! by the attention kernels.
+
+use std::sync::atomic::Ordering;
+
+use duet_common::kernels::paged_attention::ArenaRows;
+use duet_common::kv::ArenaLayout;
+use duet_common::shm::Segment;
+use half::f16;
+use rayon::prelude::*;
+
+use crate::numa::{self, NodeInfo};
+use crate::WorkerError;
+
+/// A created KV arena; its segment is removed when this drops.
+#[derive(Debug)]
+pub struct Arena {
+    seg: Segment,
+    layout: ArenaLayout,
+}
+
+/// How arena setup went where the worker carries on regardless (reported in the ready log).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ArenaSetup {
+    /// Bound to the requested NUMA node.
+    pub numa_bound: bool,
+    /// Locked in RAM (mlock).
+    pub locked: bool,
+}
+
+impl Arena {
+    /// Creates `/dev/shm/<name>` for `layout`, binds it to `numa_node` when given and
+    /// present (else warns), first-touches every page from `pool`'s (pinned) threads, writes
+    /// the header and locks the segment (warning if the memlock limit refuses).
+    pub fn create(
+        name: &str,
+        layout: ArenaLayout,
+        numa_node: Option<u32>,
+        pool: &rayon::ThreadPool,
+    ) -> Result<(Arena, ArenaSetup), WorkerError> {
+        let header = layout.encode_header()?;
+        let len = layout.total_bytes()?;
+        let seg = Segment::create(name, len)?;
+        let mut setup = ArenaSetup::default();
+        if let Some(node) = numa_node {
+            setup.numa_bound = bind(&seg, node);
+        }
+        first_touch(&seg, pool);
+        // SAFETY: the segment was created (exclusively) just now and producers attach only
+        // once the worker's exchange ring exists, which is created after this returns; no
+        // other slice of the header range exists.
+        unsafe { seg.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
+        setup.locked = seg.lock().is_ok();
+        Ok((Arena { seg, layout }, setup))
+    }
+
+    /// The arena's layout.
+    pub fn layout(&self) -> &ArenaLayout {
+        &self.layout
+    }
+
+    /// The arena's segment.
+    pub fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
+    /// Read access to K/V rows for the attention kernels.
+    ///
+    /// # Safety
+    /// While the returned view (and any slice it gave out) lives, no process may write the
+    /// rows it is asked for. The data-plane protocol provides this for the rows of a posted
+    /// job: the gpu-worker writes a position's K/V before posting a job that reads it and
+    /// does not rewrite the rows of a job's ranges until the job is complete.
+    pub unsafe fn rows_of_posted_job(&self) -> ArenaView<'_> {
+        ArenaView { seg: &self.seg }
+    }
+}
+
+/// K/V rows of an arena during one job (see [`Arena::rows_of_posted_job`]).
+pub struct ArenaView<'a> {
+    seg: &'a Segment,
+}
+
+impl ArenaRows for ArenaView<'_> {
+    fn f16s(&self, offset: usize, count: usize) -> &[f16] {
+        // SAFETY: the creator of this view promised that the rows of the current job are
+        // not written while it lives; `slice` checks bounds and alignment (and panics,
+        // never reads out of bounds, if a caller skipped `PagedRange::fits`).
+        unsafe { self.seg.slice::<f16>(offset, count) }
+    }
+}
+
+/// mbind to `node` if the machine has it; `false` (after a warning) otherwise.
+fn bind(seg: &Segment, node: u32) -> bool {
+    match numa::node_info(node) {
+        NodeInfo::Present { .. } => match numa::bind_to_node(seg, node) {
+            Ok(()) => {
+                tracing::info!(node, segment = seg.name(), "KV arena bound to NUMA node (mbind MPOL_BIND)");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(node, "binding the KV arena to NUMA node {node} failed ({e}); its pages come from wherever they are first touched");
+                false
+            }
+        },
+        NodeInfo::Absent { nodes } => {
+            tracing::warn!(node, ?nodes, "this machine has no NUMA node {node}: the KV arena is not bound (pages come from wherever they are first touched)");
+            false
+        }
+        NodeInfo::Unknown => {
+            tracing::warn!(node, "no NUMA information on this machine (/sys/devices/system/node is missing): the KV arena is not bound to node {node}");
+            false
+        }
+    }
+}
+
+/// Faults every page of `seg` in from the pool's threads (one write per page), so that
+/// without a binding the pages come from the node the pinned threads run on.
+fn first_touch(seg: &Segment, pool: &rayon::ThreadPool) {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(64);
+    let n_pages = seg.len().div_ceil(page);
+    pool.install(|| {
+        (0..n_pages).into_par_iter().with_min_len(64).for_each(|p| {
+            // The segment is fresh (all zero), so storing zero changes nothing but faults
+            // the page in; an atomic store needs no exclusivity promise.
+            seg.atomic_u32(p * page).store(0, Ordering::Relaxed);
+        });
+    });
+}

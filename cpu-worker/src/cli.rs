@@ -1,0 +1,154 @@
+//! Command-line flags of duet-cpu-worker (each also read from a `DUET_*` environment
+//! variable) and their conversion into a [`Config`].
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::numa::parse_cpu_list;
+use crate::{Config, KvSize, ModelShape, WorkerError};
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "duet-cpu-worker",
+    version,
+    about = "Duet's cpu-worker: a KV arena in pinned shared memory, serving decode-attention jobs"
+)]
+pub struct Args {
+    /// Instance name shared by one Duet service's processes: segments are
+    /// /dev/shm/duet-<instance>-kv-<worker> and /dev/shm/duet-<instance>-xchg-<worker>.
+    #[arg(long, env = "DUET_INSTANCE", default_value = "duet")]
+    pub instance: String,
+    /// Index of this cpu-worker in its instance, the <worker> of its segment names
+    /// (default: the --numa-node value, else 0).
+    #[arg(long, env = "DUET_WORKER")]
+    pub worker: Option<u32>,
+    /// GGUF model to read the KV shape from (ignored when --n-layer, --n-kv-head and
+    /// --head-dim are given).
+    #[arg(long, env = "DUET_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Model layers (with --n-kv-head and --head-dim, instead of --model).
+    #[arg(long, env = "DUET_N_LAYER")]
+    pub n_layer: Option<u32>,
+    /// KV heads per layer (with --n-layer and --head-dim).
+    #[arg(long, env = "DUET_N_KV_HEAD")]
+    pub n_kv_head: Option<u32>,
+    /// Dimension of one attention head (with --n-layer and --n-kv-head).
+    #[arg(long, env = "DUET_HEAD_DIM")]
+    pub head_dim: Option<u32>,
+    /// Tokens per KV block.
+    #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = duet_common::kv::layout::DEFAULT_BLOCK_SIZE)]
+    pub block_size: u32,
+    /// KV arena size in blocks (or give --kv-bytes).
+    #[arg(long, env = "DUET_KV_BLOCKS", conflicts_with = "kv_bytes")]
+    pub kv_blocks: Option<u32>,
+    /// KV arena size in bytes, e.g. 512M or 64G (binary units): as many blocks as fit.
+    #[arg(long, env = "DUET_KV_BYTES", value_parser = parse_bytes)]
+    pub kv_bytes: Option<usize>,
+    /// CPUs to run on, e.g. 1 or 0-3,8: one pinned worker thread per CPU.
+    #[arg(long, env = "DUET_CPUS")]
+    pub cpus: Option<String>,
+    /// NUMA node: the KV arena is bound to it (mbind) and, without --cpus, the threads are
+    /// pinned to its CPUs. A node the machine lacks gives a warning, not an error.
+    #[arg(long, env = "DUET_NUMA_NODE")]
+    pub numa_node: Option<u32>,
+    /// Worker threads (default: one per CPU of --cpus or of the node, else every core).
+    #[arg(long, env = "DUET_CPU_THREADS")]
+    pub threads: Option<usize>,
+    /// Slots of the exchange ring: attention jobs that can be in flight at once.
+    #[arg(long, env = "DUET_RING_SLOTS", default_value_t = 4)]
+    pub ring_slots: u32,
+    /// Bytes per ring slot, e.g. 1M: one job's block ids, queries and results must fit.
+    #[arg(long, env = "DUET_SLOT_BYTES", default_value = "1M", value_parser = parse_bytes)]
+    pub slot_bytes: usize,
+}
+
+impl Args {
+    /// The configuration these flags describe (reads the model's metadata for its shape).
+    pub fn into_config(self) -> Result<Config, WorkerError> {
+        let shape = match (self.n_layer, self.n_kv_head, self.head_dim, &self.model) {
+            (Some(n_layer), Some(n_kv_head), Some(head_dim), _) => ModelShape { n_layer, n_kv_head, head_dim },
+            (None, None, None, Some(model)) => ModelShape::from_gguf(model)?,
+            (None, None, None, None) => {
+                return Err(WorkerError::Config("give --model, or --n-layer, --n-kv-head and --head-dim".into()))
+            }
+            _ => return Err(WorkerError::Config("--n-layer, --n-kv-head and --head-dim go together".into())),
+        };
+        let kv_size = match (self.kv_blocks, self.kv_bytes) {
+            (Some(n), None) => KvSize::Blocks(n),
+            (None, Some(bytes)) => KvSize::Bytes(bytes),
+            (None, None) => return Err(WorkerError::Config("give the KV arena size: --kv-blocks or --kv-bytes".into())),
+            (Some(_), Some(_)) => return Err(WorkerError::Config("--kv-blocks and --kv-bytes exclude each other".into())),
+        };
+        let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(WorkerError::Config)?;
+        Ok(Config {
+            instance: self.instance,
+            worker: self.worker.or(self.numa_node).unwrap_or(0),
+            shape,
+            block_size: self.block_size,
+            kv_size,
+            cpus,
+            numa_node: self.numa_node,
+            threads: self.threads,
+            ring_slots: self.ring_slots,
+            slot_bytes: self.slot_bytes,
+            poll: Config::DEFAULT_POLL,
+        })
+    }
+}
+
+/// A byte count: digits with an optional binary suffix K, M, G or T (`KiB`, `MB`, ... and
+/// lower case accepted).
+pub fn parse_bytes(text: &str) -> Result<usize, String> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: usize = num.parse().map_err(|_| format!("{text:?} is not a byte count"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(format!("unknown unit in {text:?} (use K, M, G or T)")),
+    };
+    n.checked_mul(1usize << shift).ok_or_else(|| format!("{text:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let base = ["duet-cpu-worker", "--instance", "t", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8"];
+        Args::try_parse_from(base.iter().chain(extra)).unwrap()
+    }
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64K"), Ok(64 << 10));
+        assert_eq!(parse_bytes("1M"), Ok(1 << 20));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert!(parse_bytes("1Q").is_err() && parse_bytes("").is_err() && parse_bytes("M").is_err());
+        assert!(parse_bytes("99999999999T").is_err());
+    }
+
+    #[test]
+    fn flags_to_config() {
+        let c = args(&["--kv-blocks", "10", "--cpus", "0-1", "--numa-node", "1"]).into_config().unwrap();
+        assert_eq!(c.shape, ModelShape { n_layer: 2, n_kv_head: 1, head_dim: 8 });
+        assert_eq!((c.kv_size, c.cpus.clone(), c.worker), (KvSize::Blocks(10), Some(vec![0, 1]), 1));
+        assert_eq!(c.layout().unwrap().n_blocks, 10);
+        let c = args(&["--kv-bytes", "1M", "--worker", "3"]).into_config().unwrap();
+        assert_eq!(c.worker, 3);
+        let block = 2 * 2 * 16 * 8 * 2; // layers x K/V x tokens x dims x bytes
+        assert_eq!(c.layout().unwrap().n_blocks as usize, ((1 << 20) - 4096) / block);
+        for bad in [&["--cpus", "1-0", "--kv-blocks", "1"][..], &[], &["--kv-bytes", "100"]] {
+            assert!(args(bad).into_config().and_then(|c| c.layout()).is_err(), "{bad:?}");
+        }
+        assert!(Args::try_parse_from(["w", "--kv-blocks", "1", "--kv-bytes", "1M"]).is_err());
+        let partial = Args::try_parse_from(["w", "--n-layer", "2", "--kv-blocks", "1"]).unwrap();
+        assert!(matches!(partial.into_config(), Err(WorkerError::Config(_))));
+    }
+}

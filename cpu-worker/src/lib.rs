@@ -1,0 +1,236 @@
+//! duet-cpu-worker: one per NUMA node. Holds a KV arena in node-bound, locked shared memory
+//! (`/dev/shm/duet-<instance>-kv-<worker>`) and serves the decode-attention jobs the
+//! gpu-worker posts into its exchange ring (`/dev/shm/duet-<instance>-xchg-<worker>`), on
+//! threads pinned to its CPUs.
+//!
+//! [`run`] sets everything up, serves until shutdown and removes its segments. The exchange
+//! ring is created last: once it exists (and attaches), the arena is ready for producers.
+
+pub mod arena;
+pub mod cli;
+pub mod numa;
+pub mod serve;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use duet_common::kv::{ArenaLayout, KvDtype, KvError};
+use duet_common::model::config::LlamaConfig;
+use duet_common::model::gguf::GgufFile;
+use duet_common::shm::job::HEADER_BYTES as JOB_HEADER_BYTES;
+use duet_common::shm::{Ring, Segment, ShmError};
+
+pub use serve::ServeStats;
+
+/// Everything that can stop a cpu-worker, named by the step that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("reading the model shape from {path}: {source}")]
+    Model { path: PathBuf, source: duet_common::Error },
+    #[error("KV arena layout: {0}")]
+    Kv(#[from] KvError),
+    #[error("shared memory: {0}")]
+    Shm(#[from] ShmError),
+    #[error("starting the worker threads: {0}")]
+    ThreadPool(String),
+}
+
+/// Name of worker `worker`'s KV arena segment in instance `instance`.
+pub fn arena_name(instance: &str, worker: u32) -> String {
+    format!("duet-{instance}-kv-{worker}")
+}
+
+/// Name of worker `worker`'s exchange-ring segment in instance `instance`.
+pub fn ring_name(instance: &str, worker: u32) -> String {
+    format!("duet-{instance}-xchg-{worker}")
+}
+
+/// The KV shape of the model: what the arena layout needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelShape {
+    pub n_layer: u32,
+    pub n_kv_head: u32,
+    pub head_dim: u32,
+}
+
+impl ModelShape {
+    /// Reads the shape from a GGUF model's metadata.
+    pub fn from_gguf(path: &Path) -> Result<ModelShape, WorkerError> {
+        let model_err = |source| WorkerError::Model { path: path.to_path_buf(), source };
+        let gguf = GgufFile::open(path).map_err(|e| model_err(e.into()))?;
+        let cfg = LlamaConfig::from_gguf(&gguf).map_err(model_err)?;
+        let field = |name: &str, v: usize| {
+            u32::try_from(v).map_err(|_| WorkerError::Config(format!("model {name} {v} does not fit 32 bits")))
+        };
+        Ok(ModelShape {
+            n_layer: field("n_layer", cfg.n_layer)?,
+            n_kv_head: field("n_kv_head", cfg.n_kv_head)?,
+            head_dim: field("head_dim", cfg.head_dim)?,
+        })
+    }
+}
+
+/// How large the arena is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvSize {
+    /// Exactly this many blocks.
+    Blocks(u32),
+    /// As many blocks as fit in this many bytes, header included.
+    Bytes(usize),
+}
+
+/// A cpu-worker's configuration (see `cli` for the flags that fill it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Instance name in the segment names.
+    pub instance: String,
+    /// This worker's index in the segment names.
+    pub worker: u32,
+    pub shape: ModelShape,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    pub kv_size: KvSize,
+    /// CPUs to pin the worker's threads to (one each, round robin).
+    pub cpus: Option<Vec<usize>>,
+    /// NUMA node to bind the arena to (and, without `cpus`, to take the CPUs of).
+    pub numa_node: Option<u32>,
+    /// Worker threads (default: one per CPU pinned to, else all cores).
+    pub threads: Option<usize>,
+    /// Jobs in flight in the exchange ring.
+    pub ring_slots: u32,
+    /// Bytes per ring slot.
+    pub slot_bytes: usize,
+    /// Longest wait before the job loop checks for shutdown.
+    pub poll: Duration,
+}
+
+impl Config {
+    /// Default shutdown-check interval of the job loop.
+    pub const DEFAULT_POLL: Duration = Duration::from_millis(100);
+
+    /// The arena layout this configuration gives (f16 KV).
+    pub fn layout(&self) -> Result<ArenaLayout, WorkerError> {
+        let ModelShape { n_layer, n_kv_head, head_dim } = self.shape;
+        let mut layout =
+            ArenaLayout { n_layer, n_kv_head, head_dim, block_size: self.block_size, dtype: KvDtype::F16, n_blocks: 1 };
+        layout.n_blocks = match self.kv_size {
+            KvSize::Blocks(n) => n,
+            KvSize::Bytes(bytes) => layout.n_blocks_for_bytes(bytes)?,
+        };
+        if layout.n_blocks == 0 {
+            let block = layout.block_bytes()?;
+            return Err(WorkerError::Config(format!(
+                "the KV arena holds no block: {:?} is less than the {} header bytes plus one block of {block}",
+                self.kv_size,
+                layout.header_bytes()
+            )));
+        }
+        layout.validate()?;
+        Ok(layout)
+    }
+}
+
+/// Creates the arena and the exchange ring, serves jobs until `shutdown` is set (or the
+/// producer closes the ring), then closes the ring and removes both segments.
+pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerError> {
+    let layout = config.layout()?;
+    if config.slot_bytes < JOB_HEADER_BYTES + 64 || config.ring_slots == 0 {
+        return Err(WorkerError::Config(format!(
+            "{} ring slots of {} bytes: need at least one slot of {} bytes",
+            config.ring_slots,
+            config.slot_bytes,
+            JOB_HEADER_BYTES + 64
+        )));
+    }
+    let cpus = resolve_cpus(&config)?;
+    let threads = config.threads.unwrap_or_else(|| match &cpus {
+        Some(c) => c.len(),
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    });
+    let pool = build_pool(threads, cpus.clone())?;
+    let arena_name = arena_name(&config.instance, config.worker);
+    let (arena, setup) = arena::Arena::create(&arena_name, layout, config.numa_node, &pool)?;
+    let ring_name = ring_name(&config.instance, config.worker);
+    let ring_bytes = Ring::bytes_needed(config.ring_slots, config.slot_bytes)
+        .ok_or_else(|| WorkerError::Config("exchange ring size overflows".into()))?;
+    let ring_seg = Segment::create(&ring_name, ring_bytes)?;
+    let ring_locked = ring_seg.lock().is_ok();
+    let mut consumer = Ring::create(ring_seg, config.ring_slots, config.slot_bytes)?.consumer();
+    tracing::info!(
+        arena = %arena_name,
+        ring = %ring_name,
+        n_blocks = layout.n_blocks,
+        block_size = layout.block_size,
+        arena_bytes = arena.segment().len(),
+        threads,
+        cpus = ?cpus,
+        numa_node = ?config.numa_node,
+        numa_bound = setup.numa_bound,
+        arena_locked = setup.locked,
+        ring_locked,
+        "cpu-worker ready"
+    );
+    let result = pool.install(|| serve::serve(&mut consumer, &arena, shutdown, config.poll));
+    consumer.close();
+    drop(consumer);
+    drop(arena);
+    match &result {
+        Ok(stats) => tracing::info!(served = stats.served, rejected = stats.rejected, "cpu-worker stopped; segments removed"),
+        Err(e) => tracing::error!("cpu-worker stopped: {e}"),
+    }
+    result
+}
+
+/// The CPUs to pin to: `--cpus` (each must be allowed to this process), else the CPUs of
+/// `--numa-node` this process may use, else none (no pinning).
+fn resolve_cpus(config: &Config) -> Result<Option<Vec<usize>>, WorkerError> {
+    let allowed = numa::allowed_cpus();
+    if let Some(cpus) = &config.cpus {
+        if cpus.is_empty() {
+            return Err(WorkerError::Config("empty CPU list".into()));
+        }
+        if let Some(allowed) = &allowed {
+            let denied: Vec<usize> = cpus.iter().copied().filter(|c| !allowed.contains(c)).collect();
+            if !denied.is_empty() {
+                return Err(WorkerError::Config(format!(
+                    "CPUs {denied:?} are not available to this process (allowed: {allowed:?})"
+                )));
+            }
+        }
+        return Ok(Some(cpus.clone()));
+    }
+    let Some(node) = config.numa_node else { return Ok(None) };
+    match numa::node_info(node) {
+        numa::NodeInfo::Present { cpus } => {
+            let usable: Vec<usize> =
+                cpus.into_iter().filter(|c| allowed.as_ref().is_none_or(|a| a.contains(c))).collect();
+            if usable.is_empty() {
+                tracing::warn!(node, "NUMA node {node} has no CPU this process may use: threads are not pinned");
+                return Ok(None);
+            }
+            Ok(Some(usable))
+        }
+        // `Arena::create` warns about the missing node.
+        _ => Ok(None),
+    }
+}
+
+/// The worker's thread pool; thread `i` is pinned to `cpus[i % len]` when CPUs are given.
+fn build_pool(threads: usize, cpus: Option<Vec<usize>>) -> Result<rayon::ThreadPool, WorkerError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .thread_name(|i| format!("duet-cpu-{i}"))
+        .start_handler(move |i| {
+            if let Some(cpus) = &cpus {
+                let cpu = cpus[i % cpus.len()];
+                if let Err(e) = numa::pin_current_thread(&[cpu]) {
+                    tracing::warn!(thread = i, cpu, "pinning worker thread failed: {e}");
+                }
+            }
+        })
+        .build()
+        .map_err(|e| WorkerError::ThreadPool(e.to_string()))
+}

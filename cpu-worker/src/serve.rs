@@ -1,0 +1,98 @@
+//! The job loop: takes attention jobs from the exchange ring in order, runs paged decode
+//! attention for every (sequence, KV head) of a job in parallel on the worker's pool,
+//! writes the results (or an error status) into the job's slot and completes it.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use duet_common::kernels::paged_attention::{attend_group, ArenaRows, KvScratch};
+use duet_common::kv::ArenaLayout;
+use duet_common::shm::job::{decode_job, write_error, write_results, AttnJob, JobError, SeqResult};
+use duet_common::shm::{Consumer, ShmError};
+use rayon::prelude::*;
+
+use crate::arena::Arena;
+use crate::WorkerError;
+
+/// What a worker did until it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServeStats {
+    /// Jobs answered with results.
+    pub served: u64,
+    /// Jobs answered with an error status.
+    pub rejected: u64,
+}
+
+/// Serves jobs until `shutdown` is set (checked at least every `poll`) or the producer
+/// closes the ring. Call it on the worker's pool (`pool.install`) so that a job's
+/// parallel work runs on the pinned threads.
+pub fn serve(
+    consumer: &mut Consumer,
+    arena: &Arena,
+    shutdown: &AtomicBool,
+    poll: Duration,
+) -> Result<ServeStats, WorkerError> {
+    let mut stats = ServeStats::default();
+    while !shutdown.load(Ordering::Relaxed) {
+        let (seq, slot) = match consumer.next_job_timeout(poll) {
+            Ok(job) => job,
+            Err(ShmError::TimedOut { .. }) => continue,
+            Err(ShmError::Closed { .. }) => {
+                tracing::info!("exchange ring closed by the producer");
+                break;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        // SAFETY: the job is posted and not yet complete, so by the data-plane protocol the
+        // gpu-worker does not write the K/V rows it reads until `complete` below.
+        let rows = unsafe { arena.rows_of_posted_job() };
+        match answer(slot, &rows, arena.layout()) {
+            Ok(()) => stats.served += 1,
+            Err(e) => {
+                tracing::warn!(job = seq, "rejected attention job: {e}");
+                write_error(slot, &e);
+                stats.rejected += 1;
+            }
+        }
+        consumer.complete(seq);
+    }
+    Ok(stats)
+}
+
+/// Decodes the job in `slot`, attends it and writes its results; a malformed job, or a
+/// panic while attending it, becomes an error for the slot.
+pub fn answer<A: ArenaRows + ?Sized>(slot: &mut [u8], arena: &A, layout: &ArenaLayout) -> Result<(), JobError> {
+    let job = decode_job(slot, layout)?;
+    let results = catch_unwind(AssertUnwindSafe(|| attend_job(&job, arena, layout))).map_err(|panic| {
+        let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+        JobError::Internal(what.unwrap_or_else(|| "panic".into()))
+    })?;
+    write_results(slot, &job, &results)
+}
+
+/// Paged attention of every (sequence, KV head) of a validated job, in parallel; each task
+/// gathers its KV head once for its query group.
+pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &ArenaLayout) -> Vec<SeqResult> {
+    let (n_kv, hd) = (job.n_kv_head as usize, job.head_dim as usize);
+    let group = job.n_head as usize / n_kv;
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..job.seqs.len() * n_kv)
+        .into_par_iter()
+        .map_init(KvScratch::default, |scratch, task| {
+            let (s, h) = (task / n_kv, task % n_kv);
+            let seq = &job.seqs[s];
+            let r = seq.paged_range(job.layer, job.kv_padding);
+            let q = &seq.q[h * group * hd..(h + 1) * group * hd];
+            let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
+            attend_group(arena, layout, &r, h as u32, q, &mut out, &mut lse, scratch);
+            (out, lse)
+        })
+        .collect();
+    parts
+        .chunks(n_kv)
+        .map(|heads| SeqResult {
+            out: heads.iter().flat_map(|(o, _)| o.iter().copied()).collect(),
+            lse: heads.iter().flat_map(|(_, l)| l.iter().copied()).collect(),
+        })
+        .collect()
+}
