@@ -169,7 +169,7 @@ fn attend(job: &Job<'_>, out: &mut [f32]) -> f32 {
     // V · weights per output dimension, in ggml's lanes: position p adds into lane p % 64
     // for p below the last multiple of 64 of the padded length, the rest in f64 afterwards.
     let simd_end = (n_padded & !63).min(end).max(start);
-    let mut lanes = vec![0f32; 64 * hd];
+    let mut lanes = if simd_end > start { vec![0f32; 64 * hd] } else { Vec::new() };
     for p in start..simd_end {
         let i = p - start;
         let lane = &mut lanes[(p % 64) * hd..(p % 64 + 1) * hd];
@@ -177,21 +177,27 @@ fn attend(job: &Job<'_>, out: &mut [f32]) -> f32 {
             *acc = vv.mul_add(w[i], *acc);
         }
     }
-    for (d, o) in out.iter_mut().enumerate() {
-        let mut sum = if simd_end > start {
+    // Per dimension: the lanes' sum, then the remaining positions in order, in f64. The
+    // position loop is outside so that the dimensions' independent sums vectorise.
+    let mut sums = vec![0f64; hd];
+    if simd_end > start {
+        for (d, sum) in sums.iter_mut().enumerate() {
             let mut acc = [0f32; 64];
             for (l, a) in acc.iter_mut().enumerate() {
                 *a = lanes[l * hd + d];
             }
-            reduce64(&acc) as f64
-        } else {
-            0.0
-        };
-        for p in simd_end..end {
-            let i = p - start;
-            sum += (v[i * hd + d] * w[i]) as f64;
+            *sum = reduce64(&acc) as f64;
         }
-        *o = sum as f32;
+    }
+    for p in simd_end..end {
+        let i = p - start;
+        let wi = w[i];
+        for (sum, &vv) in sums.iter_mut().zip(&v[i * hd..(i + 1) * hd]) {
+            *sum += (vv * wi) as f64;
+        }
+    }
+    for (o, sum) in out.iter_mut().zip(&sums) {
+        *o = *sum as f32;
     }
     lse
 }
