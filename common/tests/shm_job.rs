@@ -107,6 +107,10 @@ fn rejection_carries_kind_and_message() {
         other => panic!("{other:?}"),
     }
     write_error(&mut [0u8; 10], &err); // too short to answer: left alone, no panic
+    // A job with a garbage header still reads back as rejected.
+    let mut garbage = vec![0xA5u8; 4096];
+    write_error(&mut garbage, &JobError::BadMagic { found: [0xA5; 4] });
+    assert!(matches!(read_results(&garbage), Err(JobError::Rejected { kind: 2, .. })));
     put(&mut slot, OFF_STATUS, 7);
     assert_eq!(read_results(&slot), Err(JobError::BadStatus(7)));
 }

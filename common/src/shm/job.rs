@@ -457,18 +457,21 @@ pub fn write_error(slot: &mut [u8], err: &JobError) {
 }
 
 /// Reads a completed job's results (the gpu-worker's side), checking the header and every
-/// size against the slot: [`JobError::Rejected`] carries the worker's error.
+/// size against the slot: [`JobError::Rejected`] carries the worker's error (whatever the
+/// rest of the header holds).
 pub fn read_results(slot: &[u8]) -> Result<Vec<SeqResult>, JobError> {
+    // A rejection is read before anything else: the worker's answer to a job whose own
+    // header was bad (wrong magic, say) still gets through.
+    if slot.len() >= HEADER_BYTES && u32_at(slot, OFF_STATUS) == STATUS_REJECTED {
+        let raw = &slot[OFF_MESSAGE..HEADER_BYTES];
+        let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+        let message = String::from_utf8_lossy(&raw[..len]).into_owned();
+        return Err(JobError::Rejected { kind: u32_at(slot, OFF_ERROR_KIND), message });
+    }
     let (h, status) = read_header(slot)?;
     match status {
         STATUS_DONE => {}
         STATUS_POSTED => return Err(JobError::NotDone),
-        STATUS_REJECTED => {
-            let raw = &slot[OFF_MESSAGE..HEADER_BYTES];
-            let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
-            let message = String::from_utf8_lossy(&raw[..len]).into_owned();
-            return Err(JobError::Rejected { kind: u32_at(slot, OFF_ERROR_KIND), message });
-        }
         other => return Err(JobError::BadStatus(other)),
     }
     // read_header checked that the results fit the slot.
