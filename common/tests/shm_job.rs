@@ -193,6 +193,10 @@ fn each_invalid_field_gives_its_error() {
         with_seq(seq(10, 20, 20, 16, &[1], q_len, 0.0)),
         JobError::RangeNotCovered { seq: 0, start: 10, end: 20, first_pos: 16, covered_end: 32 },
     );
+    check(
+        with_seq(seq(0, 65 * 16, 65 * 16, 0, &[1; 65], q_len, 0.0)),
+        JobError::TooManyBlocks { seq: 0, blocks: 65, n_blocks: 64 },
+    );
     check(with_seq(seq(5, 5, 20, 0, &[1], q_len, 0.0)), JobError::EmptyRange { seq: 0, start: 5, end: 5 });
     check(with_seq(seq(0, 9, 8, 0, &[1], q_len, 0.0)), JobError::PastContext { seq: 0, end: 9, n_ctx: 8 });
     check(AttnJob { layer: 4, ..job() }, JobError::LayerOutOfRange { layer: 4, n_layer: 4 });

@@ -106,6 +106,8 @@ pub enum JobError {
     PastContext { seq: usize, end: u32, n_ctx: u32 },
     #[error("sequence {seq}: block {block} outside the arena's {n_blocks} blocks")]
     BlockOutOfArena { seq: usize, block: u32, n_blocks: u32 },
+    #[error("sequence {seq}: {blocks} blocks, more than the arena's {n_blocks}")]
+    TooManyBlocks { seq: usize, blocks: usize, n_blocks: u32 },
     #[error("sequence {seq}: blocks cover positions {first_pos}..{covered_end}, not {start}..{end}")]
     RangeNotCovered { seq: usize, start: u32, end: u32, first_pos: u32, covered_end: u64 },
     #[error("attending the job failed inside the cpu-worker: {0}")]
@@ -138,6 +140,7 @@ impl JobError {
             JobError::BlockOutOfArena { .. } => 14,
             JobError::RangeNotCovered { .. } => 15,
             JobError::Internal(_) => 18,
+            JobError::TooManyBlocks { .. } => 19,
             JobError::Rejected { kind, .. } => *kind,
             JobError::NotDone => 16,
             JobError::BadStatus(_) => 17,
@@ -214,7 +217,8 @@ impl AttnJob {
     }
 
     /// Checks the job against the worker's arena: shape, layer, and every sequence's range
-    /// and blocks. After it, every sequence's [`SeqJob::paged_range`] fits the layout.
+    /// and blocks (at most the arena's block count, each inside it). After it, every
+    /// sequence's [`SeqJob::paged_range`] fits the layout.
     pub fn validate(&self, layout: &ArenaLayout) -> Result<(), JobError> {
         check_shape(self.n_head, self.n_kv_head, self.head_dim, self.kv_padding)?;
         if layout.dtype != KvDtype::F16 {
@@ -239,6 +243,10 @@ impl AttnJob {
             }
             if s.end > s.n_ctx {
                 return Err(JobError::PastContext { seq: i, end: s.end, n_ctx: s.n_ctx });
+            }
+            // Bounds the work and the gather buffers of a job by the arena's size.
+            if s.blocks.len() > layout.n_blocks as usize {
+                return Err(JobError::TooManyBlocks { seq: i, blocks: s.blocks.len(), n_blocks: layout.n_blocks });
             }
             if let Some(b) = s.blocks.iter().find(|b| b.0 >= layout.n_blocks) {
                 return Err(JobError::BlockOutOfArena { seq: i, block: b.0, n_blocks: layout.n_blocks });
