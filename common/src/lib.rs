@@ -5,6 +5,7 @@ pub mod error;
 pub mod kernels;
 pub mod kv;
 pub mod model;
+pub mod rpc;
 pub mod shm;
 
 pub use error::{Error, Result};
