@@ -6,85 +6,29 @@
 //! keeps serving; SIGTERM removes its segments. Prints the round trip of a small job.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead, KV_PADDING};
+use duet_common::kernels::attention::{causal_attention, KvHead, KV_PADDING};
 use duet_common::kernels::paged_attention::{merge_lse, merge_partials};
-use duet_common::kv::layout::HEADER_BYTES as ARENA_HEADER_BYTES;
 use duet_common::kv::{ArenaLayout, BlockId};
 use duet_common::shm::job::{encode_job, read_results, AttnJob, JobError, SeqJob, SeqResult};
-use duet_common::shm::{Producer, Ring, Segment, ShmError, SHM_DIR};
+use duet_common::shm::{Producer, Segment, ShmError, SHM_DIR};
 use duet_cpu_worker::{arena_name, ring_name};
 use half::f16;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-const SHAPE: AttnShape = AttnShape { n_head: 6, n_kv_head: 2, head_dim: 64 };
-const N_LAYER: u32 = 2;
-const BLOCK_SIZE: usize = 16;
+mod support;
+
+use support::{attach, Worker, BLOCK_SIZE, N_LAYER, SHAPE, WAIT};
+
 const KV_BLOCKS: u32 = 64;
 /// The layer the jobs read; the other layer holds different values, to catch wrong offsets.
 const LAYER: u32 = 1;
 /// Split-and-merged against unsplit: two f16 roundings of the softmax weights, 2 · 2^-11
 /// · max|v| with |v| <= 1 (see common/tests/paged_attention.rs).
 const SPLIT_TOL: f32 = 2.0 / 2048.0 * 1.01;
-const WAIT: Duration = Duration::from_secs(20);
-
-/// The worker process; killed, and its segments removed, if the test fails midway.
-struct Worker {
-    child: Child,
-    instance: String,
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        let _ = Segment::remove(&arena_name(&self.instance, 0));
-        let _ = Segment::remove(&ring_name(&self.instance, 0));
-    }
-}
-
-fn start_worker(instance: &str) -> Worker {
-    let child = Command::new(env!("CARGO_BIN_EXE_duet-cpu-worker"))
-        .args(["--instance", instance, "--worker", "0", "--cpus", "1"])
-        .args(["--n-layer", &N_LAYER.to_string(), "--n-kv-head", &SHAPE.n_kv_head.to_string()])
-        .args(["--head-dim", &SHAPE.head_dim.to_string(), "--block-size", &BLOCK_SIZE.to_string()])
-        .args(["--kv-blocks", &KV_BLOCKS.to_string(), "--slot-bytes", "256K"])
-        .env_remove("DUET_MODEL")
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("starting duet-cpu-worker");
-    Worker { child, instance: instance.to_string() }
-}
-
-/// Waits until the worker's ring exists and attaches (the arena is ready by then).
-fn attach(worker: &mut Worker) -> (Segment, ArenaLayout, Producer) {
-    let start = Instant::now();
-    let producer = loop {
-        let ring = Segment::open(&ring_name(&worker.instance, 0)).map_err(|e| e.to_string()).and_then(|seg| {
-            Ring::attach(seg).map_err(|e| e.to_string())
-        });
-        match ring {
-            Ok(ring) => break ring.producer(),
-            Err(e) => {
-                if let Some(status) = worker.child.try_wait().unwrap() {
-                    panic!("the worker exited with {status} before its ring appeared ({e})");
-                }
-                assert!(start.elapsed() < WAIT, "no exchange ring after {WAIT:?}: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-    };
-    let arena = Segment::open(&arena_name(&worker.instance, 0)).unwrap();
-    // SAFETY: the worker wrote the header before creating the ring and never writes it again.
-    let layout = ArenaLayout::decode_header(unsafe { arena.slice::<u8>(0, ARENA_HEADER_BYTES) }).unwrap();
-    (arena, layout, producer)
-}
 
 /// One sequence: its K/V (per KV head, contiguous) written into its arena blocks.
 struct Sequence {
@@ -189,7 +133,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 #[test]
 fn worker_serves_attention_jobs() {
     let instance = format!("test{}", std::process::id());
-    let mut worker = start_worker(&instance);
+    let mut worker = Worker::start(&instance, 0, KV_BLOCKS, &[]);
     let (arena, layout, mut producer) = attach(&mut worker);
     assert_eq!((layout.n_layer, layout.n_kv_head, layout.head_dim), (N_LAYER, 2, 64));
     assert_eq!((layout.block_size as usize, layout.n_blocks), (BLOCK_SIZE, KV_BLOCKS));
@@ -264,16 +208,8 @@ fn worker_serves_attention_jobs() {
     println!("round trip of an empty job (data plane only): median {median:.1} µs, p99 {p99:.1} µs, max {max:.1} µs");
 
     // SIGTERM: the worker stops, exits cleanly and removes its segments.
-    // SAFETY: kill has no memory effects; the pid is our live child's.
-    assert_eq!(unsafe { libc::kill(worker.child.id() as libc::pid_t, libc::SIGTERM) }, 0);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = worker.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(start.elapsed() < WAIT, "the worker did not stop after SIGTERM");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    worker.signal(libc::SIGTERM);
+    let status = worker.wait_exit(WAIT);
     assert!(status.success(), "worker exit status after SIGTERM: {status}");
     for name in [arena_name(&instance, 0), ring_name(&instance, 0)] {
         assert!(!Path::new(SHM_DIR).join(&name).exists(), "{name} was not removed");
