@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use duet_common::rpc::Address;
 
 use crate::numa::parse_cpu_list;
 use crate::{Config, KvSize, ModelShape, WorkerError};
@@ -61,6 +62,11 @@ pub struct Args {
     /// Bytes per ring slot, e.g. 1M: one job's block ids, queries and results must fit.
     #[arg(long, env = "DUET_SLOT_BYTES", default_value = "1M", value_parser = parse_bytes)]
     pub slot_bytes: usize,
+    /// Serve the gRPC control plane (duet.v1.CpuWorker and grpc.health.v1.Health) on
+    /// unix:PATH (socket made 0600) or HOST:PORT. It answers once the arena and the exchange
+    /// ring exist: a successful Info or health check means ready for jobs.
+    #[arg(long, env = "DUET_CPU_LISTEN")]
+    pub listen: Option<Address>,
 }
 
 impl Args {
@@ -93,6 +99,7 @@ impl Args {
             ring_slots: self.ring_slots,
             slot_bytes: self.slot_bytes,
             poll: Config::DEFAULT_POLL,
+            listen: self.listen,
         })
     }
 }
@@ -150,5 +157,17 @@ mod tests {
         assert!(Args::try_parse_from(["w", "--kv-blocks", "1", "--kv-bytes", "1M"]).is_err());
         let partial = Args::try_parse_from(["w", "--n-layer", "2", "--kv-blocks", "1"]).unwrap();
         assert!(matches!(partial.into_config(), Err(WorkerError::Config(_))));
+    }
+
+    #[test]
+    fn control_flags() {
+        let c = args(&["--kv-blocks", "1"]).into_config().unwrap();
+        assert_eq!(c.listen, None);
+        let c = args(&["--kv-blocks", "1", "--listen", "unix:/run/duet/cpu0.sock"]).into_config().unwrap();
+        assert_eq!(c.listen, Some(Address::Unix("/run/duet/cpu0.sock".into())));
+        let c = args(&["--kv-blocks", "1", "--listen", "127.0.0.1:0"]).into_config().unwrap();
+        assert_eq!(c.listen, Some(Address::Tcp("127.0.0.1:0".into())));
+        let base = ["w", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8", "--kv-blocks", "1"];
+        assert!(Args::try_parse_from(base.iter().chain(&["--listen", "nowhere"])).is_err());
     }
 }

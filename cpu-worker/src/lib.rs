@@ -5,23 +5,29 @@
 //!
 //! [`run`] sets everything up, serves until shutdown and removes its segments. The exchange
 //! ring is created last: once it exists (and attaches), the arena is ready for producers.
+//! With `--listen`, the gRPC control plane (`control`) starts serving right after that, so
+//! a successful Info or health check also means ready.
 
 pub mod arena;
 pub mod cli;
+pub mod control;
 pub mod numa;
 pub mod serve;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Duration;
 
 use duet_common::kv::{ArenaLayout, KvDtype, KvError};
 use duet_common::model::config::LlamaConfig;
 use duet_common::model::gguf::GgufFile;
+use duet_common::rpc::pb::CpuInfoResponse;
+use duet_common::rpc::Address;
 use duet_common::shm::job::HEADER_BYTES as JOB_HEADER_BYTES;
 use duet_common::shm::{Ring, Segment, ShmError};
 
-pub use serve::ServeStats;
+pub use serve::{JobCounters, ServeStats};
 
 /// Everything that can stop a cpu-worker, named by the step that failed.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +42,14 @@ pub enum WorkerError {
     Shm(#[from] ShmError),
     #[error("starting the worker threads: {0}")]
     ThreadPool(String),
+    #[error("control plane: binding {address}: {source}")]
+    Listen { address: Address, source: std::io::Error },
+    #[error("control plane: starting its runtime or thread: {0}")]
+    Runtime(std::io::Error),
+    #[error("control plane: serving: {0}")]
+    Serve(tonic::transport::Error),
+    #[error("control plane: its thread panicked")]
+    ControlPanic,
 }
 
 /// Name of worker `worker`'s KV arena segment in instance `instance`.
@@ -105,6 +119,8 @@ pub struct Config {
     pub slot_bytes: usize,
     /// Longest wait before the job loop checks for shutdown.
     pub poll: Duration,
+    /// Where to serve the gRPC control plane (`duet.v1.CpuWorker` and health), if anywhere.
+    pub listen: Option<Address>,
 }
 
 impl Config {
@@ -133,8 +149,10 @@ impl Config {
     }
 }
 
-/// Creates the arena and the exchange ring, serves jobs until `shutdown` is set (or the
-/// producer closes the ring), then closes the ring and removes both segments.
+/// Creates the arena and the exchange ring, serves the control plane when `listen` is set,
+/// serves jobs until `shutdown`
+/// is set (or the producer closes the ring), then stops the control plane, closes the ring
+/// and removes both segments.
 pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerError> {
     let layout = config.layout()?;
     if config.slot_bytes < JOB_HEADER_BYTES + 64 || config.ring_slots == 0 {
@@ -145,6 +163,8 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
             JOB_HEADER_BYTES + 64
         )));
     }
+    // Bound first: a busy address fails before the expensive setup.
+    let control = config.listen.as_ref().map(control::ControlPlane::bind).transpose()?;
     let cpus = resolve_cpus(&config)?;
     let threads = config.threads.unwrap_or_else(|| match &cpus {
         Some(c) => c.len(),
@@ -152,28 +172,53 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
     });
     let pool = build_pool(threads, cpus.clone())?;
     let arena_name = arena_name(&config.instance, config.worker);
-    let (arena, setup) = arena::Arena::create(&arena_name, layout, config.numa_node, &pool)?;
     let ring_name = ring_name(&config.instance, config.worker);
+    let (arena, setup) = arena::Arena::create(&arena_name, layout, config.numa_node, &pool)?;
     let ring_bytes = Ring::bytes_needed(config.ring_slots, config.slot_bytes)
         .ok_or_else(|| WorkerError::Config("exchange ring size overflows".into()))?;
     let ring_seg = Segment::create(&ring_name, ring_bytes)?;
     let ring_locked = ring_seg.lock().is_ok();
     let mut consumer = Ring::create(ring_seg, config.ring_slots, config.slot_bytes)?.consumer();
-    tracing::info!(
-        arena = %arena_name,
-        ring = %ring_name,
-        n_blocks = layout.n_blocks,
-        block_size = layout.block_size,
-        arena_bytes = arena.segment().len(),
-        threads,
-        cpus = ?cpus,
-        numa_node = ?config.numa_node,
-        numa_bound = setup.numa_bound,
-        arena_locked = setup.locked,
-        ring_locked,
-        "cpu-worker ready"
-    );
-    let result = pool.install(|| serve::serve(&mut consumer, &arena, shutdown, config.poll));
+    let counters = Arc::new(JobCounters::default());
+    let fixed = CpuInfoResponse {
+        worker: config.worker,
+        arena_segment: arena_name.clone(),
+        ring_segment: ring_name.clone(),
+        kv_blocks: layout.n_blocks,
+        block_size: layout.block_size,
+        pid: std::process::id(),
+        jobs_served: 0,
+        jobs_rejected: 0,
+        threads: u32::try_from(pool.current_num_threads()).unwrap_or(u32::MAX),
+        numa_node: config.numa_node.filter(|_| setup.numa_bound),
+        arena_locked: setup.locked,
+    };
+    let listen = control.as_ref().map(|c| c.address().to_string());
+    let result = std::thread::scope(|scope| {
+        let serving = match control {
+            Some(c) => Some(c.serve(scope, control::InfoService::new(fixed, counters.clone()), shutdown)?),
+            None => None,
+        };
+        tracing::info!(
+            arena = %arena_name,
+            ring = %ring_name,
+            n_blocks = layout.n_blocks,
+            block_size = layout.block_size,
+            arena_bytes = arena.segment().len(),
+            threads,
+            cpus = ?cpus,
+            numa_node = ?config.numa_node,
+            numa_bound = setup.numa_bound,
+            arena_locked = setup.locked,
+            ring_locked,
+            listen = listen.as_deref().unwrap_or("-"),
+            "cpu-worker ready"
+        );
+        let served = pool.install(|| serve::serve(&mut consumer, &arena, shutdown, config.poll, &counters));
+        // The control plane goes first, so nobody is told "ready" about segments being removed.
+        let stopped = serving.map_or(Ok(()), control::Serving::stop);
+        served.and_then(|stats| stopped.map(|()| stats))
+    });
     consumer.close();
     drop(consumer);
     drop(arena);

@@ -3,7 +3,7 @@
 //! writes the results (or an error status) into the job's slot and completes it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use duet_common::kernels::paged_attention::{attend_group, ArenaRows, KvScratch};
@@ -24,16 +24,31 @@ pub struct ServeStats {
     pub rejected: u64,
 }
 
+/// Live job counters, shared by the job loop (which counts) and the control plane (which
+/// reports them); one relaxed increment per job.
+#[derive(Debug, Default)]
+pub struct JobCounters {
+    served: AtomicU64,
+    rejected: AtomicU64,
+}
+
+impl JobCounters {
+    /// The counts so far.
+    pub fn snapshot(&self) -> ServeStats {
+        ServeStats { served: self.served.load(Ordering::Relaxed), rejected: self.rejected.load(Ordering::Relaxed) }
+    }
+}
+
 /// Serves jobs until `shutdown` is set (checked at least every `poll`) or the producer
-/// closes the ring. Call it on the worker's pool (`pool.install`) so that a job's
-/// parallel work runs on the pinned threads.
+/// closes the ring, counting them in `counters`. Call it on the worker's pool
+/// (`pool.install`) so that a job's parallel work runs on the pinned threads.
 pub fn serve(
     consumer: &mut Consumer,
     arena: &Arena,
     shutdown: &AtomicBool,
     poll: Duration,
+    counters: &JobCounters,
 ) -> Result<ServeStats, WorkerError> {
-    let mut stats = ServeStats::default();
     while !shutdown.load(Ordering::Relaxed) {
         let (seq, slot) = match consumer.next_job_timeout(poll) {
             Ok(job) => job,
@@ -48,16 +63,18 @@ pub fn serve(
         // gpu-worker does not write the K/V rows it reads until `complete` below.
         let rows = unsafe { arena.rows_of_posted_job() };
         match answer(slot, &rows, arena.layout()) {
-            Ok(()) => stats.served += 1,
+            Ok(()) => {
+                counters.served.fetch_add(1, Ordering::Relaxed);
+            }
             Err(e) => {
                 tracing::warn!(job = seq, "rejected attention job: {e}");
                 write_error(slot, &e);
-                stats.rejected += 1;
+                counters.rejected.fetch_add(1, Ordering::Relaxed);
             }
         }
         consumer.complete(seq);
     }
-    Ok(stats)
+    Ok(counters.snapshot())
 }
 
 /// Decodes the job in `slot`, attends it and writes its results; a malformed job, or a
