@@ -11,13 +11,17 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::numa::{self, NodeInfo};
+use crate::stale::{lock_owner, OwnerLock};
 use crate::WorkerError;
 
-/// A created KV arena; its segment is removed when this drops.
+/// A created KV arena; its segment is removed when this drops, and only then is its owner
+/// lock released (fields drop in declaration order), so a `--replace` that finds the lock
+/// free never races the removal.
 #[derive(Debug)]
 pub struct Arena {
     seg: Segment,
     layout: ArenaLayout,
+    _owner: OwnerLock,
 }
 
 /// How arena setup went where the worker carries on regardless (reported in the ready log).
@@ -30,9 +34,10 @@ pub struct ArenaSetup {
 }
 
 impl Arena {
-    /// Creates `/dev/shm/<name>` for `layout`, binds it to `numa_node` when given and
-    /// present (else warns), first-touches every page from `pool`'s (pinned) threads, writes
-    /// the header and locks the segment (warning if the memlock limit refuses).
+    /// Creates `/dev/shm/<name>` for `layout`, takes its owner lock (see `stale`), binds it
+    /// to `numa_node` when given and present (else warns), first-touches every page from
+    /// `pool`'s (pinned) threads, writes the header and locks the segment (warning if the
+    /// memlock limit refuses).
     pub fn create(
         name: &str,
         layout: ArenaLayout,
@@ -42,6 +47,7 @@ impl Arena {
         let header = layout.encode_header()?;
         let len = layout.total_bytes()?;
         let seg = Segment::create(name, len)?;
+        let owner = lock_owner(seg.path())?;
         let mut setup = ArenaSetup::default();
         if let Some(node) = numa_node {
             setup.numa_bound = bind(&seg, node);
@@ -52,7 +58,7 @@ impl Arena {
         // other slice of the header range exists.
         unsafe { seg.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
         setup.locked = seg.lock().is_ok();
-        Ok((Arena { seg, layout }, setup))
+        Ok((Arena { seg, layout, _owner: owner }, setup))
     }
 
     /// The arena's layout.

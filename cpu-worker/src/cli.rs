@@ -67,6 +67,10 @@ pub struct Args {
     /// ring exist: a successful Info or health check means ready for jobs.
     #[arg(long, env = "DUET_CPU_LISTEN")]
     pub listen: Option<Address>,
+    /// Remove segments of this worker's names left behind by a previous worker that died
+    /// without removing them (e.g. killed by SIGKILL). A running worker's are never removed.
+    #[arg(long, env = "DUET_CPU_REPLACE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub replace: bool,
 }
 
 impl Args {
@@ -100,6 +104,7 @@ impl Args {
             slot_bytes: self.slot_bytes,
             poll: Config::DEFAULT_POLL,
             listen: self.listen,
+            replace: self.replace,
         })
     }
 }
@@ -162,9 +167,9 @@ mod tests {
     #[test]
     fn control_flags() {
         let c = args(&["--kv-blocks", "1"]).into_config().unwrap();
-        assert_eq!(c.listen, None);
-        let c = args(&["--kv-blocks", "1", "--listen", "unix:/run/duet/cpu0.sock"]).into_config().unwrap();
-        assert_eq!(c.listen, Some(Address::Unix("/run/duet/cpu0.sock".into())));
+        assert_eq!((c.listen, c.replace), (None, false));
+        let c = args(&["--kv-blocks", "1", "--listen", "unix:/run/duet/cpu0.sock", "--replace"]).into_config().unwrap();
+        assert_eq!((c.listen, c.replace), (Some(Address::Unix("/run/duet/cpu0.sock".into())), true));
         let c = args(&["--kv-blocks", "1", "--listen", "127.0.0.1:0"]).into_config().unwrap();
         assert_eq!(c.listen, Some(Address::Tcp("127.0.0.1:0".into())));
         let base = ["w", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8", "--kv-blocks", "1"];

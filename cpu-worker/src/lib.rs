@@ -13,6 +13,7 @@ pub mod cli;
 pub mod control;
 pub mod numa;
 pub mod serve;
+pub mod stale;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -42,6 +43,12 @@ pub enum WorkerError {
     Shm(#[from] ShmError),
     #[error("starting the worker threads: {0}")]
     ThreadPool(String),
+    #[error("shared-memory segment {path} already exists and no running cpu-worker holds it: a previous worker of this --instance and --worker died without removing it; start with --replace to remove it")]
+    StaleSegment { path: PathBuf },
+    #[error("shared-memory segment {path} belongs to a running cpu-worker (it holds the arena's lock): stop that worker first, or give this one another --instance or --worker")]
+    SegmentInUse { path: PathBuf },
+    #[error("locking the arena segment {path}: {source}")]
+    OwnerLock { path: PathBuf, source: std::io::Error },
     #[error("control plane: binding {address}: {source}")]
     Listen { address: Address, source: std::io::Error },
     #[error("control plane: starting its runtime or thread: {0}")]
@@ -121,6 +128,8 @@ pub struct Config {
     pub poll: Duration,
     /// Where to serve the gRPC control plane (`duet.v1.CpuWorker` and health), if anywhere.
     pub listen: Option<Address>,
+    /// Remove segments of the same names a dead previous worker left behind.
+    pub replace: bool,
 }
 
 impl Config {
@@ -149,8 +158,8 @@ impl Config {
     }
 }
 
-/// Creates the arena and the exchange ring, serves the control plane when `listen` is set,
-/// serves jobs until `shutdown`
+/// Creates the arena and the exchange ring (after removing a dead predecessor's with
+/// `replace`), serves the control plane when `listen` is set, serves jobs until `shutdown`
 /// is set (or the producer closes the ring), then stops the control plane, closes the ring
 /// and removes both segments.
 pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerError> {
@@ -163,7 +172,8 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
             JOB_HEADER_BYTES + 64
         )));
     }
-    // Bound first: a busy address fails before the expensive setup.
+    // Bound first: a busy address fails before the expensive setup, and before `replace`
+    // could remove the segments of a worker still serving on it.
     let control = config.listen.as_ref().map(control::ControlPlane::bind).transpose()?;
     let cpus = resolve_cpus(&config)?;
     let threads = config.threads.unwrap_or_else(|| match &cpus {
@@ -173,6 +183,7 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
     let pool = build_pool(threads, cpus.clone())?;
     let arena_name = arena_name(&config.instance, config.worker);
     let ring_name = ring_name(&config.instance, config.worker);
+    stale::clear_leftovers(&arena_name, &ring_name, config.replace)?;
     let (arena, setup) = arena::Arena::create(&arena_name, layout, config.numa_node, &pool)?;
     let ring_bytes = Ring::bytes_needed(config.ring_slots, config.slot_bytes)
         .ok_or_else(|| WorkerError::Config("exchange ring size overflows".into()))?;

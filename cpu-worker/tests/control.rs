@@ -1,12 +1,15 @@
 //! The real duet-cpu-worker binary's control plane over a real Unix socket: Info reports
 //! the worker's segments, layout and live job counters (jobs posted through the exchange
 //! ring as the gpu-worker does), health says SERVING, and SIGTERM tells health watchers
-//! NOT_SERVING and removes the socket and the segments.
+//! NOT_SERVING and removes the socket and the segments. After a SIGKILL the leftovers stop
+//! a new worker of the same name with an error naming --replace; with --replace it comes
+//! up, and a running worker's segments are never replaced.
 
 mod support;
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::ExitStatus;
+use std::path::Path;
+use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use duet_common::kernels::attention::KV_PADDING;
@@ -16,7 +19,7 @@ use duet_common::rpc::{channel, Address};
 use duet_common::shm::job::{encode_job, read_results, AttnJob, JobError};
 use duet_common::shm::Producer;
 use duet_cpu_worker::{arena_name, ring_name};
-use support::{attach, TempDir, Worker, BLOCK_SIZE, SHAPE, WAIT};
+use support::{attach, wait_exit, TempDir, Worker, BLOCK_SIZE, SHAPE, WAIT};
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 use tonic_health::pb::health_client::HealthClient;
@@ -161,6 +164,77 @@ fn info_health_and_shutdown() {
     assert!(status.success(), "worker exit status after SIGTERM: {status}");
     assert!(!socket.exists(), "the socket was not removed");
     for path in worker.segment_paths() {
+        assert!(!path.exists(), "{} was not removed", path.display());
+    }
+}
+
+#[test]
+fn replace_after_sigkill() {
+    let dir = TempDir::new("replace");
+    let socket = dir.join("cpu.sock");
+    let address = Address::Unix(socket.clone());
+    let listen = address.to_string();
+    let instance = format!("rpl{}", std::process::id());
+    let rt = runtime();
+    let _context = rt.enter();
+    let mut client = CpuWorkerClient::new(channel(&address).unwrap());
+
+    // A worker killed without a chance to clean up leaves its segments and socket behind.
+    let mut first = Worker::start(&instance, 0, 16, &["--listen", &listen]);
+    let first_info = wait_ready(&rt, &mut client, &mut first);
+    first.signal(libc::SIGKILL);
+    first.wait_exit(WAIT);
+    for path in first.segment_paths().iter().chain([&socket]) {
+        assert!(path.exists(), "{} should be left behind by SIGKILL", path.display());
+    }
+
+    // Without --replace: a clear error naming the segment and --replace, nothing removed.
+    let log = dir.join("refused.log");
+    let mut cmd = Worker::command(&instance, 0, 16, &["--listen", &listen]);
+    cmd.stderr(std::fs::File::create(&log).unwrap());
+    let mut refused = cmd.spawn().unwrap();
+    let status = wait_exit(&mut refused, WAIT);
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success(), "started over a dead worker's segments without --replace");
+    assert!(stderr.contains("--replace") && stderr.contains(&arena_name(&instance, 0)), "{stderr}");
+    for path in first.segment_paths() {
+        assert!(path.exists(), "{} removed without --replace", path.display());
+    }
+
+    // With --replace (here from the environment): it comes up on the same names.
+    let log = dir.join("replacing.log");
+    let mut cmd = Worker::command(&instance, 0, 16, &["--listen", &listen]);
+    cmd.env("DUET_CPU_REPLACE", "1").stderr(std::fs::File::create(&log).unwrap());
+    let mut second = Worker::spawn(cmd, &instance, 0);
+    let second_info = wait_ready(&rt, &mut client, &mut second);
+    assert_eq!(second_info.pid, second.child.id());
+    assert_ne!(second_info.pid, first_info.pid);
+    let (_arena, _layout, mut producer) = attach(&mut second);
+    post_empty_job(&mut producer).unwrap();
+
+    // A running worker's segments are never replaced: on its socket the address is in use,
+    // elsewhere its arena's lock refuses.
+    let other_socket = Address::Unix(dir.join("other.sock")).to_string();
+    for (extra, expect) in [
+        (&["--replace", "--listen", &listen][..], "in use"),
+        (&["--replace", "--listen", &other_socket][..], "running cpu-worker"),
+        (&["--replace"][..], "running cpu-worker"),
+    ] {
+        let output = Worker::command(&instance, 0, 16, extra).stderr(Stdio::piped()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && stderr.contains(expect), "{extra:?}: {}\n{stderr}", output.status);
+    }
+    assert!(!Path::new(&dir.join("other.sock")).exists(), "a refused worker left its socket");
+    post_empty_job(&mut producer).unwrap();
+    assert_eq!(info(&rt, &mut client).jobs_served, 2, "the running worker kept serving");
+
+    second.signal(libc::SIGTERM);
+    assert!(wait_exit_driving(&rt, &mut second).success());
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    for name in [arena_name(&instance, 0), ring_name(&instance, 0)] {
+        assert!(stderr.contains("--replace: removed") && stderr.contains(&name), "no warning naming {name}:\n{stderr}");
+    }
+    for path in second.segment_paths().iter().chain([&socket]) {
         assert!(!path.exists(), "{} was not removed", path.display());
     }
 }

@@ -1,0 +1,165 @@
+//! Segments a dead worker left behind: an exclusive `flock` on the arena file, held for the
+//! whole life of the worker that created it, tells them apart from a live worker's, and
+//! `--replace` removes them. The kernel drops the lock when its holder exits, SIGKILL
+//! included, so a lock that is free means nobody serves from those segments any more.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use duet_common::shm::{Segment, SHM_DIR};
+
+use crate::WorkerError;
+
+/// The owner lock on a worker's arena file; released when this drops (after the segment
+/// was removed, see `Arena`).
+#[derive(Debug)]
+pub struct OwnerLock {
+    _file: File,
+}
+
+/// Takes the owner lock on the arena segment this process has just created at `path`.
+pub fn lock_owner(path: &Path) -> Result<OwnerLock, WorkerError> {
+    let lock_err = |source| WorkerError::OwnerLock { path: path.to_path_buf(), source };
+    let file = open_no_follow(path).map_err(lock_err)?;
+    match try_lock(&file) {
+        Ok(true) => Ok(OwnerLock { _file: file }),
+        // Another worker of the same name locked it between our creating and locking it.
+        Ok(false) => Err(WorkerError::SegmentInUse { path: path.to_path_buf() }),
+        Err(e) => Err(lock_err(e)),
+    }
+}
+
+/// What is at a segment's name before this worker creates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Found {
+    Nothing,
+    /// A file nobody holds the owner lock on.
+    Stale,
+    /// A file a running worker holds the owner lock on.
+    Live,
+}
+
+/// Makes sure the worker can create `arena` and `ring`. A live worker's arena is always an
+/// error (`SegmentInUse`). Leftovers of a dead worker are removed when `replace` is set,
+/// with a warning naming each, and are a `StaleSegment` error suggesting `--replace`
+/// otherwise. The ring has no lock of its own: it goes with the arena's owner.
+pub fn clear_leftovers(arena: &str, ring: &str, replace: bool) -> Result<(), WorkerError> {
+    let arena_path = Path::new(SHM_DIR).join(arena);
+    let ring_path = Path::new(SHM_DIR).join(ring);
+    let arena_found = probe(&arena_path)?;
+    if arena_found == Found::Live {
+        return Err(WorkerError::SegmentInUse { path: arena_path });
+    }
+    let mut leftovers: Vec<(&str, PathBuf)> = Vec::new();
+    if arena_found != Found::Nothing {
+        leftovers.push((arena, arena_path));
+    }
+    if exists(&ring_path) {
+        leftovers.push((ring, ring_path));
+    }
+    if let Some((_, path)) = leftovers.first().filter(|_| !replace) {
+        return Err(WorkerError::StaleSegment { path: path.clone() });
+    }
+    for (name, path) in leftovers {
+        if Segment::remove(name)? {
+            tracing::warn!(
+                segment = %path.display(),
+                "--replace: removed a segment that a previous cpu-worker of this name left behind (no running worker holds it)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether `path` exists (a dangling link counts: creating over it fails too).
+fn exists(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
+}
+
+/// What is at `path`: nothing, a file nobody holds the owner lock on, or a live worker's.
+fn probe(path: &Path) -> Result<Found, WorkerError> {
+    let file = match open_no_follow(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Found::Nothing),
+        // Not ours to open (another user's file, or a link): no worker of this user serves
+        // from it, and removing it is up to `--replace` (which may fail in turn).
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM | libc::ELOOP)) => {
+            return Ok(Found::Stale)
+        }
+        Err(e) => return Err(WorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
+    };
+    // Our probe's lock, if taken, is released when `file` closes at the end of this call.
+    match try_lock(&file) {
+        Ok(true) => Ok(Found::Stale),
+        Ok(false) => Ok(Found::Live),
+        Err(e) => Err(WorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
+    }
+}
+
+fn open_no_follow(path: &Path) -> io::Result<File> {
+    OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
+/// `flock(LOCK_EX | LOCK_NB)`: `Ok(false)` when another open file holds a lock.
+fn try_lock(file: &File) -> io::Result<bool> {
+    // SAFETY: flock only takes a lock on the open file; the fd is valid while `file` lives.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Ok(false);
+    }
+    Err(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(tag: &str) -> String {
+        format!("duet-stale-unit-{}-{tag}", std::process::id())
+    }
+
+    #[test]
+    fn leftovers_are_told_from_live_segments() {
+        let (arena, ring) = (name("kv"), name("xchg"));
+        assert!(clear_leftovers(&arena, &ring, false).is_ok(), "nothing there");
+
+        // A live owner: refused with or without --replace, and left alone.
+        let seg = Segment::create(&arena, 4096).unwrap();
+        let lock = lock_owner(seg.path()).unwrap();
+        for replace in [false, true] {
+            let e = clear_leftovers(&arena, &ring, replace).unwrap_err();
+            assert!(matches!(e, WorkerError::SegmentInUse { .. }), "{e}");
+        }
+        assert!(seg.path().exists());
+        assert!(matches!(lock_owner(seg.path()), Err(WorkerError::SegmentInUse { .. })));
+
+        // The owner is gone but the files stay (as after SIGKILL).
+        drop(lock);
+        let mut seg = seg;
+        seg.persist();
+        drop(seg);
+        let mut ring_seg = Segment::create(&ring, 4096).unwrap();
+        ring_seg.persist();
+        drop(ring_seg);
+        let e = clear_leftovers(&arena, &ring, false).unwrap_err();
+        assert!(matches!(e, WorkerError::StaleSegment { .. }) && e.to_string().contains("--replace"), "{e}");
+        clear_leftovers(&arena, &ring, true).unwrap();
+        for n in [&arena, &ring] {
+            assert!(!Path::new(SHM_DIR).join(n).exists(), "{n} was not removed");
+        }
+
+        // A ring alone (its worker died while removing its segments) is a leftover too.
+        let mut ring_seg = Segment::create(&ring, 4096).unwrap();
+        ring_seg.persist();
+        drop(ring_seg);
+        assert!(matches!(clear_leftovers(&arena, &ring, false), Err(WorkerError::StaleSegment { .. })));
+        clear_leftovers(&arena, &ring, true).unwrap();
+        assert!(!Path::new(SHM_DIR).join(&ring).exists());
+    }
+}
