@@ -1,5 +1,5 @@
-//! Command-line interface of duet-gpu-worker: the standalone `run`, `tokenize` and
-//! `perplexity` commands over the single-process runner.
+//! Command-line interface of duet-gpu-worker: `serve` (worker mode, for the gateway) and the
+//! standalone `run`, `tokenize` and `perplexity` commands over the single-process runner.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -12,7 +12,7 @@ use crate::runner::{Engine, GenerateRequest};
 use crate::sampler::SamplingParams;
 
 #[derive(Debug, Parser)]
-#[command(name = "duet-gpu-worker", version, about = "Duet's model runner (standalone commands)")]
+#[command(name = "duet-gpu-worker", version, about = "Duet's model runner: worker mode for the gateway, or standalone commands")]
 pub struct Cli {
     /// Worker threads for the CPU device (default: all cores).
     #[arg(long, global = true, env = "DUET_THREADS")]
@@ -23,6 +23,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Serve steps to the gateway over gRPC (worker mode).
+    Serve(ServeArgs),
     /// Generate text from a prompt in this process (no gateway, no other worker).
     Run(RunArgs),
     /// Print the token ids of a text as JSON: {"ids": [...]}.
@@ -36,6 +38,19 @@ pub struct ModelArg {
     /// GGUF model file.
     #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
     pub model: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Address to serve on: unix:PATH (default for local processes) or HOST:PORT.
+    #[arg(long, env = "DUET_GPU_LISTEN")]
+    pub listen: duet_common::rpc::Address,
+    /// Longest wait, in milliseconds, for a cpu-worker's answer to one attention job before
+    /// the step fails and the worker counts as down.
+    #[arg(long, env = "DUET_JOB_TIMEOUT_MS", default_value_t = 10_000)]
+    pub job_timeout_ms: u64,
 }
 
 #[derive(Debug, Args)]
@@ -63,6 +78,12 @@ pub struct RunArgs {
     /// Keep the smallest set of tokens whose probability reaches P (1: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub min_p: f32,
+    /// Penalise tokens seen in the last 64 (1: off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repetition_penalty: f32,
     /// Random seed for sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -100,6 +121,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
     }
     match cli.command {
+        Command::Serve(args) => serve(args),
         Command::Run(args) => run_generate(args),
         Command::Tokenize(args) => {
             let engine = load(&args.model)?;
@@ -123,6 +145,42 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// Worker mode: load the model, serve until SIGTERM or Ctrl-C.
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let start = std::time::Instant::now();
+    let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
+    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, timeout)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.model.model.display()))?;
+    tracing::info!(model = %args.model.model.display(), ms = start.elapsed().as_millis() as u64, "model loaded");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    rt.block_on(async {
+        let listener = duet_common::rpc::Listener::bind(&args.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
+        tracing::info!(listen = %args.listen, "gpu-worker serving");
+        crate::worker::service::serve(service, listener, shutdown_signal()).await?;
+        tracing::info!("gpu-worker stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(e) => {
+            tracing::warn!("cannot watch SIGTERM ({e}); stopping on Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
 fn load(model: &ModelArg) -> anyhow::Result<Engine> {
     let start = std::time::Instant::now();
     let engine = Engine::load(&model.model).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
@@ -131,7 +189,14 @@ fn load(model: &ModelArg) -> anyhow::Result<Engine> {
 }
 
 fn run_generate(args: RunArgs) -> anyhow::Result<()> {
-    let sampling = SamplingParams { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p, seed: args.seed };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+    };
     // Reject bad flags before spending time on loading the model.
     sampling.validate()?;
     let engine = load(&args.model)?;

@@ -10,6 +10,8 @@ pub enum WorkerError {
     PromptTooLong { prompt: usize, context: usize },
     #[error("context full: {needed} positions needed, the KV cache holds {capacity}")]
     ContextFull { needed: usize, capacity: usize },
+    #[error("step: {0}")]
+    Step(String),
 }
 
 impl From<duet_common::model::gguf::GgufError> for WorkerError {

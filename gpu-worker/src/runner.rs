@@ -129,11 +129,13 @@ impl Engine {
             decode_time: Duration::ZERO,
         };
         let mut stream = StreamDecoder::default();
+        let mut history = req.prompt_ids.clone();
         loop {
             if req.top_n > 0 {
                 out.top.push(top_n(&logits, req.top_n));
             }
-            let token = sampler.sample(&logits);
+            let token = sampler.sample(&logits, &history);
+            history.push(token);
             out.generated_ids.push(token);
             let piece = stream.push(self.tokenizer.token_bytes(token)?);
             on_text(&piece);

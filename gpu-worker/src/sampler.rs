@@ -1,5 +1,6 @@
-//! Token sampling: greedy, or temperature with top-k and top-p filtering from a seeded RNG
-//! (the order of llama.cpp's default chain: top-k, top-p, temperature, draw).
+//! Token sampling: a repetition penalty over the last tokens, then greedy, or temperature
+//! with top-k, top-p and min-p filtering from a seeded RNG (the order of llama.cpp's default
+//! chain: penalties, top-k, top-p, min-p, temperature, draw).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -15,12 +16,19 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// 1 means no top-p filter.
     pub top_p: f32,
+    /// 0 means no min-p filter.
+    pub min_p: f32,
+    /// 1 means no penalty.
+    pub repetition_penalty: f32,
     pub seed: u64,
 }
 
+/// Tokens the repetition penalty looks back over (llama.cpp's default `penalty_last_n`).
+pub const PENALTY_LAST_N: usize = 64;
+
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
     }
 }
 
@@ -31,6 +39,15 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(WorkerError::InvalidRequest(format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if !(self.min_p >= 0.0 && self.min_p < 1.0) {
+            return Err(WorkerError::InvalidRequest(format!("min_p must be in [0, 1), got {}", self.min_p)));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(WorkerError::InvalidRequest(format!(
+                "repetition_penalty must be a finite number > 0, got {}",
+                self.repetition_penalty
+            )));
         }
         Ok(())
     }
@@ -60,8 +77,17 @@ impl Sampler {
         Ok(Sampler { params, rng: StdRng::seed_from_u64(params.seed) })
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// Draws the next token; `history` holds the sequence's tokens so far (prompt included),
+    /// the last [`PENALTY_LAST_N`] of which the repetition penalty applies to.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = self.params;
+        let penalised;
+        let logits = if p.repetition_penalty != 1.0 {
+            penalised = penalise(logits, &history[history.len().saturating_sub(PENALTY_LAST_N)..], p.repetition_penalty);
+            &penalised[..]
+        } else {
+            logits
+        };
         if p.temperature == 0.0 {
             return argmax(logits);
         }
@@ -80,6 +106,12 @@ impl Sampler {
             });
             cand.truncate(keep.map_or(cand.len(), |i| i + 1));
         }
+        if p.min_p > 0.0 {
+            // Keep tokens with probability >= min_p * the top one's: logit >= top + ln(min_p).
+            let floor = cand[0].1 + p.min_p.ln();
+            let keep = cand.iter().take_while(|c| c.1 >= floor).count().max(1);
+            cand.truncate(keep);
+        }
         let probs = softmax_of(&cand, p.temperature);
         let r: f64 = self.rng.random();
         let mut acc = 0.0;
@@ -91,6 +123,19 @@ impl Sampler {
         }
         cand.last().map_or(0, |c| c.0)
     }
+}
+
+/// llama.cpp's repetition penalty: each distinct token of `recent` has a positive logit
+/// divided by `penalty`, a negative one multiplied.
+fn penalise(logits: &[f32], recent: &[u32], penalty: f32) -> Vec<f32> {
+    let mut out = logits.to_vec();
+    let mut seen = std::collections::HashSet::new();
+    for &t in recent {
+        if let (true, Some(l)) = (seen.insert(t), out.get_mut(t as usize)) {
+            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+        }
+    }
+    out
 }
 
 fn softmax_of(cand: &[(u32, f32)], temperature: f32) -> Vec<f64> {
@@ -112,12 +157,12 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_seed_is_reproducible() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, top_p: 1.0, seed: 7 }).unwrap();
-        assert_eq!(s.sample(&logits), argmax(&logits));
-        let params = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: 42 };
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, seed: 7, ..Default::default() }).unwrap();
+        assert_eq!(s.sample(&logits, &[]), argmax(&logits));
+        let params = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: 42, ..Default::default() };
         let draw = |p| {
             let mut s = Sampler::new(p).unwrap();
-            (0..20).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+            (0..20).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
         };
         assert_eq!(draw(params), draw(params));
         assert_ne!(draw(params), draw(SamplingParams { seed: 43, ..params }));
@@ -128,8 +173,8 @@ mod tests {
         // One token holds almost all the mass: top_p 0.5 must always return it.
         let mut logits = vec![0.0f32; 50];
         logits[17] = 20.0;
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 0, top_p: 0.5, seed: 1 }).unwrap();
-        assert!((0..50).all(|_| s.sample(&logits) == 17));
+        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_p: 0.5, seed: 1, ..Default::default() }).unwrap();
+        assert!((0..50).all(|_| s.sample(&logits, &[]) == 17));
     }
 
     #[test]
@@ -139,8 +184,34 @@ mod tests {
             SamplingParams { temperature: f32::NAN, ..Default::default() },
             SamplingParams { top_p: 0.0, ..Default::default() },
             SamplingParams { top_p: 1.5, ..Default::default() },
+            SamplingParams { min_p: 1.0, ..Default::default() },
+            SamplingParams { min_p: -0.1, ..Default::default() },
+            SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+            SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() },
         ] {
             assert!(matches!(Sampler::new(p), Err(WorkerError::InvalidRequest(_))), "{p:?}");
         }
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        // Token 3 is 20x likelier than the others: with min_p 0.1 only it survives.
+        let mut logits = vec![0.0f32; 10];
+        logits[3] = 20f32.ln();
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.1, seed: 3, ..Default::default() }).unwrap();
+        assert!((0..50).all(|_| s.sample(&logits, &[]) == 3));
+    }
+
+    #[test]
+    fn repetition_penalty_applies_to_recent_tokens_only() {
+        let logits = [2.0f32, 1.9, -1.0];
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..Default::default() }).unwrap();
+        // Token 0 was seen: 2.0 / 1.5 < 1.9, so greedy picks token 1.
+        assert_eq!(s.sample(&logits, &[0]), 1);
+        // Seen long ago (more than PENALTY_LAST_N tokens back): no penalty.
+        let mut old = vec![0u32];
+        old.extend(std::iter::repeat_n(2, PENALTY_LAST_N));
+        assert_eq!(s.sample(&logits, &old), 0);
+        assert_eq!(penalise(&logits, &[2, 2], 1.5), vec![2.0, 1.9, -1.5]);
     }
 }

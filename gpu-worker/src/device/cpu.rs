@@ -146,7 +146,6 @@ impl CpuModel {
     /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
     /// cache, and returns the logits asked for (`[row][vocab]`).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
-        let c = &self.config;
         let n = tokens.len();
         let pos0 = kv.len;
         if n == 0 {
@@ -155,8 +154,37 @@ impl CpuModel {
         if pos0 + n > kv.capacity {
             return Err(WorkerError::ContextFull { needed: pos0 + n, capacity: kv.capacity });
         }
+        let positions: Vec<usize> = (pos0..pos0 + n).collect();
+        let rows: Vec<usize> = match logits {
+            Logits::Last => vec![n - 1],
+            Logits::From(i) => (i.min(n - 1)..n).collect(),
+        };
+        let out = self.forward_rows(tokens, &positions, &mut KvCacheAttention { kv: &mut *kv, pos0 }, &rows)?;
+        kv.len = pos0 + n;
+        Ok(out)
+    }
+
+    /// Runs a batch of rows through the model: `tokens[i]` at position `positions[i]`, with
+    /// attention (and the K/V it stores) left to `attention`; returns the logits of
+    /// `logit_rows` (`[row][vocab]`). Every row is computed on its own in the linear layers
+    /// (quantised per row), so a row's result does not depend on the batch it rides in.
+    pub fn forward_rows(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        attention: &mut dyn Attention,
+        logit_rows: &[usize],
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let n = tokens.len();
+        if n == 0 || positions.len() != n {
+            return Err(WorkerError::InvalidRequest(format!("a batch of {n} tokens with {} positions", positions.len())));
+        }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
             return Err(WorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: c.n_vocab }));
+        }
+        if let Some(&bad) = logit_rows.iter().find(|&&r| r >= n) {
+            return Err(WorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
         }
         let d = c.n_embd;
         let hd = c.head_dim;
@@ -165,8 +193,7 @@ impl CpuModel {
         x.par_chunks_mut(d).zip(tokens).for_each(|(row, &t)| {
             dequantize(embd.ty, embd.row(t as usize), row).expect("embedding row");
         });
-        let tables: Vec<Vec<(f32, f32)>> = (pos0..pos0 + n).map(|p| self.rope.table(p)).collect();
-        let shape = AttnShape { n_head: c.n_head, n_kv_head: c.n_kv_head, head_dim: hd };
+        let tables: Vec<Vec<(f32, f32)>> = positions.iter().map(|&p| self.rope.table(p)).collect();
         let mut xn = vec![0f32; n * d];
 
         for (l, layer) in self.layers.iter().enumerate() {
@@ -181,9 +208,8 @@ impl CpuModel {
             k.par_chunks_mut(c.kv_dim()).zip(&tables).for_each(|(row, t)| {
                 row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
             });
-            kv.write(l, pos0, &k, &v);
             let mut attn = vec![0f32; n * c.q_dim()];
-            causal_attention(&q, &kv.heads(l), shape, pos0, &mut attn);
+            attention.attend(l, &q, &k, &v, &mut attn)?;
             let o = self.linear(&layer.wo, &attn);
             add(&mut x, &o);
 
@@ -194,16 +220,38 @@ impl CpuModel {
             let down = self.linear(&layer.down, &g);
             add(&mut x, &down);
         }
-        kv.len = pos0 + n;
 
-        let first = match logits {
-            Logits::Last => n - 1,
-            Logits::From(i) => i.min(n - 1),
-        };
-        let rows = &x[first * d..];
+        let rows: Vec<f32> = logit_rows.iter().flat_map(|&r| x[r * d..(r + 1) * d].iter().copied()).collect();
         let mut normed = vec![0f32; rows.len()];
-        norm_rows(rows, &self.output_norm, c.rms_eps, &mut normed);
+        norm_rows(&rows, &self.output_norm, c.rms_eps, &mut normed);
         Ok(self.linear(&self.output, &normed))
+    }
+
+    /// The shape of one attention call of this model.
+    pub fn attn_shape(&self) -> AttnShape {
+        AttnShape { n_head: self.config.n_head, n_kv_head: self.config.n_kv_head, head_dim: self.config.head_dim }
+    }
+}
+
+/// Where a forward pass's attention happens: stores the batch's new K/V rows and computes
+/// attention for every row. `q` and `out` are `[row][n_head][head_dim]`, `k` and `v`
+/// `[row][n_kv_head][head_dim]`.
+pub trait Attention {
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()>;
+}
+
+/// Single-process attention: one sequence whose batch continues its [`KvCache`] at `pos0`.
+struct KvCacheAttention<'a> {
+    kv: &'a mut KvCache,
+    pos0: usize,
+}
+
+impl Attention for KvCacheAttention<'_> {
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
+        self.kv.write(layer, self.pos0, k, v);
+        let shape = AttnShape { n_head: self.kv.n_head, n_kv_head: self.kv.k[layer].len(), head_dim: self.kv.head_dim };
+        causal_attention(q, &self.kv.heads(layer), shape, self.pos0, out);
+        Ok(())
     }
 }
 
@@ -223,6 +271,7 @@ pub struct KvCache {
     k: Vec<Vec<Vec<f16>>>,
     v: Vec<Vec<Vec<f16>>>,
     head_dim: usize,
+    n_head: usize,
     capacity: usize,
     len: usize,
 }
@@ -230,7 +279,7 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(config: &LlamaConfig, capacity: usize) -> Self {
         let make = || vec![vec![vec![f16::ZERO; capacity * config.head_dim]; config.n_kv_head]; config.n_layer];
-        KvCache { k: make(), v: make(), head_dim: config.head_dim, capacity, len: 0 }
+        KvCache { k: make(), v: make(), head_dim: config.head_dim, n_head: config.n_head, capacity, len: 0 }
     }
 
     /// Positions already cached.

@@ -1,0 +1,206 @@
+//! The public gRPC API, `duet.v1.Inference`, over the [`Backend`] handle; plus gRPC health
+//! checking and server reflection on the same port.
+
+use std::pin::Pin;
+
+use duet_common::model::chat::ChatMessage;
+use duet_common::rpc::pb::inference_server::{Inference, InferenceServer};
+use duet_common::rpc::{pb, Listener};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, DEFAULT_MAX_TOKENS};
+use crate::error::GatewayError;
+
+/// The service.
+pub struct InferenceService {
+    backend: Backend,
+}
+
+impl InferenceService {
+    pub fn new(backend: Backend) -> Self {
+        InferenceService { backend }
+    }
+}
+
+/// The request in the gateway's own terms.
+pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, GatewayError> {
+    use pb::generate_request::Prompt as P;
+    let prompt = match r.prompt {
+        Some(P::Text(t)) => Prompt::Text(t),
+        Some(P::Tokens(t)) => Prompt::Tokens(t.ids),
+        Some(P::Chat(c)) => {
+            for m in &c.messages {
+                if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+                    return Err(GatewayError::InvalidArgument(format!("chat role {:?}: expected system, user or assistant", m.role)));
+                }
+            }
+            Prompt::Chat(c.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect())
+        }
+        None => return Err(GatewayError::InvalidArgument("the prompt is empty: set text, tokens or chat".into())),
+    };
+    let d = Sampling::default();
+    let s = r.sampling.unwrap_or_default();
+    let sampling = Sampling {
+        temperature: s.temperature.unwrap_or(d.temperature),
+        top_k: s.top_k.unwrap_or(d.top_k),
+        top_p: s.top_p.unwrap_or(d.top_p),
+        min_p: s.min_p.unwrap_or(d.min_p),
+        repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
+        seed: s.seed.unwrap_or(d.seed),
+    };
+    let session = match (r.session_id, r.create_session) {
+        (Some(id), _) => SessionMode::Continue(id),
+        (None, true) => SessionMode::Create,
+        (None, false) => SessionMode::None,
+    };
+    Ok(GenerateParams {
+        prompt,
+        max_tokens: r.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
+        sampling,
+        stop: r.stop,
+        top_logprobs: r.top_logprobs,
+        session,
+    })
+}
+
+fn stop_reason(r: StopReason) -> pb::StopReason {
+    match r {
+        StopReason::EndOfGeneration => pb::StopReason::EndOfGeneration,
+        StopReason::MaxTokens => pb::StopReason::MaxTokens,
+        StopReason::StopString => pb::StopReason::StopString,
+        StopReason::ContextFull => pb::StopReason::ContextFull,
+    }
+}
+
+fn ns(d: std::time::Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+impl InferenceService {
+    fn piece(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.backend.text.tokenizer.token_bytes(id).unwrap_or(&[])).into_owned()
+    }
+
+    fn response(&self, ev: Event) -> pb::GenerateResponse {
+        use pb::generate_response::Event as E;
+        let event = match ev {
+            Event::Prompt { prompt_ids, session_id, cached_tokens } => {
+                E::Prompt(pb::PromptInfo { prompt_ids, session_id: session_id.unwrap_or_default(), cached_tokens })
+            }
+            Event::Token { id, text, logprob, top } => E::Token(pb::GeneratedToken {
+                id,
+                text,
+                logprob,
+                top_logprobs: top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.piece(id) }).collect(),
+            }),
+            Event::Finished { reason, text, usage } => E::Finished(pb::Finished {
+                reason: stop_reason(reason) as i32,
+                text,
+                usage: Some(pb::Usage {
+                    prompt_tokens: usage.prompt_tokens,
+                    prefilled_tokens: usage.prefilled_tokens,
+                    generated_tokens: usage.generated_tokens,
+                    time_to_first_token_ns: ns(usage.time_to_first_token),
+                    total_time_ns: ns(usage.total_time),
+                }),
+            }),
+        };
+        pb::GenerateResponse { event: Some(event) }
+    }
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Inference for InferenceService {
+    type GenerateStream = GenerateStream;
+
+    async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
+        let params = params_from_proto(req.into_inner())?;
+        let mut rx = self.backend.generate(params).await?;
+        // The first event decides the status: a request refused before it starts (bad
+        // prompt, unknown session, too large) fails the call itself.
+        let first = match rx.recv().await {
+            Some(Ok(ev)) => ev,
+            Some(Err(e)) => return Err(e.into()),
+            None => return Err(GatewayError::Internal("the scheduler dropped the request".into()).into()),
+        };
+        let first = self.response(first);
+        let this = InferenceService { backend: self.backend.clone() };
+        let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+            .map(move |ev| ev.map(|e| this.response(e)).map_err(Status::from));
+        Ok(Response::new(Box::pin(tokio_stream::once(Ok(first)).chain(rest))))
+    }
+
+    async fn tokenize(&self, req: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let r = req.into_inner();
+        let tok = &self.backend.text.tokenizer;
+        let parse_special = r.parse_special.unwrap_or(true);
+        let ids = if r.add_special.unwrap_or(true) { tok.encode_prompt(&r.text, parse_special) } else { tok.encode(&r.text, parse_special) }
+            .map_err(GatewayError::from)?;
+        let pieces = ids.iter().map(|&id| self.piece(id)).collect();
+        Ok(Response::new(pb::TokenizeResponse { ids, pieces }))
+    }
+
+    async fn detokenize(&self, req: Request<pb::DetokenizeRequest>) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        let ids = req.into_inner().ids;
+        let text = self.backend.text.tokenizer.decode(&ids).map_err(GatewayError::from)?;
+        Ok(Response::new(pb::DetokenizeResponse { text }))
+    }
+
+    async fn close_session(&self, req: Request<pb::CloseSessionRequest>) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let freed_blocks = self.backend.close_session(req.into_inner().session_id).await?;
+        Ok(Response::new(pb::CloseSessionResponse { freed_blocks }))
+    }
+
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        let i = self.backend.info().await?;
+        let bs = i.kv_block_size as u64;
+        Ok(Response::new(pb::InfoResponse {
+            model: i.model,
+            context_length: i.context_length,
+            vocab_size: i.vocab_size,
+            gpu_device: i.gpu_device,
+            kv_capacity_tokens: i.cpu_workers.iter().map(|w| w.kv_blocks as u64 * bs).sum(),
+            kv_free_tokens: i.cpu_workers.iter().map(|w| w.kv_blocks_free as u64 * bs).sum(),
+            cpu_workers: i
+                .cpu_workers
+                .into_iter()
+                .map(|w| pb::CpuWorkerInfo {
+                    worker: w.worker,
+                    kv_blocks: w.kv_blocks,
+                    kv_blocks_free: w.kv_blocks_free,
+                    ready: w.ready,
+                    restarts: w.restarts,
+                })
+                .collect(),
+            kv_block_size: i.kv_block_size,
+            sessions: i.sessions,
+            active_requests: i.active_requests,
+            attention_placement: i.attention_placement,
+            prefilled_tokens_total: i.prefilled_tokens_total,
+            generated_tokens_total: i.generated_tokens_total,
+        }))
+    }
+}
+
+/// Serves the public API with health and reflection on `listener` until `shutdown`.
+pub async fn serve(
+    backend: Backend,
+    listener: Listener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<InferenceServer<InferenceService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the compiled-in descriptor sets are valid");
+    let router = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(InferenceServer::new(InferenceService::new(backend)));
+    listener.serve(router, shutdown).await
+}

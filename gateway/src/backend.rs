@@ -1,0 +1,231 @@
+//! The one interface between the API front ends and the scheduler: requests and events in
+//! the gateway's own types (front ends never see worker protobufs), and a cloneable handle
+//! that talks to the scheduler task.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use duet_common::model::chat::{ChatMessage, ChatTemplate};
+use duet_common::model::tokenizer::Tokenizer;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::GatewayError;
+use crate::scheduler::Command;
+
+/// What to generate from.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Text, tokenised with special tokens parsed.
+    Text(String),
+    /// Token ids as given.
+    Tokens(Vec<u32>),
+    /// Chat messages, rendered with the model's chat template and a generation prompt.
+    Chat(Vec<ChatMessage>),
+}
+
+/// What a request does with sessions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionMode {
+    None,
+    /// Keep the conversation's KV as a new session.
+    Create,
+    /// Continue this session.
+    Continue(String),
+}
+
+/// Sampling parameters (see `SamplingParams` in inference.proto).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
+    }
+}
+
+impl Sampling {
+    /// Checks every value's range; the error names the field.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        let bad = |what: String| Err(GatewayError::InvalidArgument(what));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p < 1.0) {
+            return bad(format!("min_p must be in [0, 1), got {}", self.min_p));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return bad(format!("repetition_penalty must be a finite number > 0, got {}", self.repetition_penalty));
+        }
+        Ok(())
+    }
+}
+
+/// Most log-probabilities a request may ask for per position.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// Tokens generated when a request does not say.
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+
+/// A generation request.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub prompt: Prompt,
+    pub max_tokens: u32,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub top_logprobs: u32,
+    pub session: SessionMode,
+}
+
+impl GenerateParams {
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        self.sampling.validate()?;
+        if self.max_tokens == 0 {
+            return Err(GatewayError::InvalidArgument("max_tokens must be at least 1".into()));
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return Err(GatewayError::InvalidArgument(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs)));
+        }
+        let empty = match &self.prompt {
+            Prompt::Text(t) => t.is_empty(),
+            Prompt::Tokens(t) => t.is_empty(),
+            Prompt::Chat(m) => m.is_empty(),
+        };
+        if empty {
+            return Err(GatewayError::InvalidArgument("the prompt is empty".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    EndOfGeneration,
+    MaxTokens,
+    StopString,
+    ContextFull,
+}
+
+/// Counts and timings of a finished generation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub prefilled_tokens: u32,
+    pub generated_tokens: u32,
+    pub time_to_first_token: Duration,
+    pub total_time: Duration,
+}
+
+/// What a generation stream carries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// First: the prompt as tokenised (new tokens only, with a session).
+    Prompt { prompt_ids: Vec<u32>, session_id: Option<String>, cached_tokens: u32 },
+    /// One per generated token.
+    Token { id: u32, text: String, logprob: Option<f32>, top: Vec<(u32, f32)> },
+    /// Last.
+    Finished { reason: StopReason, text: String, usage: Usage },
+}
+
+/// One cpu-worker's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuWorkerStatus {
+    pub worker: u32,
+    pub kv_blocks: u32,
+    pub kv_blocks_free: u32,
+    pub ready: bool,
+    pub restarts: u32,
+}
+
+/// The server's state, for `Info` and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerInfo {
+    pub model: String,
+    pub context_length: u32,
+    pub vocab_size: u32,
+    pub gpu_device: String,
+    pub cpu_workers: Vec<CpuWorkerStatus>,
+    pub kv_block_size: u32,
+    pub sessions: u32,
+    pub active_requests: u32,
+    pub attention_placement: String,
+    pub prefilled_tokens_total: u64,
+    pub generated_tokens_total: u64,
+}
+
+/// The model's text side, shared by the front ends and the scheduler.
+#[derive(Debug)]
+pub struct TextModel {
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl TextModel {
+    /// The token ids of a prompt (text with special tokens, ids checked, or chat rendered).
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, GatewayError> {
+        match prompt {
+            Prompt::Text(t) => Ok(self.tokenizer.encode_prompt(t, true)?),
+            Prompt::Tokens(ids) => {
+                self.tokenizer.check_ids(ids)?;
+                Ok(ids.clone())
+            }
+            Prompt::Chat(messages) => {
+                let template = self
+                    .chat_template
+                    .as_ref()
+                    .ok_or_else(|| GatewayError::InvalidArgument("the model has no chat template: send text or tokens".into()))?;
+                let text = template.render(messages, true)?;
+                Ok(self.tokenizer.encode_prompt(&text, true)?)
+            }
+        }
+    }
+}
+
+/// A cloneable handle to the scheduler.
+#[derive(Clone)]
+pub struct Backend {
+    commands: mpsc::Sender<Command>,
+    pub text: Arc<TextModel>,
+}
+
+impl Backend {
+    pub(crate) fn new(commands: mpsc::Sender<Command>, text: Arc<TextModel>) -> Self {
+        Backend { commands, text }
+    }
+
+    async fn send(&self, cmd: Command) -> Result<(), GatewayError> {
+        self.commands.send(cmd).await.map_err(|_| GatewayError::ShuttingDown)
+    }
+
+    /// Starts a generation; its events arrive on the returned channel, which ends after
+    /// `Finished` or an error. Dropping the receiver cancels the generation.
+    pub async fn generate(&self, params: GenerateParams) -> Result<mpsc::UnboundedReceiver<Result<Event, GatewayError>>, GatewayError> {
+        params.validate()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate { params, events: tx, arrived: std::time::Instant::now() }).await?;
+        Ok(rx)
+    }
+
+    /// Ends a session; returns the KV blocks freed.
+    pub async fn close_session(&self, session_id: String) -> Result<u32, GatewayError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::CloseSession { session_id, reply: tx }).await?;
+        rx.await.map_err(|_| GatewayError::ShuttingDown)?
+    }
+
+    pub async fn info(&self) -> Result<ServerInfo, GatewayError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Command::Info { reply: tx }).await?;
+        rx.await.map_err(|_| GatewayError::ShuttingDown)
+    }
+}

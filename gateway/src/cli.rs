@@ -1,0 +1,134 @@
+//! Command-line interface of duet-gateway: `serve` (the service) and the client commands
+//! `generate` and `chat` for people.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use duet_common::rpc::Address;
+
+use crate::sequence::AttentionPlacement;
+
+#[derive(Debug, Parser)]
+#[command(name = "duet-gateway", version, about = "Duet's gateway: the public API, the scheduler and the worker supervisor; and a client")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the service: spawn the workers (or connect to given ones) and serve gRPC.
+    Serve(ServeArgs),
+    /// Stream a generation from a running gateway.
+    Generate(GenerateArgs),
+    /// Chat interactively with a running gateway (a session keeps the conversation's KV).
+    Chat(ChatArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// GGUF model file (the gateway reads its tokenizer and chat template; local workers load it).
+    #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
+    pub model: PathBuf,
+    /// Public gRPC address.
+    #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: Address,
+    /// cpu-workers to spawn (default: one per NUMA node).
+    #[arg(long, env = "DUET_CPU_WORKERS")]
+    pub cpu_workers: Option<u32>,
+    /// KV arena size of each spawned cpu-worker, e.g. 512M or 8G.
+    #[arg(long, env = "DUET_KV_BYTES", default_value = "1G")]
+    pub kv_bytes: String,
+    /// Where decode attention runs: cpu (the cpu-workers holding the KV), gpu, or
+    /// split[:FRACTION] (that share of each context on the gpu-worker).
+    #[arg(long, env = "DUET_ATTENTION", default_value = "cpu")]
+    pub attention: AttentionPlacement,
+    /// Tokens per step: decode tokens plus prompt chunks.
+    #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 2048)]
+    pub max_step_tokens: usize,
+    /// Requests generating at once; more wait in line.
+    #[arg(long, env = "DUET_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Seconds a session may sit idle before it is closed and its KV freed.
+    #[arg(long, env = "DUET_SESSION_IDLE_SECS", default_value_t = 600)]
+    pub session_idle_secs: u64,
+    /// Instance name in the shared-memory segment names (default: duet-<pid>).
+    #[arg(long, env = "DUET_INSTANCE")]
+    pub instance: Option<String>,
+    /// Private directory for the worker sockets (default: $XDG_RUNTIME_DIR/duet-<instance>, else /tmp).
+    #[arg(long, env = "DUET_RUNTIME_DIR")]
+    pub runtime_dir: Option<PathBuf>,
+    /// Threads of the spawned gpu-worker's CPU device (default: all cores).
+    #[arg(long, env = "DUET_GPU_THREADS")]
+    pub gpu_threads: Option<usize>,
+    /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
+    #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]
+    pub gpu_worker: Option<Address>,
+    /// A running cpu-worker's address, in worker order (repeat the flag; with --gpu-worker).
+    #[arg(long = "cpu-worker", env = "DUET_CPU_WORKER_ADDRS", value_delimiter = ',', requires = "gpu_worker")]
+    pub cpu_worker: Vec<Address>,
+}
+
+/// Sampling and length flags shared by the client commands.
+#[derive(Debug, Args, Clone)]
+pub struct ClientArgs {
+    /// The gateway's address.
+    #[arg(long, env = "DUET_ADDR", default_value = "127.0.0.1:50051")]
+    pub addr: Address,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    /// Keep the smallest set of tokens whose probability reaches P (1: off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub min_p: f32,
+    /// Penalise tokens seen in the last 64 (1: off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repetition_penalty: f32,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop when the text contains this (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The prompt.
+    pub prompt: String,
+    /// Send the prompt as a user chat message (rendered with the model's chat template).
+    #[arg(long)]
+    pub chat: bool,
+    /// Print token ids, usage and timings after the text.
+    #[arg(long)]
+    pub verbose: bool,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ChatArgs {
+    /// A system message to start the conversation with.
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub client: ClientArgs,
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match cli.command {
+        Command::Serve(args) => rt.block_on(crate::serve::serve(args)),
+        Command::Generate(args) => rt.block_on(crate::client::generate(args)),
+        Command::Chat(args) => rt.block_on(crate::client::chat(args)),
+    }
+}

@@ -1,0 +1,49 @@
+//! The gateway's error type, one variant per thing that can go wrong with a request or the
+//! service, and its mapping to gRPC status codes (the only place that mapping lives).
+
+use tonic::Status;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GatewayError {
+    /// The request is malformed (empty prompt, bad sampling values, unknown token ids...).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The prompt does not fit the model's context.
+    #[error("the prompt of {prompt} tokens does not fit the context of {context} tokens (one position must stay free to generate)")]
+    PromptTooLong { prompt: usize, context: usize },
+    /// The request can never fit the KV cache, or the server is at its request limit.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("session {0:?} does not exist (it was closed, expired, or never created)")]
+    UnknownSession(String),
+    #[error("session {0:?} is busy with another request")]
+    SessionBusy(String),
+    /// A worker failed or is restarting.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The gateway is stopping.
+    #[error("the gateway is shutting down")]
+    ShuttingDown,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<GatewayError> for Status {
+    fn from(e: GatewayError) -> Status {
+        let msg = e.to_string();
+        match e {
+            GatewayError::InvalidArgument(_) | GatewayError::PromptTooLong { .. } => Status::invalid_argument(msg),
+            GatewayError::ResourceExhausted(_) => Status::resource_exhausted(msg),
+            GatewayError::UnknownSession(_) => Status::not_found(msg),
+            GatewayError::SessionBusy(_) => Status::failed_precondition(msg),
+            GatewayError::Unavailable(_) | GatewayError::ShuttingDown => Status::unavailable(msg),
+            GatewayError::Internal(_) => Status::internal(msg),
+        }
+    }
+}
+
+impl From<duet_common::Error> for GatewayError {
+    fn from(e: duet_common::Error) -> Self {
+        GatewayError::InvalidArgument(e.to_string())
+    }
+}

@@ -1,0 +1,14 @@
+//! duet-gateway: the only public process of Duet. It serves the gRPC API, tokenises and
+//! renders chat templates, runs the continuous-batching scheduler over the gpu-worker and
+//! the cpu-workers' KV, keeps sessions, and in local mode supervises the worker processes.
+
+pub mod api;
+pub mod backend;
+pub mod cli;
+pub mod client;
+pub mod error;
+pub mod scheduler;
+pub mod sequence;
+pub mod serve;
+pub mod stop;
+pub mod supervisor;

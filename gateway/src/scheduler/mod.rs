@@ -1,0 +1,460 @@
+//! The continuous-batching scheduler: one task that owns the waiting and running requests,
+//! the KV block tables and the sessions, and drives the gpu-worker one step at a time.
+//! Requests join and leave between steps; prompts are prefilled in chunks under a per-step
+//! token budget next to the running sequences' decode tokens.
+//!
+//! Admission reserves a request's worst case (prompt plus max_tokens) in KV blocks, so a
+//! running request never runs out of KV; one that can never fit is refused with
+//! RESOURCE_EXHAUSTED, one that cannot fit yet waits (idle sessions are evicted for it,
+//! least recently used first).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_common::kv::{KvPool, WorkerId};
+use duet_common::model::chat::ChatMessage;
+use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
+use tokio::sync::{mpsc, oneshot};
+use tonic::transport::Channel;
+
+use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel};
+use crate::error::GatewayError;
+use crate::sequence::{common_prefix, AttentionPlacement, Events, Seq, Session};
+use crate::stop::TextStream;
+
+mod step;
+
+/// What the scheduler task is asked to do.
+#[derive(Debug)]
+pub enum Command {
+    Generate { params: GenerateParams, events: Events, arrived: Instant },
+    CloseSession { session_id: String, reply: oneshot::Sender<Result<u32, GatewayError>> },
+    Info { reply: oneshot::Sender<ServerInfo> },
+    /// A cpu-worker died: its KV is gone.
+    WorkerDown { worker: u32, reason: String },
+    /// A cpu-worker is (again) serving and attached to the gpu-worker.
+    WorkerUp { worker: u32 },
+    /// The gpu-worker died: every sequence is gone.
+    GpuDown { reason: String },
+    GpuUp,
+    /// Refuse new requests, finish the running ones (until the deadline), then reply.
+    Drain { deadline: Instant, reply: oneshot::Sender<()> },
+}
+
+/// The scheduler's settings.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Tokens per step (decode tokens plus prefill chunks).
+    pub max_step_tokens: usize,
+    /// Longest prefill chunk (the single-process runner's, so chunks match it).
+    pub prefill_chunk: usize,
+    /// Requests running at once; more wait.
+    pub max_running: usize,
+    pub placement: AttentionPlacement,
+    /// Sessions idle this long are closed.
+    pub session_idle: Duration,
+    pub block_size: usize,
+    pub blocks_per_worker: Vec<u32>,
+    /// The model's context length.
+    pub n_ctx: usize,
+    pub model_name: String,
+    pub vocab_size: u32,
+    pub gpu_device: String,
+}
+
+/// Starts the scheduler task; returns the command sender.
+pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Channel>) -> (mpsc::Sender<Command>, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(1024);
+    let n_workers = cfg.blocks_per_worker.len();
+    let pool = KvPool::new(cfg.block_size, &cfg.blocks_per_worker);
+    let s = Scheduler {
+        pool,
+        text,
+        gpu,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        sessions: HashMap::new(),
+        released: Vec::new(),
+        next_seq: 1,
+        step: 0,
+        worker_up: vec![true; n_workers],
+        restarts: vec![0; n_workers],
+        gpu_up: true,
+        prefilled_total: 0,
+        generated_total: 0,
+        drain: None,
+        cfg,
+    };
+    let handle = tokio::spawn(s.run(rx));
+    (tx, handle)
+}
+
+struct Waiting {
+    params: GenerateParams,
+    events: Events,
+    arrived: Instant,
+}
+
+struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: KvPool,
+    text: Arc<TextModel>,
+    gpu: GpuWorkerClient<Channel>,
+    waiting: VecDeque<Waiting>,
+    running: Vec<Seq>,
+    sessions: HashMap<String, Session>,
+    /// Sequence ids the gpu-worker may forget (sent with the next step).
+    released: Vec<u64>,
+    next_seq: u64,
+    step: u64,
+    worker_up: Vec<bool>,
+    restarts: Vec<u32>,
+    gpu_up: bool,
+    prefilled_total: u64,
+    generated_total: u64,
+    drain: Option<(Instant, oneshot::Sender<()>)>,
+}
+
+/// How long an idle scheduler sleeps before checking session timeouts.
+const IDLE_TICK: Duration = Duration::from_millis(500);
+
+impl Scheduler {
+    async fn run(mut self, mut rx: mpsc::Receiver<Command>) {
+        loop {
+            let idle = self.running.is_empty() && (self.waiting.is_empty() || !self.can_serve()) && self.released.is_empty();
+            if idle {
+                match tokio::time::timeout(IDLE_TICK, rx.recv()).await {
+                    Ok(Some(cmd)) => self.handle(cmd),
+                    Ok(None) => return,
+                    Err(_) => {}
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) if self.running.is_empty() && self.waiting.is_empty() => return,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                }
+            }
+            self.expire_sessions();
+            self.cancel_abandoned();
+            if self.can_serve() {
+                self.admit();
+            }
+            if let Some((deadline, _)) = &self.drain {
+                if self.running.is_empty() || Instant::now() >= *deadline {
+                    for seq in std::mem::take(&mut self.running) {
+                        let _ = seq.events.send(Err(GatewayError::ShuttingDown));
+                    }
+                    if let Some((_, reply)) = self.drain.take() {
+                        let _ = reply.send(());
+                    }
+                    return;
+                }
+            }
+            if (!self.running.is_empty() || !self.released.is_empty()) && self.gpu_up {
+                self.run_step().await;
+            }
+        }
+    }
+
+    fn can_serve(&self) -> bool {
+        self.gpu_up && self.worker_up.iter().any(|&u| u)
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate { params, events, arrived } => {
+                if self.drain.is_some() {
+                    let _ = events.send(Err(GatewayError::ShuttingDown));
+                } else {
+                    self.waiting.push_back(Waiting { params, events, arrived });
+                }
+            }
+            Command::CloseSession { session_id, reply } => {
+                let result = match self.sessions.get(&session_id) {
+                    None => Err(GatewayError::UnknownSession(session_id)),
+                    Some(s) if s.table.is_none() => Err(GatewayError::SessionBusy(session_id)),
+                    Some(_) => {
+                        let s = self.sessions.remove(&session_id).expect("present");
+                        self.released.push(s.seq_id);
+                        Ok(s.table.map_or(0, |t| t.blocks().len() as u32))
+                    }
+                };
+                let _ = reply.send(result);
+            }
+            Command::Info { reply } => {
+                let _ = reply.send(self.info());
+            }
+            Command::WorkerDown { worker, reason } => self.worker_down(worker, &reason),
+            Command::WorkerUp { worker } => {
+                if let Some(up) = self.worker_up.get_mut(worker as usize) {
+                    if !*up {
+                        self.restarts[worker as usize] += 1;
+                    }
+                    *up = true;
+                    tracing::info!(worker, "cpu-worker is serving again");
+                }
+            }
+            Command::GpuDown { reason } => {
+                self.gpu_up = false;
+                let err = GatewayError::Unavailable(format!("the gpu-worker failed ({reason}); the request's KV is lost"));
+                for seq in std::mem::take(&mut self.running) {
+                    let _ = seq.events.send(Err(err.clone()));
+                }
+                self.sessions.clear();
+                self.released.clear();
+            }
+            Command::GpuUp => self.gpu_up = true,
+            Command::Drain { deadline, reply } => {
+                for w in std::mem::take(&mut self.waiting) {
+                    let _ = w.events.send(Err(GatewayError::ShuttingDown));
+                }
+                self.drain = Some((deadline, reply));
+            }
+        }
+    }
+
+    /// Fails the requests and drops the sessions with KV on a dead cpu-worker.
+    fn worker_down(&mut self, worker: u32, reason: &str) {
+        if let Some(up) = self.worker_up.get_mut(worker as usize) {
+            *up = false;
+        }
+        let on_worker = |t: &duet_common::kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
+        let err = GatewayError::Unavailable(format!("cpu-worker {worker} failed ({reason}); the request's KV on it is lost"));
+        let (lost, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running).into_iter().partition(|s| on_worker(&s.table));
+        self.running = kept;
+        for seq in lost {
+            tracing::warn!(seq = seq.id, worker, "request failed: its KV was on the dead cpu-worker");
+            let _ = seq.events.send(Err(err.clone()));
+            if let Some((id, _)) = &seq.session {
+                self.sessions.remove(id);
+            }
+            self.released.push(seq.id);
+        }
+        let dead: Vec<String> =
+            self.sessions.iter().filter(|(_, s)| s.table.as_ref().is_some_and(on_worker)).map(|(k, _)| k.clone()).collect();
+        for id in dead {
+            let s = self.sessions.remove(&id).expect("listed");
+            self.released.push(s.seq_id);
+        }
+    }
+
+    fn info(&self) -> ServerInfo {
+        let cpu_workers = (0..self.pool.n_workers())
+            .map(|w| {
+                let id = WorkerId(w as u32);
+                CpuWorkerStatus {
+                    worker: w as u32,
+                    kv_blocks: self.cfg.blocks_per_worker[w],
+                    kv_blocks_free: self.pool.n_free(id) as u32,
+                    ready: self.worker_up[w],
+                    restarts: self.restarts[w],
+                }
+            })
+            .collect();
+        ServerInfo {
+            model: self.cfg.model_name.clone(),
+            context_length: self.cfg.n_ctx as u32,
+            vocab_size: self.cfg.vocab_size,
+            gpu_device: self.cfg.gpu_device.clone(),
+            cpu_workers,
+            kv_block_size: self.cfg.block_size as u32,
+            sessions: self.sessions.len() as u32,
+            active_requests: (self.running.len() + self.waiting.len()) as u32,
+            attention_placement: self.cfg.placement.to_string(),
+            prefilled_tokens_total: self.prefilled_total,
+            generated_tokens_total: self.generated_total,
+        }
+    }
+
+    fn expire_sessions(&mut self) {
+        let now = Instant::now();
+        let idle = self.cfg.session_idle;
+        let expired: Vec<String> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.table.is_some() && now.duration_since(s.last_used) >= idle)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for id in expired {
+            let s = self.sessions.remove(&id).expect("listed");
+            tracing::info!(session = %id, "session closed after {idle:?} idle");
+            self.released.push(s.seq_id);
+        }
+    }
+
+    /// Frees the KV of requests whose client went away.
+    fn cancel_abandoned(&mut self) {
+        self.waiting.retain(|w| !w.events.is_closed());
+        let (gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running).into_iter().partition(Seq::cancelled);
+        self.running = kept;
+        for seq in gone {
+            tracing::info!(seq = seq.id, blocks = seq.table.blocks().len(), "client went away: request cancelled, KV blocks freed");
+            if let Some((id, _)) = &seq.session {
+                self.sessions.remove(id);
+            }
+            self.released.push(seq.id);
+        }
+    }
+
+    fn free_blocks(&self) -> usize {
+        (0..self.pool.n_workers()).filter(|&w| self.worker_up[w]).map(|w| self.pool.n_free(WorkerId(w as u32))).sum()
+    }
+
+    fn total_blocks(&self) -> usize {
+        self.cfg.blocks_per_worker.iter().map(|&b| b as usize).sum()
+    }
+
+    /// Starts waiting requests, in order, while they fit.
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_running {
+            let Some(w) = self.waiting.pop_front() else { return };
+            match self.try_admit(w) {
+                Ok(None) => {}
+                Ok(Some(w)) => {
+                    self.waiting.push_front(w);
+                    return;
+                }
+                Err((events, e)) => {
+                    let _ = events.send(Err(e));
+                }
+            }
+        }
+    }
+
+    /// Admits `w`, or gives it back if it must wait, or fails it.
+    fn try_admit(&mut self, w: Waiting) -> Result<Option<Waiting>, (Events, GatewayError)> {
+        let fail = |w: Waiting, e| Err((w.events, e));
+        let bs = self.cfg.block_size;
+        // The conversation's tokens, and what is cached of them.
+        let (full, session, messages) = match self.resolve(&w.params) {
+            Ok(x) => x,
+            Err(e) => return fail(w, e),
+        };
+        if full.len() >= self.cfg.n_ctx {
+            return fail(w, GatewayError::PromptTooLong { prompt: full.len(), context: self.cfg.n_ctx });
+        }
+        let need_tokens = (full.len() + w.params.max_tokens as usize).min(self.cfg.n_ctx);
+        let need_blocks = need_tokens.div_ceil(bs);
+        if need_blocks > self.total_blocks() {
+            return fail(
+                w,
+                GatewayError::ResourceExhausted(format!(
+                    "the request needs up to {need_tokens} tokens of KV, more than the {} the cpu-workers hold; lower max_tokens",
+                    self.total_blocks() * bs
+                )),
+            );
+        }
+        let held = session.as_ref().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len());
+        let outstanding: usize = self.running.iter().map(Seq::outstanding_blocks).sum();
+        let fits = |s: &Self| s.free_blocks() >= outstanding + need_blocks.saturating_sub(held);
+        while !fits(self) {
+            // Evict the least recently used idle session other than this request's.
+            let own = session.as_deref();
+            let victim = self
+                .sessions
+                .iter()
+                .filter(|(k, s)| s.table.is_some() && Some(k.as_str()) != own)
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(k, _)| k.clone());
+            let Some(victim) = victim else { return Ok(Some(w)) };
+            let s = self.sessions.remove(&victim).expect("found");
+            tracing::info!(session = %victim, "idle session evicted to make room for a request");
+            self.released.push(s.seq_id);
+        }
+
+        // Admitted: take the session's KV (or start a new table) and keep what is cached.
+        let (seq_id, mut table, mut kv_tokens, session_name) = match &session {
+            Some(id) if self.sessions.get(id).is_some_and(|s| s.table.is_some()) => {
+                let s = self.sessions.get_mut(id).expect("checked");
+                (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id.clone()))
+            }
+            _ => {
+                let id = self.next_seq;
+                self.next_seq += 1;
+                let name = match w.params.session {
+                    SessionMode::Create => {
+                        let name = new_session_id();
+                        self.sessions.insert(
+                            name.clone(),
+                            Session { seq_id: id, table: None, kv_tokens: vec![], history: vec![], messages: vec![], last_used: Instant::now() },
+                        );
+                        Some(name)
+                    }
+                    _ => None,
+                };
+                (id, self.pool.new_table(), Vec::new(), name)
+            }
+        };
+        let cached = common_prefix(&kv_tokens, &full).min(full.len() - 1);
+        table.truncate(cached);
+        kv_tokens.truncate(cached);
+        let pending = full[cached..].to_vec();
+        let _ = w.events.send(Ok(Event::Prompt { prompt_ids: pending.clone(), session_id: session_name.clone(), cached_tokens: cached as u32 }));
+        self.running.push(Seq {
+            id: seq_id,
+            events: w.events,
+            sampling: w.params.sampling,
+            max_tokens: w.params.max_tokens,
+            top_logprobs: w.params.top_logprobs,
+            sent_blocks: table.blocks().len(),
+            table,
+            kv_tokens,
+            pending,
+            sampler_sent: false,
+            generated: Vec::new(),
+            text: TextStream::new(w.params.stop.clone()),
+            output: String::new(),
+            session: session_name.map(|n| (n, messages)),
+            prompt_tokens: full.len() as u32,
+            prefilled: 0,
+            reserved_blocks: need_blocks,
+            arrived: w.arrived,
+            first_token: None,
+        });
+        Ok(None)
+    }
+
+    /// The whole conversation's tokens for a request, the existing session it continues,
+    /// and the session's chat messages once this request's are added.
+    fn resolve(&self, p: &GenerateParams) -> Result<(Vec<u32>, Option<String>, Vec<ChatMessage>), GatewayError> {
+        let SessionMode::Continue(id) = &p.session else {
+            let messages = match &p.prompt {
+                Prompt::Chat(m) => m.clone(),
+                _ => Vec::new(),
+            };
+            return Ok((self.text.prompt_ids(&p.prompt)?, None, messages));
+        };
+        let s = self.sessions.get(id).ok_or_else(|| GatewayError::UnknownSession(id.clone()))?;
+        if s.table.is_none() {
+            return Err(GatewayError::SessionBusy(id.clone()));
+        }
+        let mut full = s.history.clone();
+        let mut messages = s.messages.clone();
+        match &p.prompt {
+            Prompt::Chat(new) => {
+                messages.extend(new.iter().cloned());
+                full = self.text.prompt_ids(&Prompt::Chat(messages.clone()))?;
+            }
+            Prompt::Text(t) => full.extend(self.text.tokenizer.encode(t, true)?),
+            Prompt::Tokens(ids) => {
+                self.text.tokenizer.check_ids(ids)?;
+                full.extend_from_slice(ids);
+            }
+        }
+        Ok((full, Some(id.clone()), messages))
+    }
+}
+
+fn new_session_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let a = h.finish();
+    let mut h2 = std::collections::hash_map::RandomState::new().build_hasher();
+    h2.write_u64(a);
+    format!("{a:016x}{:016x}", h2.finish())
+}

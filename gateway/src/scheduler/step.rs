@@ -1,0 +1,201 @@
+//! One step of the scheduler: the batch (every running sequence's decode token, then prompt
+//! chunks while the token budget lasts), its KV blocks and attention shares, the gpu-worker
+//! call, and what the sampled tokens do to each request.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use duet_common::kv::{BlockTable, KvError, Placement, WorkerId};
+use duet_common::model::chat::ChatMessage;
+use duet_common::rpc::pb;
+
+use super::Scheduler;
+use crate::backend::{Event, StopReason};
+use crate::error::GatewayError;
+use crate::sequence::Seq;
+
+impl Scheduler {
+    /// Builds a step, runs it on the gpu-worker and applies the results.
+    pub(super) async fn run_step(&mut self) {
+        let mut budget = self.cfg.max_step_tokens;
+        let mut entries: Vec<(usize, usize)> = Vec::new();
+        let mut steps = Vec::new();
+        let mut failed: Vec<(usize, GatewayError)> = Vec::new();
+        // Decode tokens first (they are what users wait on), then prompt chunks in arrival order.
+        let order: Vec<usize> = {
+            let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| !self.running[i].generated.is_empty());
+            dec.into_iter().chain(pre).collect()
+        };
+        for i in order {
+            let decode = !self.running[i].generated.is_empty();
+            let n = if decode { 1 } else { self.running[i].pending.len().min(self.cfg.prefill_chunk) };
+            if n > budget {
+                continue;
+            }
+            let start = self.running[i].table.len();
+            if let Err(e) = self.allocate(i, n) {
+                failed.push((i, GatewayError::ResourceExhausted(format!("no KV block left for the request: {e}"))));
+                continue;
+            }
+            budget -= n;
+            let seq = &mut self.running[i];
+            let new_blocks = seq.table.blocks()[seq.sent_blocks..]
+                .iter()
+                .map(|&(WorkerId(worker), b)| pb::KvBlockRef { worker, block: b.0 })
+                .collect();
+            seq.sent_blocks = seq.table.blocks().len();
+            let sampler = (!seq.sampler_sent).then(|| seq.sampler_config());
+            seq.sampler_sent = true;
+            let attention = if n == 1 { self.cfg.placement.shares(&seq.table, start) } else { Vec::new() };
+            steps.push(pb::SequenceStep {
+                seq_id: seq.id,
+                start_pos: start as u32,
+                tokens: seq.pending[..n].to_vec(),
+                new_blocks,
+                sampler,
+                sample: n == seq.pending.len(),
+                attention,
+            });
+            entries.push((i, n));
+        }
+        self.step += 1;
+        let req = pb::StepRequest { step: self.step, sequences: steps, released: std::mem::take(&mut self.released) };
+        let mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)> = failed.into_iter().map(|(i, e)| (i, Err(e))).collect();
+        match self.gpu.step(req).await {
+            Ok(resp) => {
+                let resp = resp.into_inner();
+                if let Some(t) = &resp.timings {
+                    tracing::debug!(step = self.step, total_us = t.total_ns / 1000, prefill = t.prefill_tokens, decode = t.decode_tokens, wait_us = t.attention_wait_ns / 1000, "step");
+                }
+                let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
+                for (i, n) in entries {
+                    if let Some(reason) = self.apply(i, n, sampled.get(&self.running[i].id)) {
+                        outcomes.push((i, Ok(reason)));
+                    }
+                }
+            }
+            Err(status) => {
+                let err = match status.code() {
+                    tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+                        GatewayError::Unavailable(format!("the step failed: {}", status.message()))
+                    }
+                    _ => GatewayError::Internal(format!("the gpu-worker refused a step: {}", status.message())),
+                };
+                tracing::warn!(step = self.step, "step failed: {}", status.message());
+                // The gpu-worker forgot the step's sequences; they fail.
+                outcomes.extend(entries.into_iter().map(|(i, _)| (i, Err(err.clone()))));
+            }
+        }
+        self.conclude(outcomes);
+    }
+
+    /// Extends sequence `i`'s table by `n` positions: on the serving cpu-worker with the
+    /// most free blocks if it can hold them all, else block by block.
+    fn allocate(&mut self, i: usize, n: usize) -> Result<(), KvError> {
+        let bs = self.cfg.block_size;
+        let table: &mut BlockTable = &mut self.running[i].table;
+        let wanted = (table.len() + n).div_ceil(bs) - table.blocks().len();
+        let up = &self.worker_up;
+        let most_free = |pool: &duet_common::kv::KvPool| {
+            (0..pool.n_workers()).filter(|&w| up[w]).max_by_key(|&w| (pool.n_free(WorkerId(w as u32)), std::cmp::Reverse(w))).map(|w| WorkerId(w as u32))
+        };
+        let Some(best) = most_free(&self.pool) else { return Err(KvError::OutOfBlocks { wanted, free: 0 }) };
+        if wanted == 0 || self.pool.n_free(best) >= wanted {
+            return table.append_tokens(n, Placement::Worker(best));
+        }
+        let mut left = n;
+        while left > 0 {
+            let room = table.blocks().len() * bs - table.len();
+            let take = if room > 0 { room.min(left) } else { bs.min(left) };
+            let w = most_free(&self.pool).ok_or(KvError::OutOfBlocks { wanted: 1, free: 0 })?;
+            table.append_tokens(take, Placement::Worker(w))?;
+            left -= take;
+        }
+        Ok(())
+    }
+
+    /// Applies a step's result to sequence `i` (`n` inputs fed, maybe a sampled token);
+    /// returns why it ends, if it does.
+    fn apply(&mut self, i: usize, n: usize, sampled: Option<&pb::Sampled>) -> Option<StopReason> {
+        let eog = &self.text.tokenizer.end_of_generation;
+        let seq = &mut self.running[i];
+        let fed: Vec<u32> = seq.pending.drain(..n).collect();
+        seq.kv_tokens.extend(fed);
+        if seq.generated.is_empty() {
+            seq.prefilled += n as u32;
+            self.prefilled_total += n as u64;
+        }
+        let s = sampled?;
+        let token = s.token.as_ref().map_or(0, |t| t.id);
+        seq.generated.push(token);
+        self.generated_total += 1;
+        seq.first_token.get_or_insert_with(Instant::now);
+        seq.pending = vec![token];
+        let text = seq.text.push(self.text.tokenizer.token_bytes(token).unwrap_or(&[]));
+        seq.output.push_str(&text);
+        let (logprob, top) = if seq.top_logprobs > 0 {
+            (s.token.as_ref().map(|t| t.logprob), s.top.iter().map(|t| (t.id, t.logprob)).collect())
+        } else {
+            (None, Vec::new())
+        };
+        let _ = seq.events.send(Ok(Event::Token { id: token, text, logprob, top }));
+        if eog.contains(&token) {
+            Some(StopReason::EndOfGeneration)
+        } else if seq.text.stopped() {
+            Some(StopReason::StopString)
+        } else if seq.generated.len() >= seq.max_tokens as usize {
+            Some(StopReason::MaxTokens)
+        } else if seq.kv_tokens.len() + 1 >= self.cfg.n_ctx {
+            Some(StopReason::ContextFull)
+        } else {
+            None
+        }
+    }
+
+    /// Ends the sequences that finished or failed: events, sessions, KV.
+    fn conclude(&mut self, mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)>) {
+        outcomes.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        for (i, outcome) in outcomes {
+            let mut seq = self.running.swap_remove(i);
+            match outcome {
+                Ok(reason) => {
+                    let ev = seq.finished(reason);
+                    if let Event::Finished { text, .. } = &ev {
+                        seq.output.push_str(text);
+                    }
+                    let _ = seq.events.send(Ok(ev));
+                    self.keep_or_release(seq);
+                }
+                Err(e) => {
+                    let _ = seq.events.send(Err(e));
+                    if let Some((name, _)) = &seq.session {
+                        self.sessions.remove(name);
+                    }
+                    self.released.push(seq.id);
+                }
+            }
+        }
+    }
+
+    /// A finished request's KV goes back to its session, or to the pool.
+    fn keep_or_release(&mut self, seq: Seq) {
+        let Some((name, mut messages)) = seq.session else {
+            self.released.push(seq.id);
+            return;
+        };
+        let Some(session) = self.sessions.get_mut(&name) else {
+            self.released.push(seq.id);
+            return;
+        };
+        if !messages.is_empty() {
+            messages.push(ChatMessage::new("assistant", seq.output));
+        }
+        let mut history = seq.kv_tokens.clone();
+        history.extend(seq.pending.last());
+        session.table = Some(seq.table);
+        session.kv_tokens = seq.kv_tokens;
+        session.history = history;
+        session.messages = messages;
+        session.last_used = Instant::now();
+    }
+}

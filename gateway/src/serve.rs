@@ -1,0 +1,149 @@
+//! `duet-gateway serve`: brings the service up (local workers or given ones), serves the
+//! public API, and on SIGTERM or Ctrl-C drains the running streams, stops the workers and
+//! removes their sockets and segments.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_common::model::chat::ChatTemplate;
+use duet_common::model::gguf::GgufFile;
+use duet_common::model::tokenizer::Tokenizer;
+use duet_common::rpc::Listener;
+use tokio::sync::{oneshot, watch};
+
+use crate::backend::{Backend, TextModel};
+use crate::cli::ServeArgs;
+use crate::scheduler::{self, Command, SchedulerConfig};
+use crate::supervisor::{self, LocalWorkers};
+
+/// The longest a drain waits for running streams at shutdown.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The tokenizer (a `tokenizer.json` beside the model wins over the GGUF's own) and the
+/// chat template.
+pub fn load_text_model(path: &std::path::Path) -> anyhow::Result<TextModel> {
+    let file = GgufFile::open(path).map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+    let tokenizer = match path.parent().map(|d| d.join("tokenizer.json")).filter(|p| p.exists()) {
+        Some(json) => Tokenizer::from_file(&json)?,
+        None => Tokenizer::from_gguf(&file)?,
+    };
+    let chat_template = ChatTemplate::from_gguf(&file).inspect_err(|e| tracing::warn!("no usable chat template: {e}")).ok();
+    Ok(TextModel { tokenizer, chat_template })
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let text = Arc::new(load_text_model(&args.model)?);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let local = args.gpu_worker.is_none();
+    let instance = args.instance.clone().unwrap_or_else(|| format!("duet-{}", std::process::id()));
+    let mut keeper = None;
+    let workers = if let Some(gpu) = &args.gpu_worker {
+        supervisor::connect(gpu, &args.cpu_worker, None, false).await?
+    } else {
+        let n = args.cpu_workers.unwrap_or_else(|| supervisor::numa_nodes() as u32).max(1);
+        let cfg = LocalWorkers {
+            model: args.model.clone(),
+            cpu_workers: n,
+            kv_bytes: args.kv_bytes.clone(),
+            runtime_dir: args.runtime_dir.clone().unwrap_or_else(|| supervisor::default_runtime_dir(&instance)),
+            instance: instance.clone(),
+            gpu_threads: args.gpu_threads,
+        };
+        tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
+        let mut children = supervisor::spawn_local(&cfg)?;
+        let cpu_addrs: Vec<_> = (0..n).map(|w| cfg.cpu_address(w)).collect();
+        let connected = supervisor::connect(&cfg.gpu_address(), &cpu_addrs, Some(&mut children), true).await;
+        let dir = cfg.runtime_dir.clone();
+        keeper = Some(supervisor::keep_running(cfg, children, stop_rx.clone()));
+        match connected {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = stop_tx.send(true);
+                if let Some(k) = keeper {
+                    let _ = k.await;
+                }
+                let _ = std::fs::remove_dir_all(dir);
+                return Err(e);
+            }
+        }
+    };
+    let g = &workers.gpu_info;
+    let block_size = workers.cpu_infos.first().map_or(16, |i| i.block_size as usize);
+    if workers.cpu_infos.iter().any(|i| i.block_size as usize != block_size) {
+        anyhow::bail!("the cpu-workers use different KV block sizes");
+    }
+    let cfg = SchedulerConfig {
+        max_step_tokens: args.max_step_tokens.max(gpu_worker_prefill_chunk()),
+        prefill_chunk: gpu_worker_prefill_chunk(),
+        max_running: args.max_running.max(1),
+        placement: args.attention,
+        session_idle: Duration::from_secs(args.session_idle_secs),
+        block_size,
+        blocks_per_worker: workers.cpu_infos.iter().map(|i| i.kv_blocks).collect(),
+        n_ctx: g.context_length as usize,
+        model_name: g.model.clone(),
+        vocab_size: g.n_vocab,
+        gpu_device: g.device.clone(),
+    };
+    if text.tokenizer.vocab_size() != g.n_vocab as usize {
+        anyhow::bail!("the tokenizer has {} tokens, the gpu-worker's model {}", text.tokenizer.vocab_size(), g.n_vocab);
+    }
+    let (commands, scheduler_task) = scheduler::spawn(cfg.clone(), text.clone(), workers.gpu.clone());
+    let watcher = supervisor::watch(workers, local, commands.clone(), stop_rx.clone());
+    let backend = Backend::new(commands.clone(), text);
+
+    let listener = Listener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
+    let addr = listener.local_address()?;
+    tracing::info!(
+        %addr,
+        model = %cfg.model_name,
+        device = %cfg.gpu_device,
+        cpu_workers = cfg.blocks_per_worker.len(),
+        kv_tokens = cfg.blocks_per_worker.iter().map(|&b| b as usize).sum::<usize>() * block_size,
+        attention = %cfg.placement,
+        "duet-gateway serving"
+    );
+    // Tests and scripts read the address from this line on stdout.
+    println!("duet-gateway listening on {addr}");
+    let drain_commands = commands.clone();
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!("stopping: draining running requests (up to {DRAIN_DEADLINE:?})");
+        let (tx, rx) = oneshot::channel();
+        if drain_commands.send(Command::Drain { deadline: Instant::now() + DRAIN_DEADLINE, reply: tx }).await.is_ok() {
+            let _ = rx.await;
+        }
+    };
+    let served = crate::api::grpc::serve(backend, listener, shutdown).await;
+    drop(commands);
+    let _ = stop_tx.send(true);
+    let _ = watcher.await;
+    let _ = scheduler_task.await;
+    if let Some(k) = keeper {
+        let _ = k.await;
+    }
+    tracing::info!("duet-gateway stopped");
+    Ok(served?)
+}
+
+/// The prompt chunk of the single-process runner, so that prefill matches it.
+fn gpu_worker_prefill_chunk() -> usize {
+    512
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(e) => {
+            tracing::warn!("cannot watch SIGTERM ({e}); stopping on Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

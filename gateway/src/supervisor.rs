@@ -1,0 +1,360 @@
+//! The workers as the gateway manages them. In local mode it spawns one gpu-worker and the
+//! cpu-workers on Unix sockets in a private runtime directory, restarts one that dies and
+//! stops them all at the end; with given addresses (systemd-managed workers) it only
+//! connects. Either way a watcher polls each worker's `Info`: a cpu-worker that comes back
+//! with a new process id is attached to the gpu-worker again, and the scheduler is told
+//! when a worker goes down and comes back.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use duet_common::rpc::pb::cpu_worker_client::CpuWorkerClient;
+use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
+use duet_common::rpc::{channel, pb, Address};
+use tokio::process::{Child, Command as Process};
+use tokio::sync::{mpsc, watch};
+use tonic::transport::Channel;
+
+use crate::scheduler::Command;
+
+/// How to start local workers.
+#[derive(Debug, Clone)]
+pub struct LocalWorkers {
+    pub model: PathBuf,
+    pub cpu_workers: u32,
+    /// KV arena bytes per cpu-worker, as the cpu-worker's --kv-bytes takes it (e.g. 1G).
+    pub kv_bytes: String,
+    /// Instance name in the segment names.
+    pub instance: String,
+    /// Private directory for the sockets (created 0700, removed at the end).
+    pub runtime_dir: PathBuf,
+    /// Threads of the gpu-worker's CPU device (default: all cores).
+    pub gpu_threads: Option<usize>,
+}
+
+/// One worker the gateway talks to.
+#[derive(Debug, Clone)]
+pub struct WorkerAddr {
+    pub address: Address,
+}
+
+/// Live connections to the workers.
+#[derive(Clone)]
+pub struct Workers {
+    pub gpu: GpuWorkerClient<Channel>,
+    pub gpu_info: pb::GpuInfoResponse,
+    pub cpus: Vec<CpuWorkerClient<Channel>>,
+    pub cpu_infos: Vec<pb::CpuInfoResponse>,
+}
+
+/// How long to wait for a worker to come up.
+const READY_TIMEOUT: Duration = Duration::from_secs(300);
+/// How often the watcher polls the workers.
+const WATCH_PERIOD: Duration = Duration::from_millis(250);
+
+/// Finds a sibling binary: next to this executable, else on PATH.
+pub fn worker_binary(name: &str) -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|d| d.join(name)))
+        .filter(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
+fn cpu_count() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// NUMA nodes with CPUs on this machine.
+pub fn numa_nodes() -> usize {
+    std::fs::read_dir("/sys/devices/system/node")
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().strip_prefix("node").is_some_and(|n| n.parse::<u32>().is_ok())).count())
+        .unwrap_or(1)
+        .max(1)
+}
+
+impl LocalWorkers {
+    pub fn gpu_address(&self) -> Address {
+        Address::Unix(self.runtime_dir.join("gpu.sock"))
+    }
+
+    pub fn cpu_address(&self, worker: u32) -> Address {
+        Address::Unix(self.runtime_dir.join(format!("cpu-{worker}.sock")))
+    }
+
+    fn spawn_gpu(&self) -> std::io::Result<Child> {
+        let mut cmd = Process::new(worker_binary("duet-gpu-worker"));
+        cmd.arg("serve").arg("--model").arg(&self.model).arg("--listen").arg(self.gpu_address().to_string());
+        if let Some(t) = self.gpu_threads {
+            cmd.arg("--threads").arg(t.to_string());
+        }
+        spawn(cmd)
+    }
+
+    fn spawn_cpu(&self, worker: u32, replace: bool) -> std::io::Result<Child> {
+        let mut cmd = Process::new(worker_binary("duet-cpu-worker"));
+        cmd.args(["--instance", &self.instance, "--worker", &worker.to_string(), "--kv-bytes", &self.kv_bytes])
+            .arg("--model")
+            .arg(&self.model)
+            .arg("--listen")
+            .arg(self.cpu_address(worker).to_string());
+        if numa_nodes() >= self.cpu_workers as usize && self.cpu_workers > 1 {
+            cmd.args(["--numa-node", &worker.to_string()]);
+        } else {
+            // One node: share the cores between the workers (unpinned).
+            cmd.args(["--threads", &(cpu_count() / self.cpu_workers as usize).max(1).to_string()]);
+        }
+        if replace {
+            cmd.arg("--replace");
+        }
+        spawn(cmd)
+    }
+}
+
+fn spawn(mut cmd: Process) -> std::io::Result<Child> {
+    // Workers log to the gateway's stderr; they die with it if it is killed.
+    cmd.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit()).kill_on_drop(true);
+    let child = cmd.spawn()?;
+    Ok(child)
+}
+
+/// Polls `info` until it answers, failing early if `child` exits.
+async fn wait_ready<T, F, Fut>(what: &str, child: Option<&mut Child>, mut info: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let start = Instant::now();
+    let mut child = child;
+    loop {
+        match info().await {
+            Ok(v) => return Ok(v),
+            Err(e) if start.elapsed() > READY_TIMEOUT => anyhow::bail!("{what} not ready after {READY_TIMEOUT:?}: {e}"),
+            Err(_) => {}
+        }
+        if let Some(c) = child.as_deref_mut() {
+            if let Some(status) = c.try_wait()? {
+                anyhow::bail!("{what} exited before it was ready ({status})");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn gpu_info(c: &mut GpuWorkerClient<Channel>) -> Result<pb::GpuInfoResponse, tonic::Status> {
+    c.info(pb::GpuInfoRequest {}).await.map(|r| r.into_inner())
+}
+
+async fn cpu_info(c: &mut CpuWorkerClient<Channel>) -> Result<pb::CpuInfoResponse, tonic::Status> {
+    c.info(pb::CpuInfoRequest {}).await.map(|r| r.into_inner())
+}
+
+async fn attach(gpu: &mut GpuWorkerClient<Channel>, info: &pb::CpuInfoResponse, local: bool) -> anyhow::Result<u32> {
+    let req = pb::AttachCpuWorkerRequest {
+        worker: info.worker,
+        arena_segment: info.arena_segment.clone(),
+        ring_segment: info.ring_segment.clone(),
+        pid: if local { info.pid } else { 0 },
+    };
+    let r = gpu.attach_cpu_worker(req).await.map_err(|e| anyhow::anyhow!("attaching cpu-worker {}: {}", info.worker, e.message()))?;
+    Ok(r.into_inner().kv_blocks)
+}
+
+/// Connects to running workers (given addresses, or local ones just spawned), waits until
+/// they answer and attaches every cpu-worker to the gpu-worker.
+pub async fn connect(gpu_addr: &Address, cpu_addrs: &[Address], mut children: Option<&mut LocalChildren>, local: bool) -> anyhow::Result<Workers> {
+    let mut gpu = GpuWorkerClient::new(channel(gpu_addr)?).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+    let gpu_child = children.as_deref_mut().map(|c| &mut c.gpu);
+    let gpu_info = wait_ready(&format!("gpu-worker at {gpu_addr}"), gpu_child, || {
+        let mut g = gpu.clone();
+        async move { gpu_info(&mut g).await }
+    })
+    .await?;
+    let (mut cpus, mut cpu_infos) = (Vec::new(), Vec::new());
+    for (i, addr) in cpu_addrs.iter().enumerate() {
+        let client = CpuWorkerClient::new(channel(addr)?);
+        let child = children.as_deref_mut().map(|c| &mut c.cpus[i]);
+        let info = wait_ready(&format!("cpu-worker {i} at {addr}"), child, || {
+            let mut c = client.clone();
+            async move { cpu_info(&mut c).await }
+        })
+        .await?;
+        if info.worker != i as u32 {
+            anyhow::bail!("the cpu-worker at {addr} says it is worker {}, expected {i}", info.worker);
+        }
+        attach(&mut gpu, &info, local).await?;
+        cpus.push(client);
+        cpu_infos.push(info);
+    }
+    Ok(Workers { gpu, gpu_info, cpus, cpu_infos })
+}
+
+/// The local worker processes.
+pub struct LocalChildren {
+    pub gpu: Child,
+    pub cpus: Vec<Child>,
+}
+
+/// Creates the runtime directory and spawns the workers.
+pub fn spawn_local(cfg: &LocalWorkers) -> anyhow::Result<LocalChildren> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&cfg.runtime_dir)
+        .map_err(|e| anyhow::anyhow!("creating the runtime directory {}: {e}", cfg.runtime_dir.display()))?;
+    let gpu = cfg.spawn_gpu().map_err(|e| anyhow::anyhow!("starting duet-gpu-worker: {e}"))?;
+    let cpus = (0..cfg.cpu_workers)
+        .map(|w| cfg.spawn_cpu(w, true).map_err(|e| anyhow::anyhow!("starting duet-cpu-worker {w}: {e}")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(LocalChildren { gpu, cpus })
+}
+
+/// Keeps local workers running: restarts one that exits (unless stopping), and on stop
+/// sends SIGTERM to all, waits for them, and removes the runtime directory.
+pub fn keep_running(cfg: LocalWorkers, children: LocalChildren, mut stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let cfg = Arc::new(cfg);
+        let mut tasks = Vec::new();
+        let LocalChildren { gpu, cpus } = children;
+        let gpu_cfg = cfg.clone();
+        tasks.push(tokio::spawn(babysit("gpu-worker".into(), gpu, stop.clone(), move || gpu_cfg.spawn_gpu())));
+        for (w, child) in cpus.into_iter().enumerate() {
+            let c = cfg.clone();
+            tasks.push(tokio::spawn(babysit(format!("cpu-worker {w}"), child, stop.clone(), move || c.spawn_cpu(w as u32, true))));
+        }
+        let _ = stop.wait_for(|s| *s).await;
+        for t in tasks {
+            let _ = t.await;
+        }
+        if let Err(e) = std::fs::remove_dir_all(&cfg.runtime_dir) {
+            tracing::warn!(dir = %cfg.runtime_dir.display(), "removing the runtime directory: {e}");
+        }
+    })
+}
+
+async fn babysit(name: String, mut child: Child, mut stop: watch::Receiver<bool>, respawn: impl Fn() -> std::io::Result<Child>) {
+    loop {
+        let exited = tokio::select! {
+            status = child.wait() => Some(status),
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let Some(status) = exited else {
+            terminate(&name, &mut child).await;
+            return;
+        };
+        if *stop.borrow() {
+            return;
+        }
+        tracing::error!("{name} exited ({}); restarting it", status.map_or_else(|e| e.to_string(), |s| s.to_string()));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        match respawn() {
+            Ok(c) => child = c,
+            Err(e) => {
+                tracing::error!("restarting {name} failed: {e}");
+                return;
+            }
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL after 10 s.
+async fn terminate(name: &str, child: &mut Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    }
+    match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
+        Ok(_) => tracing::info!("{name} stopped"),
+        Err(_) => {
+            tracing::warn!("{name} did not stop within 10 s: killing it");
+            let _ = child.kill().await;
+        }
+    }
+}
+
+/// Watches the workers: tells the scheduler when one goes down, re-attaches a restarted
+/// cpu-worker (or every cpu-worker to a restarted gpu-worker) and says when it is back.
+pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mut stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let Workers { mut gpu, gpu_info, mut cpus, cpu_infos } = workers;
+        let mut gpu_pid = Some(gpu_info.pid);
+        let mut cpu_pids: Vec<Option<u32>> = cpu_infos.iter().map(|i| Some(i.pid)).collect();
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(WATCH_PERIOD) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            // The gpu-worker: a new pid means every sequence is gone.
+            let g = gpu_info_quick(&mut gpu).await;
+            match (g.as_ref().map(|i| i.pid), gpu_pid) {
+                (Err(_), Some(_)) => {
+                    gpu_pid = None;
+                    let _ = scheduler.send(Command::GpuDown { reason: "it stopped answering".into() }).await;
+                }
+                (Ok(pid), old) if old != Some(pid) => {
+                    if old.is_some() {
+                        let _ = scheduler.send(Command::GpuDown { reason: "it restarted".into() }).await;
+                    }
+                    tracing::info!(pid, "gpu-worker is up: attaching the cpu-workers again");
+                    let mut ok = true;
+                    for (w, c) in cpus.iter_mut().enumerate() {
+                        if let Ok(info) = cpu_info_quick(c).await {
+                            ok &= attach(&mut gpu, &info, local).await.inspect_err(|e| tracing::warn!("{e}")).is_ok();
+                            cpu_pids[w] = Some(info.pid);
+                        } else {
+                            ok = false;
+                        }
+                    }
+                    if ok {
+                        gpu_pid = Some(pid);
+                        let _ = scheduler.send(Command::GpuUp).await;
+                    }
+                }
+                _ => {}
+            }
+            for (w, c) in cpus.iter_mut().enumerate() {
+                let worker = w as u32;
+                match (cpu_info_quick(c).await, cpu_pids[w]) {
+                    (Err(e), Some(_)) => {
+                        cpu_pids[w] = None;
+                        let _ = scheduler.send(Command::WorkerDown { worker, reason: format!("it stopped answering: {}", e.message()) }).await;
+                    }
+                    (Ok(info), old) if old != Some(info.pid) => {
+                        if old.is_some() {
+                            let _ = scheduler.send(Command::WorkerDown { worker, reason: "it restarted".into() }).await;
+                        }
+                        match attach(&mut gpu, &info, local).await {
+                            Ok(_) => {
+                                cpu_pids[w] = Some(info.pid);
+                                let _ = scheduler.send(Command::WorkerUp { worker }).await;
+                            }
+                            Err(e) => tracing::warn!("re-attaching cpu-worker {worker}: {e}"),
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    })
+}
+
+async fn gpu_info_quick(c: &mut GpuWorkerClient<Channel>) -> Result<pb::GpuInfoResponse, tonic::Status> {
+    let mut req = tonic::Request::new(pb::GpuInfoRequest {});
+    req.set_timeout(Duration::from_secs(2));
+    c.info(req).await.map(|r| r.into_inner())
+}
+
+async fn cpu_info_quick(c: &mut CpuWorkerClient<Channel>) -> Result<pb::CpuInfoResponse, tonic::Status> {
+    let mut req = tonic::Request::new(pb::CpuInfoRequest {});
+    req.set_timeout(Duration::from_secs(2));
+    c.info(req).await.map(|r| r.into_inner())
+}
+
+/// A private runtime directory for instance `instance`: under $XDG_RUNTIME_DIR, else /tmp.
+pub fn default_runtime_dir(instance: &str) -> PathBuf {
+    let base = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|p| p.is_dir()).unwrap_or_else(|| Path::new("/tmp").to_path_buf());
+    base.join(format!("duet-{instance}"))
+}

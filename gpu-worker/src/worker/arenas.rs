@@ -1,0 +1,174 @@
+//! The cpu-workers' KV arenas and exchange rings as the gpu-worker maps them: it writes new
+//! K/V rows straight into arena slots, reads rows back for its own share of attention, and
+//! posts attention jobs into each worker's ring.
+
+use std::ops::Range;
+
+use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
+use duet_common::shm::{Producer, Ring, Segment};
+use half::f16;
+
+use super::StepError;
+
+/// One attached cpu-worker.
+#[derive(Debug)]
+pub struct AttachedWorker {
+    arena: Segment,
+    pub layout: ArenaLayout,
+    pub producer: Producer,
+    /// The worker's process id, if known and on this machine.
+    pub pid: Option<u32>,
+}
+
+impl AttachedWorker {
+    /// Whether the worker's process still exists (true when its pid is unknown).
+    pub fn alive(&self) -> bool {
+        // SAFETY: kill with signal 0 only checks that the process exists.
+        self.pid.is_none_or(|pid| unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+    }
+}
+
+/// The KV shape every arena must have: the model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub n_layer: u32,
+    pub n_kv_head: u32,
+    pub head_dim: u32,
+}
+
+/// The attached cpu-workers, by index.
+#[derive(Debug)]
+pub struct KvArenas {
+    shape: KvShape,
+    workers: Vec<Option<AttachedWorker>>,
+}
+
+impl KvArenas {
+    pub fn new(shape: KvShape) -> Self {
+        KvArenas { shape, workers: Vec::new() }
+    }
+
+    /// Maps worker `worker`'s arena and ring (replacing an earlier attachment, e.g. after
+    /// the worker restarted) and returns its block count. The arena must fit the model and
+    /// use the block size of the arenas already attached.
+    pub fn attach(&mut self, worker: u32, arena_name: &str, ring_name: &str, pid: Option<u32>) -> Result<u32, StepError> {
+        let attach_err = |what: String| StepError::Attach { worker, what };
+        let arena = Segment::open(arena_name).map_err(|e| attach_err(e.to_string()))?;
+        let header_len = duet_common::kv::layout::HEADER_BYTES.min(arena.len());
+        // SAFETY: the header is written once by the worker before its ring exists and never
+        // changes; the slice lives only for this call.
+        let header = unsafe { arena.slice::<u8>(0, header_len) };
+        let layout = ArenaLayout::decode_header(header).map_err(|e| attach_err(e.to_string()))?;
+        let need = layout.total_bytes().map_err(|e| attach_err(e.to_string()))?;
+        if arena.len() < need {
+            return Err(attach_err(format!("arena of {} bytes, its layout needs {need}", arena.len())));
+        }
+        let KvShape { n_layer, n_kv_head, head_dim } = self.shape;
+        if (layout.n_layer, layout.n_kv_head, layout.head_dim) != (n_layer, n_kv_head, head_dim) || layout.dtype != KvDtype::F16 {
+            return Err(attach_err(format!(
+                "arena layout {layout:?} does not fit the model ({n_layer} layers, {n_kv_head} KV heads of {head_dim}, f16)"
+            )));
+        }
+        if let Some(other) = self.workers.iter().flatten().find(|w| w.layout.block_size != layout.block_size) {
+            return Err(attach_err(format!(
+                "block size {} differs from the other workers' {}",
+                layout.block_size, other.layout.block_size
+            )));
+        }
+        let ring = Segment::open(ring_name).and_then(Ring::attach).map_err(|e| attach_err(e.to_string()))?;
+        let idx = worker as usize;
+        if self.workers.len() <= idx {
+            self.workers.resize_with(idx + 1, || None);
+        }
+        self.workers[idx] = Some(AttachedWorker { arena, layout, producer: ring.producer(), pid });
+        Ok(layout.n_blocks)
+    }
+
+    /// Forgets a worker whose ring stopped answering; steps naming it fail until it is
+    /// attached again.
+    pub fn detach(&mut self, worker: u32) {
+        if let Some(w) = self.workers.get_mut(worker as usize) {
+            *w = None;
+        }
+    }
+
+    /// Tokens per block (`None` before the first attachment).
+    pub fn block_size(&self) -> Option<usize> {
+        self.workers.iter().flatten().next().map(|w| w.layout.block_size as usize)
+    }
+
+    pub fn worker(&self, worker: u32) -> Result<&AttachedWorker, StepError> {
+        self.workers.get(worker as usize).and_then(Option::as_ref).ok_or(StepError::WorkerNotAttached(worker))
+    }
+
+    pub fn worker_mut(&mut self, worker: u32) -> Result<&mut AttachedWorker, StepError> {
+        self.workers.get_mut(worker as usize).and_then(Option::as_mut).ok_or(StepError::WorkerNotAttached(worker))
+    }
+
+    /// Checks that `block` of `worker` exists.
+    pub fn check_block(&self, worker: u32, block: BlockId) -> Result<(), StepError> {
+        let n_blocks = self.worker(worker)?.layout.n_blocks;
+        if block.0 >= n_blocks {
+            return Err(StepError::Invalid(format!("block {block} of cpu-worker {worker}, whose arena has {n_blocks}")));
+        }
+        Ok(())
+    }
+
+    /// Stores one token's K and V rows (`[kv_head][head_dim]` each, rounded to f16) of
+    /// `layer` in `slot` of `block` on `worker`. The block must have been checked.
+    pub fn write_token(&self, worker: u32, block: BlockId, slot: usize, layer: u32, k: &[f32], v: &[f32]) -> Result<(), StepError> {
+        let w = self.worker(worker)?;
+        let hd = w.layout.head_dim as usize;
+        for (h, (kh, vh)) in k.chunks_exact(hd).zip(v.chunks_exact(hd)).enumerate() {
+            for (offset, src) in [(w.layout.k_offset(block, layer, h as u32), kh), (w.layout.v_offset(block, layer, h as u32), vh)] {
+                // SAFETY: the offset lies inside the arena (block checked, layout validated
+                // against the segment's length). Nobody reads this slot while it is written:
+                // the plan gives each token position to one sequence, and its attention jobs
+                // are posted after this write (the ring's release/acquire orders them).
+                let dst = unsafe { w.arena.slice_mut::<f16>(offset + slot * hd * 2, hd) };
+                for (d, &x) in dst.iter_mut().zip(src) {
+                    *d = f16::from_f32(x);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies positions `range` of one KV head of `layer` out of the arenas into `k` and `v`
+    /// (`[position - range.start][head_dim]`): `blocks[i]` holds positions `i * block_size..`.
+    pub fn gather(
+        &self,
+        blocks: &[(u32, BlockId)],
+        layer: u32,
+        kv_head: u32,
+        range: Range<usize>,
+        k: &mut Vec<f16>,
+        v: &mut Vec<f16>,
+    ) -> Result<(), StepError> {
+        let bs = self.block_size().ok_or(StepError::WorkerNotAttached(0))?;
+        let hd = self.shape.head_dim as usize;
+        k.clear();
+        v.clear();
+        let mut pos = range.start;
+        while pos < range.end {
+            let (worker, block) = *blocks
+                .get(pos / bs)
+                .ok_or_else(|| StepError::Invalid(format!("position {pos} has no KV block")))?;
+            let w = self.worker(worker)?;
+            let slot = pos % bs;
+            let n = (bs - slot).min(range.end - pos);
+            // SAFETY: inside the arena (blocks checked when the step was accepted); these
+            // rows were written by this process in this or an earlier step.
+            let (ks, vs) = unsafe {
+                (
+                    w.arena.slice::<f16>(w.layout.k_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
+                    w.arena.slice::<f16>(w.layout.v_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
+                )
+            };
+            k.extend_from_slice(ks);
+            v.extend_from_slice(vs);
+            pos += n;
+        }
+        Ok(())
+    }
+}

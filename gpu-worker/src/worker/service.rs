@@ -1,0 +1,116 @@
+//! The gRPC face of worker mode (`duet.v1.GpuWorker`): one executor behind a mutex (the
+//! gateway runs one step at a time), its blocking work on tokio's blocking threads, errors
+//! mapped to gRPC status codes here and nowhere else.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use duet_common::model::gguf::GgufFile;
+use duet_common::model::names::GeneralKey;
+use duet_common::rpc::pb::gpu_worker_server::{GpuWorker, GpuWorkerServer};
+use duet_common::rpc::{pb, Listener};
+use tonic::{Request, Response, Status};
+
+use super::executor::Executor;
+use super::StepError;
+use crate::device::cpu::CpuModel;
+use crate::error::WorkerError;
+
+/// The service state.
+pub struct GpuWorkerService {
+    executor: Arc<Mutex<Executor>>,
+    info: pb::GpuInfoResponse,
+}
+
+impl GpuWorkerService {
+    /// Loads the model at `path` onto the (CPU) device.
+    pub fn load(path: &Path, job_timeout: Duration) -> Result<Self, WorkerError> {
+        let file = Arc::new(GgufFile::open(path)?);
+        let name = file
+            .get(GeneralKey::Name.key())
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        let model = CpuModel::load(file)?;
+        let c = &model.config;
+        let info = pb::GpuInfoResponse {
+            model: name,
+            n_layer: c.n_layer as u32,
+            n_head: c.n_head as u32,
+            n_kv_head: c.n_kv_head as u32,
+            head_dim: c.head_dim as u32,
+            n_vocab: c.n_vocab as u32,
+            context_length: c.n_ctx_train as u32,
+            device: format!("cpu ({:?})", duet_common::kernels::isa()).to_lowercase(),
+            pid: std::process::id(),
+        };
+        Ok(GpuWorkerService { executor: Arc::new(Mutex::new(Executor::new(model, job_timeout))), info })
+    }
+
+    /// Runs `f` on the executor on a blocking thread.
+    async fn with_executor<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Executor) -> Result<T, StepError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let executor = self.executor.clone();
+        tokio::task::spawn_blocking(move || {
+            // A panic inside a step is a bug; the executor's state is still consistent
+            // enough to fail later steps cleanly rather than take the process down.
+            let mut ex = executor.lock().unwrap_or_else(PoisonError::into_inner);
+            f(&mut ex)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("step task: {e}")))?
+        .map_err(status)
+    }
+}
+
+/// The gRPC status of a step error.
+pub fn status(e: StepError) -> Status {
+    let msg = e.to_string();
+    match e {
+        StepError::Invalid(_) | StepError::Model(WorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
+        StepError::Model(WorkerError::Model(duet_common::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
+        StepError::UnknownSequence(_) | StepError::Attach { .. } => Status::failed_precondition(msg),
+        StepError::WorkerNotAttached(_) | StepError::CpuWorker { .. } => Status::unavailable(msg),
+        StepError::Model(WorkerError::Step(_)) => Status::unavailable(msg),
+        StepError::Model(_) => Status::internal(msg),
+    }
+}
+
+#[tonic::async_trait]
+impl GpuWorker for GpuWorkerService {
+    async fn info(&self, _: Request<pb::GpuInfoRequest>) -> Result<Response<pb::GpuInfoResponse>, Status> {
+        Ok(Response::new(self.info.clone()))
+    }
+
+    async fn attach_cpu_worker(
+        &self,
+        req: Request<pb::AttachCpuWorkerRequest>,
+    ) -> Result<Response<pb::AttachCpuWorkerResponse>, Status> {
+        let r = req.into_inner();
+        let kv_blocks = self.with_executor(move |ex| ex.attach(r.worker, &r.arena_segment, &r.ring_segment, (r.pid != 0).then_some(r.pid))).await?;
+        tracing::info!(worker = r.worker, kv_blocks, "cpu-worker attached");
+        Ok(Response::new(pb::AttachCpuWorkerResponse { kv_blocks }))
+    }
+
+    async fn step(&self, req: Request<pb::StepRequest>) -> Result<Response<pb::StepResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(self.with_executor(move |ex| ex.step(&r)).await?))
+    }
+}
+
+/// Serves `service` on `listener` (with gRPC health) until `shutdown` resolves.
+pub async fn serve(
+    service: GpuWorkerService,
+    listener: Listener,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<GpuWorkerServer<GpuWorkerService>>().await;
+    let router = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(GpuWorkerServer::new(service).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20));
+    listener.serve(router, shutdown).await
+}
