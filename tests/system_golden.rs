@@ -1,0 +1,92 @@
+//! The whole system against the single-process reference on every golden prompt: greedy
+//! `Generate` over gRPC, all prompts at once (20 concurrent streams, so each also shows it
+//! gets what it gets alone), with attention on one cpu-worker, on the gpu-worker, split
+//! across two cpu-workers, and split between the gpu-worker and two cpu-workers.
+
+use duet_common::testutil::golden;
+use duet_tests::{generate, greedy, same_up_to_near_tie, Gateway, Reference};
+use serde_json::Value;
+
+/// A split (log-sum-exp merged) attention rounds differently from the unsplit reference
+/// (within 2^-10 of the values; common/tests/paged_attention.rs). This model quantises its
+/// activations to 8 bits per block of 32 and turns such last-bit differences into
+/// log-probability shifts of 0.1-0.3 (see issue 2's note), so a split run may choose
+/// differently only where the reference's two best tokens are this close. A wrong merge
+/// or a misplaced range breaks far earlier, at confident positions.
+const NEAR_TIE: f64 = 0.5;
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_over_grpc_matches_the_single_process_reference() {
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(golden("greedy.json")).unwrap()).unwrap();
+    let items: Vec<(String, Vec<u32>, usize)> = data["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|it| (it["name"].as_str().unwrap().to_string(), ids(&it["prompt_ids"]), ids(&it["generated_ids"]).len()))
+        .collect();
+    let want: Vec<_> = {
+        let reference = Reference::load();
+        items.iter().map(|(_, p, n)| reference.generate(p, *n)).collect()
+    };
+
+    let configs: [(&str, &[&str], bool); 4] = [
+        ("attention on one cpu-worker", &["--cpu-workers", "1", "--attention", "cpu"], true),
+        ("attention on the gpu-worker", &["--cpu-workers", "1", "--attention", "gpu"], true),
+        ("attention split across two cpu-workers", &["--cpu-workers", "2", "--attention", "cpu"], false),
+        ("attention split between gpu-worker and cpu-workers", &["--cpu-workers", "2", "--attention", "split:0.5"], false),
+    ];
+    let mut failures = Vec::new();
+    for (label, flags, exact) in configs {
+        let mut gw = Gateway::start(flags);
+        let started = std::time::Instant::now();
+        let tasks: Vec<_> = items
+            .iter()
+            .map(|(_, prompt, n)| {
+                let mut client = gw.client();
+                let req = greedy(prompt.clone(), *n as u32);
+                tokio::spawn(async move { generate(&mut client, req).await })
+            })
+            .collect();
+        let (mut identical, mut parted) = (0, 0);
+        for ((task, (name, _, _)), want) in tasks.into_iter().zip(&items).zip(&want) {
+            let got = match task.await.unwrap() {
+                Ok(g) => g,
+                Err(e) => {
+                    failures.push(format!("{label}: {name}: {e}"));
+                    continue;
+                }
+            };
+            let verdict = if exact {
+                if got.ids == want.ids { Ok(true) } else { Err(format!("got {:?}, reference {:?}", got.ids, want.ids)) }
+            } else {
+                same_up_to_near_tie(&got.ids, want, NEAR_TIE)
+            };
+            match verdict {
+                Ok(true) => identical += 1,
+                Ok(false) => parted += 1,
+                Err(e) => failures.push(format!("{label}: {name}: {e}")),
+            }
+        }
+        println!(
+            "{label}: {identical}/{} identical to the reference, {parted} parted at a near tie ({:.1} s for all {} streams at once)",
+            items.len(),
+            started.elapsed().as_secs_f64(),
+            items.len()
+        );
+        let status = gw.stop();
+        assert!(status.success(), "{label}: the gateway exited with {status}; log:\n{}", gw.log_tail());
+        assert!(!gw.runtime_dir.exists(), "{label}: the runtime directory was not removed");
+        let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains(&gw.instance))
+            .map(|e| e.file_name())
+            .collect();
+        assert!(leftovers.is_empty(), "{label}: segments left behind: {leftovers:?}");
+    }
+    assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
+}
