@@ -1,1 +1,170 @@
-//! Placeholder replaced below.
+//! The service as a client meets it, on one gateway with one cpu-worker: info and
+//! tokenisation, bad input getting the right status while another stream carries on, a
+//! client that disconnects (its KV blocks come back), stop strings, sessions (a second turn
+//! prefills only the new tokens and generates what a fresh request would), a cpu-worker
+//! killed mid-generation (UNAVAILABLE, restarted, new requests succeed), and a clean stop.
+
+use std::time::{Duration, Instant};
+
+use duet_common::rpc::pb;
+use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration};
+use tonic::Code;
+
+async fn info(gw: &Gateway) -> pb::InfoResponse {
+    gw.client().info(pb::InfoRequest {}).await.expect("Info").into_inner()
+}
+
+async fn tokenize(gw: &Gateway, text: &str) -> Vec<u32> {
+    let req = pb::TokenizeRequest { text: text.into(), ..Default::default() };
+    gw.client().tokenize(req).await.expect("Tokenize").into_inner().ids
+}
+
+fn text_req(text: &str, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest { prompt: Some(pb::generate_request::Prompt::Text(text.into())), max_tokens: Some(max_tokens), ..Default::default() }
+}
+
+async fn expect_code(gw: &Gateway, what: &str, req: pb::GenerateRequest, code: Code) {
+    match generate(&mut gw.client(), req).await {
+        Ok(g) => panic!("{what}: expected {code:?}, got a generation of {} tokens", g.ids.len()),
+        Err(s) => {
+            assert_eq!(s.code(), code, "{what}: {}", s.message());
+            println!("{what}: {code:?}: {}", s.message());
+        }
+    }
+}
+
+/// Polls `Info` until `ok` holds.
+async fn wait_info(gw: &Gateway, what: &str, timeout: Duration, ok: impl Fn(&pb::InfoResponse) -> bool) -> pb::InfoResponse {
+    let start = Instant::now();
+    loop {
+        let i = info(gw).await;
+        if ok(&i) {
+            return i;
+        }
+        assert!(start.elapsed() < timeout, "{what}: not within {timeout:?}; last Info: {i:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_service_behaves_as_a_client_expects() {
+    let mut gw = Gateway::start(&["--cpu-workers", "1"]);
+    let i = info(&gw).await;
+    assert_eq!((i.context_length, i.vocab_size, i.cpu_workers.len()), (8192, 49152, 1));
+    assert!(i.kv_capacity_tokens > 1000 && i.kv_free_tokens == i.kv_capacity_tokens, "{i:?}");
+    let ids = tokenize(&gw, "Hello world").await;
+    let text = gw.client().detokenize(pb::DetokenizeRequest { ids: ids.clone() }).await.unwrap().into_inner().text;
+    assert_eq!(text, "Hello world");
+
+    // Bad input while a good stream runs: each gets its status, the stream is untouched.
+    let counting = "1, 2, 3, 4, 5, 6, 7,";
+    let mut c = gw.client();
+    let long = tokio::spawn(async move { generate(&mut c, text_req(counting, 96)).await });
+    expect_code(&gw, "empty prompt", text_req("", 8), Code::InvalidArgument).await;
+    expect_code(&gw, "no prompt", pb::GenerateRequest::default(), Code::InvalidArgument).await;
+    expect_code(&gw, "prompt longer than the context", greedy(vec![28; 9000], 8), Code::InvalidArgument).await;
+    expect_code(&gw, "token id out of the vocabulary", greedy(vec![999_999], 8), Code::InvalidArgument).await;
+    for (what, s) in [
+        ("negative temperature", pb::SamplingParams { temperature: Some(-1.0), ..Default::default() }),
+        ("top_p 0", pb::SamplingParams { top_p: Some(0.0), ..Default::default() }),
+        ("min_p 1.5", pb::SamplingParams { min_p: Some(1.5), ..Default::default() }),
+        ("repetition_penalty 0", pb::SamplingParams { repetition_penalty: Some(0.0), ..Default::default() }),
+    ] {
+        expect_code(&gw, what, pb::GenerateRequest { sampling: Some(s), ..text_req("Hi", 4) }, Code::InvalidArgument).await;
+    }
+    expect_code(&gw, "top_logprobs 50", pb::GenerateRequest { top_logprobs: 50, ..text_req("Hi", 4) }, Code::InvalidArgument).await;
+    expect_code(&gw, "max_tokens 0", text_req("Hi", 0), Code::InvalidArgument).await;
+    expect_code(&gw, "unknown session", pb::GenerateRequest { session_id: Some("nope".into()), ..text_req("Hi", 4) }, Code::NotFound).await;
+    expect_code(&gw, "more KV than the cpu-workers hold", text_req("Hi", 8000), Code::ResourceExhausted).await;
+    let long = long.await.unwrap().expect("the good stream survives the bad requests");
+    assert_eq!(long.ids.len(), 96, "{:?}", long.finished);
+    assert!(long.text.starts_with(" 8, 9, 10"), "{:?}", long.text);
+
+    // Stop strings cut the text and end the generation.
+    let g = generate(&mut gw.client(), pb::GenerateRequest { stop: vec![" 11".into()], ..text_req(counting, 64) }).await.unwrap();
+    let f = g.finished.unwrap();
+    assert_eq!(f.reason, pb::StopReason::StopString as i32);
+    assert_eq!(g.text, " 8, 9, 10,");
+
+    // A client that goes away: its KV blocks come back.
+    {
+        let mut stream = gw.client().generate(text_req(counting, 400)).await.unwrap().into_inner();
+        for _ in 0..6 {
+            stream.message().await.unwrap().unwrap();
+        }
+        let busy = info(&gw).await;
+        assert!(busy.kv_free_tokens < busy.kv_capacity_tokens, "blocks in use while streaming: {busy:?}");
+        println!("streaming: {} of {} KV tokens free", busy.kv_free_tokens, busy.kv_capacity_tokens);
+    }
+    let i = wait_info(&gw, "KV freed after the client left", Duration::from_secs(20), |i| {
+        i.kv_free_tokens == i.kv_capacity_tokens && i.active_requests == 0
+    })
+    .await;
+    println!("client gone: {} of {} KV tokens free", i.kv_free_tokens, i.kv_capacity_tokens);
+
+    // Sessions: the second turn prefills only what is new and generates what a fresh
+    // request with the whole conversation generates.
+    let p1 = tokenize(&gw, "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n").await;
+    let t1 = generate(&mut gw.client(), pb::GenerateRequest { create_session: true, ..greedy(p1.clone(), 24) }).await.unwrap();
+    let session = t1.prompt.session_id.clone();
+    assert!(!session.is_empty(), "a session id comes in the first message");
+    assert_eq!(info(&gw).await.sessions, 1);
+    let p2 = tokenize(&gw, "\n<|im_start|>user\nAnd three animals?<|im_end|>\n<|im_start|>assistant\n").await;
+    let before = info(&gw).await.prefilled_tokens_total;
+    let t2 = generate(&mut gw.client(), pb::GenerateRequest { session_id: Some(session.clone()), top_logprobs: 2, ..greedy(p2.clone(), 24) })
+        .await
+        .unwrap();
+    let after = info(&gw).await.prefilled_tokens_total;
+    let kept = p1.len() + t1.ids.len() - 1; // the last sampled token was never fed
+    assert_eq!(t2.prompt.cached_tokens as usize, kept);
+    let usage = t2.finished.clone().unwrap().usage.unwrap();
+    assert_eq!(usage.prefilled_tokens as usize, p2.len() + 1, "only the new tokens (and turn 1's last) are prefilled");
+    assert_eq!((after - before) as usize, p2.len() + 1);
+    assert_eq!(usage.prompt_tokens as usize, p1.len() + t1.ids.len() + p2.len());
+    let mut whole = p1.clone();
+    whole.extend(&t1.ids);
+    whole.extend(&p2);
+    let fresh = generate(&mut gw.client(), pb::GenerateRequest { top_logprobs: 2, ..greedy(whole, 24) }).await.unwrap();
+    let fresh_ref = RefGeneration { margins: fresh.top.iter().map(|t| (t[0].1 - t[1].1) as f64).collect(), ids: fresh.ids.clone() };
+    let same = same_up_to_near_tie(&t2.ids, &fresh_ref, 0.5).unwrap_or_else(|e| panic!("second turn vs fresh request: {e}"));
+    println!("session turn 2: {} tokens prefilled instead of {}; identical to the fresh request: {same}", p2.len() + 1, usage.prompt_tokens);
+    let freed = gw.client().close_session(pb::CloseSessionRequest { session_id: session.clone() }).await.unwrap().into_inner().freed_blocks;
+    assert!(freed > 0);
+    let again = gw.client().close_session(pb::CloseSessionRequest { session_id: session }).await.unwrap_err();
+    assert_eq!(again.code(), Code::NotFound);
+    wait_info(&gw, "KV free after closing the session", Duration::from_secs(5), |i| i.kv_free_tokens == i.kv_capacity_tokens && i.sessions == 0).await;
+
+    // A cpu-worker killed mid-generation: the request fails with UNAVAILABLE, the
+    // supervisor restarts the worker, new requests succeed.
+    let pids = pids_with(&["duet-cpu-worker", &gw.instance]);
+    assert_eq!(pids.len(), 1, "one cpu-worker of this instance: {pids:?}");
+    let mut stream = gw.client().generate(text_req(counting, 400)).await.unwrap().into_inner();
+    for _ in 0..4 {
+        stream.message().await.unwrap().unwrap();
+    }
+    // SAFETY: killing the test's own grandchild.
+    unsafe { libc::kill(pids[0] as libc::pid_t, libc::SIGKILL) };
+    let err = loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended normally after its cpu-worker was killed"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    assert!(err.message().contains("cpu-worker"), "{}", err.message());
+    println!("killed cpu-worker: {:?}: {}", err.code(), err.message());
+    let i = wait_info(&gw, "cpu-worker restarted", Duration::from_secs(60), |i| i.cpu_workers[0].ready && i.cpu_workers[0].restarts >= 1).await;
+    assert_eq!(i.kv_free_tokens, i.kv_capacity_tokens);
+    let g = generate(&mut gw.client(), text_req(counting, 12)).await.expect("a request after the restart");
+    assert!(g.text.starts_with(" 8, 9, 10,"), "{:?}", g.text);
+    assert_ne!(pids_with(&["duet-cpu-worker", &gw.instance]), pids);
+
+    let status = gw.stop();
+    assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
+    assert!(!gw.runtime_dir.exists(), "runtime directory removed");
+    assert!(pids_with(&["duet-cpu-worker", &gw.instance]).is_empty() && pids_with(&["duet-gpu-worker", &gw.runtime_dir.to_string_lossy()]).is_empty());
+    let leftovers: Vec<_> =
+        std::fs::read_dir("/dev/shm").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains(&gw.instance)).collect();
+    assert!(leftovers.is_empty(), "segments left: {leftovers:?}");
+}
