@@ -90,6 +90,10 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
     (tx, handle)
 }
 
+/// A request's whole conversation: its tokens, the existing session it continues, and the
+/// session's chat messages once this request's are added.
+type Resolved = (Vec<u32>, Option<String>, Vec<ChatMessage>);
+
 struct Waiting {
     params: GenerateParams,
     events: Events,
@@ -420,7 +424,7 @@ impl Scheduler {
 
     /// The whole conversation's tokens for a request, the existing session it continues,
     /// and the session's chat messages once this request's are added.
-    fn resolve(&self, p: &GenerateParams) -> Result<(Vec<u32>, Option<String>, Vec<ChatMessage>), GatewayError> {
+    fn resolve(&self, p: &GenerateParams) -> Result<Resolved, GatewayError> {
         let SessionMode::Continue(id) = &p.session else {
             let messages = match &p.prompt {
                 Prompt::Chat(m) => m.clone(),

@@ -396,7 +396,9 @@ impl StepAttention<'_> {
     /// Posts one attention job per cpu-worker that has shares in this step.
     fn post_jobs(&mut self, layer: u32, q: &[f32], q_dim: usize, hd: usize, n_kv: usize) -> Result<Vec<Posted>, StepError> {
         let bs = self.block_size;
-        let mut by_worker: Vec<(u32, AttnJob, Vec<(usize, usize)>)> = Vec::new();
+        // Per cpu-worker: its job and what each of the job's sequences answers.
+        type Building = (u32, AttnJob, Vec<(usize, usize)>);
+        let mut by_worker: Vec<Building> = Vec::new();
         for (pi, p) in self.plan.iter().enumerate() {
             for (si, sh) in p.shares.iter().enumerate() {
                 let Some(w) = sh.cpu_worker else { continue };
