@@ -88,13 +88,21 @@ pub fn answer<A: ArenaRows + ?Sized>(slot: &mut [u8], arena: &A, layout: &ArenaL
     write_results(slot, &job, &results)
 }
 
+/// Jobs attending fewer (position, KV head) pairs than this run on one thread.
+pub const PARALLEL_MIN_POSITIONS: usize = 8192;
+
 /// Paged attention of every (sequence, KV head) of a validated job, in parallel; each task
 /// gathers its KV head once for its query group.
 pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &ArenaLayout) -> Vec<SeqResult> {
     let (n_kv, hd) = (job.n_kv_head as usize, job.head_dim as usize);
     let group = job.n_head as usize / n_kv;
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..job.seqs.len() * n_kv)
+    let tasks = job.seqs.len() * n_kv;
+    // A small job runs on the calling thread: waking the pool costs more than it saves.
+    let positions: usize = job.seqs.iter().map(|s| (s.end - s.start) as usize).sum::<usize>() * n_kv;
+    let min_len = if positions < PARALLEL_MIN_POSITIONS { tasks.max(1) } else { 1 };
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..tasks)
         .into_par_iter()
+        .with_min_len(min_len)
         .map_init(KvScratch::default, |scratch, task| {
             let (s, h) = (task / n_kv, task % n_kv);
             let seq = &job.seqs[s];
