@@ -168,3 +168,40 @@ async fn the_service_behaves_as_a_client_expects() {
         std::fs::read_dir("/dev/shm").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains(&gw.instance)).collect();
     assert!(leftovers.is_empty(), "segments left: {leftovers:?}");
 }
+
+/// Workers started elsewhere (as systemd would): the gateway connects to their sockets,
+/// serves, and leaves them running when it stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_serves_with_workers_started_elsewhere() {
+    use std::process::{Command, Stdio};
+    let instance = format!("ext{}", std::process::id());
+    let dir = std::env::temp_dir().join(format!("duet-test-{instance}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = duet_common::testutil::model_path();
+    let (cpu_sock, gpu_sock) = (format!("unix:{}/cpu0.sock", dir.display()), format!("unix:{}/gpu.sock", dir.display()));
+    let mut cpu = Command::new(duet_tests::bin("duet-cpu-worker"))
+        .args(["--instance", &instance, "--worker", "0", "--kv-bytes", "64M", "--listen", &cpu_sock])
+        .arg("--model")
+        .arg(&model)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut gpu = Command::new(duet_tests::bin("duet-gpu-worker"))
+        .args(["serve", "--listen", &gpu_sock])
+        .arg("--model")
+        .arg(&model)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut gw = Gateway::start(&["--gpu-worker", &gpu_sock, "--cpu-worker", &cpu_sock]);
+    let g = generate(&mut gw.client(), text_req("1, 2, 3, 4, 5, 6, 7,", 12)).await.expect("generation");
+    assert!(g.text.starts_with(" 8, 9, 10,"), "{:?}", g.text);
+    assert!(gw.stop().success(), "log:\n{}", gw.log_tail());
+    assert!(cpu.try_wait().unwrap().is_none() && gpu.try_wait().unwrap().is_none(), "the workers outlive the gateway");
+    for child in [&mut cpu, &mut gpu] {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        assert!(child.wait().unwrap().success());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
