@@ -1,5 +1,6 @@
 //! duet-common: what every Duet process shares — the GGUF model reader, tokenizer and chat
-//! templates, and the CPU kernels (quantised dot products, attention, norms, RoPE).
+//! templates, the CPU kernels (quantised dot products, attention, norms, RoPE), and the
+//! machine's NUMA topology.
 
 pub mod error;
 pub mod kernels;
@@ -7,6 +8,7 @@ pub mod kv;
 pub mod model;
 pub mod rpc;
 pub mod shm;
+pub mod topology;
 
 pub use error::{Error, Result};
 pub mod testutil;

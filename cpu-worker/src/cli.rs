@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use duet_common::rpc::Address;
+use duet_common::topology::parse_cpu_list;
 
-use crate::numa::parse_cpu_list;
 use crate::{Config, KvSize, ModelShape, WorkerError};
 
 #[derive(Debug, Clone, Parser)]
@@ -90,7 +90,7 @@ impl Args {
             (None, None) => return Err(WorkerError::Config("give the KV arena size: --kv-blocks or --kv-bytes".into())),
             (Some(_), Some(_)) => return Err(WorkerError::Config("--kv-blocks and --kv-bytes exclude each other".into())),
         };
-        let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(WorkerError::Config)?;
+        let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(|e| WorkerError::Config(e.to_string()))?;
         Ok(Config {
             instance: self.instance,
             worker: self.worker.or(self.numa_node).unwrap_or(0),

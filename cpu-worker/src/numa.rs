@@ -1,54 +1,14 @@
-//! Where the worker runs and where its memory lives: CPU lists (`0-3,8`), the CPUs and
-//! existence of a NUMA node (from `/sys/devices/system/node`), pinning a thread
-//! (`sched_setaffinity`) and binding a mapping to a node (`mbind`, `MPOL_BIND`).
+//! Where the worker runs and where its memory lives: the CPUs and existence of a NUMA node
+//! (from `/sys/devices/system/node`), pinning a thread (`sched_setaffinity`) and binding a
+//! mapping to a node (`mbind`, `MPOL_BIND`). CPU lists (`0-3,8`) are parsed by
+//! [`duet_common::topology::parse_cpu_list`].
 
 use std::path::Path;
 
 use duet_common::shm::Segment;
-
-/// Highest CPU number + 1 that a `cpu_set_t` holds.
-const MAX_CPUS: usize = libc::CPU_SETSIZE as usize;
-/// Where Linux describes NUMA nodes.
-const NODE_DIR: &str = "/sys/devices/system/node";
-
-/// Parses a Linux CPU list such as `1`, `0-3,8` or `0-1, 4-5` into sorted, distinct CPU
-/// numbers. Refuses empty lists, reversed ranges and CPUs the affinity mask cannot hold.
-pub fn parse_cpu_list(list: &str) -> Result<Vec<usize>, String> {
-    let mut cpus = Vec::new();
-    for part in list.split(',').map(str::trim) {
-        if part.is_empty() {
-            return Err(format!("empty entry in CPU list {list:?}"));
-        }
-        let num = |s: &str| s.trim().parse::<usize>().map_err(|_| format!("{s:?} in CPU list {list:?} is not a CPU number"));
-        let (lo, hi) = match part.split_once('-') {
-            Some((a, b)) => (num(a)?, num(b)?),
-            None => (num(part)?, num(part)?),
-        };
-        if lo > hi {
-            return Err(format!("reversed range {part:?} in CPU list {list:?}"));
-        }
-        if hi >= MAX_CPUS {
-            return Err(format!("CPU {hi} in {list:?} is beyond the {MAX_CPUS} CPUs an affinity mask holds"));
-        }
-        cpus.extend(lo..=hi);
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Ok(cpus)
-}
-
-/// The CPUs this process may run on (`sched_getaffinity`), or `None` if it cannot be read.
-pub fn allowed_cpus() -> Option<Vec<usize>> {
-    // SAFETY: cpu_set_t is plain data (all-zero is the empty set); sched_getaffinity writes
-    // at most `size_of::<cpu_set_t>()` bytes into it; CPU_ISSET reads it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return None;
-        }
-        Some((0..MAX_CPUS).filter(|&c| libc::CPU_ISSET(c, &set)).collect())
-    }
-}
+use duet_common::topology::{parse_cpu_list, MAX_CPUS, SYSFS_NODE_DIR};
+// The affinity query lives in duet-common (the topology's no-NUMA fallback uses it too).
+pub use duet_common::topology::allowed_cpus;
 
 /// Restricts the calling thread to `cpus` (each below [`MAX_CPUS`], as
 /// [`parse_cpu_list`] guarantees).
@@ -80,7 +40,7 @@ pub enum NodeInfo {
 
 /// Looks node `node` up in `/sys/devices/system/node`.
 pub fn node_info(node: u32) -> NodeInfo {
-    node_info_in(Path::new(NODE_DIR), node)
+    node_info_in(Path::new(SYSFS_NODE_DIR), node)
 }
 
 fn node_info_in(dir: &Path, node: u32) -> NodeInfo {
@@ -122,16 +82,6 @@ pub fn bind_to_node(seg: &Segment, node: u32) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpu_lists() {
-        assert_eq!(parse_cpu_list("1"), Ok(vec![1]));
-        assert_eq!(parse_cpu_list("0-3,8"), Ok(vec![0, 1, 2, 3, 8]));
-        assert_eq!(parse_cpu_list(" 4-5, 0-1 ,5"), Ok(vec![0, 1, 4, 5]));
-        for bad in ["", "1,", "a", "3-1", "1-", "-1", "0-99999"] {
-            assert!(parse_cpu_list(bad).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn nodes_from_a_sysfs_tree() {

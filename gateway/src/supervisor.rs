@@ -1,18 +1,19 @@
 //! The workers as the gateway manages them. In local mode it spawns one gpu-worker and the
-//! cpu-workers on Unix sockets in a private runtime directory, restarts one that dies and
-//! stops them all at the end; with given addresses (systemd-managed workers) it only
-//! connects. Either way a watcher polls each worker's `Info`: a cpu-worker that comes back
-//! with a new process id is attached to the gpu-worker again, and the scheduler is told
-//! when a worker goes down and comes back.
+//! cpu-workers (by default one per NUMA node with CPUs, bound to it) on Unix sockets in a
+//! private runtime directory, restarts one that dies and stops them all at the end; with
+//! given addresses (systemd-managed workers) it only connects. Either way a watcher polls
+//! each worker's `Info`: a cpu-worker that comes back with a new process id is attached to
+//! the gpu-worker again, and the scheduler is told when a worker goes down and comes back.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use duet_common::rpc::pb::cpu_worker_client::CpuWorkerClient;
 use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
 use duet_common::rpc::{channel, pb, Address};
+use duet_common::topology::{NumaNode, Topology};
 use tokio::process::{Child, Command as Process};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::Channel;
@@ -67,12 +68,44 @@ fn cpu_count() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// NUMA nodes with CPUs on this machine.
-pub fn numa_nodes() -> usize {
-    std::fs::read_dir("/sys/devices/system/node")
-        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().strip_prefix("node").is_some_and(|n| n.parse::<u32>().is_ok())).count())
-        .unwrap_or(1)
-        .max(1)
+/// This machine's NUMA topology, read from `/sys/devices/system/node` and logged the first
+/// time it is asked for. A topology that cannot be read (after a warning) is one node with
+/// every core, as on a machine without NUMA.
+pub fn topology() -> &'static Topology {
+    static TOPOLOGY: OnceLock<Topology> = OnceLock::new();
+    TOPOLOGY.get_or_init(|| {
+        let t = Topology::read().unwrap_or_else(|e| {
+            tracing::warn!("reading the NUMA topology failed ({e}): treating the machine as one node");
+            Topology::without_numa().unwrap_or_else(|e| {
+                tracing::warn!("{e}: the node's memory is unknown");
+                Topology { nodes: vec![NumaNode { id: 0, cpus: (0..cpu_count()).collect(), memory_bytes: 0 }] }
+            })
+        });
+        tracing::info!(
+            nodes = t.nodes.len(),
+            nodes_with_cpus = t.nodes_with_cpus().count(),
+            cpus = t.cpu_count(),
+            memory_gib = format!("{:.1}", t.memory_bytes() as f64 / (1u64 << 30) as f64),
+            "NUMA topology: {t}"
+        );
+        t
+    })
+}
+
+/// NUMA nodes with CPUs on this machine (at least 1): local mode's default number of
+/// cpu-workers, one per node.
+pub fn cpu_nodes() -> usize {
+    topology().nodes_with_cpus().count().max(1)
+}
+
+/// The NUMA node local cpu-worker `worker` (of `workers`) is bound to: the `worker`-th node
+/// with CPUs when there are several workers and a node with CPUs for each, else `None`
+/// (one node, or more workers than nodes: the workers share the cores, unpinned).
+fn worker_node(topology: &Topology, workers: u32, worker: u32) -> Option<u32> {
+    if workers < 2 || topology.nodes_with_cpus().count() < workers as usize {
+        return None;
+    }
+    topology.nodes_with_cpus().nth(worker as usize).map(|n| n.id)
 }
 
 impl LocalWorkers {
@@ -100,8 +133,10 @@ impl LocalWorkers {
             .arg(&self.model)
             .arg("--listen")
             .arg(self.cpu_address(worker).to_string());
-        if numa_nodes() >= self.cpu_workers as usize && self.cpu_workers > 1 {
-            cmd.args(["--numa-node", &worker.to_string()]);
+        if let Some(node) = worker_node(topology(), self.cpu_workers, worker) {
+            // The worker binds its arena to the node and pins one thread to each of the
+            // node's CPUs it may use.
+            cmd.args(["--numa-node", &node.to_string()]);
         } else {
             // One node: share the cores between the workers (unpinned).
             cmd.args(["--threads", &(cpu_count() / self.cpu_workers as usize).max(1).to_string()]);
@@ -200,6 +235,7 @@ pub struct LocalChildren {
 /// Creates the runtime directory and spawns the workers.
 pub fn spawn_local(cfg: &LocalWorkers) -> anyhow::Result<LocalChildren> {
     use std::os::unix::fs::DirBuilderExt;
+    topology(); // logged before the workers start
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -357,4 +393,31 @@ async fn cpu_info_quick(c: &mut CpuWorkerClient<Channel>) -> Result<pb::CpuInfoR
 pub fn default_runtime_dir(instance: &str) -> PathBuf {
     let base = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|p| p.is_dir()).unwrap_or_else(|| Path::new("/tmp").to_path_buf());
     base.join(format!("duet-{instance}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(name: &str) -> Topology {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../common/tests/fixtures/sysfs").join(name);
+        Topology::read_from(&dir).unwrap()
+    }
+
+    #[test]
+    fn one_cpu_worker_per_node_with_cpus() {
+        let one = fixture("one-node");
+        assert_eq!((worker_node(&one, 1, 0), worker_node(&one, 2, 1)), (None, None));
+        let two = fixture("two-node");
+        assert_eq!([worker_node(&two, 2, 0), worker_node(&two, 2, 1)], [Some(0), Some(1)]);
+        assert_eq!(worker_node(&two, 1, 0), None);
+        assert_eq!(worker_node(&two, 3, 0), None);
+        // Four nodes, two of them memory-only: two workers, on the nodes with CPUs.
+        let four = fixture("four-node");
+        assert_eq!([worker_node(&four, 2, 0), worker_node(&four, 2, 1)], [Some(0), Some(1)]);
+        assert_eq!(worker_node(&four, 4, 2), None);
+        // Node ids with gaps: the second worker goes to node 2.
+        let gaps = Topology { nodes: vec![two.nodes[0].clone(), NumaNode { id: 2, ..two.nodes[1].clone() }] };
+        assert_eq!([worker_node(&gaps, 2, 0), worker_node(&gaps, 2, 1)], [Some(0), Some(2)]);
+    }
 }
