@@ -84,6 +84,8 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     pub top_logprobs: u32,
     pub session: SessionMode,
+    /// Generate past end-of-generation tokens, up to max_tokens (benchmarks).
+    pub ignore_eos: bool,
 }
 
 impl GenerateParams {

@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use std::ffi::OsString;
+use std::net::SocketAddr;
+
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use duet_common::rpc::Address;
 
 use crate::sequence::AttentionPlacement;
@@ -23,16 +26,65 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Chat interactively with a running gateway (a session keeps the conversation's KV).
     Chat(ChatArgs),
+    /// Measure a running gateway: concurrent greedy streams, time to first token, tokens/s.
+    Bench(BenchArgs),
+    /// Show the effective `serve` configuration (flags, environment, config file, defaults).
+    Config(ConfigArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// The gateway's address.
+    #[arg(long, env = "DUET_ADDR", default_value = "127.0.0.1:50051")]
+    pub addr: Address,
+    /// Concurrent streams, one run per level (e.g. 1,16).
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub concurrency: Vec<usize>,
+    /// Tokens of each (random) prompt.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens each stream generates (end-of-generation is ignored).
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// Seed of the random prompts.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// Print the effective configuration as TOML (usable as a --config file).
+    #[arg(long)]
+    pub print: bool,
+    #[command(flatten)]
+    pub serve: ServeArgs,
 }
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
+    /// TOML configuration file whose keys are these flags' names with `_` for `-`
+    /// (flags and environment variables override it).
+    #[arg(long, env = "DUET_CONFIG")]
+    pub config: Option<PathBuf>,
     /// GGUF model file (the gateway reads its tokenizer and chat template; local workers load it).
     #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
     pub model: PathBuf,
     /// Public gRPC address.
     #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: Address,
+    /// OpenAI-compatible HTTP address (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health, /metrics).
+    #[arg(long, env = "DUET_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
+    pub http_listen: SocketAddr,
+    /// Require this bearer token on the HTTP /v1 endpoints and on gRPC Inference calls.
+    #[arg(long, env = "DUET_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// Read the API key from the first line of this file.
+    #[arg(long, env = "DUET_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
     /// cpu-workers to spawn (default: one per NUMA node).
     #[arg(long, env = "DUET_CPU_WORKERS")]
     pub cpu_workers: Option<u32>,
@@ -124,11 +176,27 @@ pub struct ChatArgs {
     pub client: ClientArgs,
 }
 
-pub fn run(cli: Cli) -> anyhow::Result<()> {
+/// Parses `argv` (with the config file's values, see [`crate::config`]) and runs the command.
+pub fn run(argv: Vec<OsString>) -> anyhow::Result<()> {
+    let cmd = Cli::command();
+    let argv = crate::config::apply(&cmd, argv).map_err(anyhow::Error::msg)?;
+    let matches = cmd.clone().get_matches_from(argv);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
         Command::Serve(args) => rt.block_on(crate::serve::serve(args)),
         Command::Generate(args) => rt.block_on(crate::client::generate(args)),
         Command::Chat(args) => rt.block_on(crate::client::chat(args)),
+        Command::Bench(args) => rt.block_on(crate::bench::run(args)),
+        Command::Config(args) => {
+            let (name, sub) = matches.subcommand().expect("a subcommand was parsed");
+            let text = crate::config::render(cmd.find_subcommand(name).expect("parsed from it"), sub);
+            if args.print {
+                print!("{text}");
+            } else {
+                eprintln!("duet-gateway config: pass --print to show the effective configuration");
+            }
+            Ok(())
+        }
     }
 }

@@ -4,9 +4,12 @@
 
 pub mod api;
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod config;
 pub mod error;
+pub mod metrics;
 pub mod scheduler;
 pub mod sequence;
 pub mod serve;

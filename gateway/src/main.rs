@@ -2,13 +2,11 @@
 
 use std::io::IsTerminal;
 
-use clap::Parser;
-
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    duet_gateway::cli::run(duet_gateway::cli::Cli::parse())
+    duet_gateway::cli::run(std::env::args_os().collect())
 }

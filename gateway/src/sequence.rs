@@ -106,6 +106,8 @@ pub struct Seq {
     pub sampling: Sampling,
     pub max_tokens: u32,
     pub top_logprobs: u32,
+    /// Generation goes on past end-of-generation tokens.
+    pub ignore_eos: bool,
     pub table: BlockTable,
     /// Blocks of `table` the gpu-worker has been told about.
     pub sent_blocks: usize,

@@ -11,6 +11,7 @@ use duet_common::model::tokenizer::Tokenizer;
 use duet_common::rpc::Listener;
 use tokio::sync::{oneshot, watch};
 
+use crate::api::auth::ApiKey;
 use crate::backend::{Backend, TextModel};
 use crate::cli::ServeArgs;
 use crate::scheduler::{self, Command, SchedulerConfig};
@@ -32,6 +33,12 @@ pub fn load_text_model(path: &std::path::Path) -> anyhow::Result<TextModel> {
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let api_key = match (&args.api_key, &args.api_key_file) {
+        (Some(k), _) => Some(ApiKey::new(k).map_err(anyhow::Error::msg)?),
+        (None, Some(path)) => Some(ApiKey::from_file(path).map_err(anyhow::Error::msg)?),
+        (None, None) => None,
+    };
+    let metrics = crate::metrics::install();
     let text = Arc::new(load_text_model(&args.model)?);
     let (stop_tx, stop_rx) = watch::channel(false);
     let local = args.gpu_worker.is_none();
@@ -40,7 +47,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let workers = if let Some(gpu) = &args.gpu_worker {
         supervisor::connect(gpu, &args.cpu_worker, None, false).await?
     } else {
-        let n = args.cpu_workers.unwrap_or_else(|| supervisor::numa_nodes() as u32).max(1);
+        let n = args.cpu_workers.unwrap_or_else(|| supervisor::cpu_nodes() as u32).max(1);
         let cfg = LocalWorkers {
             model: args.model.clone(),
             cpu_workers: n,
@@ -94,6 +101,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let listener = Listener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
     let addr = listener.local_address()?;
+    let http_listener =
+        tokio::net::TcpListener::bind(args.http_listen).await.map_err(|e| anyhow::anyhow!("listening on {} (HTTP): {e}", args.http_listen))?;
+    let http_addr = http_listener.local_addr()?;
     tracing::info!(
         %addr,
         model = %cfg.model_name,
@@ -101,20 +111,40 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cpu_workers = cfg.blocks_per_worker.len(),
         kv_tokens = cfg.blocks_per_worker.iter().map(|&b| b as usize).sum::<usize>() * block_size,
         attention = %cfg.placement,
+        %http_addr,
+        api_key = api_key.is_some(),
         "duet-gateway serving"
     );
-    // Tests and scripts read the address from this line on stdout.
+    // Tests and scripts read the addresses from these lines on stdout.
+    println!("duet-gateway http listening on {http_addr}");
     println!("duet-gateway listening on {addr}");
+    // On SIGTERM or Ctrl-C: drain, then stop both front ends.
     let drain_commands = commands.clone();
-    let shutdown = async move {
+    let (drained_tx, drained_rx) = watch::channel(false);
+    tokio::spawn(async move {
         shutdown_signal().await;
         tracing::info!("stopping: draining running requests (up to {DRAIN_DEADLINE:?})");
         let (tx, rx) = oneshot::channel();
         if drain_commands.send(Command::Drain { deadline: Instant::now() + DRAIN_DEADLINE, reply: tx }).await.is_ok() {
             let _ = rx.await;
         }
+        let _ = drained_tx.send(true);
+    });
+    let drained = move || {
+        let mut rx = drained_rx.clone();
+        async move {
+            let _ = rx.wait_for(|&d| d).await;
+        }
     };
-    let served = crate::api::grpc::serve(backend, listener, shutdown).await;
+    // The HTTP API names the model by its file (what users pass as `model`).
+    let model_id = args.model.file_stem().map_or_else(|| cfg.model_name.clone(), |s| s.to_string_lossy().into_owned());
+    let app = crate::api::http::router(backend.clone(), model_id, api_key.clone(), metrics);
+    let http = axum::serve(http_listener, app).with_graceful_shutdown(drained());
+    let grpc = crate::api::grpc::serve(backend, listener, api_key, drained());
+    let (served, http_served) = tokio::join!(grpc, http);
+    if let Err(e) = http_served {
+        tracing::error!("the HTTP server failed: {e}");
+    }
     drop(commands);
     let _ = stop_tx.send(true);
     let _ = watcher.await;

@@ -27,6 +27,8 @@ pub fn bin(name: &str) -> PathBuf {
 pub struct Gateway {
     child: Option<Child>,
     pub addr: String,
+    /// The OpenAI-compatible HTTP address (host:port).
+    pub http_addr: String,
     pub instance: String,
     pub runtime_dir: PathBuf,
     pub log: PathBuf,
@@ -42,7 +44,7 @@ impl Gateway {
         let log = std::env::temp_dir().join(format!("duet-test-{instance}.log"));
         let log_file = std::fs::File::create(&log).expect("log file");
         let mut child = Command::new(bin("duet-gateway"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--instance", &instance, "--kv-bytes", "128M"])
+            .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--instance", &instance, "--kv-bytes", "128M"])
             .arg("--runtime-dir")
             .arg(&runtime_dir)
             .arg("--model")
@@ -57,15 +59,20 @@ impl Gateway {
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.strip_prefix("duet-gateway listening on ") {
-                    let _ = tx.send(addr.to_string());
+                if let Some(addr) = line.strip_prefix("duet-gateway http listening on ") {
+                    let _ = tx.send((true, addr.to_string()));
+                } else if let Some(addr) = line.strip_prefix("duet-gateway listening on ") {
+                    let _ = tx.send((false, addr.to_string()));
                 }
             }
         });
-        let mut gw = Gateway { child: Some(child), addr: String::new(), instance, runtime_dir, log };
-        match rx.recv_timeout(Duration::from_secs(180)) {
-            Ok(addr) => gw.addr = addr,
-            Err(_) => panic!("the gateway did not come up; its log:\n{}", gw.log_tail()),
+        let mut gw = Gateway { child: Some(child), addr: String::new(), http_addr: String::new(), instance, runtime_dir, log };
+        while gw.addr.is_empty() {
+            match rx.recv_timeout(Duration::from_secs(180)) {
+                Ok((true, addr)) => gw.http_addr = addr,
+                Ok((false, addr)) => gw.addr = addr,
+                Err(_) => panic!("the gateway did not come up; its log:\n{}", gw.log_tail()),
+            }
         }
         gw
     }

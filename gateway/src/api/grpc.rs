@@ -9,6 +9,7 @@ use duet_common::rpc::{pb, Listener};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
+use super::auth::ApiKey;
 use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, DEFAULT_MAX_TOKENS};
 use crate::error::GatewayError;
 
@@ -61,6 +62,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         stop: r.stop,
         top_logprobs: r.top_logprobs,
         session,
+        ignore_eos: r.ignore_eos,
     })
 }
 
@@ -185,22 +187,31 @@ impl Inference for InferenceService {
     }
 }
 
-/// Serves the public API with health and reflection on `listener` until `shutdown`.
+/// Serves the public API with health and reflection on `listener` until `shutdown`; with an
+/// API key, Inference calls must carry it (health and reflection stay open for probes).
 pub async fn serve(
     backend: Backend,
     listener: Listener,
+    api_key: Option<ApiKey>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<InferenceServer<InferenceService>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("the compiled-in descriptor sets are valid");
-    let router = tonic::transport::Server::builder()
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(InferenceServer::new(InferenceService::new(backend)));
-    listener.serve(router, shutdown).await
+    // Reflection in both versions: grpcurl and grpcio's reflection package still speak v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1().expect("the compiled-in descriptor sets are valid");
+    let reflection_v1alpha = reflection().build_v1alpha().expect("the compiled-in descriptor sets are valid");
+    let builder =
+        tonic::transport::Server::builder().add_service(health).add_service(reflection_v1).add_service(reflection_v1alpha);
+    match api_key {
+        Some(key) => {
+            let router = builder.add_service(InferenceServer::with_interceptor(InferenceService::new(backend), key.interceptor()));
+            listener.serve(router, shutdown).await
+        }
+        None => listener.serve(builder.add_service(InferenceServer::new(InferenceService::new(backend))), shutdown).await,
+    }
 }

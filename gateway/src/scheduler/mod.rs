@@ -20,6 +20,7 @@ use tonic::transport::Channel;
 
 use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel};
 use crate::error::GatewayError;
+use crate::metrics;
 use crate::sequence::{common_prefix, AttentionPlacement, Events, Seq, Session};
 use crate::stop::TextStream;
 
@@ -150,6 +151,7 @@ impl Scheduler {
             if let Some((deadline, _)) = &self.drain {
                 if self.running.is_empty() || Instant::now() >= *deadline {
                     for seq in std::mem::take(&mut self.running) {
+                        metrics::request_failed(false);
                         let _ = seq.events.send(Err(GatewayError::ShuttingDown));
                     }
                     if let Some((_, reply)) = self.drain.take() {
@@ -161,6 +163,7 @@ impl Scheduler {
             if (!self.running.is_empty() || !self.released.is_empty()) && self.gpu_up {
                 self.run_step().await;
             }
+            self.publish_metrics();
         }
     }
 
@@ -171,7 +174,9 @@ impl Scheduler {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate { params, events, arrived } => {
+                metrics::request_received();
                 if self.drain.is_some() {
+                    metrics::request_failed(false);
                     let _ = events.send(Err(GatewayError::ShuttingDown));
                 } else {
                     self.waiting.push_back(Waiting { params, events, arrived });
@@ -206,6 +211,7 @@ impl Scheduler {
                 self.gpu_up = false;
                 let err = GatewayError::Unavailable(format!("the gpu-worker failed ({reason}); the request's KV is lost"));
                 for seq in std::mem::take(&mut self.running) {
+                    metrics::request_failed(false);
                     let _ = seq.events.send(Err(err.clone()));
                 }
                 self.sessions.clear();
@@ -214,6 +220,7 @@ impl Scheduler {
             Command::GpuUp => self.gpu_up = true,
             Command::Drain { deadline, reply } => {
                 for w in std::mem::take(&mut self.waiting) {
+                    metrics::request_failed(false);
                     let _ = w.events.send(Err(GatewayError::ShuttingDown));
                 }
                 self.drain = Some((deadline, reply));
@@ -232,6 +239,7 @@ impl Scheduler {
         self.running = kept;
         for seq in lost {
             tracing::warn!(seq = seq.id, worker, "request failed: its KV was on the dead cpu-worker");
+            metrics::request_failed(false);
             let _ = seq.events.send(Err(err.clone()));
             if let Some((id, _)) = &seq.session {
                 self.sessions.remove(id);
@@ -274,6 +282,14 @@ impl Scheduler {
         }
     }
 
+    /// Queue, session and KV gauges.
+    fn publish_metrics(&self) {
+        metrics::queues(self.waiting.len(), self.running.len(), self.sessions.len());
+        for w in 0..self.pool.n_workers() {
+            metrics::cpu_worker(w as u32, self.cfg.blocks_per_worker[w], self.pool.n_free(WorkerId(w as u32)), self.worker_up[w]);
+        }
+    }
+
     fn expire_sessions(&mut self) {
         let now = Instant::now();
         let idle = self.cfg.session_idle;
@@ -292,11 +308,18 @@ impl Scheduler {
 
     /// Frees the KV of requests whose client went away.
     fn cancel_abandoned(&mut self) {
-        self.waiting.retain(|w| !w.events.is_closed());
+        self.waiting.retain(|w| {
+            let gone = w.events.is_closed();
+            if gone {
+                metrics::request_failed(true);
+            }
+            !gone
+        });
         let (gone, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running).into_iter().partition(Seq::cancelled);
         self.running = kept;
         for seq in gone {
             tracing::info!(seq = seq.id, blocks = seq.table.blocks().len(), "client went away: request cancelled, KV blocks freed");
+            metrics::request_failed(true);
             if let Some((id, _)) = &seq.session {
                 self.sessions.remove(id);
             }
@@ -323,6 +346,7 @@ impl Scheduler {
                     return;
                 }
                 Err((events, e)) => {
+                    metrics::request_failed(false);
                     let _ = events.send(Err(e));
                 }
             }
@@ -397,6 +421,7 @@ impl Scheduler {
         table.truncate(cached);
         kv_tokens.truncate(cached);
         let pending = full[cached..].to_vec();
+        metrics::request_admitted(full.len());
         let _ = w.events.send(Ok(Event::Prompt { prompt_ids: pending.clone(), session_id: session_name.clone(), cached_tokens: cached as u32 }));
         self.running.push(Seq {
             id: seq_id,
@@ -404,6 +429,7 @@ impl Scheduler {
             sampling: w.params.sampling,
             max_tokens: w.params.max_tokens,
             top_logprobs: w.params.top_logprobs,
+            ignore_eos: w.params.ignore_eos,
             sent_blocks: table.blocks().len(),
             table,
             kv_tokens,

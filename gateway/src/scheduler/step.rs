@@ -12,6 +12,7 @@ use duet_common::rpc::pb;
 use super::Scheduler;
 use crate::backend::{Event, StopReason};
 use crate::error::GatewayError;
+use crate::metrics;
 use crate::sequence::Seq;
 
 impl Scheduler {
@@ -65,6 +66,7 @@ impl Scheduler {
             Ok(resp) => {
                 let resp = resp.into_inner();
                 if let Some(t) = &resp.timings {
+                    metrics::step(t);
                     tracing::debug!(step = self.step, total_us = t.total_ns / 1000, prefill = t.prefill_tokens, decode = t.decode_tokens, wait_us = t.attention_wait_ns / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
@@ -124,11 +126,13 @@ impl Scheduler {
         if seq.generated.is_empty() {
             seq.prefilled += n as u32;
             self.prefilled_total += n as u64;
+            metrics::tokens_prefilled(n);
         }
         let s = sampled?;
         let token = s.token.as_ref().map_or(0, |t| t.id);
         seq.generated.push(token);
         self.generated_total += 1;
+        metrics::token_generated();
         seq.first_token.get_or_insert_with(Instant::now);
         seq.pending = vec![token];
         let text = seq.text.push(self.text.tokenizer.token_bytes(token).unwrap_or(&[]));
@@ -139,7 +143,7 @@ impl Scheduler {
             (None, Vec::new())
         };
         let _ = seq.events.send(Ok(Event::Token { id: token, text, logprob, top }));
-        if eog.contains(&token) {
+        if eog.contains(&token) && !seq.ignore_eos {
             Some(StopReason::EndOfGeneration)
         } else if seq.text.stopped() {
             Some(StopReason::StopString)
@@ -160,13 +164,15 @@ impl Scheduler {
             match outcome {
                 Ok(reason) => {
                     let ev = seq.finished(reason);
-                    if let Event::Finished { text, .. } = &ev {
+                    if let Event::Finished { text, usage, .. } = &ev {
                         seq.output.push_str(text);
+                        metrics::request_finished(reason, usage);
                     }
                     let _ = seq.events.send(Ok(ev));
                     self.keep_or_release(seq);
                 }
                 Err(e) => {
+                    metrics::request_failed(false);
                     let _ = seq.events.send(Err(e));
                     if let Some((name, _)) = &seq.session {
                         self.sessions.remove(name);

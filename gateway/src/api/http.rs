@@ -1,0 +1,387 @@
+//! The OpenAI-compatible HTTP API (axum): `POST /v1/completions`, `POST /v1/chat/completions`
+//! (both with SSE streaming ending in `data: [DONE]`), `GET /v1/models`, `GET /health` and
+//! Prometheus `GET /metrics`; optional bearer-token auth on `/v1/*`. Errors are OpenAI's
+//! JSON error shape; the HTTP status of each gateway error is chosen here and only here.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use futures_util::{Stream, StreamExt};
+
+use super::auth::ApiKey;
+use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, UsageOut};
+use crate::backend::{Backend, Event, GenerateParams};
+use crate::error::GatewayError;
+
+/// What the handlers share.
+struct AppState {
+    backend: Backend,
+    model: String,
+    created: u64,
+    metrics: PrometheusHandle,
+}
+
+/// An error answered in OpenAI's shape.
+pub struct ApiError {
+    status: StatusCode,
+    body: Value,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &str, code: Option<&str>, message: &str) -> Self {
+        ApiError { status, body: error_body(message, kind, code) }
+    }
+}
+
+impl From<GatewayError> for ApiError {
+    fn from(e: GatewayError) -> Self {
+        let msg = e.to_string();
+        let (status, kind, code) = match e {
+            GatewayError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
+            GatewayError::PromptTooLong { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")),
+            GatewayError::ResourceExhausted(_) => (StatusCode::TOO_MANY_REQUESTS, "insufficient_resources", None),
+            GatewayError::UnknownSession(_) => (StatusCode::NOT_FOUND, "invalid_request_error", Some("session_not_found")),
+            GatewayError::SessionBusy(_) => (StatusCode::CONFLICT, "invalid_request_error", Some("session_busy")),
+            GatewayError::Unavailable(_) | GatewayError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
+            GatewayError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
+        };
+        ApiError::new(status, kind, code, &msg)
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, &format!("invalid request body: {}", r.body_text()))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body)).into_response()
+    }
+}
+
+/// The HTTP application over `backend`.
+pub fn router(backend: Backend, model: String, api_key: Option<ApiKey>, metrics: PrometheusHandle) -> Router {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let state = Arc::new(AppState { backend, model, created, metrics });
+    let v1 = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(api_key.map(Arc::new), require_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics_text))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint") })
+        .with_state(state)
+}
+
+/// `Authorization: Bearer <key>` on `/v1/*` when a key is set.
+async fn require_key(State(key): State<Option<Arc<ApiKey>>>, headers: HeaderMap, req: Request, next: Next) -> Response {
+    if let Some(key) = key {
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        if !key.accepts_header(given) {
+            return ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", Some("invalid_api_key"), "a valid API key is required: Authorization: Bearer <key>")
+                .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    match s.backend.info().await {
+        Ok(i) if i.cpu_workers.iter().any(|w| w.ready) => Json(json!({ "status": "ok" })).into_response(),
+        Ok(_) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "no cpu-worker is serving" }))).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], s.metrics.render()).into_response()
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": s.model, "object": "model", "created": s.created, "owned_by": "duet" }],
+    }))
+}
+
+fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != s.model => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("model_not_found"),
+            &format!("the model {m:?} does not exist: this server serves {:?}", s.model),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn new_id(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    format!("{prefix}-{t:x}{n:04x}")
+}
+
+type Events = mpsc::UnboundedReceiver<Result<Event, GatewayError>>;
+
+/// Starts a generation; a request refused before it starts fails the call itself. Returns
+/// the prompt's token count and the remaining events.
+async fn start(s: &AppState, params: GenerateParams) -> Result<(u32, Events), ApiError> {
+    let mut rx = s.backend.generate(params).await?;
+    match rx.recv().await {
+        Some(Ok(Event::Prompt { prompt_ids, cached_tokens, .. })) => Ok((prompt_ids.len() as u32 + cached_tokens, rx)),
+        Some(Ok(_)) => Err(GatewayError::Internal("a generation began without its prompt".into()).into()),
+        Some(Err(e)) => Err(e.into()),
+        None => Err(GatewayError::Internal("the scheduler dropped the request".into()).into()),
+    }
+}
+
+/// A token's text for logprobs (its bytes, lossily as UTF-8).
+fn piece(s: &AppState, id: u32) -> String {
+    String::from_utf8_lossy(s.backend.text.tokenizer.token_bytes(id).unwrap_or(&[])).into_owned()
+}
+
+/// Which logprobs shape a response carries.
+#[derive(Clone, Copy)]
+enum LogprobStyle {
+    None,
+    /// `/v1/completions`: tokens, token_logprobs, top_logprobs (maps), text_offset.
+    Completion(u32),
+    /// `/v1/chat/completions`: content: [{token, logprob, bytes, top_logprobs}].
+    Chat(u32),
+}
+
+/// Logprobs of a run of tokens, in the response's shape.
+#[derive(Default)]
+struct Logprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<f32>,
+    top: Vec<Vec<(String, f32)>>,
+}
+
+impl Logprobs {
+    fn push(&mut self, s: &AppState, style: LogprobStyle, id: u32, logprob: Option<f32>, top: &[(u32, f32)]) {
+        let n = match style {
+            LogprobStyle::None => return,
+            LogprobStyle::Completion(n) | LogprobStyle::Chat(n) => n as usize,
+        };
+        self.tokens.push(piece(s, id));
+        self.token_logprobs.push(logprob.unwrap_or(f32::NAN));
+        self.top.push(top.iter().take(n).map(|&(t, lp)| (piece(s, t), lp)).collect());
+    }
+
+    fn to_json(&self, style: LogprobStyle, text_start: usize) -> Value {
+        match style {
+            LogprobStyle::None => Value::Null,
+            LogprobStyle::Completion(_) => {
+                let mut offset = text_start;
+                let offsets: Vec<usize> = self
+                    .tokens
+                    .iter()
+                    .map(|t| {
+                        let o = offset;
+                        offset += t.len();
+                        o
+                    })
+                    .collect();
+                let top: Vec<Value> =
+                    self.top.iter().map(|alts| Value::Object(alts.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect())).collect();
+                json!({ "tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": top, "text_offset": offsets })
+            }
+            LogprobStyle::Chat(_) => {
+                let entry = |t: &str, lp: f32| json!({ "token": t, "logprob": lp, "bytes": t.as_bytes() });
+                let content: Vec<Value> = self
+                    .tokens
+                    .iter()
+                    .zip(&self.token_logprobs)
+                    .zip(&self.top)
+                    .map(|((t, &lp), alts)| {
+                        let mut e = entry(t, lp);
+                        e["top_logprobs"] = Value::Array(alts.iter().map(|(t, lp)| entry(t, *lp)).collect());
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+        }
+    }
+}
+
+/// What one endpoint's responses look like.
+#[derive(Clone, Copy)]
+enum Endpoint {
+    Completion,
+    Chat,
+}
+
+impl Endpoint {
+    fn object(self, stream: bool) -> &'static str {
+        match (self, stream) {
+            (Endpoint::Completion, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// A choice carrying `text` (whole or a delta).
+    fn choice(self, text: &str, logprobs: Value, finish: Option<&str>, stream: bool) -> Value {
+        match (self, stream) {
+            (Endpoint::Completion, _) => json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish }),
+            (Endpoint::Chat, false) => json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": text },
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+            (Endpoint::Chat, true) => {
+                let delta = if finish.is_some() && text.is_empty() { json!({}) } else { json!({ "content": text }) };
+                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
+            }
+        }
+    }
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    check_model(&s, req.common.model.as_deref())?;
+    let params = req.params()?;
+    let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
+    respond(s, Endpoint::Completion, params, style, req.common.stream, req.common.include_usage()).await
+}
+
+async fn chat_completions(State(s): State<Arc<AppState>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Result<Response, ApiError> {
+    let Json(req) = body?;
+    check_model(&s, req.common.model.as_deref())?;
+    let params = req.params()?;
+    let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
+    respond(s, Endpoint::Chat, params, style, req.common.stream, req.common.include_usage()).await
+}
+
+async fn respond(
+    s: Arc<AppState>,
+    endpoint: Endpoint,
+    params: GenerateParams,
+    style: LogprobStyle,
+    stream: bool,
+    include_usage: bool,
+) -> Result<Response, ApiError> {
+    let (prompt_tokens, rx) = start(&s, params).await?;
+    let id = new_id(match endpoint {
+        Endpoint::Completion => "cmpl",
+        Endpoint::Chat => "chatcmpl",
+    });
+    if stream {
+        let events = sse_events(s, endpoint, style, id, prompt_tokens, include_usage, rx);
+        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+    }
+    whole(&s, endpoint, style, id, prompt_tokens, rx).await
+}
+
+/// Waits for the whole generation and answers it in one body.
+async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String, prompt_tokens: u32, mut rx: Events) -> Result<Response, ApiError> {
+    let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
+    loop {
+        match rx.recv().await {
+            Some(Ok(Event::Token { id, text: t, logprob, top })) => {
+                generated += 1;
+                text.push_str(&t);
+                logprobs.push(s, style, id, logprob, &top);
+            }
+            Some(Ok(Event::Finished { reason, text: rest, usage })) => {
+                text.push_str(&rest);
+                let body = json!({
+                    "id": id,
+                    "object": endpoint.object(false),
+                    "created": unix_now(),
+                    "model": s.model,
+                    "choices": [endpoint.choice(&text, logprobs.to_json(style, 0), Some(finish_reason(reason)), false)],
+                    "usage": UsageOut::new(prompt_tokens, usage.generated_tokens),
+                });
+                return Ok(Json(body).into_response());
+            }
+            Some(Ok(Event::Prompt { .. })) => {}
+            Some(Err(e)) => return Err(e.into()),
+            None => return Err(GatewayError::Internal(format!("the generation ended without finishing after {generated} tokens")).into()),
+        }
+    }
+}
+
+/// The SSE stream of a generation: one chunk per token (text deltas), a last chunk with
+/// the finish reason, a usage chunk if asked, then `[DONE]`. An error after the stream
+/// began is sent as an OpenAI error object before `[DONE]`. Dropping the stream (the client
+/// went away) drops the event receiver, which cancels the generation and frees its KV.
+fn sse_events(
+    s: Arc<AppState>,
+    endpoint: Endpoint,
+    style: LogprobStyle,
+    id: String,
+    prompt_tokens: u32,
+    include_usage: bool,
+    rx: Events,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let created = unix_now();
+    let chunk = move |s: &AppState, choices: Value, usage: Option<UsageOut>| {
+        let mut v = json!({ "id": id, "object": endpoint.object(true), "created": created, "model": s.model, "choices": choices });
+        if include_usage {
+            v["usage"] = usage.map_or(Value::Null, |u| json!(u));
+        }
+        SseEvent::default().data(v.to_string())
+    };
+    let mut text_offset = 0usize;
+    let mut first = matches!(endpoint, Endpoint::Chat);
+    UnboundedReceiverStream::new(rx).flat_map(move |ev| {
+        let mut out: Vec<SseEvent> = Vec::new();
+        if first {
+            // Chat streams open with the assistant's role.
+            first = false;
+            out.push(chunk(&s, json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
+        }
+        match ev {
+            Ok(Event::Token { id: tok, text, logprob, top }) => {
+                let mut lp = Logprobs::default();
+                lp.push(&s, style, tok, logprob, &top);
+                if !text.is_empty() || !matches!(style, LogprobStyle::None) {
+                    out.push(chunk(&s, json!([endpoint.choice(&text, lp.to_json(style, text_offset), None, true)]), None));
+                }
+                text_offset += text.len();
+            }
+            Ok(Event::Finished { reason, text, usage }) => {
+                out.push(chunk(&s, json!([endpoint.choice(&text, Value::Null, Some(finish_reason(reason)), true)]), None));
+                if include_usage {
+                    out.push(chunk(&s, json!([]), Some(UsageOut::new(prompt_tokens, usage.generated_tokens))));
+                }
+                out.push(SseEvent::default().data("[DONE]"));
+            }
+            Ok(Event::Prompt { .. }) => {}
+            Err(e) => {
+                out.push(SseEvent::default().data(ApiError::from(e).body.to_string()));
+                out.push(SseEvent::default().data("[DONE]"));
+            }
+        }
+        futures_util::stream::iter(out.into_iter().map(Ok))
+    })
+}

@@ -1,0 +1,275 @@
+//! The OpenAI-compatible wire types (completions, chat completions, models, errors) and
+//! their translation to and from the gateway's own request and event types.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason, DEFAULT_MAX_TOKENS};
+use crate::error::GatewayError;
+use duet_common::model::chat::ChatMessage;
+
+/// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).
+pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
+/// Most alternatives `top_logprobs` may ask for on `/v1/chat/completions` (OpenAI's limit).
+pub const MAX_CHAT_TOP_LOGPROBS: u32 = 20;
+/// Most stop sequences (OpenAI's limit).
+const MAX_STOP: usize = 4;
+/// `max_tokens` of a completion that does not say (OpenAI's default).
+const COMPLETION_DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// A prompt as OpenAI accepts it: text, token ids, or a batch of one of either.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+    Texts(Vec<String>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields both endpoints share, and the extensions Duet accepts beyond OpenAI's.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonFields {
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopInput>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub n: Option<u32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Extension (vLLM's name): keep only the K most likely tokens.
+    pub top_k: Option<u32>,
+    /// Extension: drop tokens less likely than this times the most likely one.
+    pub min_p: Option<f32>,
+    /// Extension: llama.cpp-style repetition penalty over the last 64 tokens.
+    pub repetition_penalty: Option<f32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    /// Log-probabilities of the chosen token and this many alternatives (0..=5).
+    pub logprobs: Option<u32>,
+    #[serde(default)]
+    pub echo: bool,
+    pub suffix: Option<String>,
+    pub best_of: Option<u32>,
+    #[serde(flatten)]
+    pub common: CommonFields,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    /// Text, or a list of content parts of which only `text` parts are supported.
+    pub content: Option<Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessageIn>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<u32>,
+    /// The newer name of `max_tokens`.
+    pub max_completion_tokens: Option<u32>,
+    #[serde(flatten)]
+    pub common: CommonFields,
+}
+
+fn invalid(msg: impl Into<String>) -> GatewayError {
+    GatewayError::InvalidArgument(msg.into())
+}
+
+impl CommonFields {
+    /// Refuses what Duet does not do rather than silently ignoring it.
+    fn check_unsupported(&self) -> Result<(), GatewayError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(invalid("n: only one choice per request is supported (n = 1)"));
+        }
+        if self.presence_penalty.is_some_and(|p| p != 0.0) || self.frequency_penalty.is_some_and(|p| p != 0.0) {
+            return Err(invalid("presence_penalty and frequency_penalty are not supported (use repetition_penalty)"));
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(invalid("logit_bias is not supported"));
+        }
+        Ok(())
+    }
+
+    fn sampling(&self) -> Result<Sampling, GatewayError> {
+        let d = Sampling::default();
+        let seed = match self.seed {
+            Some(s) => u64::try_from(s).map_err(|_| invalid(format!("seed must be >= 0, got {s}")))?,
+            None => d.seed,
+        };
+        Ok(Sampling {
+            // OpenAI's default temperature is 1.
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            seed,
+        })
+    }
+
+    fn stop(&self) -> Result<Vec<String>, GatewayError> {
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOP {
+            return Err(invalid(format!("stop: at most {MAX_STOP} sequences, got {}", stop.len())));
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(invalid("stop: a stop sequence is empty"));
+        }
+        Ok(stop)
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+impl CompletionRequest {
+    pub fn params(&self) -> Result<GenerateParams, GatewayError> {
+        self.common.check_unsupported()?;
+        if self.echo {
+            return Err(invalid("echo is not supported"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(invalid("suffix is not supported"));
+        }
+        if self.best_of.is_some_and(|b| b != 1) {
+            return Err(invalid("best_of: only 1 is supported"));
+        }
+        let logprobs = self.logprobs.unwrap_or(0);
+        if logprobs > MAX_COMPLETION_LOGPROBS {
+            return Err(invalid(format!("logprobs must be at most {MAX_COMPLETION_LOGPROBS}, got {logprobs}")));
+        }
+        let one = || invalid("prompt: a batch of several prompts is not supported; send one prompt per request");
+        let prompt = match &self.prompt {
+            PromptInput::Text(t) => Prompt::Text(t.clone()),
+            PromptInput::Ids(ids) => Prompt::Tokens(ids.clone()),
+            PromptInput::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
+            PromptInput::IdLists(v) if v.len() == 1 => Prompt::Tokens(v[0].clone()),
+            PromptInput::Texts(_) | PromptInput::IdLists(_) => return Err(one()),
+        };
+        Ok(GenerateParams {
+            prompt,
+            max_tokens: self.common.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS),
+            sampling: self.common.sampling()?,
+            stop: self.common.stop()?,
+            // The chosen token's log-probability comes with at least one alternative.
+            top_logprobs: if self.logprobs.is_some() { logprobs.max(1) } else { 0 },
+            session: SessionMode::None,
+            ignore_eos: false,
+        })
+    }
+}
+
+impl ChatRequest {
+    /// Alternatives per position the response lists (None: no logprobs).
+    pub fn top_logprobs(&self) -> Option<u32> {
+        self.logprobs.then(|| self.top_logprobs.unwrap_or(0))
+    }
+
+    pub fn params(&self) -> Result<GenerateParams, GatewayError> {
+        self.common.check_unsupported()?;
+        let top = self.top_logprobs.unwrap_or(0);
+        if top > MAX_CHAT_TOP_LOGPROBS {
+            return Err(invalid(format!("top_logprobs must be at most {MAX_CHAT_TOP_LOGPROBS}, got {top}")));
+        }
+        if top > 0 && !self.logprobs {
+            return Err(invalid("top_logprobs needs logprobs: true"));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                other => return Err(invalid(format!("messages[{i}].role {other:?}: expected system, developer, user or assistant"))),
+            };
+            messages.push(ChatMessage::new(role, message_text(i, m.content.as_ref())?));
+        }
+        Ok(GenerateParams {
+            prompt: Prompt::Chat(messages),
+            max_tokens: self.max_completion_tokens.or(self.common.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS),
+            sampling: self.common.sampling()?,
+            stop: self.common.stop()?,
+            top_logprobs: if self.logprobs { top.max(1) } else { 0 },
+            session: SessionMode::None,
+            ignore_eos: false,
+        })
+    }
+}
+
+/// A message's text: a string, or the concatenated `text` parts of a content list.
+fn message_text(i: usize, content: Option<&Value>) -> Result<String, GatewayError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (kind, _) => {
+                        return Err(invalid(format!("messages[{i}].content: only text parts are supported, got {:?}", kind.unwrap_or("?"))))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        Some(_) => Err(invalid(format!("messages[{i}].content must be a string or a list of text parts"))),
+    }
+}
+
+/// OpenAI's finish reason.
+pub fn finish_reason(r: StopReason) -> &'static str {
+    match r {
+        StopReason::EndOfGeneration | StopReason::StopString => "stop",
+        StopReason::MaxTokens | StopReason::ContextFull => "length",
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct UsageOut {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl UsageOut {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        UsageOut { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+/// The body of an OpenAI error: `{"error": {"message", "type", "param", "code"}}`.
+pub fn error_body(message: &str, kind: &str, code: Option<&str>) -> Value {
+    json!({ "error": { "message": message, "type": kind, "param": null, "code": code } })
+}

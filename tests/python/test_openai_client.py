@@ -1,0 +1,87 @@
+"""The official `openai` package, unmodified, completes, chats and streams against Duet; its
+greedy output equals the gRPC output for the same prompt."""
+
+import openai
+import pytest
+
+from conftest import grpc_generate
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+PROMPT = "The three primary colors are"
+
+
+def test_completion_equals_grpc(client, model, gateway, stubs):
+    pb, _ = stubs
+    done = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    _, grpc_text = grpc_generate(stubs, gateway.grpc, text=PROMPT, max_tokens=24, sampling=pb.SamplingParams(temperature=0.0))
+    assert done.choices[0].text == grpc_text
+    assert done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage.completion_tokens <= 24 and done.usage.prompt_tokens > 0
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+
+
+def test_completion_token_ids_and_logprobs(client, model):
+    # "The capital of France is" as token ids.
+    done = client.completions.create(model=model, prompt=[504, 3575, 282, 4649, 314], max_tokens=6, temperature=0, logprobs=5)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == 6 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    for chosen, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 5 and logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert max(top.values()) == pytest.approx(logprob) and chosen in top
+
+
+def test_streamed_completion_equals_whole(client, model):
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_chat_and_streamed_chat(client, model, gateway, stubs):
+    pb, _ = stubs
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a fruit."}]
+    done = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    text = done.choices[0].message.content
+    assert done.choices[0].message.role == "assistant" and text
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+    _, grpc_text = grpc_generate(stubs, gateway.grpc, chat=chat, max_tokens=16, sampling=pb.SamplingParams(temperature=0.0))
+    assert text == grpc_text
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join((c.choices[0].delta.content or "") for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+
+def test_chat_logprobs(client, model):
+    done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_errors_are_openai_errors(client, model):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=1, logprobs=6)
+    assert "logprobs" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="word " * 9000, max_tokens=1)
+    assert "context" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "robot", "content": "x"}], max_tokens=1)
