@@ -33,11 +33,12 @@ async fn greedy_over_grpc_matches_the_single_process_reference() {
         items.iter().map(|(_, p, n)| reference.generate(p, *n)).collect()
     };
 
-    let configs: [(&str, &[&str], bool); 4] = [
-        ("attention on one cpu-worker", &["--cpu-workers", "1", "--attention", "cpu"], true),
-        ("attention on the gpu-worker", &["--cpu-workers", "1", "--attention", "gpu"], true),
-        ("attention split across two cpu-workers", &["--cpu-workers", "2", "--attention", "cpu"], false),
-        ("attention split between gpu-worker and cpu-workers", &["--cpu-workers", "2", "--attention", "split:0.5"], false),
+    let configs: [(&str, &[&str], bool); 5] = [
+        ("attention on one cpu-worker", &["--cpu-workers", "1", "--policy", "cpu"], true),
+        ("attention on the gpu-worker", &["--cpu-workers", "1", "--policy", "gpu"], true),
+        ("attention split across two cpu-workers", &["--cpu-workers", "2", "--policy", "cpu"], false),
+        ("attention split between gpu-worker and cpu-workers", &["--cpu-workers", "2", "--policy", "ratio:0.5"], false),
+        ("attention split by the lp balancer", &["--cpu-workers", "2", "--policy", "lp"], false),
     ];
     let mut failures = Vec::new();
     for (label, flags, exact) in configs {

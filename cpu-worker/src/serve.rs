@@ -4,11 +4,11 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use duet_common::kernels::paged_attention::{attend_group, ArenaRows, KvScratch};
 use duet_common::kv::ArenaLayout;
-use duet_common::shm::job::{decode_job, write_error, write_results, AttnJob, JobError, SeqResult};
+use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
 use duet_common::shm::{Consumer, ShmError};
 use rayon::prelude::*;
 
@@ -62,6 +62,7 @@ pub fn serve(
         // SAFETY: the job is posted and not yet complete, so by the data-plane protocol the
         // gpu-worker does not write the K/V rows it reads until `complete` below.
         let rows = unsafe { arena.rows_of_posted_job() };
+        let started = Instant::now();
         match answer(slot, &rows, arena.layout()) {
             Ok(()) => {
                 counters.served.fetch_add(1, Ordering::Relaxed);
@@ -72,6 +73,7 @@ pub fn serve(
                 counters.rejected.fetch_add(1, Ordering::Relaxed);
             }
         }
+        write_busy_ns(slot, started.elapsed().as_nanos().min(u64::MAX as u128) as u64);
         consumer.complete(seq);
     }
     Ok(counters.snapshot())

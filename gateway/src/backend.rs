@@ -160,7 +160,10 @@ pub struct ServerInfo {
     pub kv_block_size: u32,
     pub sessions: u32,
     pub active_requests: u32,
-    pub attention_placement: String,
+    /// The balancer's policy.
+    pub policy: String,
+    /// Median and 90th percentile of the planner's recent relative step-time errors.
+    pub prediction_error: Option<(f64, f64)>,
     pub prefilled_tokens_total: u64,
     pub generated_tokens_total: u64,
 }
@@ -223,6 +226,11 @@ impl Backend {
         let (tx, rx) = oneshot::channel();
         self.send(Command::CloseSession { session_id, reply: tx }).await?;
         rx.await.map_err(|_| GatewayError::ShuttingDown)?
+    }
+
+    /// Switches the balancer's policy from the next step on.
+    pub async fn set_policy(&self, policy: crate::balancer::Policy) -> Result<(), GatewayError> {
+        self.send(Command::SetPolicy { policy }).await
     }
 
     pub async fn info(&self) -> Result<ServerInfo, GatewayError> {

@@ -3,6 +3,12 @@
 //! a fixed length, end-of-generation ignored so every stream generates exactly
 //! `--max-tokens`) and reports time to first token, per-stream decode speed and the
 //! aggregate generated tokens per second. One line per level, or JSON.
+//!
+//! With `--context N` it measures decode at depth instead: it first opens one session per
+//! stream with an N-token prompt (prefilled once), then every measured run continues those
+//! sessions, so only decode is timed. With `--policies` it runs once per balancer policy
+//! (switched with SetPolicy, side by side on the same sessions) and reports the planner's
+//! step-time prediction error for each.
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +32,8 @@ struct StreamTiming {
 /// One concurrency level's results.
 #[derive(Debug, Serialize)]
 pub struct LevelReport {
+    /// The balancer's policy during the run.
+    pub policy: String,
     pub concurrency: usize,
     pub prompt_tokens: usize,
     pub max_tokens: u32,
@@ -37,39 +45,75 @@ pub struct LevelReport {
     pub decode_tokens_per_s_per_stream: f64,
     pub ttft_median_ms: f64,
     pub ttft_max_ms: f64,
+    pub prediction_error_p50: Option<f64>,
+    pub prediction_error_p90: Option<f64>,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let client = InferenceClient::new(channel(&args.addr)?);
+    let mut client = InferenceClient::new(channel(&args.addr)?);
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let mut reports = Vec::new();
+    if args.concurrency.contains(&0) {
+        anyhow::bail!("--concurrency: levels must be at least 1");
+    }
+    let policies: Vec<Option<String>> = if args.policies.is_empty() { vec![None] } else { args.policies.iter().cloned().map(Some).collect() };
     for &c in &args.concurrency {
-        if c == 0 {
-            anyhow::bail!("--concurrency: levels must be at least 1");
+        // At depth: open the sessions once (their prefill is not timed).
+        let sessions = match args.context {
+            Some(n) => {
+                let started = Instant::now();
+                let s = open_sessions(&client, c, n, &mut rng).await?;
+                if !args.json {
+                    println!("opened {c} sessions of {n} tokens in {:.1} s", started.elapsed().as_secs_f64());
+                }
+                Some(s)
+            }
+            None => None,
+        };
+        for policy in &policies {
+            if let Some(p) = policy {
+                client.set_policy(pb::SetPolicyRequest { policy: p.clone() }).await.map_err(|e| anyhow::anyhow!("SetPolicy {p}: {}", e.message()))?;
+            }
+            let requests: Vec<pb::GenerateRequest> = (0..c)
+                .map(|i| match &sessions {
+                    Some(ids) => stream_request(vec![rng.random_range(PROMPT_IDS)], args.max_tokens, Some(ids[i].clone())),
+                    None => stream_request((0..args.prompt_tokens).map(|_| rng.random_range(PROMPT_IDS)).collect(), args.max_tokens, None),
+                })
+                .collect();
+            let started = Instant::now();
+            let tasks: Vec<_> = requests
+                .into_iter()
+                .map(|req| {
+                    let mut client = client.clone();
+                    tokio::spawn(async move { one_stream(&mut client, req).await })
+                })
+                .collect();
+            let mut timings = Vec::with_capacity(c);
+            for t in tasks {
+                timings.push(t.await??);
+            }
+            let wall = started.elapsed().as_secs_f64();
+            let info = client.info(pb::InfoRequest {}).await.map_err(|e| anyhow::anyhow!("Info: {}", e.message()))?.into_inner();
+            let depth = args.context.unwrap_or(args.prompt_tokens);
+            let mut r = report(c, depth, args.max_tokens, wall, &timings);
+            r.policy = info.policy.clone();
+            r.prediction_error_p50 = info.step_prediction_error_p50;
+            r.prediction_error_p90 = info.step_prediction_error_p90;
+            if !args.json {
+                let err = match (r.prediction_error_p50, r.prediction_error_p90) {
+                    (Some(a), Some(b)) => format!(" | step prediction error p50 {:.1}% p90 {:.1}%", a * 100.0, b * 100.0),
+                    _ => String::new(),
+                };
+                println!(
+                    "{:<10} concurrency {:>3}: depth {:>5} + {:>4} generated each | aggregate {:>8.1} tok/s | per stream {:>7.1} tok/s | TTFT median {:>7.1} ms, max {:>7.1} ms | {:.1} s{err}",
+                    r.policy, r.concurrency, r.prompt_tokens, r.max_tokens, r.aggregate_tokens_per_s, r.decode_tokens_per_s_per_stream, r.ttft_median_ms, r.ttft_max_ms, r.wall_s
+                );
+            }
+            reports.push(r);
         }
-        let prompts: Vec<Vec<u32>> = (0..c).map(|_| (0..args.prompt_tokens).map(|_| rng.random_range(PROMPT_IDS)).collect()).collect();
-        let started = Instant::now();
-        let tasks: Vec<_> = prompts
-            .into_iter()
-            .map(|ids| {
-                let mut client = client.clone();
-                let max_tokens = args.max_tokens;
-                tokio::spawn(async move { one_stream(&mut client, ids, max_tokens).await })
-            })
-            .collect();
-        let mut timings = Vec::with_capacity(c);
-        for t in tasks {
-            timings.push(t.await??);
+        for id in sessions.into_iter().flatten() {
+            let _ = client.close_session(pb::CloseSessionRequest { session_id: id }).await;
         }
-        let wall = started.elapsed().as_secs_f64();
-        let r = report(c, args.prompt_tokens, args.max_tokens, wall, &timings);
-        if !args.json {
-            println!(
-                "concurrency {:>3}: {:>4} prompt + {:>4} generated tokens each | aggregate {:>8.1} tok/s | per stream {:>7.1} tok/s | TTFT median {:>7.1} ms, max {:>7.1} ms | {:.1} s",
-                r.concurrency, r.prompt_tokens, r.max_tokens, r.aggregate_tokens_per_s, r.decode_tokens_per_s_per_stream, r.ttft_median_ms, r.ttft_max_ms, r.wall_s
-            );
-        }
-        reports.push(r);
     }
     if args.json {
         println!("{}", serde_json::to_string(&reports)?);
@@ -77,15 +121,46 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn one_stream(client: &mut InferenceClient<tonic::transport::Channel>, ids: Vec<u32>, max_tokens: u32) -> anyhow::Result<StreamTiming> {
-    use pb::generate_response::Event;
-    let req = pb::GenerateRequest {
+fn stream_request(ids: Vec<u32>, max_tokens: u32, session_id: Option<String>) -> pb::GenerateRequest {
+    pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Tokens(pb::TokenIds { ids })),
         max_tokens: Some(max_tokens),
         sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
         ignore_eos: true,
+        session_id,
         ..Default::default()
-    };
+    }
+}
+
+/// Opens `c` sessions, each with a random `n`-token prompt prefilled (all at once).
+async fn open_sessions(client: &InferenceClient<tonic::transport::Channel>, c: usize, n: usize, rng: &mut rand::rngs::StdRng) -> anyhow::Result<Vec<String>> {
+    use pb::generate_response::Event;
+    let tasks: Vec<_> = (0..c)
+        .map(|_| {
+            let mut req = stream_request((0..n).map(|_| rng.random_range(PROMPT_IDS)).collect(), 1, None);
+            req.create_session = true;
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                let mut stream = client.generate(req).await.map_err(|e| anyhow::anyhow!("opening a session: {}", e.message()))?.into_inner();
+                let mut id = String::new();
+                while let Some(msg) = stream.message().await.map_err(|e| anyhow::anyhow!("opening a session: {}", e.message()))? {
+                    if let Some(Event::Prompt(p)) = msg.event {
+                        id = p.session_id;
+                    }
+                }
+                anyhow::Ok(id)
+            })
+        })
+        .collect();
+    let mut ids = Vec::with_capacity(c);
+    for t in tasks {
+        ids.push(t.await??);
+    }
+    Ok(ids)
+}
+
+async fn one_stream(client: &mut InferenceClient<tonic::transport::Channel>, req: pb::GenerateRequest) -> anyhow::Result<StreamTiming> {
+    use pb::generate_response::Event;
     let start = Instant::now();
     let mut stream = client.generate(req).await.map_err(|e| anyhow::anyhow!("Generate: {}", e.message()))?.into_inner();
     let (mut ttft, mut generated) = (None, 0u32);
@@ -111,6 +186,7 @@ fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[Strea
         .collect();
     let ttfts: Vec<f64> = t.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
     LevelReport {
+        policy: String::new(),
         concurrency: c,
         prompt_tokens,
         max_tokens,
@@ -120,5 +196,7 @@ fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[Strea
         decode_tokens_per_s_per_stream: median(decode),
         ttft_max_ms: ttfts.iter().copied().fold(0.0, f64::max),
         ttft_median_ms: median(ttfts),
+        prediction_error_p50: None,
+        prediction_error_p90: None,
     }
 }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use duet_common::rpc::Address;
 
-use crate::sequence::AttentionPlacement;
+use crate::balancer::Policy;
 
 #[derive(Debug, Parser)]
 #[command(name = "duet-gateway", version, about = "Duet's gateway: the public API, the scheduler and the worker supervisor; and a client")]
@@ -30,6 +30,64 @@ pub enum Command {
     Bench(BenchArgs),
     /// Show the effective `serve` configuration (flags, environment, config file, defaults).
     Config(ConfigArgs),
+    /// Replay the balancer's cost model for a machine we do not have (GPU, CPU sockets,
+    /// model shape): step time, tokens/s and the largest context and batch per policy.
+    Simulate(SimulateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// The GPU: t4, a10, h100 (PCIe) or h100-sxm (required unless --sweep).
+    #[arg(long, value_enum, required_unless_present = "sweep")]
+    pub gpu: Option<crate::simulator::machines::GpuPreset>,
+    /// CPU sockets (NUMA nodes), one cpu-worker each.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=8))]
+    pub sockets: u32,
+    /// Peak memory bandwidth of one socket, GB/s.
+    #[arg(long, default_value_t = 150.0)]
+    pub socket_bandwidth_gbs: f64,
+    /// Cores of one socket.
+    #[arg(long, default_value_t = 32)]
+    pub cores: u32,
+    /// Effective decode-attention GFLOP/s of one core.
+    #[arg(long, default_value_t = 30.0)]
+    pub core_gflops: f64,
+    /// Host memory of one socket for the KV arena, GiB.
+    #[arg(long, default_value_t = 96.0)]
+    pub host_kv_gib: f64,
+    /// The model shape.
+    #[arg(long, value_enum, default_value = "llama-3.1-8b")]
+    pub model: crate::simulator::machines::ModelPreset,
+    /// Weight format on the GPU (ignored by --sweep, which shows fp16 and int8).
+    #[arg(long, value_enum, default_value = "fp16")]
+    pub weights: crate::simulator::machines::WeightDtype,
+    /// Sequences decoding at once.
+    #[arg(long, default_value_t = 32, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub batch: usize,
+    /// Context of every sequence: KV positions each decode token attends.
+    #[arg(long, default_value_t = 4096, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub context: usize,
+    /// The GPU's share of each context in the ratio policy's row.
+    #[arg(long, default_value_t = 0.5)]
+    pub ratio: f64,
+    /// Replace the preset's GPU memory, GiB.
+    #[arg(long)]
+    pub gpu_mem_gib: Option<f64>,
+    /// Replace the preset's GPU memory bandwidth, GB/s.
+    #[arg(long)]
+    pub gpu_bandwidth_gbs: Option<f64>,
+    /// Replace the preset's dense fp16 TFLOP/s.
+    #[arg(long)]
+    pub gpu_tflops: Option<f64>,
+    /// Replace the preset's effective host-link (PCIe) bandwidth, GB/s.
+    #[arg(long)]
+    pub pcie_gbs: Option<f64>,
+    /// Print the comparison of T4, A10 and H100 with fp16 and int8 weights (Markdown).
+    #[arg(long)]
+    pub sweep: bool,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -49,6 +107,13 @@ pub struct BenchArgs {
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Decode at this depth: open one session per stream with a prompt this long (prefilled
+    /// once, untimed), then time continuing them.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Run once per balancer policy (e.g. lp,cpu,gpu,ratio:0.5), switched with SetPolicy.
+    #[arg(long, value_delimiter = ',')]
+    pub policies: Vec<String>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -91,10 +156,11 @@ pub struct ServeArgs {
     /// KV arena size of each spawned cpu-worker, e.g. 512M or 8G.
     #[arg(long, env = "DUET_KV_BYTES", default_value = "1G")]
     pub kv_bytes: String,
-    /// Where decode attention runs: cpu (the cpu-workers holding the KV), gpu, or
-    /// split[:FRACTION] (that share of each context on the gpu-worker).
-    #[arg(long, env = "DUET_ATTENTION", default_value = "cpu")]
-    pub attention: AttentionPlacement,
+    /// Where decode attention runs: lp (the split that minimises the predicted step time,
+    /// from measured costs), cpu (the cpu-workers holding the KV), gpu, or ratio:R (that
+    /// fraction of each context on the gpu-worker). Changeable at run time (SetPolicy).
+    #[arg(long, env = "DUET_POLICY", default_value = "lp")]
+    pub policy: Policy,
     /// Tokens per step: decode tokens plus prompt chunks.
     #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 2048)]
     pub max_step_tokens: usize,
@@ -188,6 +254,7 @@ pub fn run(argv: Vec<OsString>) -> anyhow::Result<()> {
         Command::Generate(args) => rt.block_on(crate::client::generate(args)),
         Command::Chat(args) => rt.block_on(crate::client::chat(args)),
         Command::Bench(args) => rt.block_on(crate::bench::run(args)),
+        Command::Simulate(args) => crate::simulator::run(args),
         Command::Config(args) => {
             let (name, sub) = matches.subcommand().expect("a subcommand was parsed");
             let text = crate::config::render(cmd.find_subcommand(name).expect("parsed from it"), sub);

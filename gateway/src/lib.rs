@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod backend;
+pub mod balancer;
 pub mod bench;
 pub mod cli;
 pub mod client;
@@ -13,5 +14,6 @@ pub mod metrics;
 pub mod scheduler;
 pub mod sequence;
 pub mod serve;
+pub mod simulator;
 pub mod stop;
 pub mod supervisor;

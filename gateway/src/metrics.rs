@@ -26,6 +26,8 @@ const STEPS: &str = "duet_steps_total";
 const ATTENTION_POSITIONS: &str = "duet_attention_positions";
 const ATTENTION_GPU_FRACTION: &str = "duet_attention_gpu_fraction";
 const CPU_WORKER_UP: &str = "duet_cpu_worker_up";
+const PREDICTED_STEP: &str = "duet_balancer_predicted_step_seconds";
+const PREDICTION_ERROR: &str = "duet_balancer_prediction_error";
 
 /// Installs the process-wide recorder (the first call does; later calls return the same
 /// handle) and describes every metric.
@@ -65,6 +67,8 @@ fn describe() {
     describe_gauge!(ATTENTION_POSITIONS, "KV positions attended for decode in the last step, per device (all layers counted once).");
     describe_gauge!(ATTENTION_GPU_FRACTION, "Share of the last step's decode attention positions done on the gpu-worker.");
     describe_gauge!(CPU_WORKER_UP, "1 while a cpu-worker serves, 0 while it is down.");
+    describe_gauge!(PREDICTED_STEP, Unit::Seconds, "The balancer's predicted time of the last step.");
+    describe_gauge!(PREDICTION_ERROR, "Quantiles of the balancer's recent relative step-time prediction error (decode steps, steady state).");
 }
 
 pub fn request_received() {
@@ -122,10 +126,19 @@ pub fn cpu_worker(worker: u32, total_blocks: u32, free_blocks: usize, up: bool) 
     gauge!(CPU_WORKER_UP, "worker" => w).set(if up { 1.0 } else { 0.0 });
 }
 
-/// A step's phases as the gpu-worker timed them; the wait for the cpu-workers' partial
-/// results is the cpu-workers' attention time not hidden behind the gpu-worker's work.
-pub fn step(t: &pb::StepTimings) {
+/// A step's phases as the gpu-worker and the cpu-workers timed them (the wait for the
+/// cpu-workers' partial results is their attention time not hidden behind the gpu-worker's
+/// work), what the planner predicted, and its recent error.
+pub fn step(t: &pb::StepTimings, predicted_s: f64, error: Option<(f64, f64)>) {
     counter!(STEPS).increment(1);
+    gauge!(PREDICTED_STEP).set(predicted_s);
+    if let Some((p50, p90)) = error {
+        gauge!(PREDICTION_ERROR, "quantile" => "0.5").set(p50);
+        gauge!(PREDICTION_ERROR, "quantile" => "0.9").set(p90);
+    }
+    for w in &t.cpu_workers {
+        histogram!(STEP_PHASE, "device" => format!("cpu-worker-{}", w.worker), "phase" => "attention").record(w.busy_ns as f64 * 1e-9);
+    }
     let ns = |v: u64| Duration::from_nanos(v).as_secs_f64();
     let phases = [
         ("gpu-worker", "total", t.total_ns),

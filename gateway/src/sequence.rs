@@ -1,8 +1,7 @@
 //! The scheduler's per-request state: a running sequence (its KV block table, the tokens
 //! still to feed, the text stream) and a session (a conversation's KV kept between turns),
-//! and where each decode token's attention runs.
+//! and what the balancer's planner needs of each decode token.
 
-use std::ops::Range;
 use std::time::Instant;
 
 use duet_common::kv::{BlockTable, WorkerId};
@@ -11,72 +10,33 @@ use duet_common::rpc::pb;
 use tokio::sync::mpsc;
 
 use crate::backend::{Event, Sampling, StopReason, Usage};
+use crate::balancer::planner::{SeqDemand, Share};
 use crate::error::GatewayError;
 use crate::stop::TextStream;
 
-/// Where decode attention runs (static policies; the balancer will choose per step).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum AttentionPlacement {
-    /// On the cpu-workers that hold the KV (the default).
-    Cpu,
-    /// All on the gpu-worker (it reads the KV from the arenas).
-    Gpu,
-    /// The first `gpu_fraction` of each context on the gpu-worker, the rest on the
-    /// cpu-workers holding it.
-    Split { gpu_fraction: f32 },
+/// What the planner needs of a sequence whose decode token is at `pos`: its context and
+/// which cpu-worker holds which positions (the gpu-worker reads any of them from the arenas).
+pub fn attention_demand(table: &BlockTable, pos: usize) -> SeqDemand {
+    let n_ctx = pos + 1;
+    let held = table
+        .token_ranges_per_worker()
+        .into_iter()
+        .filter(|(_, r)| r.start < n_ctx)
+        .map(|(WorkerId(w), r)| (w, r.start..r.end.min(n_ctx)))
+        .collect();
+    SeqDemand { n_ctx, held, gpu_max: n_ctx }
 }
 
-impl std::str::FromStr for AttentionPlacement {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "cpu" => Ok(AttentionPlacement::Cpu),
-            "gpu" => Ok(AttentionPlacement::Gpu),
-            "split" => Ok(AttentionPlacement::Split { gpu_fraction: 0.5 }),
-            _ => match s.strip_prefix("split:").map(str::parse::<f32>) {
-                Some(Ok(f)) if (0.0..=1.0).contains(&f) => Ok(AttentionPlacement::Split { gpu_fraction: f }),
-                _ => Err(format!("attention placement {s:?}: expected cpu, gpu, split or split:FRACTION (0..1)")),
-            },
-        }
-    }
-}
-
-impl std::fmt::Display for AttentionPlacement {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            AttentionPlacement::Cpu => f.write_str("cpu"),
-            AttentionPlacement::Gpu => f.write_str("gpu"),
-            AttentionPlacement::Split { gpu_fraction } => write!(f, "split:{gpu_fraction}"),
-        }
-    }
-}
-
-impl AttentionPlacement {
-    /// The shares of attention for a decode token at position `pos` of a sequence whose KV
-    /// lies in `table` (already holding `pos`). Empty means all on the gpu-worker.
-    pub fn shares(&self, table: &BlockTable, pos: usize) -> Vec<pb::AttentionShare> {
-        let n_ctx = pos + 1;
-        let gpu_end = match *self {
-            AttentionPlacement::Gpu => return Vec::new(),
-            AttentionPlacement::Cpu => 0,
-            AttentionPlacement::Split { gpu_fraction } => ((n_ctx as f64 * gpu_fraction as f64).round() as usize).min(n_ctx),
-        };
-        if gpu_end == n_ctx {
+/// A planned sequence's shares for the step request. All on the gpu-worker is sent as no
+/// shares: the gpu-worker then attends the whole context unsplit, exactly as the
+/// single-process runner does.
+pub fn shares_to_proto(shares: &[Share], n_ctx: usize) -> Vec<pb::AttentionShare> {
+    if let [Share { cpu_worker: None, range }] = shares {
+        if *range == (0..n_ctx) {
             return Vec::new();
         }
-        let mut shares = Vec::new();
-        if gpu_end > 0 {
-            shares.push(pb::AttentionShare { cpu_worker: None, start: 0, end: gpu_end as u32 });
-        }
-        for (WorkerId(w), range) in table.token_ranges_per_worker() {
-            let r: Range<usize> = range.start.max(gpu_end)..range.end.min(n_ctx);
-            if r.start < r.end {
-                shares.push(pb::AttentionShare { cpu_worker: Some(w), start: r.start as u32, end: r.end as u32 });
-            }
-        }
-        shares
     }
+    shares.iter().map(|s| pb::AttentionShare { cpu_worker: s.cpu_worker, start: s.range.start as u32, end: s.range.end as u32 }).collect()
 }
 
 /// The sender of a request's events.
@@ -178,16 +138,9 @@ pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::balancer::planner::CostModel;
+    use crate::balancer::Policy;
     use duet_common::kv::KvPool;
-
-    #[test]
-    fn placements_parse() {
-        assert_eq!("cpu".parse(), Ok(AttentionPlacement::Cpu));
-        assert_eq!("gpu".parse(), Ok(AttentionPlacement::Gpu));
-        assert_eq!("split:0.25".parse(), Ok(AttentionPlacement::Split { gpu_fraction: 0.25 }));
-        assert!("split:2".parse::<AttentionPlacement>().is_err());
-        assert!("everywhere".parse::<AttentionPlacement>().is_err());
-    }
 
     #[test]
     fn shares_cover_the_context_once() {
@@ -196,25 +149,27 @@ mod tests {
         table.append_tokens(6, duet_common::kv::Placement::Worker(WorkerId(0))).unwrap();
         table.append_tokens(4, duet_common::kv::Placement::Worker(WorkerId(1))).unwrap();
         // Positions 0..8 on worker 0, 8..10 on worker 1; the token at 9.
-        let cpu = AttentionPlacement::Cpu.shares(&table, 9);
+        let demand = attention_demand(&table, 9);
+        assert_eq!(demand.held, vec![(0, 0..8), (1, 8..10)]);
+        let cost = CostModel { linear_fixed: 0.0, linear_per_token: 0.0, gpu_attn_per_pos: 1.0, cpu_fixed: vec![0.0; 2], cpu_attn_per_pos: vec![1.0; 2] };
+        let proto = |p: Policy| shares_to_proto(&p.plan(&cost, 1, std::slice::from_ref(&demand), 4).shares[0], 10);
         assert_eq!(
-            cpu,
+            proto(Policy::Cpu),
             vec![
                 pb::AttentionShare { cpu_worker: Some(0), start: 0, end: 8 },
                 pb::AttentionShare { cpu_worker: Some(1), start: 8, end: 10 }
             ]
         );
-        assert!(AttentionPlacement::Gpu.shares(&table, 9).is_empty());
-        let split = AttentionPlacement::Split { gpu_fraction: 0.3 }.shares(&table, 9);
+        assert!(proto(Policy::Gpu).is_empty());
         assert_eq!(
-            split,
+            proto(Policy::Ratio(0.3)),
             vec![
                 pb::AttentionShare { cpu_worker: None, start: 0, end: 3 },
                 pb::AttentionShare { cpu_worker: Some(0), start: 3, end: 8 },
                 pb::AttentionShare { cpu_worker: Some(1), start: 8, end: 10 }
             ]
         );
-        assert!(AttentionPlacement::Split { gpu_fraction: 1.0 }.shares(&table, 9).is_empty());
+        assert!(proto(Policy::Ratio(1.0)).is_empty());
         assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
     }
 }

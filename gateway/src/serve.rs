@@ -83,7 +83,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_step_tokens: args.max_step_tokens.max(gpu_worker_prefill_chunk()),
         prefill_chunk: gpu_worker_prefill_chunk(),
         max_running: args.max_running.max(1),
-        placement: args.attention,
+        policy: args.policy,
         session_idle: Duration::from_secs(args.session_idle_secs),
         block_size,
         blocks_per_worker: workers.cpu_infos.iter().map(|i| i.kv_blocks).collect(),
@@ -110,7 +110,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         device = %cfg.gpu_device,
         cpu_workers = cfg.blocks_per_worker.len(),
         kv_tokens = cfg.blocks_per_worker.iter().map(|&b| b as usize).sum::<usize>() * block_size,
-        attention = %cfg.placement,
+        policy = %cfg.policy,
         %http_addr,
         api_key = api_key.is_some(),
         "duet-gateway serving"

@@ -25,7 +25,9 @@
 //! | 32 | u32 | n_kv_head | producer |
 //! | 36 | u32 | head_dim | producer |
 //! | 40 | u32 | KV padding unit (32: llama.cpp's) | producer |
-//! | 44 | 20 bytes | reserved, zero | |
+//! | 44 | 4 bytes | reserved, zero | |
+//! | 48 | u64 | busy ns: the worker's time attending the job, when done | worker |
+//! | 56 | 8 bytes | reserved, zero | |
 //! | 64 | 192 bytes | error message, UTF-8, zero-padded, when rejected | worker |
 //!
 //! Then one record per sequence, back to back:
@@ -72,6 +74,7 @@ const OFF_N_HEAD: usize = 28;
 const OFF_N_KV_HEAD: usize = 32;
 const OFF_HEAD_DIM: usize = 36;
 const OFF_KV_PADDING: usize = 40;
+const OFF_BUSY_NS: usize = 48;
 const OFF_MESSAGE: usize = 64;
 const RESULTS_ALIGN: usize = 64;
 
@@ -489,6 +492,18 @@ pub fn read_results(slot: &[u8]) -> Result<Vec<SeqResult>, JobError> {
     (0..h.n_seq)
         .map(|_| Ok(SeqResult { out: r.f32_vec(q_len, "results")?, lse: r.f32_vec(n_head, "results")? }))
         .collect()
+}
+
+/// Records the worker's time on the job in `slot` (with its results or its error).
+pub fn write_busy_ns(slot: &mut [u8], ns: u64) {
+    if slot.len() >= HEADER_BYTES {
+        slot[OFF_BUSY_NS..OFF_BUSY_NS + 8].copy_from_slice(&ns.to_le_bytes());
+    }
+}
+
+/// The worker's time on the completed job in `slot` (0 if it did not say).
+pub fn busy_ns(slot: &[u8]) -> u64 {
+    slot.get(OFF_BUSY_NS..OFF_BUSY_NS + 8).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
 }
 
 /// The layer and sequence count of the job in `slot`, if its header reads (for logs).

@@ -156,6 +156,13 @@ impl Inference for InferenceService {
         Ok(Response::new(pb::CloseSessionResponse { freed_blocks }))
     }
 
+    async fn set_policy(&self, req: Request<pb::SetPolicyRequest>) -> Result<Response<pb::SetPolicyResponse>, Status> {
+        let policy = req.into_inner().policy.parse().map_err(GatewayError::InvalidArgument)?;
+        let previous = self.backend.info().await?.policy;
+        self.backend.set_policy(policy).await?;
+        Ok(Response::new(pb::SetPolicyResponse { previous }))
+    }
+
     async fn info(&self, _: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
         let i = self.backend.info().await?;
         let bs = i.kv_block_size as u64;
@@ -180,7 +187,9 @@ impl Inference for InferenceService {
             kv_block_size: i.kv_block_size,
             sessions: i.sessions,
             active_requests: i.active_requests,
-            attention_placement: i.attention_placement,
+            policy: i.policy,
+            step_prediction_error_p50: i.prediction_error.map(|e| e.0),
+            step_prediction_error_p90: i.prediction_error.map(|e| e.1),
             prefilled_tokens_total: i.prefilled_tokens_total,
             generated_tokens_total: i.generated_tokens_total,
         }))

@@ -21,7 +21,9 @@ use tonic::transport::Channel;
 use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel};
 use crate::error::GatewayError;
 use crate::metrics;
-use crate::sequence::{common_prefix, AttentionPlacement, Events, Seq, Session};
+use crate::balancer::stats::StepStats;
+use crate::balancer::Policy;
+use crate::sequence::{common_prefix, Events, Seq, Session};
 use crate::stop::TextStream;
 
 mod step;
@@ -32,6 +34,8 @@ pub enum Command {
     Generate { params: GenerateParams, events: Events, arrived: Instant },
     CloseSession { session_id: String, reply: oneshot::Sender<Result<u32, GatewayError>> },
     Info { reply: oneshot::Sender<ServerInfo> },
+    /// Switch the balancer's policy from the next step on.
+    SetPolicy { policy: Policy },
     /// A cpu-worker died: its KV is gone.
     WorkerDown { worker: u32, reason: String },
     /// A cpu-worker is (again) serving and attached to the gpu-worker.
@@ -52,7 +56,8 @@ pub struct SchedulerConfig {
     pub prefill_chunk: usize,
     /// Requests running at once; more wait.
     pub max_running: usize,
-    pub placement: AttentionPlacement,
+    /// The balancer's policy at start.
+    pub policy: Policy,
     /// Sessions idle this long are closed.
     pub session_idle: Duration,
     pub block_size: usize,
@@ -85,6 +90,8 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
         prefilled_total: 0,
         generated_total: 0,
         drain: None,
+        policy: cfg.policy,
+        stats: StepStats::new(n_workers),
         cfg,
     };
     let handle = tokio::spawn(s.run(rx));
@@ -119,6 +126,10 @@ struct Scheduler {
     prefilled_total: u64,
     generated_total: u64,
     drain: Option<(Instant, oneshot::Sender<()>)>,
+    /// The balancer's policy now.
+    policy: Policy,
+    /// Cost fits from the steps' timings.
+    stats: StepStats,
 }
 
 /// How long an idle scheduler sleeps before checking session timeouts.
@@ -196,6 +207,11 @@ impl Scheduler {
             }
             Command::Info { reply } => {
                 let _ = reply.send(self.info());
+            }
+            Command::SetPolicy { policy } => {
+                tracing::info!(from = %self.policy, to = %policy, "balancer policy changed");
+                self.policy = policy;
+                self.stats.reset_errors();
             }
             Command::WorkerDown { worker, reason } => self.worker_down(worker, &reason),
             Command::WorkerUp { worker } => {
@@ -276,7 +292,8 @@ impl Scheduler {
             kv_block_size: self.cfg.block_size as u32,
             sessions: self.sessions.len() as u32,
             active_requests: (self.running.len() + self.waiting.len()) as u32,
-            attention_placement: self.cfg.placement.to_string(),
+            policy: self.policy.to_string(),
+            prediction_error: self.stats.prediction_error(),
             prefilled_tokens_total: self.prefilled_total,
             generated_tokens_total: self.generated_total,
         }

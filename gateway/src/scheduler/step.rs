@@ -13,7 +13,8 @@ use super::Scheduler;
 use crate::backend::{Event, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
-use crate::sequence::Seq;
+use crate::balancer::planner::SeqDemand;
+use crate::sequence::{attention_demand, shares_to_proto, Seq};
 
 impl Scheduler {
     /// Builds a step, runs it on the gpu-worker and applies the results.
@@ -22,6 +23,8 @@ impl Scheduler {
         let mut entries: Vec<(usize, usize)> = Vec::new();
         let mut steps = Vec::new();
         let mut failed: Vec<(usize, GatewayError)> = Vec::new();
+        // Decode sequences: (index in `steps`, what the planner needs).
+        let mut decoding: Vec<(usize, SeqDemand)> = Vec::new();
         // Decode tokens first (they are what users wait on), then prompt chunks in arrival order.
         let order: Vec<usize> = {
             let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| !self.running[i].generated.is_empty());
@@ -47,7 +50,9 @@ impl Scheduler {
             seq.sent_blocks = seq.table.blocks().len();
             let sampler = (!seq.sampler_sent).then(|| seq.sampler_config());
             seq.sampler_sent = true;
-            let attention = if n == 1 { self.cfg.placement.shares(&seq.table, start) } else { Vec::new() };
+            if n == 1 {
+                decoding.push((steps.len(), attention_demand(&seq.table, start)));
+            }
             steps.push(pb::SequenceStep {
                 seq_id: seq.id,
                 start_pos: start as u32,
@@ -55,9 +60,15 @@ impl Scheduler {
                 new_blocks,
                 sampler,
                 sample: n == seq.pending.len(),
-                attention,
+                attention: Vec::new(),
             });
             entries.push((i, n));
+        }
+        let tokens: usize = entries.iter().map(|&(_, n)| n).sum();
+        let demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
+        let plan = self.policy.plan(&self.stats.cost_model(), tokens, &demands, self.cfg.block_size);
+        for ((at, d), shares) in decoding.iter().zip(&plan.shares) {
+            steps[*at].attention = shares_to_proto(shares, d.n_ctx);
         }
         self.step += 1;
         let req = pb::StepRequest { step: self.step, sequences: steps, released: std::mem::take(&mut self.released) };
@@ -66,7 +77,11 @@ impl Scheduler {
             Ok(resp) => {
                 let resp = resp.into_inner();
                 if let Some(t) = &resp.timings {
-                    metrics::step(t);
+                    self.stats.observe(t, (!decoding.is_empty()).then_some(plan.predicted_s));
+                    if self.step.is_multiple_of(64) {
+                        tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(), predicted_s = plan.predicted_s, measured_s = t.total_ns as f64 * 1e-9, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
+                    }
+                    metrics::step(t, plan.predicted_s, self.stats.prediction_error());
                     tracing::debug!(step = self.step, total_us = t.total_ns / 1000, prefill = t.prefill_tokens, decode = t.decode_tokens, wait_us = t.attention_wait_ns / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();

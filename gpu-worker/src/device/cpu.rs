@@ -127,6 +127,7 @@ impl CpuModel {
         };
         let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
+        super::warm::warm_weights(f);
         Ok(CpuModel { config, token_embd, output, output_norm, layers, rope, file })
     }
 

@@ -17,7 +17,7 @@ use duet_common::kernels::ops::log_softmax;
 use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::kv::BlockId;
 use duet_common::rpc::pb;
-use duet_common::shm::job::{encode_job, read_results, AttnJob, SeqJob, SeqResult};
+use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
@@ -293,6 +293,8 @@ struct Posted {
     worker: u32,
     seqno: u64,
     members: Vec<(usize, usize)>,
+    /// KV positions the job attends.
+    positions: u64,
 }
 
 impl Attention for StepAttention<'_> {
@@ -339,6 +341,10 @@ impl StepAttention<'_> {
                     heads.push((std::mem::take(&mut kbuf), std::mem::take(&mut vbuf)));
                 }
                 let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
+                if layer == 0 && p.n == 1 {
+                    // An unsplit decode token: its whole context here.
+                    self.timings.gpu_attention_positions += p.n_ctx() as u64;
+                }
                 let rows = p.row0 * q_dim..(p.row0 + p.n) * q_dim;
                 causal_attention(&q[rows.clone()], &views, shape, p.start, &mut out[rows]);
                 continue;
@@ -347,7 +353,9 @@ impl StepAttention<'_> {
                 if sh.cpu_worker.is_some() {
                     continue;
                 }
-                self.timings.gpu_attention_positions += sh.range.len() as u64;
+                if layer == 0 {
+                    self.timings.gpu_attention_positions += sh.range.len() as u64;
+                }
                 partials[pi][si] = self.gpu_share(p, sh, layer, &q[p.row0 * q_dim..(p.row0 + 1) * q_dim], hd, n_kv)?;
             }
         }
@@ -358,11 +366,22 @@ impl StepAttention<'_> {
             let worker = job.worker;
             let fail = |what: String| StepError::CpuWorker { worker, what: format!("layer {layer}: {what}") };
             let w = self.arenas.worker_mut(worker)?;
+            let mut busy = 0;
             let results = match wait_for(w, job.seqno, self.job_timeout) {
-                Ok(()) => read_results(w.producer.wait_done_timeout(job.seqno, Duration::ZERO).map_err(|e| fail(e.to_string()))?)
-                    .map_err(|e| fail(e.to_string())),
+                Ok(()) => {
+                    let slot = w.producer.wait_done_timeout(job.seqno, Duration::ZERO).map_err(|e| fail(e.to_string()))?;
+                    busy = busy_ns(slot);
+                    read_results(slot).map_err(|e| fail(e.to_string()))
+                }
                 Err(e) => Err(fail(e)),
             };
+            match self.timings.cpu_workers.iter_mut().find(|t| t.worker == worker) {
+                Some(t) => {
+                    t.busy_ns += busy;
+                    t.positions += job.positions;
+                }
+                None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, busy_ns: busy, positions: job.positions }),
+            }
             let results: Vec<SeqResult> = match results {
                 Ok(r) if r.len() == job.members.len() => r,
                 Ok(r) => Err(fail(format!("{} results for {} sequences", r.len(), job.members.len())))?,
@@ -397,16 +416,16 @@ impl StepAttention<'_> {
     fn post_jobs(&mut self, layer: u32, q: &[f32], q_dim: usize, hd: usize, n_kv: usize) -> Result<Vec<Posted>, StepError> {
         let bs = self.block_size;
         // Per cpu-worker: its job and what each of the job's sequences answers.
-        type Building = (u32, AttnJob, Vec<(usize, usize)>);
+        type Building = (u32, AttnJob, Vec<(usize, usize)>, u64);
         let mut by_worker: Vec<Building> = Vec::new();
         for (pi, p) in self.plan.iter().enumerate() {
             for (si, sh) in p.shares.iter().enumerate() {
                 let Some(w) = sh.cpu_worker else { continue };
-                let idx = match by_worker.iter().position(|(x, _, _)| *x == w) {
+                let idx = match by_worker.iter().position(|(x, _, _, _)| *x == w) {
                     Some(i) => i,
                     None => {
                         let job = AttnJob { layer, n_head: self.n_head as u32, n_kv_head: n_kv as u32, head_dim: hd as u32, kv_padding: KV_PADDING as u32, seqs: vec![] };
-                        by_worker.push((w, job, vec![]));
+                        by_worker.push((w, job, vec![], 0));
                         by_worker.len() - 1
                     }
                 };
@@ -421,11 +440,14 @@ impl StepAttention<'_> {
                     q: q[p.row0 * q_dim..(p.row0 + 1) * q_dim].to_vec(),
                 });
                 by_worker[idx].2.push((pi, si));
-                self.timings.cpu_attention_positions += sh.range.len() as u64;
+                if layer == 0 {
+                    by_worker[idx].3 += sh.range.len() as u64;
+                    self.timings.cpu_attention_positions += sh.range.len() as u64;
+                }
             }
         }
         let mut posted = Vec::with_capacity(by_worker.len());
-        for (worker, job, members) in by_worker {
+        for (worker, job, members, positions) in by_worker {
             let w = self.arenas.worker_mut(worker)?;
             let need = job.slot_bytes_needed().unwrap_or(usize::MAX);
             if need > w.producer.ring().slot_bytes() {
@@ -440,7 +462,7 @@ impl StepAttention<'_> {
                 .post(|slot| encoded = encode_job(&job, slot))
                 .map_err(|e| StepError::CpuWorker { worker, what: format!("posting layer {layer}'s job: {e}") })?;
             encoded.map_err(|e| StepError::Invalid(format!("encoding layer {layer}'s job: {e}")))?;
-            posted.push(Posted { worker, seqno, members });
+            posted.push(Posted { worker, seqno, members, positions });
         }
         Ok(posted)
     }

@@ -1,0 +1,272 @@
+//! The step planner: given a cost model and the decode sequences of a step (each with the
+//! cpu-workers holding its KV positions), decides which positions of each sequence the
+//! gpu-worker attends (a prefix, rounded to KV blocks) and which the cpu-workers attend
+//! (the rest, each worker its own blocks), so that the predicted step time is least.
+//!
+//! Time model of one step (seconds): the gpu-worker runs the linear layers, then per layer
+//! its attention share while the cpu-workers run theirs, then waits for them:
+//!
+//! ```text
+//! T = linear(tokens) + max( gpu_attn · G , max_w (cpu_fixed_w + cpu_attn_w · C_w) )
+//! ```
+//!
+//! with G and C_w the KV positions (all layers counted once) attended by the gpu-worker and
+//! cpu-worker w. The `lp` policy solves: minimise μ subject to μ ≥ gpu_attn · Σ g_s,
+//! μ ≥ cpu_fixed_w + cpu_attn_w · Σ_s c_{s,w}, g_s + Σ_w c_{s,w} = n_s, 0 ≤ g_s ≤ gpu_max_s,
+//! 0 ≤ c_{s,w} ≤ held_{s,w} — a linear program (good_lp with the microlp solver), then
+//! rounds each g_s to a block boundary and predicts the realised plan's time.
+
+use std::ops::Range;
+
+use good_lp::{constraint, variable, variables, Expression, Solution, SolverModel};
+
+/// Measured (or assumed) costs, in seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CostModel {
+    /// Per step on the gpu-worker, whatever the batch.
+    pub linear_fixed: f64,
+    /// Per batch token (prefill or decode) for the linear layers, norms, LM head.
+    pub linear_per_token: f64,
+    /// The gpu-worker's decode attention per KV position.
+    pub gpu_attn_per_pos: f64,
+    /// Per cpu-worker: cost of a step's job(s) whatever their size (exchange, wake-up).
+    pub cpu_fixed: Vec<f64>,
+    /// Per cpu-worker: decode attention per KV position.
+    pub cpu_attn_per_pos: Vec<f64>,
+}
+
+/// One decode sequence of the step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqDemand {
+    /// Positions to attend: `0..n_ctx`.
+    pub n_ctx: usize,
+    /// Who holds which positions, in position order, covering `0..n_ctx`.
+    pub held: Vec<(u32, Range<usize>)>,
+    /// The gpu-worker may attend positions `0..gpu_max` (all of them when it reads the
+    /// cpu-workers' arenas; the mirrored prefix with a GPU-resident KV copy).
+    pub gpu_max: usize,
+}
+
+/// Who attends which positions of one sequence (`None`: the gpu-worker).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    pub cpu_worker: Option<u32>,
+    pub range: Range<usize>,
+}
+
+/// A planned step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Per sequence (in the order given), its shares in position order.
+    pub shares: Vec<Vec<Share>>,
+    /// Predicted step time, seconds.
+    pub predicted_s: f64,
+    /// KV positions the gpu-worker attends.
+    pub gpu_positions: usize,
+    /// KV positions each cpu-worker attends.
+    pub cpu_positions: Vec<usize>,
+}
+
+impl CostModel {
+    pub fn n_workers(&self) -> usize {
+        self.cpu_attn_per_pos.len()
+    }
+
+    /// Predicted step time of `tokens` batch tokens with these attention loads.
+    pub fn step_time(&self, tokens: usize, gpu_positions: usize, cpu_positions: &[usize]) -> f64 {
+        let linear = self.linear_fixed + self.linear_per_token * tokens as f64;
+        let gpu = self.gpu_attn_per_pos * gpu_positions as f64;
+        let cpu = cpu_positions
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c > 0)
+            .map(|(w, &c)| self.cpu_fixed[w] + self.cpu_attn_per_pos[w] * c as f64)
+            .fold(0.0, f64::max);
+        linear + gpu.max(cpu)
+    }
+}
+
+/// The shares of every sequence when the gpu-worker takes the prefix `prefix[s]` of
+/// sequence `s`, and the plan's predicted time.
+pub fn realise(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], prefix: &[usize]) -> Plan {
+    let mut cpu_positions = vec![0usize; cost.n_workers()];
+    let mut gpu_positions = 0;
+    let shares = seqs
+        .iter()
+        .zip(prefix)
+        .map(|(s, &p)| {
+            let p = p.min(s.n_ctx);
+            let mut out = Vec::new();
+            if p > 0 {
+                out.push(Share { cpu_worker: None, range: 0..p });
+                gpu_positions += p;
+            }
+            for (w, r) in &s.held {
+                let r = r.start.max(p)..r.end.min(s.n_ctx);
+                if r.start < r.end {
+                    if let Some(c) = cpu_positions.get_mut(*w as usize) {
+                        *c += r.len();
+                    }
+                    // Adjacent ranges of one worker become one share.
+                    match out.last_mut() {
+                        Some(Share { cpu_worker: Some(last), range }) if *last == *w && range.end == r.start => range.end = r.end,
+                        _ => out.push(Share { cpu_worker: Some(*w), range: r }),
+                    }
+                }
+            }
+            out
+        })
+        .collect();
+    let predicted_s = cost.step_time(tokens, gpu_positions, &cpu_positions);
+    Plan { shares, predicted_s, gpu_positions, cpu_positions }
+}
+
+/// Why the LP could not be solved (the caller falls back to a static split).
+#[derive(Debug, thiserror::Error)]
+#[error("the attention LP failed: {0}")]
+pub struct PlanError(String);
+
+/// The LP plan: the split that minimises the predicted step time, rounded to `block_size`.
+pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize) -> Result<Plan, PlanError> {
+    if seqs.is_empty() {
+        return Ok(realise(cost, tokens, seqs, &[]));
+    }
+    let n_workers = cost.n_workers();
+    let mut vars = variables!();
+    let mu = vars.add(variable().min(0.0));
+    let mut gpu = Vec::with_capacity(seqs.len());
+    // Per sequence, per worker holding some of it: (worker, variable).
+    let mut cpu: Vec<Vec<(usize, good_lp::Variable)>> = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        gpu.push(vars.add(variable().min(0.0).max(s.gpu_max.min(s.n_ctx) as f64)));
+        let mut held = vec![0usize; n_workers];
+        for (w, r) in &s.held {
+            if let Some(h) = held.get_mut(*w as usize) {
+                *h += r.end.min(s.n_ctx).saturating_sub(r.start);
+            }
+        }
+        cpu.push(held.iter().enumerate().filter(|(_, &h)| h > 0).map(|(w, &h)| (w, vars.add(variable().min(0.0).max(h as f64)))).collect());
+    }
+    let mut model = vars.minimise(mu).using(good_lp::microlp);
+    let gpu_total: Expression = gpu.iter().copied().sum();
+    model = model.with(constraint!(mu >= cost.gpu_attn_per_pos * gpu_total));
+    for w in 0..n_workers {
+        let load: Expression = cpu.iter().flatten().filter(|(x, _)| *x == w).map(|(_, v)| *v).sum();
+        if cpu.iter().flatten().any(|(x, _)| *x == w) {
+            model = model.with(constraint!(mu >= cost.cpu_fixed[w] + cost.cpu_attn_per_pos[w] * load));
+        }
+    }
+    for (s, (g, cs)) in seqs.iter().zip(gpu.iter().zip(&cpu)) {
+        let covered: Expression = cs.iter().map(|(_, v)| *v).sum::<Expression>() + *g;
+        model = model.with(constraint!(covered == s.n_ctx as f64));
+    }
+    let solution = model.solve().map_err(|e| PlanError(e.to_string()))?;
+    let bs = block_size.max(1);
+    let prefix: Vec<usize> = seqs
+        .iter()
+        .zip(&gpu)
+        .map(|(s, g)| {
+            let want = solution.value(*g).max(0.0);
+            let rounded = ((want / bs as f64).round() as usize) * bs;
+            rounded.min(s.gpu_max).min(s.n_ctx)
+        })
+        .collect();
+    Ok(realise(cost, tokens, seqs, &prefix))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cost(gpu: f64, cpu: &[f64]) -> CostModel {
+        CostModel {
+            linear_fixed: 0.001,
+            linear_per_token: 0.0001,
+            gpu_attn_per_pos: gpu,
+            cpu_fixed: vec![0.0; cpu.len()],
+            cpu_attn_per_pos: cpu.to_vec(),
+        }
+    }
+
+    fn on(worker: u32, n: usize) -> SeqDemand {
+        SeqDemand { n_ctx: n, held: vec![(worker, 0..n)], gpu_max: n }
+    }
+
+    #[test]
+    fn equal_speeds_split_in_half() {
+        let c = cost(1e-6, &[1e-6]);
+        let seqs: Vec<_> = (0..4).map(|_| on(0, 1024)).collect();
+        let p = plan_lp(&c, 4, &seqs, 16).unwrap();
+        assert_eq!(p.gpu_positions + p.cpu_positions[0], 4096);
+        assert!((p.gpu_positions as i64 - 2048).abs() <= 16 * 4, "{p:?}");
+        let all_cpu = realise(&c, 4, &seqs, &[0; 4]).predicted_s;
+        assert!(p.predicted_s < 0.6 * all_cpu + c.step_time(4, 0, &[0]), "{} vs {all_cpu}", p.predicted_s);
+    }
+
+    #[test]
+    fn a_cpu_twice_as_slow_gets_a_third() {
+        let c = cost(1e-6, &[2e-6]);
+        let seqs: Vec<_> = (0..3).map(|_| on(0, 3000)).collect();
+        let p = plan_lp(&c, 3, &seqs, 1).unwrap();
+        // G = 2 C and G + C = 9000: G = 6000.
+        assert!((p.gpu_positions as i64 - 6000).abs() <= 3, "{p:?}");
+        assert!((p.predicted_s - c.step_time(3, 6000, &[3000])).abs() < 1e-9);
+    }
+
+    #[test]
+    fn two_workers_and_a_slow_gpu_balance_all_three() {
+        // The gpu-worker is 4x slower than either cpu-worker: G : C0 : C1 = 1 : 4 : 4.
+        let c = cost(4e-6, &[1e-6, 1e-6]);
+        let seqs = vec![on(0, 4500), on(1, 4500)];
+        let p = plan_lp(&c, 2, &seqs, 1).unwrap();
+        assert!((p.gpu_positions as i64 - 1000).abs() <= 2, "{p:?}");
+        assert!((p.cpu_positions[0] as i64 - 4000).abs() <= 2 && (p.cpu_positions[1] as i64 - 4000).abs() <= 2, "{p:?}");
+    }
+
+    #[test]
+    fn where_the_kv_lives_limits_each_worker() {
+        // Worker 0 holds everything; worker 1 is fast but holds nothing: it gets nothing.
+        let c = cost(1e-6, &[1e-6, 1e-9]);
+        let p = plan_lp(&c, 1, &[on(0, 1000)], 1).unwrap();
+        assert_eq!(p.cpu_positions[1], 0);
+        assert!((p.gpu_positions as i64 - 500).abs() <= 1, "{p:?}");
+        // A gpu-worker that may attend only a 100-position prefix (its mirrored KV).
+        let limited = SeqDemand { gpu_max: 100, ..on(0, 1000) };
+        let p = plan_lp(&cost(1e-9, &[1e-6]), 1, &[limited], 1).unwrap();
+        assert_eq!(p.gpu_positions, 100);
+    }
+
+    #[test]
+    fn shares_cover_every_position_once_and_round_to_blocks() {
+        let c = cost(1e-6, &[1.3e-6, 0.7e-6]);
+        let seqs = vec![
+            SeqDemand { n_ctx: 1000, held: vec![(0, 0..512), (1, 512..1000)], gpu_max: 1000 },
+            on(1, 37),
+            on(0, 1),
+        ];
+        let p = plan_lp(&c, 3, &seqs, 16).unwrap();
+        for (s, shares) in seqs.iter().zip(&p.shares) {
+            let mut next = 0;
+            for sh in shares {
+                assert_eq!(sh.range.start, next, "{shares:?}");
+                assert!(sh.range.end > sh.range.start);
+                if sh.cpu_worker.is_none() {
+                    assert!(sh.range.end % 16 == 0 || sh.range.end == s.n_ctx, "{shares:?}");
+                }
+                next = sh.range.end;
+            }
+            assert_eq!(next, s.n_ctx);
+        }
+    }
+
+    #[test]
+    fn static_prefixes_predict_their_time() {
+        let c = cost(2e-6, &[1e-6]);
+        let seqs = vec![on(0, 100), on(0, 300)];
+        let all_gpu = realise(&c, 2, &seqs, &[100, 300]);
+        assert_eq!((all_gpu.gpu_positions, all_gpu.cpu_positions[0]), (400, 0));
+        assert!((all_gpu.predicted_s - (0.001 + 0.0002 + 400.0 * 2e-6)).abs() < 1e-12);
+        let all_cpu = realise(&c, 2, &seqs, &[0, 0]);
+        assert_eq!(all_cpu.shares[1], vec![Share { cpu_worker: Some(0), range: 0..300 }]);
+    }
+}

@@ -1,0 +1,289 @@
+//! Runtime statistics: from every step's per-phase timings, an online fit of each cost the
+//! planner needs (a + b·x, exponentially weighted least squares so that the model follows a
+//! machine whose load changes, with outliers clipped), and the planner's prediction error.
+
+use std::collections::VecDeque;
+
+use duet_common::rpc::pb;
+
+use super::planner::CostModel;
+
+/// Weight of the past per new sample (an effective memory of ~50 samples).
+const FORGET: f64 = 0.98;
+/// Samples before a fit is trusted over its prior, and before outliers are clipped.
+const WARM: u32 = 8;
+/// A sample further than this many mean absolute residuals from the fit is clipped there.
+const CLIP: f64 = 4.0;
+/// Least squares separates intercept from slope only when the recent x spread (standard
+/// deviation over mean) reaches this.
+const MIN_SPREAD: f64 = 0.2;
+/// Steps whose prediction errors are kept for the median and p90.
+const ERROR_WINDOW: usize = 512;
+
+/// An online fit of y = a + b·x.
+#[derive(Debug, Clone)]
+pub struct LinearFit {
+    prior: (f64, f64),
+    sw: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+    /// Mean absolute residual (exponentially weighted).
+    mad: f64,
+    n: u32,
+    /// The first samples, kept until the fit is warm to measure their residuals.
+    first: Vec<(f64, f64)>,
+    /// The intercept of the last least-squares fit, used while x does not spread.
+    anchor: Option<f64>,
+}
+
+impl LinearFit {
+    /// A fit that answers `prior_a + prior_b·x` until it has data.
+    pub fn new(prior_a: f64, prior_b: f64) -> Self {
+        LinearFit { prior: (prior_a, prior_b), sw: 0.0, sx: 0.0, sy: 0.0, sxx: 0.0, sxy: 0.0, mad: 0.0, n: 0, first: Vec::new(), anchor: None }
+    }
+
+    pub fn samples(&self) -> u32 {
+        self.n
+    }
+
+    /// Intercept and slope: the prior before [`WARM`] samples; least squares while the
+    /// recent x spread enough to tell intercept from slope; otherwise the intercept of the
+    /// last such fit (or the prior's) and the slope through the recent mean. Both kept
+    /// non-negative (a cost never falls with more work).
+    pub fn coefficients(&self) -> (f64, f64) {
+        if self.n < WARM || self.sw <= 0.0 {
+            return self.prior;
+        }
+        let (mx, my) = (self.sx / self.sw, self.sy / self.sw);
+        let var = (self.sxx / self.sw - mx * mx).max(0.0);
+        if var.sqrt() >= MIN_SPREAD * mx.abs() && mx.abs() > 0.0 {
+            let b = ((self.sxy / self.sw - mx * my) / var).max(0.0);
+            return ((my - b * mx).max(0.0), b);
+        }
+        let a = self.anchor.unwrap_or(self.prior.0).min(my).max(0.0);
+        let b = if mx > 0.0 { ((my - a) / mx).max(0.0) } else { self.prior.1 };
+        (a, b)
+    }
+
+    pub fn predict(&self, x: f64) -> f64 {
+        let (a, b) = self.coefficients();
+        a + b * x
+    }
+
+    /// Adds a sample; one far from the fit (after warm-up) is clipped to the fit's band.
+    pub fn add(&mut self, x: f64, y: f64) {
+        if !(x.is_finite() && y.is_finite()) {
+            return;
+        }
+        let mut y = y;
+        if self.n >= WARM {
+            let p = self.predict(x);
+            // Never narrower than 2% of the prediction: timer noise is not an outlier.
+            let band = CLIP * self.mad.max(0.02 * p.abs()).max(1e-12);
+            y = y.clamp(p - band, p + band);
+            self.mad = FORGET * self.mad + (1.0 - FORGET) * (y - p).abs();
+        } else {
+            self.first.push((x, y));
+        }
+        self.sw = FORGET * self.sw + 1.0;
+        self.sx = FORGET * self.sx + x;
+        self.sy = FORGET * self.sy + y;
+        self.sxx = FORGET * self.sxx + x * x;
+        self.sxy = FORGET * self.sxy + x * y;
+        self.n = self.n.saturating_add(1);
+        if self.n >= WARM {
+            let mx = self.sx / self.sw;
+            let var = (self.sxx / self.sw - mx * mx).max(0.0);
+            if var.sqrt() >= MIN_SPREAD * mx.abs() && mx.abs() > 0.0 {
+                self.anchor = Some(self.coefficients().0);
+            }
+        }
+        if self.n == WARM {
+            // Warm: the spread of the first samples around their own fit. The median
+            // residual, so that an outlier among them does not widen the band.
+            let mut r: Vec<f64> = self.first.iter().map(|&(x, y)| (y - self.predict(x)).abs()).collect();
+            r.sort_by(f64::total_cmp);
+            self.mad = r[r.len() / 2];
+            self.first = Vec::new();
+        }
+    }
+}
+
+/// The cost fits of one gateway: gpu-worker linear layers, its attention, and each
+/// cpu-worker's attention; plus the planner's prediction errors.
+#[derive(Debug, Clone)]
+pub struct StepStats {
+    /// Seconds vs batch tokens of decode-only steps: everything on the gpu-worker but
+    /// attention and the wait.
+    pub linear: LinearFit,
+    /// The same for steps with prompt chunks (their matrix products run as tiles, cheaper
+    /// per token; their causal attention is counted here too).
+    pub linear_prefill: LinearFit,
+    /// Seconds vs KV positions of the gpu-worker's decode attention (decode-only steps).
+    pub gpu_attention: LinearFit,
+    /// Per cpu-worker: seconds busy vs KV positions attended.
+    pub cpu_attention: Vec<LinearFit>,
+    /// |predicted − measured| / measured of recent steps.
+    errors: VecDeque<f64>,
+}
+
+/// Priors before measurements: all devices alike, so that the first `lp` steps split
+/// evenly and every fit gets data (seconds).
+const PRIOR_LINEAR: (f64, f64) = (1e-3, 1e-4);
+const PRIOR_ATTENTION: (f64, f64) = (0.0, 1e-7);
+
+impl StepStats {
+    pub fn new(n_workers: usize) -> Self {
+        StepStats {
+            linear: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
+            linear_prefill: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
+            gpu_attention: LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1),
+            cpu_attention: vec![LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1); n_workers],
+            errors: VecDeque::new(),
+        }
+    }
+
+    /// The planner's view of the costs now.
+    pub fn cost_model(&self) -> CostModel {
+        let (lf, lt) = self.linear.coefficients();
+        let (_, ga) = self.gpu_attention.coefficients();
+        let (cpu_fixed, cpu_attn_per_pos) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
+        CostModel { linear_fixed: lf, linear_per_token: lt, gpu_attn_per_pos: ga, cpu_fixed, cpu_attn_per_pos }
+    }
+
+    /// Folds a step's timings in; `predicted_s` is what the planner predicted for it.
+    pub fn observe(&mut self, t: &pb::StepTimings, predicted_s: Option<f64>) {
+        let s = |ns: u64| ns as f64 * 1e-9;
+        let tokens = (t.prefill_tokens + t.decode_tokens) as f64;
+        let linear = s(t.linear_ns + t.kv_write_ns + t.merge_ns + t.sample_ns);
+        if t.prefill_tokens > 0 {
+            self.linear_prefill.add(tokens, linear + s(t.attention_gpu_ns));
+        } else {
+            self.linear.add(tokens, linear);
+        }
+        if t.prefill_tokens == 0 && t.gpu_attention_positions > 0 {
+            self.gpu_attention.add(t.gpu_attention_positions as f64, s(t.attention_gpu_ns));
+        }
+        for w in &t.cpu_workers {
+            if let Some(fit) = self.cpu_attention.get_mut(w.worker as usize) {
+                if w.positions > 0 {
+                    fit.add(w.positions as f64, s(w.busy_ns));
+                }
+            }
+        }
+        if let Some(p) = predicted_s {
+            let measured = s(t.total_ns);
+            // Steady state only: decode steps, once every fit has data.
+            let warm = self.linear.samples() >= WARM
+                && (t.gpu_attention_positions == 0 || self.gpu_attention.samples() >= WARM)
+                && t.cpu_workers.iter().all(|w| self.cpu_attention.get(w.worker as usize).is_none_or(|f| f.samples() >= WARM));
+            if warm && t.prefill_tokens == 0 && measured > 0.0 {
+                if self.errors.len() == ERROR_WINDOW {
+                    self.errors.pop_front();
+                }
+                self.errors.push_back((p - measured).abs() / measured);
+            }
+        }
+    }
+
+    /// Forgets the prediction errors (the fits stay): after a policy change.
+    pub fn reset_errors(&mut self) {
+        self.errors.clear();
+    }
+
+    /// Median and 90th percentile of the recent relative prediction errors.
+    pub fn prediction_error(&self) -> Option<(f64, f64)> {
+        if self.errors.is_empty() {
+            return None;
+        }
+        let mut v: Vec<f64> = self.errors.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+        Some((q(0.5), q(0.9)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fit_recovers_a_line_and_shrugs_off_outliers() {
+        let mut f = LinearFit::new(0.0, 1.0);
+        assert_eq!(f.predict(10.0), 10.0, "the prior before data");
+        for i in 0..200 {
+            let x = (i % 17) as f64 * 100.0;
+            let y = 0.002 + 3e-6 * x + if i % 2 == 0 { 1e-5 } else { -1e-5 };
+            // One wild sample in fifty (a preempted step).
+            let y = if i % 50 == 49 { y * 20.0 } else { y };
+            f.add(x, y);
+        }
+        let (a, b) = f.coefficients();
+        assert!((a - 0.002).abs() < 1e-4 && (b - 3e-6).abs() < 1e-7, "a = {a}, b = {b}");
+    }
+
+    #[test]
+    fn a_fit_of_one_x_keeps_a_sane_slope() {
+        // x barely moves (a long run of one policy): the slope goes through the mean from
+        // the intercept learnt while x varied.
+        let mut f = LinearFit::new(0.0, 1e-7);
+        for i in 0..60 {
+            let x = [1000.0, 4000.0, 8000.0][i % 3];
+            f.add(x, 0.01 + 1e-5 * x);
+        }
+        for i in 0..500 {
+            let x = 33000.0 + i as f64;
+            f.add(x, 0.01 + 1e-5 * x + if i % 2 == 0 { 1e-3 } else { -1e-3 });
+        }
+        let (a, b) = f.coefficients();
+        assert!((a - 0.01).abs() < 2e-3 && (b - 1e-5).abs() < 1e-7, "a = {a}, b = {b}");
+        // Then the machine slows down by a fifth at that one x: the fit follows.
+        for i in 0..300 {
+            let x = 33500.0 + i as f64;
+            f.add(x, 1.2 * (0.01 + 1e-5 * x));
+        }
+        let want = 1.2 * (0.01 + 1e-5 * 33800.0);
+        assert!((f.predict(33800.0) - want).abs() < 0.01 * want, "{} vs {want}", f.predict(33800.0));
+    }
+
+    #[test]
+    fn a_fit_follows_a_change() {
+        let mut f = LinearFit::new(0.0, 1.0);
+        for i in 0..100 {
+            f.add((i % 10) as f64, 1.0 + (i % 10) as f64);
+        }
+        for i in 0..300 {
+            f.add((i % 10) as f64, 1.0 + 2.0 * (i % 10) as f64);
+        }
+        assert!((f.coefficients().1 - 2.0).abs() < 0.05, "{:?}", f.coefficients());
+    }
+
+    #[test]
+    fn stats_fit_each_device_and_report_errors() {
+        let mut st = StepStats::new(1);
+        for i in 0..100u64 {
+            let (gpu_pos, cpu_pos, tokens) = (1000 + 370 * (i % 13), 500 + 400 * (i % 11), 1 + (i % 16) as u32);
+            let linear = 0.002 + 1e-4 * tokens as f64;
+            let (ga, ca) = (2e-7 * gpu_pos as f64, 1e-4 + 1e-7 * cpu_pos as f64);
+            let t = pb::StepTimings {
+                total_ns: ((linear + ga.max(ca)) * 1e9) as u64,
+                linear_ns: (linear * 1e9) as u64,
+                attention_gpu_ns: (ga * 1e9) as u64,
+                decode_tokens: tokens,
+                gpu_attention_positions: gpu_pos,
+                cpu_attention_positions: cpu_pos,
+                cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, busy_ns: (ca * 1e9) as u64, positions: cpu_pos }],
+                ..Default::default()
+            };
+            let predicted = st.cost_model().step_time(tokens as usize, gpu_pos as usize, &[cpu_pos as usize]);
+            st.observe(&t, Some(predicted));
+        }
+        let c = st.cost_model();
+        assert!((c.linear_per_token - 1e-4).abs() < 1e-6 && (c.gpu_attn_per_pos - 2e-7).abs() < 1e-9, "{c:?}");
+        assert!((c.cpu_attn_per_pos[0] - 1e-7).abs() < 1e-9 && (c.cpu_fixed[0] - 1e-4).abs() < 1e-5, "{c:?}");
+        let (p50, p90) = st.prediction_error().unwrap();
+        assert!(p50 < 0.01 && p90 < 0.02, "{p50} {p90}");
+    }
+}
