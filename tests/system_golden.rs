@@ -1,7 +1,9 @@
 //! The whole system against the single-process reference on every golden prompt: greedy
 //! `Generate` over gRPC, all prompts at once (20 concurrent streams, so each also shows it
-//! gets what it gets alone), with attention on one cpu-worker, on the gpu-worker, split
-//! across two cpu-workers, and split between the gpu-worker and two cpu-workers.
+//! gets what it gets alone), with attention on one cpu-worker, on the gpu-worker, on two
+//! cpu-workers (each sequence on one, and long ones split across both), split between the
+//! gpu-worker and two cpu-workers, and as the lp balancer decides (overlapped sub-batches
+//! included).
 
 use duet_common::testutil::golden;
 use duet_tests::{generate, greedy, same_up_to_near_tie, Gateway, Reference};
@@ -33,10 +35,13 @@ async fn greedy_over_grpc_matches_the_single_process_reference() {
         items.iter().map(|(_, p, n)| reference.generate(p, *n)).collect()
     };
 
-    let configs: [(&str, &[&str], bool); 5] = [
+    // 24 MiB arenas hold 1088 tokens each: the two long prompts (1548 and 1976 tokens) must
+    // spread over both cpu-workers, whose partial results are merged.
+    let configs: [(&str, &[&str], bool); 6] = [
         ("attention on one cpu-worker", &["--cpu-workers", "1", "--policy", "cpu"], true),
         ("attention on the gpu-worker", &["--cpu-workers", "1", "--policy", "gpu"], true),
-        ("attention split across two cpu-workers", &["--cpu-workers", "2", "--policy", "cpu"], false),
+        ("attention on two cpu-workers, each sequence on one", &["--cpu-workers", "2", "--policy", "cpu"], true),
+        ("attention split across two cpu-workers", &["--cpu-workers", "2", "--policy", "cpu", "--kv-bytes", "24M"], false),
         ("attention split between gpu-worker and cpu-workers", &["--cpu-workers", "2", "--policy", "ratio:0.5"], false),
         ("attention split by the lp balancer", &["--cpu-workers", "2", "--policy", "lp"], false),
     ];

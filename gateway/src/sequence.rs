@@ -151,8 +151,16 @@ mod tests {
         // Positions 0..8 on worker 0, 8..10 on worker 1; the token at 9.
         let demand = attention_demand(&table, 9);
         assert_eq!(demand.held, vec![(0, 0..8), (1, 8..10)]);
-        let cost = CostModel { linear_fixed: 0.0, linear_per_token: 0.0, gpu_attn_per_pos: 1.0, cpu_fixed: vec![0.0; 2], cpu_attn_per_pos: vec![1.0; 2] };
-        let proto = |p: Policy| shares_to_proto(&p.plan(&cost, 1, std::slice::from_ref(&demand), 4).shares[0], 10);
+        let cost = CostModel {
+            linear_fixed: 0.0,
+            linear_per_token: 0.0,
+            gpu_attn_per_pos: 1.0,
+            cpu_fixed: vec![0.0; 2],
+            cpu_attn_per_pos: vec![1.0; 2],
+            overlapped_fixed: 0.0,
+            overlapped_per_token: 0.0,
+        };
+        let proto = |p: Policy| shares_to_proto(&p.plan(&cost, 1, std::slice::from_ref(&demand), 4, false).shares[0], 10);
         assert_eq!(
             proto(Policy::Cpu),
             vec![

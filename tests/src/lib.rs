@@ -44,7 +44,8 @@ impl Gateway {
         let log = std::env::temp_dir().join(format!("duet-test-{instance}.log"));
         let log_file = std::fs::File::create(&log).expect("log file");
         let mut child = Command::new(bin("duet-gateway"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--instance", &instance, "--kv-bytes", "128M"])
+            .args(["serve", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--instance", &instance])
+            .args(if extra.contains(&"--kv-bytes") { &[][..] } else { &["--kv-bytes", "128M"][..] })
             .arg("--runtime-dir")
             .arg(&runtime_dir)
             .arg("--model")

@@ -51,10 +51,12 @@ impl fmt::Display for Policy {
 }
 
 impl Policy {
-    /// Plans a step of `tokens` batch tokens whose decode sequences are `seqs`.
-    pub fn plan(&self, cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize) -> Plan {
+    /// Plans a step of `tokens` batch tokens whose decode sequences are `seqs`; `lp` may
+    /// choose to run it as two interleaved sub-batches when `may_overlap` (a decode-only
+    /// step), the static policies never do.
+    pub fn plan(&self, cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, may_overlap: bool) -> Plan {
         let prefix: Vec<usize> = match *self {
-            Policy::Lp => match plan_lp(cost, tokens, seqs, block_size) {
+            Policy::Lp => match plan_lp(cost, tokens, seqs, block_size, may_overlap) {
                 Ok(plan) => return plan,
                 Err(e) => {
                     tracing::warn!("{e}; this step splits half and half");
@@ -65,7 +67,7 @@ impl Policy {
             Policy::Gpu => seqs.iter().map(|s| s.gpu_max).collect(),
             Policy::Ratio(r) => seqs.iter().map(|s| ((s.n_ctx as f64 * r as f64).round() as usize).min(s.gpu_max)).collect(),
         };
-        realise(cost, tokens, seqs, &prefix)
+        realise(cost, tokens, seqs, &prefix, false)
     }
 }
 
@@ -86,11 +88,19 @@ mod tests {
 
     #[test]
     fn static_policies_split_as_named() {
-        let cost = CostModel { linear_fixed: 0.0, linear_per_token: 0.0, gpu_attn_per_pos: 1e-6, cpu_fixed: vec![0.0], cpu_attn_per_pos: vec![1e-6] };
+        let cost = CostModel {
+            linear_fixed: 0.0,
+            linear_per_token: 0.0,
+            gpu_attn_per_pos: 1e-6,
+            cpu_fixed: vec![0.0],
+            cpu_attn_per_pos: vec![1e-6],
+            overlapped_fixed: 0.0,
+            overlapped_per_token: 0.0,
+        };
         let seqs = [SeqDemand { n_ctx: 100, held: vec![(0, 0..100)], gpu_max: 100 }];
-        assert_eq!(Policy::Cpu.plan(&cost, 1, &seqs, 16).gpu_positions, 0);
-        assert_eq!(Policy::Gpu.plan(&cost, 1, &seqs, 16).gpu_positions, 100);
-        assert_eq!(Policy::Ratio(0.3).plan(&cost, 1, &seqs, 16).gpu_positions, 30);
-        assert_eq!(Policy::Lp.plan(&cost, 1, &seqs, 16).cpu_positions[0] + Policy::Lp.plan(&cost, 1, &seqs, 16).gpu_positions, 100);
+        assert_eq!(Policy::Cpu.plan(&cost, 1, &seqs, 16, false).gpu_positions, 0);
+        assert_eq!(Policy::Gpu.plan(&cost, 1, &seqs, 16, false).gpu_positions, 100);
+        assert_eq!(Policy::Ratio(0.3).plan(&cost, 1, &seqs, 16, false).gpu_positions, 30);
+        assert_eq!(Policy::Lp.plan(&cost, 1, &seqs, 16, true).cpu_positions[0] + Policy::Lp.plan(&cost, 1, &seqs, 16, true).gpu_positions, 100);
     }
 }

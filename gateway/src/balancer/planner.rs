@@ -11,10 +11,19 @@
 //! ```
 //!
 //! with G and C_w the KV positions (all layers counted once) attended by the gpu-worker and
-//! cpu-worker w. The `lp` policy solves: minimise μ subject to μ ≥ gpu_attn · Σ g_s,
-//! μ ≥ cpu_fixed_w + cpu_attn_w · Σ_s c_{s,w}, g_s + Σ_w c_{s,w} = n_s, 0 ≤ g_s ≤ gpu_max_s,
-//! 0 ≤ c_{s,w} ≤ held_{s,w} — a linear program (good_lp with the microlp solver), then
-//! rounds each g_s to a block boundary and predicts the realised plan's time.
+//! cpu-worker w. With two interleaved sub-batches (NEO/APEX-style overlap) the gpu-worker
+//! runs one sub-batch's linear layers while the cpu-workers attend the other's, so
+//!
+//! ```text
+//! T = max( linear₂(tokens) + gpu_attn · G , max_w (cpu_fixed_w + cpu_attn_w · C_w) )
+//! ```
+//!
+//! where linear₂ is the linear layers run as two passes (their fixed cost twice). The `lp`
+//! policy solves, for each form: minimise μ subject to μ ≥ g₀ + gpu_attn · Σ g_s (g₀ =
+//! linear₂ with overlap, else 0), μ ≥ cpu_fixed_w + cpu_attn_w · Σ_s c_{s,w},
+//! g_s + Σ_w c_{s,w} = n_s, 0 ≤ g_s ≤ gpu_max_s, 0 ≤ c_{s,w} ≤ held_{s,w} — a linear
+//! program (good_lp with the microlp solver); rounds each g_s to a block boundary, predicts
+//! the realised plans' times and keeps the faster.
 
 use std::ops::Range;
 
@@ -33,6 +42,9 @@ pub struct CostModel {
     pub cpu_fixed: Vec<f64>,
     /// Per cpu-worker: decode attention per KV position.
     pub cpu_attn_per_pos: Vec<f64>,
+    /// The linear layers as two interleaved sub-batches: per step, and per batch token.
+    pub overlapped_fixed: f64,
+    pub overlapped_per_token: f64,
 }
 
 /// One decode sequence of the step.
@@ -61,6 +73,8 @@ pub struct Plan {
     pub shares: Vec<Vec<Share>>,
     /// Predicted step time, seconds.
     pub predicted_s: f64,
+    /// Run as two interleaved sub-batches.
+    pub overlap: bool,
     /// KV positions the gpu-worker attends.
     pub gpu_positions: usize,
     /// KV positions each cpu-worker attends.
@@ -73,8 +87,7 @@ impl CostModel {
     }
 
     /// Predicted step time of `tokens` batch tokens with these attention loads.
-    pub fn step_time(&self, tokens: usize, gpu_positions: usize, cpu_positions: &[usize]) -> f64 {
-        let linear = self.linear_fixed + self.linear_per_token * tokens as f64;
+    pub fn step_time(&self, tokens: usize, gpu_positions: usize, cpu_positions: &[usize], overlap: bool) -> f64 {
         let gpu = self.gpu_attn_per_pos * gpu_positions as f64;
         let cpu = cpu_positions
             .iter()
@@ -82,13 +95,17 @@ impl CostModel {
             .filter(|(_, &c)| c > 0)
             .map(|(w, &c)| self.cpu_fixed[w] + self.cpu_attn_per_pos[w] * c as f64)
             .fold(0.0, f64::max);
-        linear + gpu.max(cpu)
+        if overlap {
+            (self.overlapped_fixed + self.overlapped_per_token * tokens as f64 + gpu).max(cpu)
+        } else {
+            self.linear_fixed + self.linear_per_token * tokens as f64 + gpu.max(cpu)
+        }
     }
 }
 
 /// The shares of every sequence when the gpu-worker takes the prefix `prefix[s]` of
 /// sequence `s`, and the plan's predicted time.
-pub fn realise(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], prefix: &[usize]) -> Plan {
+pub fn realise(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], prefix: &[usize], overlap: bool) -> Plan {
     let mut cpu_positions = vec![0usize; cost.n_workers()];
     let mut gpu_positions = 0;
     let shares = seqs
@@ -117,8 +134,8 @@ pub fn realise(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], prefix: &[us
             out
         })
         .collect();
-    let predicted_s = cost.step_time(tokens, gpu_positions, &cpu_positions);
-    Plan { shares, predicted_s, gpu_positions, cpu_positions }
+    let predicted_s = cost.step_time(tokens, gpu_positions, &cpu_positions, overlap);
+    Plan { shares, predicted_s, overlap, gpu_positions, cpu_positions }
 }
 
 /// Why the LP could not be solved (the caller falls back to a static split).
@@ -126,10 +143,21 @@ pub fn realise(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], prefix: &[us
 #[error("the attention LP failed: {0}")]
 pub struct PlanError(String);
 
-/// The LP plan: the split that minimises the predicted step time, rounded to `block_size`.
-pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize) -> Result<Plan, PlanError> {
+/// The LP plan: the split that minimises the predicted step time, rounded to `block_size`;
+/// with `may_overlap`, also the best split of an overlapped step, and the faster of both.
+pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, may_overlap: bool) -> Result<Plan, PlanError> {
+    let plain = solve(cost, tokens, seqs, block_size, false)?;
+    if !may_overlap || seqs.len() < 2 {
+        return Ok(plain);
+    }
+    let overlapped = solve(cost, tokens, seqs, block_size, true)?;
+    Ok(if overlapped.predicted_s < plain.predicted_s { overlapped } else { plain })
+}
+
+/// The LP plan of one form: overlapped (two interleaved sub-batches) or not.
+pub fn solve(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, overlap: bool) -> Result<Plan, PlanError> {
     if seqs.is_empty() {
-        return Ok(realise(cost, tokens, seqs, &[]));
+        return Ok(realise(cost, tokens, seqs, &[], false));
     }
     let n_workers = cost.n_workers();
     let mut vars = variables!();
@@ -149,7 +177,8 @@ pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: 
     }
     let mut model = vars.minimise(mu).using(good_lp::microlp);
     let gpu_total: Expression = gpu.iter().copied().sum();
-    model = model.with(constraint!(mu >= cost.gpu_attn_per_pos * gpu_total));
+    let gpu_base = if overlap { cost.overlapped_fixed + cost.overlapped_per_token * tokens as f64 } else { 0.0 };
+    model = model.with(constraint!(mu >= gpu_base + cost.gpu_attn_per_pos * gpu_total));
     for w in 0..n_workers {
         let load: Expression = cpu.iter().flatten().filter(|(x, _)| *x == w).map(|(_, v)| *v).sum();
         if cpu.iter().flatten().any(|(x, _)| *x == w) {
@@ -171,7 +200,7 @@ pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: 
             rounded.min(s.gpu_max).min(s.n_ctx)
         })
         .collect();
-    Ok(realise(cost, tokens, seqs, &prefix))
+    Ok(realise(cost, tokens, seqs, &prefix, overlap))
 }
 
 #[cfg(test)]
@@ -185,6 +214,8 @@ mod tests {
             gpu_attn_per_pos: gpu,
             cpu_fixed: vec![0.0; cpu.len()],
             cpu_attn_per_pos: cpu.to_vec(),
+            overlapped_fixed: 0.002,
+            overlapped_per_token: 0.0001,
         }
     }
 
@@ -196,21 +227,21 @@ mod tests {
     fn equal_speeds_split_in_half() {
         let c = cost(1e-6, &[1e-6]);
         let seqs: Vec<_> = (0..4).map(|_| on(0, 1024)).collect();
-        let p = plan_lp(&c, 4, &seqs, 16).unwrap();
+        let p = plan_lp(&c, 4, &seqs, 16, false).unwrap();
         assert_eq!(p.gpu_positions + p.cpu_positions[0], 4096);
         assert!((p.gpu_positions as i64 - 2048).abs() <= 16 * 4, "{p:?}");
-        let all_cpu = realise(&c, 4, &seqs, &[0; 4]).predicted_s;
-        assert!(p.predicted_s < 0.6 * all_cpu + c.step_time(4, 0, &[0]), "{} vs {all_cpu}", p.predicted_s);
+        let all_cpu = realise(&c, 4, &seqs, &[0; 4], false).predicted_s;
+        assert!(p.predicted_s < 0.6 * all_cpu + c.step_time(4, 0, &[0], false), "{} vs {all_cpu}", p.predicted_s);
     }
 
     #[test]
     fn a_cpu_twice_as_slow_gets_a_third() {
         let c = cost(1e-6, &[2e-6]);
         let seqs: Vec<_> = (0..3).map(|_| on(0, 3000)).collect();
-        let p = plan_lp(&c, 3, &seqs, 1).unwrap();
+        let p = plan_lp(&c, 3, &seqs, 1, false).unwrap();
         // G = 2 C and G + C = 9000: G = 6000.
         assert!((p.gpu_positions as i64 - 6000).abs() <= 3, "{p:?}");
-        assert!((p.predicted_s - c.step_time(3, 6000, &[3000])).abs() < 1e-9);
+        assert!((p.predicted_s - c.step_time(3, 6000, &[3000], false)).abs() < 1e-9);
     }
 
     #[test]
@@ -218,7 +249,7 @@ mod tests {
         // The gpu-worker is 4x slower than either cpu-worker: G : C0 : C1 = 1 : 4 : 4.
         let c = cost(4e-6, &[1e-6, 1e-6]);
         let seqs = vec![on(0, 4500), on(1, 4500)];
-        let p = plan_lp(&c, 2, &seqs, 1).unwrap();
+        let p = plan_lp(&c, 2, &seqs, 1, false).unwrap();
         assert!((p.gpu_positions as i64 - 1000).abs() <= 2, "{p:?}");
         assert!((p.cpu_positions[0] as i64 - 4000).abs() <= 2 && (p.cpu_positions[1] as i64 - 4000).abs() <= 2, "{p:?}");
     }
@@ -227,12 +258,12 @@ mod tests {
     fn where_the_kv_lives_limits_each_worker() {
         // Worker 0 holds everything; worker 1 is fast but holds nothing: it gets nothing.
         let c = cost(1e-6, &[1e-6, 1e-9]);
-        let p = plan_lp(&c, 1, &[on(0, 1000)], 1).unwrap();
+        let p = plan_lp(&c, 1, &[on(0, 1000)], 1, false).unwrap();
         assert_eq!(p.cpu_positions[1], 0);
         assert!((p.gpu_positions as i64 - 500).abs() <= 1, "{p:?}");
         // A gpu-worker that may attend only a 100-position prefix (its mirrored KV).
         let limited = SeqDemand { gpu_max: 100, ..on(0, 1000) };
-        let p = plan_lp(&cost(1e-9, &[1e-6]), 1, &[limited], 1).unwrap();
+        let p = plan_lp(&cost(1e-9, &[1e-6]), 1, &[limited], 1, false).unwrap();
         assert_eq!(p.gpu_positions, 100);
     }
 
@@ -244,7 +275,7 @@ mod tests {
             on(1, 37),
             on(0, 1),
         ];
-        let p = plan_lp(&c, 3, &seqs, 16).unwrap();
+        let p = plan_lp(&c, 3, &seqs, 16, true).unwrap();
         for (s, shares) in seqs.iter().zip(&p.shares) {
             let mut next = 0;
             for sh in shares {
@@ -260,13 +291,38 @@ mod tests {
     }
 
     #[test]
+    fn overlap_hides_the_linear_layers_behind_cpu_attention() {
+        // Linear 0.1 s, attention 0.4 s on either side for 8000 positions.
+        let c = CostModel {
+            linear_fixed: 0.1,
+            linear_per_token: 0.0,
+            gpu_attn_per_pos: 5e-5,
+            cpu_fixed: vec![0.0],
+            cpu_attn_per_pos: vec![5e-5],
+            overlapped_fixed: 0.1,
+            overlapped_per_token: 0.0,
+        };
+        let seqs: Vec<_> = (0..4).map(|_| on(0, 2000)).collect();
+        // Without overlap: 0.1 + 0.2 (half each). With: max(0.1 + a_g G, a_c C) = 0.25 at
+        // G = 3000, C = 5000.
+        let plain = plan_lp(&c, 4, &seqs, 1, false).unwrap();
+        assert!((plain.predicted_s - 0.3).abs() < 1e-3 && !plain.overlap, "{plain:?}");
+        let best = plan_lp(&c, 4, &seqs, 1, true).unwrap();
+        assert!(best.overlap && (best.predicted_s - 0.25).abs() < 1e-3, "{best:?}");
+        assert!((best.gpu_positions as i64 - 3000).abs() <= 4, "{best:?}");
+        // Linear layers that cost twice as much split in two: overlap no longer pays.
+        let costly = CostModel { overlapped_fixed: 0.3, ..c };
+        assert!(!plan_lp(&costly, 4, &seqs, 1, true).unwrap().overlap);
+    }
+
+    #[test]
     fn static_prefixes_predict_their_time() {
         let c = cost(2e-6, &[1e-6]);
         let seqs = vec![on(0, 100), on(0, 300)];
-        let all_gpu = realise(&c, 2, &seqs, &[100, 300]);
+        let all_gpu = realise(&c, 2, &seqs, &[100, 300], false);
         assert_eq!((all_gpu.gpu_positions, all_gpu.cpu_positions[0]), (400, 0));
         assert!((all_gpu.predicted_s - (0.001 + 0.0002 + 400.0 * 2e-6)).abs() < 1e-12);
-        let all_cpu = realise(&c, 2, &seqs, &[0, 0]);
+        let all_cpu = realise(&c, 2, &seqs, &[0, 0], false);
         assert_eq!(all_cpu.shares[1], vec![Share { cpu_worker: Some(0), range: 0..300 }]);
     }
 }

@@ -121,6 +121,8 @@ pub struct StepStats {
     /// The same for steps with prompt chunks (their matrix products run as tiles, cheaper
     /// per token; their causal attention is counted here too).
     pub linear_prefill: LinearFit,
+    /// The same for decode steps run as two interleaved sub-batches.
+    pub linear_overlapped: LinearFit,
     /// Seconds vs KV positions of the gpu-worker's decode attention (decode-only steps).
     pub gpu_attention: LinearFit,
     /// Per cpu-worker: seconds busy vs KV positions attended.
@@ -139,6 +141,7 @@ impl StepStats {
         StepStats {
             linear: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             linear_prefill: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
+            linear_overlapped: LinearFit::new(2.0 * PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             gpu_attention: LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1),
             cpu_attention: vec![LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1); n_workers],
             errors: VecDeque::new(),
@@ -150,7 +153,17 @@ impl StepStats {
         let (lf, lt) = self.linear.coefficients();
         let (_, ga) = self.gpu_attention.coefficients();
         let (cpu_fixed, cpu_attn_per_pos) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
-        CostModel { linear_fixed: lf, linear_per_token: lt, gpu_attn_per_pos: ga, cpu_fixed, cpu_attn_per_pos }
+        // Until overlapped steps have been measured: the fixed cost paid twice.
+        let (of, ot) = if self.linear_overlapped.samples() >= WARM { self.linear_overlapped.coefficients() } else { (2.0 * lf, lt) };
+        CostModel {
+            linear_fixed: lf,
+            linear_per_token: lt,
+            gpu_attn_per_pos: ga,
+            cpu_fixed,
+            cpu_attn_per_pos,
+            overlapped_fixed: of,
+            overlapped_per_token: ot,
+        }
     }
 
     /// Folds a step's timings in; `predicted_s` is what the planner predicted for it.
@@ -160,6 +173,8 @@ impl StepStats {
         let linear = s(t.linear_ns + t.kv_write_ns + t.merge_ns + t.sample_ns);
         if t.prefill_tokens > 0 {
             self.linear_prefill.add(tokens, linear + s(t.attention_gpu_ns));
+        } else if t.sub_batches == 2 {
+            self.linear_overlapped.add(tokens, linear);
         } else {
             self.linear.add(tokens, linear);
         }
@@ -176,7 +191,8 @@ impl StepStats {
         if let Some(p) = predicted_s {
             let measured = s(t.total_ns);
             // Steady state only: decode steps, once every fit has data.
-            let warm = self.linear.samples() >= WARM
+            let linear = if t.sub_batches == 2 { &self.linear_overlapped } else { &self.linear };
+            let warm = linear.samples() >= WARM
                 && (t.gpu_attention_positions == 0 || self.gpu_attention.samples() >= WARM)
                 && t.cpu_workers.iter().all(|w| self.cpu_attention.get(w.worker as usize).is_none_or(|f| f.samples() >= WARM));
             if warm && t.prefill_tokens == 0 && measured > 0.0 {
@@ -277,7 +293,7 @@ mod tests {
                 cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, busy_ns: (ca * 1e9) as u64, positions: cpu_pos }],
                 ..Default::default()
             };
-            let predicted = st.cost_model().step_time(tokens as usize, gpu_pos as usize, &[cpu_pos as usize]);
+            let predicted = st.cost_model().step_time(tokens as usize, gpu_pos as usize, &[cpu_pos as usize], false);
             st.observe(&t, Some(predicted));
         }
         let c = st.cost_model();

@@ -13,7 +13,7 @@ use super::Scheduler;
 use crate::backend::{Event, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
-use crate::balancer::planner::SeqDemand;
+use crate::balancer::planner::{Plan, SeqDemand, Share};
 use crate::sequence::{attention_demand, shares_to_proto, Seq};
 
 impl Scheduler {
@@ -61,14 +61,22 @@ impl Scheduler {
                 sampler,
                 sample: n == seq.pending.len(),
                 attention: Vec::new(),
+                sub_batch: 0,
             });
             entries.push((i, n));
         }
         let tokens: usize = entries.iter().map(|&(_, n)| n).sum();
         let demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
-        let plan = self.policy.plan(&self.stats.cost_model(), tokens, &demands, self.cfg.block_size);
+        // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
+        let may_overlap = decoding.len() == steps.len();
+        let plan = self.policy.plan(&self.stats.cost_model(), tokens, &demands, self.cfg.block_size, may_overlap);
         for ((at, d), shares) in decoding.iter().zip(&plan.shares) {
             steps[*at].attention = shares_to_proto(shares, d.n_ctx);
+        }
+        if plan.overlap {
+            for (at, sub) in sub_batches(&plan) {
+                steps[decoding[at].0].sub_batch = sub;
+            }
         }
         self.step += 1;
         let req = pb::StepRequest { step: self.step, sequences: steps, released: std::mem::take(&mut self.released) };
@@ -106,20 +114,43 @@ impl Scheduler {
         self.conclude(outcomes);
     }
 
-    /// Extends sequence `i`'s table by `n` positions: on the serving cpu-worker with the
-    /// most free blocks if it can hold them all, else block by block.
+    /// Extends sequence `i`'s table by `n` positions. A sequence stays on the cpu-worker
+    /// that holds its last block while it has room (one job per layer, no merge, its KV on
+    /// one NUMA node); a new one goes to the serving cpu-worker with the least predicted
+    /// attention work among those that hold all its blocks (the balancer's placement), else
+    /// the one with the most free blocks; failing all, block by block.
     fn allocate(&mut self, i: usize, n: usize) -> Result<(), KvError> {
         let bs = self.cfg.block_size;
-        let table: &mut BlockTable = &mut self.running[i].table;
+        let table = &self.running[i].table;
         let wanted = (table.len() + n).div_ceil(bs) - table.blocks().len();
         let up = &self.worker_up;
+        let serving = || (0..self.pool.n_workers()).filter(|&w| up[w]).map(|w| WorkerId(w as u32));
+        let home = table.blocks().last().map(|b| b.0).filter(|&w| up[w.0 as usize]);
+        let choice = match home {
+            _ if wanted == 0 => home.or_else(|| serving().next()),
+            Some(w) if self.pool.n_free(w) >= wanted => Some(w),
+            _ => {
+                // Predicted attention work per worker: the KV positions of running sequences
+                // it holds, at its fitted cost per position.
+                let cost = self.stats.cost_model();
+                let mut work = vec![0f64; self.pool.n_workers()];
+                for seq in &self.running {
+                    for (WorkerId(w), r) in seq.table.token_ranges_per_worker() {
+                        work[w as usize] += r.len() as f64 * cost.cpu_attn_per_pos.get(w as usize).copied().unwrap_or(0.0);
+                    }
+                }
+                serving()
+                    .filter(|&w| self.pool.n_free(w) >= wanted)
+                    .min_by(|a, b| work[a.0 as usize].total_cmp(&work[b.0 as usize]).then(self.pool.n_free(*b).cmp(&self.pool.n_free(*a))))
+            }
+        };
+        let table: &mut BlockTable = &mut self.running[i].table;
+        if let Some(w) = choice {
+            return table.append_tokens(n, Placement::Worker(w));
+        }
         let most_free = |pool: &duet_common::kv::KvPool| {
             (0..pool.n_workers()).filter(|&w| up[w]).max_by_key(|&w| (pool.n_free(WorkerId(w as u32)), std::cmp::Reverse(w))).map(|w| WorkerId(w as u32))
         };
-        let Some(best) = most_free(&self.pool) else { return Err(KvError::OutOfBlocks { wanted, free: 0 }) };
-        if wanted == 0 || self.pool.n_free(best) >= wanted {
-            return table.append_tokens(n, Placement::Worker(best));
-        }
         let mut left = n;
         while left > 0 {
             let room = table.blocks().len() * bs - table.len();
@@ -218,5 +249,53 @@ impl Scheduler {
         session.history = history;
         session.messages = messages;
         session.last_used = Instant::now();
+    }
+}
+
+/// Splits an overlapped plan's sequences into two sub-batches of equal work: the heaviest
+/// cpu-worker share first, each to the sub-batch with less cpu-worker work so far (the
+/// gpu-worker's own work breaking ties). Returns (index in the plan, sub-batch).
+fn sub_batches(plan: &Plan) -> Vec<(usize, u32)> {
+    let work = |shares: &[Share]| -> (usize, usize) {
+        shares.iter().fold((0, 0), |(c, g), s| if s.cpu_worker.is_some() { (c + s.range.len(), g) } else { (c, g + s.range.len()) })
+    };
+    let mut order: Vec<(usize, (usize, usize))> = plan.shares.iter().map(|s| work(s)).enumerate().collect();
+    order.sort_by_key(|&(i, (c, g))| (std::cmp::Reverse(c), std::cmp::Reverse(g), i));
+    let mut load = [(0usize, 0usize, 0usize); 2];
+    let mut out = Vec::with_capacity(order.len());
+    for (i, (c, g)) in order {
+        let sub = if (load[0].0, load[0].1, load[0].2) <= (load[1].0, load[1].1, load[1].2) { 0 } else { 1 };
+        load[sub] = (load[sub].0 + c, load[sub].1 + g, load[sub].2 + 1);
+        out.push((i, sub as u32));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sub_batches_share_the_work_evenly() {
+        let share = |w: Option<u32>, n: usize| Share { cpu_worker: w, range: 0..n };
+        let plan = Plan {
+            shares: vec![
+                vec![share(Some(0), 300)],
+                vec![share(Some(0), 100)],
+                vec![share(Some(0), 200)],
+                vec![share(None, 50)],
+                vec![share(Some(0), 200)],
+            ],
+            predicted_s: 0.0,
+            overlap: true,
+            gpu_positions: 50,
+            cpu_positions: vec![800],
+        };
+        let subs = sub_batches(&plan);
+        assert_eq!(subs.len(), 5);
+        let cpu = |k: u32| subs.iter().filter(|&&(_, s)| s == k).map(|&(i, _)| plan.shares[i].iter().map(|s| s.range.len()).sum::<usize>()).sum::<usize>();
+        assert_eq!(cpu(0) + cpu(1), 850);
+        assert!(cpu(0).abs_diff(cpu(1)) <= 100, "{subs:?}");
+        assert!(subs.iter().any(|&(_, s)| s == 0) && subs.iter().any(|&(_, s)| s == 1));
     }
 }

@@ -40,7 +40,7 @@ mod report;
 
 use serde::Serialize;
 
-use crate::balancer::planner::{plan_lp, realise, CostModel, Plan, SeqDemand};
+use crate::balancer::planner::{realise, solve, CostModel, Plan, SeqDemand};
 use crate::cli::SimulateArgs;
 use machines::{CpuSpec, GpuPreset, GpuSpec, ModelShape, WeightDtype};
 
@@ -237,6 +237,9 @@ impl Setup {
             gpu_attn_per_pos,
             cpu_fixed: vec![cpu_fixed; n],
             cpu_attn_per_pos: vec![cpu_attn; n],
+            // Two sub-batches: the linear layers once per half (the weights read twice).
+            overlapped_fixed: self.linear_s(batch / 2) + self.linear_s(batch - batch / 2),
+            overlapped_per_token: 0.0,
         }
     }
 
@@ -281,17 +284,14 @@ impl Setup {
             Policy::Lp => (0, mirror, host_fits, host_why),
         };
         let seqs = self.demands(batch, context, gpu_max);
-        let lp = |c: &CostModel| plan_lp(c, batch, &seqs, bs).map_err(|e| e.to_string());
+        let lp = |overlap: bool| solve(&cost, batch, &seqs, bs, overlap).map_err(|e| e.to_string());
         let plan: Result<Plan, String> = match policy {
-            Policy::Lp => lp(&cost),
-            _ => Ok(realise(&cost, batch, &seqs, &vec![prefix; batch])),
+            Policy::Lp => lp(false),
+            _ => Ok(realise(&cost, batch, &seqs, &vec![prefix; batch], false)),
         };
-        let overlapped: Option<Result<Plan, String>> = (policy != Policy::Gpu && batch >= 2).then(|| {
-            let shifted = self.overlap_cost_model(&cost, batch);
-            match policy {
-                Policy::Lp => lp(&shifted),
-                _ => Ok(realise(&shifted, batch, &seqs, &vec![prefix; batch])),
-            }
+        let overlapped: Option<Result<Plan, String>> = (policy != Policy::Gpu && batch >= 2).then(|| match policy {
+            Policy::Lp => lp(true),
+            _ => Ok(realise(&cost, batch, &seqs, &vec![prefix; batch], true)),
         });
         let weights = self.weights_problem().map(|_| format!("weights {:.1} GiB > GPU", cap.weight_bytes / GIB));
         let (fits, why_not) = match (weights, fits) {
@@ -327,20 +327,6 @@ impl Setup {
                 overlap_step_s: None,
                 overlap_tokens_per_s: None,
             },
-        }
-    }
-
-    /// The cost model whose planned step is the two-sub-batch overlapped step:
-    /// `L2 + max(gpu attention, cpu side − L2) = max(L2 + gpu attention, cpu side)`, with L2
-    /// the linear layers run once per sub-batch.
-    fn overlap_cost_model(&self, cost: &CostModel, batch: usize) -> CostModel {
-        let two = self.linear_s(batch / 2) + self.linear_s(batch - batch / 2);
-        CostModel {
-            linear_fixed: two,
-            linear_per_token: 0.0,
-            gpu_attn_per_pos: cost.gpu_attn_per_pos,
-            cpu_fixed: cost.cpu_fixed.iter().map(|f| f - two).collect(),
-            cpu_attn_per_pos: cost.cpu_attn_per_pos.clone(),
         }
     }
 

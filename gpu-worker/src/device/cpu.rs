@@ -176,6 +176,19 @@ impl CpuModel {
         attention: &mut dyn Attention,
         logit_rows: &[usize],
     ) -> Result<Vec<f32>> {
+        let mut batch = self.start_batch(tokens, positions, logit_rows)?;
+        for l in 0..self.config.n_layer {
+            let (q, k, v) = self.attention_inputs(l, &mut batch);
+            let mut attn = vec![0f32; tokens.len() * self.config.q_dim()];
+            attention.attend(l, &q, &k, &v, &mut attn)?;
+            self.finish_layer(l, &mut batch, &attn);
+        }
+        Ok(self.logits(&batch, logit_rows))
+    }
+
+    /// Checks a batch and embeds its tokens: the state [`Self::attention_inputs`] and
+    /// [`Self::finish_layer`] carry through the layers.
+    pub fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Batch> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 || positions.len() != n {
@@ -188,50 +201,69 @@ impl CpuModel {
             return Err(WorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
         }
         let d = c.n_embd;
-        let hd = c.head_dim;
         let mut x = vec![0f32; n * d];
         let embd = self.mat(&self.token_embd);
         x.par_chunks_mut(d).zip(tokens).for_each(|(row, &t)| {
             dequantize(embd.ty, embd.row(t as usize), row).expect("embedding row");
         });
-        let tables: Vec<Vec<(f32, f32)>> = positions.iter().map(|&p| self.rope.table(p)).collect();
-        let mut xn = vec![0f32; n * d];
+        let tables = positions.iter().map(|&p| self.rope.table(p)).collect();
+        Ok(Batch { x, xn: vec![0f32; n * d], tables })
+    }
 
-        for (l, layer) in self.layers.iter().enumerate() {
-            norm_rows(&x, &layer.attn_norm, c.rms_eps, &mut xn);
-            let mut q = self.linear(&layer.wq, &xn);
-            let mut k = self.linear(&layer.wk, &xn);
-            let v = self.linear(&layer.wv, &xn);
-            let n_rot = c.n_rot;
-            q.par_chunks_mut(c.q_dim()).zip(&tables).for_each(|(row, t)| {
-                row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
-            });
-            k.par_chunks_mut(c.kv_dim()).zip(&tables).for_each(|(row, t)| {
-                row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
-            });
-            let mut attn = vec![0f32; n * c.q_dim()];
-            attention.attend(l, &q, &k, &v, &mut attn)?;
-            let o = self.linear(&layer.wo, &attn);
-            add(&mut x, &o);
+    /// Layer `l` up to attention: the rows' queries, keys and values, RoPE applied
+    /// (`[row][head][head_dim]`).
+    pub fn attention_inputs(&self, l: usize, b: &mut Batch) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let (layer, hd, n_rot) = (&self.layers[l], c.head_dim, c.n_rot);
+        norm_rows(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn);
+        let mut q = self.linear(&layer.wq, &b.xn);
+        let mut k = self.linear(&layer.wk, &b.xn);
+        let v = self.linear(&layer.wv, &b.xn);
+        q.par_chunks_mut(c.q_dim()).zip(&b.tables).for_each(|(row, t)| {
+            row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
+        });
+        k.par_chunks_mut(c.kv_dim()).zip(&b.tables).for_each(|(row, t)| {
+            row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
+        });
+        (q, k, v)
+    }
 
-            norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
-            let mut g = self.linear(&layer.gate, &xn);
-            let u = self.linear(&layer.up, &xn);
-            g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| silu_mul(g, u));
-            let down = self.linear(&layer.down, &g);
-            add(&mut x, &down);
-        }
+    /// Layer `l` after attention (`attn`, `[row][head][head_dim]`): output projection,
+    /// residual, MLP, residual.
+    pub fn finish_layer(&self, l: usize, b: &mut Batch, attn: &[f32]) {
+        let c = &self.config;
+        let layer = &self.layers[l];
+        let o = self.linear(&layer.wo, attn);
+        add(&mut b.x, &o);
+        norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
+        let mut g = self.linear(&layer.gate, &b.xn);
+        let u = self.linear(&layer.up, &b.xn);
+        g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| silu_mul(g, u));
+        let down = self.linear(&layer.down, &g);
+        add(&mut b.x, &down);
+    }
 
-        let rows: Vec<f32> = logit_rows.iter().flat_map(|&r| x[r * d..(r + 1) * d].iter().copied()).collect();
-        let mut normed = vec![0f32; rows.len()];
-        norm_rows(&rows, &self.output_norm, c.rms_eps, &mut normed);
-        Ok(self.linear(&self.output, &normed))
+    /// The logits of `rows` of a batch that went through every layer (`[row][vocab]`).
+    pub fn logits(&self, b: &Batch, rows: &[usize]) -> Vec<f32> {
+        let d = self.config.n_embd;
+        let picked: Vec<f32> = rows.iter().flat_map(|&r| b.x[r * d..(r + 1) * d].iter().copied()).collect();
+        let mut normed = vec![0f32; picked.len()];
+        norm_rows(&picked, &self.output_norm, self.config.rms_eps, &mut normed);
+        self.linear(&self.output, &normed)
     }
 
     /// The shape of one attention call of this model.
     pub fn attn_shape(&self) -> AttnShape {
         AttnShape { n_head: self.config.n_head, n_kv_head: self.config.n_kv_head, head_dim: self.config.head_dim }
     }
+}
+
+/// A batch on its way through the layers: the hidden rows, a scratch of their size, and
+/// the rows' RoPE tables.
+pub struct Batch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    tables: Vec<Vec<(f32, f32)>>,
 }
 
 /// Where a forward pass's attention happens: stores the batch's new K/V rows and computes

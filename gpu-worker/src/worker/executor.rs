@@ -12,19 +12,14 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{attn_scale, causal_attention, decode_attention_range, padded_len, KvHead, KV_PADDING};
 use duet_common::kernels::ops::log_softmax;
-use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::kv::BlockId;
 use duet_common::rpc::pb;
-use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
-use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
 use super::arenas::{KvArenas, KvShape};
+use super::step_attention::{StepAttention, WholeBatch};
 use super::StepError;
-use crate::device::cpu::{Attention, CpuModel};
-use crate::error::WorkerError;
+use crate::device::cpu::CpuModel;
 use crate::runner::top_n;
 use crate::sampler::{Sampler, SamplingParams};
 
@@ -44,29 +39,76 @@ struct Sequence {
 
 /// One device's share of a decode token's attention.
 #[derive(Debug, Clone)]
-struct Share {
-    cpu_worker: Option<u32>,
-    range: Range<usize>,
+pub(super) struct Share {
+    pub cpu_worker: Option<u32>,
+    pub range: Range<usize>,
+}
+
+/// One sub-batch of a step: its sequences (rows numbered within it), tokens, positions.
+#[derive(Debug, Default)]
+struct SubBatch {
+    plan: Vec<Planned>,
+    tokens: Vec<u32>,
+    positions: Vec<usize>,
+}
+
+impl SubBatch {
+    /// The rows whose logits are sampled, in plan order.
+    fn logit_rows(&self) -> Vec<usize> {
+        self.plan.iter().filter(|p| p.sample).map(|p| p.row0 + p.n - 1).collect()
+    }
+}
+
+/// Two sub-batches through the model with their layers interleaved: while the cpu-workers
+/// attend one sub-batch's layer, the gpu-worker runs the other's linear layers (and its
+/// own attention share). Per layer l: begin A(l); finish B(l-1) and its MLP; begin B(l);
+/// finish A(l) and its MLP. Each row computes exactly what it would in one batch.
+fn run_overlapped(model: &CpuModel, attention: &mut StepAttention<'_>, subs: &[SubBatch; 2]) -> Result<[Vec<f32>; 2], StepError> {
+    let [a, b] = subs;
+    let mut xa = model.start_batch(&a.tokens, &a.positions, &a.logit_rows())?;
+    let mut xb = model.start_batch(&b.tokens, &b.positions, &b.logit_rows())?;
+    let q_dim = model.config.q_dim();
+    let mut pending_b: Option<(usize, super::step_attention::Begun, Vec<f32>)> = None;
+    for l in 0..model.config.n_layer {
+        let (qa, ka, va) = model.attention_inputs(l, &mut xa);
+        let begun_a = attention.begin(&a.plan, l as u32, &qa, &ka, &va)?;
+        if let Some((lb, begun_b, qb)) = pending_b.take() {
+            let mut out = vec![0f32; b.tokens.len() * q_dim];
+            attention.finish(&b.plan, begun_b, &qb, &mut out)?;
+            model.finish_layer(lb, &mut xb, &out);
+        }
+        let (qb, kb, vb) = model.attention_inputs(l, &mut xb);
+        pending_b = Some((l, attention.begin(&b.plan, l as u32, &qb, &kb, &vb)?, qb));
+        let mut out = vec![0f32; a.tokens.len() * q_dim];
+        attention.finish(&a.plan, begun_a, &qa, &mut out)?;
+        model.finish_layer(l, &mut xa, &out);
+    }
+    if let Some((lb, begun_b, qb)) = pending_b {
+        let mut out = vec![0f32; b.tokens.len() * q_dim];
+        attention.finish(&b.plan, begun_b, &qb, &mut out)?;
+        model.finish_layer(lb, &mut xb, &out);
+    }
+    Ok([model.logits(&xa, &a.logit_rows()), model.logits(&xb, &b.logit_rows())])
 }
 
 /// A sequence's part of the running step.
 #[derive(Debug)]
-struct Planned {
-    seq_id: u64,
-    /// Its first row in the batch.
-    row0: usize,
+pub(super) struct Planned {
+    pub seq_id: u64,
+    /// Its first row in its (sub-)batch.
+    pub row0: usize,
     /// Its rows (input tokens).
-    n: usize,
+    pub n: usize,
     /// Position of its first row.
-    start: usize,
-    blocks: Vec<(u32, BlockId)>,
+    pub start: usize,
+    pub blocks: Vec<(u32, BlockId)>,
     /// Decode attention split by device; empty: attention over the whole context here.
-    shares: Vec<Share>,
-    sample: bool,
+    pub shares: Vec<Share>,
+    pub sample: bool,
 }
 
 impl Planned {
-    fn n_ctx(&self) -> usize {
+    pub fn n_ctx(&self) -> usize {
         self.start + self.n
     }
 }
@@ -123,39 +165,70 @@ impl Executor {
         }
         let bs = self.arenas.block_size().ok_or_else(|| StepError::Invalid("no cpu-worker is attached: there is no KV arena".into()))?;
         let mut seen = HashSet::new();
-        let (mut plan, mut tokens, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+        let mut subs: [SubBatch; 2] = Default::default();
+        // Request order: (sub-batch, index in its plan).
+        let mut order = Vec::with_capacity(req.sequences.len());
         for s in &req.sequences {
             if !seen.insert(s.seq_id) {
                 return Err(StepError::Invalid(format!("sequence {} appears twice in the step", s.seq_id)));
             }
-            let p = self.accept(s, bs, tokens.len())?;
-            tokens.extend_from_slice(&s.tokens);
-            positions.extend(p.start..p.n_ctx());
-            plan.push(p);
+            if s.sub_batch > 1 {
+                return Err(StepError::Invalid(format!("sequence {}: sub-batch {} (there are two: 0 and 1)", s.seq_id, s.sub_batch)));
+            }
+            let sub = &mut subs[s.sub_batch as usize];
+            let p = self.accept(s, bs, sub.tokens.len())?;
+            sub.tokens.extend_from_slice(&s.tokens);
+            sub.positions.extend(p.start..p.n_ctx());
+            order.push((s.sub_batch as usize, sub.plan.len()));
+            sub.plan.push(p);
         }
-        let logit_rows: Vec<usize> = plan.iter().filter(|p| p.sample).map(|p| p.row0 + p.n - 1).collect();
         let mut timings = pb::StepTimings::default();
-        for p in &plan {
+        for p in subs.iter().flat_map(|s| &s.plan) {
             if p.shares.is_empty() && p.n > 1 {
                 timings.prefill_tokens += p.n as u32;
             } else {
                 timings.decode_tokens += p.n as u32;
             }
         }
+        let c = &self.model.config;
         let mut attention = StepAttention {
             arenas: &mut self.arenas,
-            plan: &plan,
             block_size: bs,
-            n_head: self.model.config.n_head,
+            n_head: c.n_head,
+            n_kv_head: c.n_kv_head,
             job_timeout: self.job_timeout,
             timings: &mut timings,
         };
-        let logits = self.model.forward_rows(&tokens, &positions, &mut attention, &logit_rows)?;
+        let logits: [Vec<f32>; 2] = if subs.iter().all(|s| !s.plan.is_empty()) {
+            attention.timings.sub_batches = 2;
+            run_overlapped(&self.model, &mut attention, &subs)?
+        } else {
+            attention.timings.sub_batches = 1;
+            let sub = if subs[0].plan.is_empty() { 1 } else { 0 };
+            let s = &subs[sub];
+            let mut whole = WholeBatch { attention: &mut attention, plan: &s.plan };
+            let mut out: [Vec<f32>; 2] = Default::default();
+            out[sub] = self.model.forward_rows(&s.tokens, &s.positions, &mut whole, &s.logit_rows())?;
+            out
+        };
 
         let t_sample = Instant::now();
         let n_vocab = self.model.config.n_vocab;
-        let mut sampled = Vec::with_capacity(logit_rows.len());
-        for (p, row) in plan.iter().filter(|p| p.sample).zip(logits.chunks_exact(n_vocab)) {
+        // Each sampled sequence's logits row, in request order.
+        let mut next_row = [0usize; 2];
+        let rows: Vec<(&Planned, &[f32])> = order
+            .iter()
+            .map(|&(k, i)| &subs[k].plan[i])
+            .zip(order.iter().map(|&(k, _)| k))
+            .filter(|(p, _)| p.sample)
+            .map(|(p, k)| {
+                let r = next_row[k];
+                next_row[k] += 1;
+                (p, &logits[k][r * n_vocab..(r + 1) * n_vocab])
+            })
+            .collect();
+        let mut sampled = Vec::with_capacity(rows.len());
+        for (p, row) in rows {
             let seq = self.seqs.get_mut(&p.seq_id).expect("planned sequences are held");
             let sampler = seq.sampler.as_mut().expect("checked when accepted");
             let id = sampler.sample(row, &seq.tokens);
@@ -251,245 +324,7 @@ impl Executor {
     }
 }
 
-fn ns(d: Duration) -> u64 {
+pub(super) fn ns(d: Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
 }
 
-/// How often a wait for a cpu-worker's answer checks that the worker is still alive.
-const LIVENESS_CHECK: Duration = Duration::from_millis(50);
-
-/// Waits until job `seqno` of `w` is answered: fails once `timeout` passes or as soon as
-/// the worker's process is gone.
-fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration) -> Result<(), String> {
-    let start = Instant::now();
-    loop {
-        match w.producer.wait_done_timeout(seqno, LIVENESS_CHECK.min(timeout)) {
-            Ok(_) => return Ok(()),
-            Err(duet_common::shm::ShmError::TimedOut { .. }) => {}
-            Err(e) => return Err(format!("no answer to its attention job ({e})")),
-        }
-        if !w.alive() {
-            return Err(format!("its process {} is gone", w.pid.unwrap_or(0)));
-        }
-        if start.elapsed() >= timeout {
-            return Err(format!("no answer to its attention job within {timeout:?}"));
-        }
-    }
-}
-
-/// The attention of one step, layer by layer.
-struct StepAttention<'a> {
-    arenas: &'a mut KvArenas,
-    plan: &'a [Planned],
-    block_size: usize,
-    n_head: usize,
-    job_timeout: Duration,
-    timings: &'a mut pb::StepTimings,
-}
-
-/// A job posted to a cpu-worker: its sequence number in the ring and, per job sequence,
-/// the (plan index, share index) it answers.
-struct Posted {
-    worker: u32,
-    seqno: u64,
-    members: Vec<(usize, usize)>,
-    /// KV positions the job attends.
-    positions: u64,
-}
-
-impl Attention for StepAttention<'_> {
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<(), WorkerError> {
-        self.attend_layer(layer as u32, q, k, v, out).map_err(|e| match e {
-            StepError::Model(m) => m,
-            other => WorkerError::Step(other.to_string()),
-        })
-    }
-}
-
-impl StepAttention<'_> {
-    fn attend_layer(&mut self, layer: u32, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<(), StepError> {
-        let (bs, n_head) = (self.block_size, self.n_head);
-        let n_rows = self.plan.iter().map(|p| p.n).sum::<usize>();
-        let q_dim = q.len() / n_rows;
-        let kv_dim = k.len() / n_rows;
-        let hd = q_dim / n_head;
-        let n_kv = kv_dim / hd;
-
-        let t = Instant::now();
-        for p in self.plan {
-            for i in 0..p.n {
-                let (pos, row) = (p.start + i, p.row0 + i);
-                let (w, b) = p.blocks[pos / bs];
-                self.arenas.write_token(w, b, pos % bs, layer, &k[row * kv_dim..(row + 1) * kv_dim], &v[row * kv_dim..(row + 1) * kv_dim])?;
-            }
-        }
-        self.timings.kv_write_ns += ns(t.elapsed());
-
-        let posted = self.post_jobs(layer, q, q_dim, hd, n_kv)?;
-
-        // The gpu-worker's own part: prefill chunks (and unsplit decode tokens) over the
-        // whole context, and its decode shares.
-        let t = Instant::now();
-        let shape = duet_common::kernels::attention::AttnShape { n_head, n_kv_head: n_kv, head_dim: hd };
-        let mut partials: Vec<Vec<(Vec<f32>, Vec<f32>)>> = self.plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
-        let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-        for (pi, p) in self.plan.iter().enumerate() {
-            if p.shares.is_empty() {
-                let mut heads = Vec::with_capacity(n_kv);
-                for h in 0..n_kv {
-                    self.arenas.gather(&p.blocks, layer, h as u32, 0..p.n_ctx(), &mut kbuf, &mut vbuf)?;
-                    heads.push((std::mem::take(&mut kbuf), std::mem::take(&mut vbuf)));
-                }
-                let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
-                if layer == 0 && p.n == 1 {
-                    // An unsplit decode token: its whole context here.
-                    self.timings.gpu_attention_positions += p.n_ctx() as u64;
-                }
-                let rows = p.row0 * q_dim..(p.row0 + p.n) * q_dim;
-                causal_attention(&q[rows.clone()], &views, shape, p.start, &mut out[rows]);
-                continue;
-            }
-            for (si, sh) in p.shares.iter().enumerate() {
-                if sh.cpu_worker.is_some() {
-                    continue;
-                }
-                if layer == 0 {
-                    self.timings.gpu_attention_positions += sh.range.len() as u64;
-                }
-                partials[pi][si] = self.gpu_share(p, sh, layer, &q[p.row0 * q_dim..(p.row0 + 1) * q_dim], hd, n_kv)?;
-            }
-        }
-        self.timings.attention_gpu_ns += ns(t.elapsed());
-
-        let t = Instant::now();
-        for job in posted {
-            let worker = job.worker;
-            let fail = |what: String| StepError::CpuWorker { worker, what: format!("layer {layer}: {what}") };
-            let w = self.arenas.worker_mut(worker)?;
-            let mut busy = 0;
-            let results = match wait_for(w, job.seqno, self.job_timeout) {
-                Ok(()) => {
-                    let slot = w.producer.wait_done_timeout(job.seqno, Duration::ZERO).map_err(|e| fail(e.to_string()))?;
-                    busy = busy_ns(slot);
-                    read_results(slot).map_err(|e| fail(e.to_string()))
-                }
-                Err(e) => Err(fail(e)),
-            };
-            match self.timings.cpu_workers.iter_mut().find(|t| t.worker == worker) {
-                Some(t) => {
-                    t.busy_ns += busy;
-                    t.positions += job.positions;
-                }
-                None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, busy_ns: busy, positions: job.positions }),
-            }
-            let results: Vec<SeqResult> = match results {
-                Ok(r) if r.len() == job.members.len() => r,
-                Ok(r) => Err(fail(format!("{} results for {} sequences", r.len(), job.members.len())))?,
-                Err(e) => {
-                    // Its ring can no longer be trusted: steps fail until it is attached again.
-                    self.arenas.detach(worker);
-                    return Err(e);
-                }
-            };
-            for ((pi, si), r) in job.members.into_iter().zip(results) {
-                partials[pi][si] = (r.out, r.lse);
-            }
-        }
-        self.timings.attention_wait_ns += ns(t.elapsed());
-
-        let t = Instant::now();
-        for (p, parts) in self.plan.iter().zip(&partials) {
-            if p.shares.is_empty() {
-                continue;
-            }
-            let o = &mut out[p.row0 * q_dim..(p.row0 + 1) * q_dim];
-            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
-                let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(po, pl)| (&po[h * hd..(h + 1) * hd], pl[h])).collect();
-                oh.copy_from_slice(&merge_partials(&head_parts));
-            }
-        }
-        self.timings.merge_ns += ns(t.elapsed());
-        Ok(())
-    }
-
-    /// Posts one attention job per cpu-worker that has shares in this step.
-    fn post_jobs(&mut self, layer: u32, q: &[f32], q_dim: usize, hd: usize, n_kv: usize) -> Result<Vec<Posted>, StepError> {
-        let bs = self.block_size;
-        // Per cpu-worker: its job and what each of the job's sequences answers.
-        type Building = (u32, AttnJob, Vec<(usize, usize)>, u64);
-        let mut by_worker: Vec<Building> = Vec::new();
-        for (pi, p) in self.plan.iter().enumerate() {
-            for (si, sh) in p.shares.iter().enumerate() {
-                let Some(w) = sh.cpu_worker else { continue };
-                let idx = match by_worker.iter().position(|(x, _, _, _)| *x == w) {
-                    Some(i) => i,
-                    None => {
-                        let job = AttnJob { layer, n_head: self.n_head as u32, n_kv_head: n_kv as u32, head_dim: hd as u32, kv_padding: KV_PADDING as u32, seqs: vec![] };
-                        by_worker.push((w, job, vec![], 0));
-                        by_worker.len() - 1
-                    }
-                };
-                let first_block = sh.range.start / bs;
-                let blocks = p.blocks[first_block..sh.range.end.div_ceil(bs)].iter().map(|b| b.1).collect();
-                by_worker[idx].1.seqs.push(SeqJob {
-                    start: sh.range.start as u32,
-                    end: sh.range.end as u32,
-                    n_ctx: p.n_ctx() as u32,
-                    first_pos: (first_block * bs) as u32,
-                    blocks,
-                    q: q[p.row0 * q_dim..(p.row0 + 1) * q_dim].to_vec(),
-                });
-                by_worker[idx].2.push((pi, si));
-                if layer == 0 {
-                    by_worker[idx].3 += sh.range.len() as u64;
-                    self.timings.cpu_attention_positions += sh.range.len() as u64;
-                }
-            }
-        }
-        let mut posted = Vec::with_capacity(by_worker.len());
-        for (worker, job, members, positions) in by_worker {
-            let w = self.arenas.worker_mut(worker)?;
-            let need = job.slot_bytes_needed().unwrap_or(usize::MAX);
-            if need > w.producer.ring().slot_bytes() {
-                return Err(StepError::Invalid(format!(
-                    "layer {layer}'s attention job for cpu-worker {worker} needs {need} bytes, its ring slots hold {} (raise its --slot-bytes)",
-                    w.producer.ring().slot_bytes()
-                )));
-            }
-            let mut encoded = Ok(());
-            let seqno = w
-                .producer
-                .post(|slot| encoded = encode_job(&job, slot))
-                .map_err(|e| StepError::CpuWorker { worker, what: format!("posting layer {layer}'s job: {e}") })?;
-            encoded.map_err(|e| StepError::Invalid(format!("encoding layer {layer}'s job: {e}")))?;
-            posted.push(Posted { worker, seqno, members, positions });
-        }
-        Ok(posted)
-    }
-
-    /// The gpu-worker's share of one decode token: every query head over `sh.range`.
-    fn gpu_share(&self, p: &Planned, sh: &Share, layer: u32, q: &[f32], hd: usize, n_kv: usize) -> Result<(Vec<f32>, Vec<f32>), StepError> {
-        let group = self.n_head / n_kv;
-        let n_padded = padded_len(p.n_ctx(), KV_PADDING);
-        let scale = attn_scale(hd);
-        let mut out = vec![0f32; self.n_head * hd];
-        let mut lse = vec![0f32; self.n_head];
-        let (mut k16, mut v16) = (Vec::new(), Vec::new());
-        for h in 0..n_kv {
-            self.arenas.gather(&p.blocks, layer, h as u32, sh.range.clone(), &mut k16, &mut v16)?;
-            let (mut k, mut v) = (vec![0f32; k16.len()], vec![0f32; v16.len()]);
-            k16.convert_to_f32_slice(&mut k);
-            v16.convert_to_f32_slice(&mut v);
-            let heads = h * group..(h + 1) * group;
-            out[heads.start * hd..heads.end * hd]
-                .par_chunks_mut(hd)
-                .zip(lse[heads.clone()].par_iter_mut())
-                .enumerate()
-                .for_each(|(g, (o, l))| {
-                    let qh = &q[(heads.start + g) * hd..(heads.start + g + 1) * hd];
-                    *l = decode_attention_range(qh, &k, &v, sh.range.clone(), n_padded, scale, o);
-                });
-        }
-        Ok((out, lse))
-    }
-}

@@ -1,10 +1,11 @@
 //! Worker mode: the gpu-worker as one process of the Duet service. It maps the cpu-workers'
-//! KV arenas and exchange rings ([`arenas`]), executes the gateway's steps ([`executor`])
-//! and serves them over gRPC ([`service`]).
+//! KV arenas and exchange rings ([`arenas`]), executes the gateway's steps ([`executor`],
+//! their attention in `step_attention`) and serves them over gRPC ([`service`]).
 
 pub mod arenas;
 pub mod executor;
 pub mod service;
+mod step_attention;
 
 use crate::error::WorkerError;
 
