@@ -148,8 +148,11 @@ keys="$(sed -nE 's/^#?([a-z_]+) = .*/\1/p' deploy/duet.toml.example)"
 for key in $keys; do
     grep -q -- "--${key//_/-} " <<<"$help" || fail "deploy/duet.toml.example: key $key is not a flag of duet-gateway serve"
 done
-for key in model listen http_listen cpu_workers kv_bytes attention max_step_tokens max_running \
-           session_idle_secs instance runtime_dir gpu_threads gpu_worker cpu_worker api_key_file; do
+# And every flag (but --config itself and --api-key, whose secret belongs in api_key_file)
+# is documented there.
+for flag in $(grep -oE -- '^ +--[a-z-]+' <<<"$help" | tr -d ' ' | sort -u); do
+    key="${flag#--}"; key="${key//-/_}"
+    case "$key" in help|config|api_key) continue ;; esac
     grep -qx "$key" <<<"$keys" || fail "deploy/duet.toml.example does not document $key"
 done
 printed="$("$gateway" config --print --config deploy/duet.toml.example)" \
