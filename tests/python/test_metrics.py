@@ -49,3 +49,35 @@ def test_counters_move(gateway):
     assert kv["free"] > 0 and kv["used"] == 0, kv
     phases = {dict(l)["phase"] for (n, l) in after if n == "duet_step_phase_seconds_count"}
     assert {"total", "linear", "attention", "attention_wait"} <= phases, phases
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_kv(gateway):
+    import http.client
+    import time
+
+    before = scrape(gateway)
+    host, port = gateway.http.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    # Two events arrive, then the client goes away mid-generation.
+    seen = 0
+    while seen < 2:
+        if resp.fp.readline().startswith(b"data: "):
+            seen += 1
+    conn.sock.close()
+    conn.close()
+    deadline = time.time() + 30
+    while True:
+        after = scrape(gateway)
+        cancelled = sum(v for (n, l), v in after.items() if n == "duet_requests_finished_total" and dict(l).get("reason") == "cancelled")
+        before_cancelled = sum(v for (n, l), v in before.items() if n == "duet_requests_finished_total" and dict(l).get("reason") == "cancelled")
+        used = sum(v for (n, l), v in after.items() if n == "duet_kv_blocks" and dict(l)["state"] == "used")
+        if cancelled == before_cancelled + 1 and used == 0:
+            break
+        assert time.time() < deadline, f"cancelled {before_cancelled} -> {cancelled}, KV blocks used {used}"
+        time.sleep(0.2)
+    # The server carries on.
+    assert complete(gateway, "Hello", 2)["usage"]["completion_tokens"] == 2
