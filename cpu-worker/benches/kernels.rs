@@ -1,0 +1,176 @@
+//! Kernel benchmark: the machine's read bandwidth (a STREAM-like sum in the same run), the
+//! cpu-worker's decode attention (GB/s of KV read, and its fraction of that bandwidth) at
+//! contexts 1K/4K/16K × batches 1/8/32, and the quantised matrix-vector product of every
+//! weight type (GB/s of weights). One table on stdout.
+//!
+//! `cargo bench -p duet-cpu-worker --bench kernels [-- --threads N] [-- --quick]`
+
+use std::time::{Duration, Instant};
+
+use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
+use duet_common::kernels::quant::GgmlType;
+use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
+use duet_common::shm::job::{AttnJob, SeqJob};
+use duet_cpu_worker::serve::attend_job;
+use half::f16;
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+/// SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64) and Duet's block size.
+const N_HEAD: u32 = 9;
+const N_KV_HEAD: u32 = 3;
+const HEAD_DIM: u32 = 64;
+const BLOCK: u32 = 16;
+
+struct Args {
+    threads: usize,
+    quick: bool,
+}
+
+fn args() -> Args {
+    let mut a = Args { threads: 2, quick: false };
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        match x.as_str() {
+            "--threads" => a.threads = it.next().and_then(|v| v.parse().ok()).expect("--threads N"),
+            "--quick" => a.quick = true,
+            _ => {} // cargo bench passes --bench
+        }
+    }
+    a
+}
+
+/// Best time of `f` over `reps` runs after one warm-up.
+fn best(reps: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+/// GB/s of a parallel sum over 1 GiB of f32 (512 MiB with --quick).
+fn read_bandwidth(quick: bool) -> f64 {
+    let n = if quick { 128 << 20 } else { 256 << 20 };
+    let data: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
+    let t = best(3, || {
+        // 32 independent lanes: the adds vectorise and never wait on each other, so the
+        // loop is bound by memory, not by one long chain of additions.
+        let s: f32 = data
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0f32; 32];
+                for block in c.chunks_exact(32) {
+                    for (a, &x) in acc.iter_mut().zip(block) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        std::hint::black_box(s);
+    });
+    (n * 4) as f64 / t.as_secs_f64() / 1e9
+}
+
+/// Layers of the benchmark arena: each timed run attends the next, so that the KV it reads
+/// is not still in the cache from the run before (64 MiB at least is cycled through).
+fn layers_for(bytes_per_layer: usize) -> u32 {
+    (64usize << 20).div_ceil(bytes_per_layer).clamp(2, 64) as u32
+}
+
+/// GB/s of KV read by one layer's attention job: `batch` sequences of `context` positions.
+fn attention(batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+    let blocks_per_seq = context.div_ceil(BLOCK as usize);
+    let bytes = batch * context * (N_KV_HEAD * HEAD_DIM) as usize * 2 * 2;
+    let n_layer = layers_for(bytes);
+    let layout = ArenaLayout {
+        n_layer,
+        n_kv_head: N_KV_HEAD,
+        head_dim: HEAD_DIM,
+        block_size: BLOCK,
+        dtype: KvDtype::F16,
+        n_blocks: (batch * blocks_per_seq) as u32,
+    };
+    let total = layout.total_bytes().expect("layout");
+    let mut arena = vec![f16::ZERO; total / 2];
+    arena.par_chunks_mut(4096).enumerate().for_each(|(i, c)| {
+        for (j, x) in c.iter_mut().enumerate() {
+            *x = f16::from_f32((((i * 4096 + j) * 2654435761) % 1000) as f32 / 1000.0 - 0.5);
+        }
+    });
+    let seqs = (0..batch)
+        .map(|s| SeqJob {
+            start: 0,
+            end: context as u32,
+            n_ctx: context as u32,
+            first_pos: 0,
+            blocks: (0..blocks_per_seq).map(|b| BlockId((s * blocks_per_seq + b) as u32)).collect(),
+            q: (0..N_HEAD * HEAD_DIM).map(|_| rng.random_range(-1.0..1.0)).collect(),
+        })
+        .collect();
+    let mut job = AttnJob { layer: 0, n_head: N_HEAD, n_kv_head: N_KV_HEAD, head_dim: HEAD_DIM, kv_padding: 32, seqs };
+    let t = best(5, || {
+        job.layer = (job.layer + 1) % n_layer;
+        std::hint::black_box(attend_job(&job, arena.as_slice(), &layout));
+    });
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+/// GB/s of weights streamed by one matrix-vector product with `cols` columns and as many
+/// rows as make 256 MiB (well past the last-level cache).
+fn matvec(ty: GgmlType, cols: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+    let rows = (256usize << 20) / ty.row_bytes(cols);
+    let bytes = ty.row_bytes(cols) * rows;
+    let mut data = vec![0u8; bytes];
+    rng.fill(data.as_mut_slice());
+    if matches!(ty, GgmlType::F16 | GgmlType::BF16 | GgmlType::F32) {
+        // Random bytes would hold NaNs and subnormals: small finite values instead.
+        data.iter_mut().skip(1).step_by(2).for_each(|b| *b &= 0x3b);
+    }
+    let w = QMatrix::new(ty, rows, cols, &data);
+    let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let acts = QuantizedActs::new(ty, &x, cols);
+    let mut out = vec![0f32; rows];
+    let t = best(5, || matmul(&w, &acts, &mut out));
+    bytes as f64 / t.as_secs_f64() / 1e9
+}
+
+fn main() {
+    let a = args();
+    rayon::ThreadPoolBuilder::new().num_threads(a.threads).build_global().expect("thread pool");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    println!("Duet kernel benchmark: {} threads, kernels {:?}", a.threads, duet_common::kernels::isa());
+    let bw = read_bandwidth(a.quick);
+    println!("| what | shape | GB/s | of read bandwidth |");
+    println!("|---|---|---:|---:|");
+    println!("| read bandwidth (parallel f32 sum) | {} MiB | {bw:.1} | 100% |", if a.quick { 512 } else { 1024 });
+    let contexts: &[usize] = if a.quick { &[1024, 4096] } else { &[1024, 4096, 16384] };
+    for &ctx in contexts {
+        for &batch in &[1usize, 8, 32] {
+            let g = attention(batch, ctx, &mut rng);
+            println!("| decode attention, one layer, f16 KV | context {ctx} × batch {batch} | {g:.1} | {:.0}% |", 100.0 * g / bw);
+        }
+    }
+    let cols = 4096;
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ] {
+        let g = matvec(ty, cols, &mut rng);
+        println!("| matrix-vector {ty} | 256 MiB, {cols} columns | {g:.1} | {:.0}% |", 100.0 * g / bw);
+    }
+}
