@@ -506,3 +506,37 @@ fn four_row_kernels_equal_four_single_rows() {
         }
     }
 }
+
+/// The KV helpers used by decode attention: `dot_f16_64` is bit-identical to
+/// `ggml_exact::dot_f16` (the same products and reduction tree), `widen_f16` to the scalar
+/// widening — on random values, exact zeros of both signs, and magnitudes far apart.
+#[test]
+fn attention_kv_helpers_equal_their_scalar_twins_bit_for_bit() {
+    use duet_common::kernels::ggml_exact::dot_f16;
+    let mut rng = StdRng::seed_from_u64(64);
+    for case in 0..2000 {
+        let mut x = [0f32; 64];
+        let mut y = [0f32; 64];
+        for i in 0..64 {
+            let scale = 10f32.powi(rng.random_range(-6..6));
+            x[i] = f16::from_f32(rng.random_range(-1.0f32..1.0) * scale.min(60000.0)).to_f32();
+            y[i] = rng.random_range(-1.0f32..1.0) * scale;
+            match (case + i) % 17 {
+                0 => x[i] = 0.0,
+                1 => x[i] = -0.0,
+                2 => y[i] = -0.0,
+                _ => {}
+            }
+        }
+        let (fast, twin) = (kernels::dot_f16_64(&x, &y), dot_f16(&x, &y));
+        assert_eq!(fast.to_bits(), twin.to_bits(), "case {case}: {fast} vs {twin}");
+    }
+    for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
+        let src: Vec<f16> = (0..n).map(|_| random_f16(&mut rng)).collect();
+        let (mut fast, mut twin) = (vec![0f32; n], vec![0f32; n]);
+        kernels::widen_f16(&src, &mut fast);
+        kernels::widen_f16_scalar(&src, &mut twin);
+        assert!(fast.iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "widen_f16 at n = {n}");
+    }
+    assert_avx2_used_when_available();
+}

@@ -3,7 +3,7 @@
 //! contexts 1K/4K/16K × batches 1/8/32, and the quantised matrix-vector product of every
 //! weight type (GB/s of weights). One table on stdout.
 //!
-//! `cargo bench -p duet-cpu-worker --bench kernels [-- --threads N] [-- --quick]`
+//! `cargo bench -p duet-cpu-worker --bench kernels [-- --threads N] [--quick] [--only WHAT]`
 
 use std::time::{Duration, Instant};
 
@@ -25,15 +25,18 @@ const BLOCK: u32 = 16;
 struct Args {
     threads: usize,
     quick: bool,
+    /// Only the rows whose "what" contains this (e.g. `attention`, `Q4_1`).
+    only: Option<String>,
 }
 
 fn args() -> Args {
-    let mut a = Args { threads: 2, quick: false };
+    let mut a = Args { threads: 2, quick: false, only: None };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         match x.as_str() {
             "--threads" => a.threads = it.next().and_then(|v| v.parse().ok()).expect("--threads N"),
             "--quick" => a.quick = true,
+            "--only" => a.only = it.next(),
             _ => {} // cargo bench passes --bench
         }
     }
@@ -149,8 +152,9 @@ fn main() {
     println!("| what | shape | GB/s | of read bandwidth |");
     println!("|---|---|---:|---:|");
     println!("| read bandwidth (parallel f32 sum) | {} MiB | {bw:.1} | 100% |", if a.quick { 512 } else { 1024 });
+    let wanted = |what: &str| a.only.as_deref().is_none_or(|o| what.contains(o));
     let contexts: &[usize] = if a.quick { &[1024, 4096] } else { &[1024, 4096, 16384] };
-    for &ctx in contexts {
+    for &ctx in contexts.iter().filter(|_| wanted("decode attention")) {
         for &batch in &[1usize, 8, 32] {
             let g = attention(batch, ctx, &mut rng);
             println!("| decode attention, one layer, f16 KV | context {ctx} × batch {batch} | {g:.1} | {:.0}% |", 100.0 * g / bw);
@@ -170,6 +174,9 @@ fn main() {
         GgmlType::Q5K,
         GgmlType::Q6K,
     ] {
+        if !wanted(&format!("matrix-vector {ty}")) {
+            continue;
+        }
         let g = matvec(ty, cols, &mut rng);
         println!("| matrix-vector {ty} | 256 MiB, {cols} columns | {g:.1} | {:.0}% |", 100.0 * g / bw);
     }

@@ -110,44 +110,57 @@ struct Job<'a> {
     tiled: bool,
 }
 
+/// The register dot product of a head of 64 on AVX2 (bit-identical to `dot_f16`), chosen
+/// once per call rather than per position.
+#[derive(Clone, Copy)]
+struct Head64 {
+    dot: unsafe fn(&[f32; 64], &[f32; 64]) -> f32,
+}
+
 /// Runs `attend` on the fastest instruction set of this machine; returns the log-sum-exp.
 #[inline]
 fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx2 {
-        // SAFETY: AVX2 and FMA were detected by `isa()`.
-        return unsafe { attend_fma(job, out) };
+        let head64 = (job.hd == 64).then_some(Head64 { dot: super::simd_x86::dot_f16_64 });
+        // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
+        return unsafe { attend_fma(job, out, head64) };
     }
-    attend(job, out)
+    attend(job, out, None)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32]) -> f32 {
-    attend(job, out)
+unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
+    attend(job, out, head64)
 }
 
+/// Safety: `head64`'s functions need AVX2, FMA and F16C (given only when detected).
 #[inline(always)]
-fn attend(job: &Job<'_>, out: &mut [f32]) -> f32 {
+fn attend(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
     let Job { q, k, v, start, end, n_padded, hd, scale, tiled } = *job;
     let n = end.saturating_sub(start);
     // Plain loops, no closures: closures would not inherit the caller's FMA target feature.
     let mut q16 = vec![0f32; hd];
-    for (d, &x) in q16.iter_mut().zip(q) {
-        *d = f16::from_f32(x).to_f32();
-    }
+    round_to_f16(&q[..hd], &mut q16);
     // w[i] is position start + i.
     let mut w = vec![0f32; n];
     for (i, s) in w.iter_mut().enumerate() {
         let key = &k[i * hd..(i + 1) * hd];
         // tinyBLAS needs the inner length to be a multiple of 16; otherwise llama.cpp falls
         // back to `ggml_vec_dot_f16` for Q·K (V·weights runs over the KV length, padded to 32).
-        *s = if tiled && hd % 16 == 0 { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
+        *s = if tiled && hd % 16 == 0 {
+            dot_tiled(&q16, key)
+        } else if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(&q16[..]), <&[f32; 64]>::try_from(key)) {
+            // SAFETY: see `attend`.
+            unsafe { (h.dot)(q64, k64) }
+        } else {
+            dot_f16(&q16, key)
+        } * scale;
     }
     let lse = softmax_in_place(&mut w);
-    for x in w.iter_mut() {
-        *x = f16::from_f32(*x).to_f32();
-    }
+    let probs = w.clone();
+    round_to_f16(&probs, &mut w);
     if tiled {
         let mut lanes = vec![0f32; 16 * hd];
         for p in start..end {
@@ -200,6 +213,14 @@ fn attend(job: &Job<'_>, out: &mut [f32]) -> f32 {
         *o = *sum as f32;
     }
     lse
+}
+
+/// `out[i] = x[i]` rounded to f16 (to nearest, ties to even) and widened back, eight at a
+/// time with F16C where present (the same rounding as one at a time).
+fn round_to_f16(x: &[f32], out: &mut [f32]) {
+    let mut buf = vec![f16::ZERO; x.len()];
+    buf.convert_from_f32_slice(x);
+    buf.convert_to_f32_slice(out);
 }
 
 /// tinyBLAS's dot product: 16 lanes of fused multiply-adds in order, then `reduce16`.

@@ -43,6 +43,37 @@ fn has_avx2() -> bool {
     false
 }
 
+/// `ggml_exact::dot_f16` of two 64-element rows (a head of 64), in registers where AVX2 is
+/// present; bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
+pub fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected.
+        return unsafe { simd_x86::dot_f16_64(x, y) };
+    }
+    ggml_exact::dot_f16(x, y)
+}
+
+/// `dst[i] = src[i]` widened from f16 (exact) for `i < min(len)`, eight lanes at a time
+/// where F16C is present.
+#[inline]
+pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 {
+        // SAFETY: F16C (with AVX2) was detected.
+        unsafe { simd_x86::widen_f16(src, dst) };
+        return;
+    }
+    widen_f16_scalar(src, dst);
+}
+
+/// The scalar twin of [`widen_f16`].
+pub fn widen_f16_scalar(src: &[half::f16], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
+    }
+}
+
 /// Dot product of a weight row of type `ty` (`n` elements) with an activation row quantised
 /// to `dot::vec_dot_type(ty)`, on the fastest kernel this machine has.
 #[inline]

@@ -9,9 +9,9 @@
 //! group, as the arena's `[kv_head][token][head_dim]` runs are laid out for.
 
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 
 use super::attention::{attn_scale, decode_attention_range, padded_len};
+use super::widen_f16;
 use crate::kv::{ArenaLayout, BlockId, KvDtype};
 
 /// Read access to the f16 K/V rows of a KV arena (a byte arena described by an
@@ -116,8 +116,8 @@ pub fn gather_kv_head<A: ArenaRows + ?Sized>(
         let dst = (block_pos + lo - r.start) * hd;
         let k_src = arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, rows);
         let v_src = arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, rows);
-        k_src.convert_to_f32_slice(&mut scratch.k[dst..dst + rows]);
-        v_src.convert_to_f32_slice(&mut scratch.v[dst..dst + rows]);
+        widen_f16(k_src, &mut scratch.k[dst..dst + rows]);
+        widen_f16(v_src, &mut scratch.v[dst..dst + rows]);
     }
 }
 

@@ -1,4 +1,5 @@
-//! AVX2 (+FMA) dot products for the weight types of the default model (Q4_0, Q4_1, Q8_0).
+//! AVX2 (+FMA) dot products for the weight types of the default model (Q4_0, Q4_1, Q8_0),
+//! and the F16C widening of f16 KV rows.
 //!
 //! Same arithmetic as ggml's AVX2 path: integer products per block with `maddubs`, scaled and
 //! accumulated in f32 lanes. Each is tested against its scalar twin in `dot.rs`.
@@ -141,4 +142,39 @@ pub unsafe fn dot_q8_0_q8_0_x4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
         }
     }
     [hsum_ps(acc[0]), hsum_ps(acc[1]), hsum_ps(acc[2]), hsum_ps(acc[3])]
+}
+
+/// `dst[i] = src[i]` widened from f16 (exact), eight at a time with F16C; the tail one by one.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n keeps both 8-element accesses in bounds; f16 is 2 bytes.
+        let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    for j in i..n {
+        dst[j] = src[j].to_f32();
+    }
+}
+
+/// `ggml_exact::dot_f16` for exactly 64 elements, in registers: the 64 fused products (into
+/// zero, as ggml's accumulators start), then `reduce64`'s tree — the same operations in the
+/// same order, so the same bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
+    let z = _mm256_setzero_ps();
+    // SAFETY: both arrays hold 64 f32, read as eight 8-lane vectors each.
+    let p = |i: usize| _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(8 * i)), _mm256_loadu_ps(y.as_ptr().add(8 * i)), z);
+    let (a0, a1, a2, a3, a4, a5, a6, a7) = (p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+    // reduce64: h[i] = (acc[i] + acc[i + 32]) + (acc[i + 16] + acc[i + 48]), i < 16.
+    let h_lo = _mm256_add_ps(_mm256_add_ps(a0, a4), _mm256_add_ps(a2, a6));
+    let h_hi = _mm256_add_ps(_mm256_add_ps(a1, a5), _mm256_add_ps(a3, a7));
+    // reduce16: t8[i] = h[i + 8] + h[i]; t4[i] = t8[i + 4] + t8[i]; (t4[0] + t4[2]) + (t4[1] + t4[3]).
+    let t8 = _mm256_add_ps(h_hi, h_lo);
+    let t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
+    let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
 }
