@@ -37,13 +37,16 @@ async fn greedy_over_grpc_matches_the_single_process_reference() {
 
     // 24 MiB arenas hold 1088 tokens each: the two long prompts (1548 and 1976 tokens) must
     // spread over both cpu-workers, whose partial results are merged.
-    let configs: [(&str, &[&str], bool); 6] = [
+    let configs: [(&str, &[&str], bool); 7] = [
         ("attention on one cpu-worker", &["--cpu-workers", "1", "--policy", "cpu"], true),
         ("attention on the gpu-worker", &["--cpu-workers", "1", "--policy", "gpu"], true),
         ("attention on two cpu-workers, each sequence on one", &["--cpu-workers", "2", "--policy", "cpu"], true),
         ("attention split across two cpu-workers", &["--cpu-workers", "2", "--policy", "cpu", "--kv-bytes", "24M"], false),
         ("attention split between gpu-worker and cpu-workers", &["--cpu-workers", "2", "--policy", "ratio:0.5"], false),
         ("attention split by the lp balancer", &["--cpu-workers", "2", "--policy", "lp"], false),
+        // Unsplit attention in two interleaved sub-batches: every row computes what it
+        // would in one batch, so bit-identical.
+        ("attention on cpu-workers, every decode step overlapped", &["--cpu-workers", "2", "--policy", "cpu", "--overlap", "always"], true),
     ];
     let mut failures = Vec::new();
     for (label, flags, exact) in configs {

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use duet_common::rpc::Address;
 
-use crate::balancer::Policy;
+use crate::balancer::{Overlap, Policy};
 
 #[derive(Debug, Parser)]
 #[command(name = "duet-gateway", version, about = "Duet's gateway: the public API, the scheduler and the worker supervisor; and a client")]
@@ -161,6 +161,11 @@ pub struct ServeArgs {
     /// fraction of each context on the gpu-worker). Changeable at run time (SetPolicy).
     #[arg(long, env = "DUET_POLICY", default_value = "lp")]
     pub policy: Policy,
+    /// When a decode step runs as two interleaved sub-batches (the gpu-worker's linear
+    /// layers for one while the cpu-workers attend the other): auto (when lp predicts it
+    /// faster), always, never.
+    #[arg(long, env = "DUET_OVERLAP", default_value = "auto")]
+    pub overlap: Overlap,
     /// Tokens per step: decode tokens plus prompt chunks.
     #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 2048)]
     pub max_step_tokens: usize,

@@ -84,6 +84,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         prefill_chunk: gpu_worker_prefill_chunk(),
         max_running: args.max_running.max(1),
         policy: args.policy,
+        overlap: args.overlap,
         session_idle: Duration::from_secs(args.session_idle_secs),
         block_size,
         blocks_per_worker: workers.cpu_infos.iter().map(|i| i.kv_blocks).collect(),

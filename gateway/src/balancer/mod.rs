@@ -8,7 +8,7 @@ pub mod stats;
 use std::fmt;
 use std::str::FromStr;
 
-use planner::{plan_lp, realise, CostModel, Plan, SeqDemand};
+use planner::{plan_lp, realise, solve, CostModel, Plan, SeqDemand};
 
 /// How decode attention is split between the gpu-worker and the cpu-workers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -39,6 +39,29 @@ impl FromStr for Policy {
     }
 }
 
+/// Whether decode steps may run as two interleaved sub-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overlap {
+    /// When the `lp` planner predicts it is faster (static policies never overlap).
+    Auto,
+    /// Every decode-only step of two or more sequences, whatever the policy.
+    Always,
+    /// Never.
+    Never,
+}
+
+impl FromStr for Overlap {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Overlap::Auto),
+            "always" => Ok(Overlap::Always),
+            "never" => Ok(Overlap::Never),
+            _ => Err(format!("overlap {s:?}: expected auto, always or never")),
+        }
+    }
+}
+
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -51,12 +74,17 @@ impl fmt::Display for Policy {
 }
 
 impl Policy {
-    /// Plans a step of `tokens` batch tokens whose decode sequences are `seqs`; `lp` may
-    /// choose to run it as two interleaved sub-batches when `may_overlap` (a decode-only
-    /// step), the static policies never do.
-    pub fn plan(&self, cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, may_overlap: bool) -> Plan {
+    /// Plans a step of `tokens` batch tokens whose decode sequences are `seqs`. A step that
+    /// `may_overlap` (decode only) runs as two interleaved sub-batches as `overlap` says:
+    /// with `Auto`, when `lp` predicts it faster.
+    pub fn plan(&self, cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, may_overlap: bool, overlap: Overlap) -> Plan {
+        let forced = may_overlap && seqs.len() >= 2 && overlap == Overlap::Always;
+        let lp = || match overlap {
+            Overlap::Auto => plan_lp(cost, tokens, seqs, block_size, may_overlap),
+            Overlap::Always | Overlap::Never => solve(cost, tokens, seqs, block_size, forced),
+        };
         let prefix: Vec<usize> = match *self {
-            Policy::Lp => match plan_lp(cost, tokens, seqs, block_size, may_overlap) {
+            Policy::Lp => match lp() {
                 Ok(plan) => return plan,
                 Err(e) => {
                     tracing::warn!("{e}; this step splits half and half");
@@ -67,13 +95,21 @@ impl Policy {
             Policy::Gpu => seqs.iter().map(|s| s.gpu_max).collect(),
             Policy::Ratio(r) => seqs.iter().map(|s| ((s.n_ctx as f64 * r as f64).round() as usize).min(s.gpu_max)).collect(),
         };
-        realise(cost, tokens, seqs, &prefix, false)
+        realise(cost, tokens, seqs, &prefix, forced)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlap_modes_parse() {
+        assert_eq!("auto".parse(), Ok(Overlap::Auto));
+        assert_eq!("always".parse(), Ok(Overlap::Always));
+        assert_eq!("never".parse(), Ok(Overlap::Never));
+        assert!("sometimes".parse::<Overlap>().is_err());
+    }
 
     #[test]
     fn policies_parse_and_print() {
@@ -98,9 +134,9 @@ mod tests {
             overlapped_per_token: 0.0,
         };
         let seqs = [SeqDemand { n_ctx: 100, held: vec![(0, 0..100)], gpu_max: 100 }];
-        assert_eq!(Policy::Cpu.plan(&cost, 1, &seqs, 16, false).gpu_positions, 0);
-        assert_eq!(Policy::Gpu.plan(&cost, 1, &seqs, 16, false).gpu_positions, 100);
-        assert_eq!(Policy::Ratio(0.3).plan(&cost, 1, &seqs, 16, false).gpu_positions, 30);
-        assert_eq!(Policy::Lp.plan(&cost, 1, &seqs, 16, true).cpu_positions[0] + Policy::Lp.plan(&cost, 1, &seqs, 16, true).gpu_positions, 100);
+        assert_eq!(Policy::Cpu.plan(&cost, 1, &seqs, 16, false, Overlap::Auto).gpu_positions, 0);
+        assert_eq!(Policy::Gpu.plan(&cost, 1, &seqs, 16, false, Overlap::Auto).gpu_positions, 100);
+        assert_eq!(Policy::Ratio(0.3).plan(&cost, 1, &seqs, 16, false, Overlap::Auto).gpu_positions, 30);
+        assert_eq!(Policy::Lp.plan(&cost, 1, &seqs, 16, true, Overlap::Auto).cpu_positions[0] + Policy::Lp.plan(&cost, 1, &seqs, 16, true, Overlap::Auto).gpu_positions, 100);
     }
 }

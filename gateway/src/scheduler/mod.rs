@@ -22,7 +22,7 @@ use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo,
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::stats::StepStats;
-use crate::balancer::Policy;
+use crate::balancer::{Overlap, Policy};
 use crate::sequence::{common_prefix, Events, Seq, Session};
 use crate::stop::TextStream;
 
@@ -58,6 +58,8 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// The balancer's policy at start.
     pub policy: Policy,
+    /// When decode steps run as two interleaved sub-batches.
+    pub overlap: Overlap,
     /// Sessions idle this long are closed.
     pub session_idle: Duration,
     pub block_size: usize,

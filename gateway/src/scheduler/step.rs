@@ -69,7 +69,7 @@ impl Scheduler {
         let demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
         // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
         let may_overlap = decoding.len() == steps.len();
-        let plan = self.policy.plan(&self.stats.cost_model(), tokens, &demands, self.cfg.block_size, may_overlap);
+        let plan = self.policy.plan(&self.stats.cost_model(), tokens, &demands, self.cfg.block_size, may_overlap, self.cfg.overlap);
         for ((at, d), shares) in decoding.iter().zip(&plan.shares) {
             steps[*at].attention = shares_to_proto(shares, d.n_ctx);
         }
