@@ -159,6 +159,7 @@ mod tests {
             cpu_attn_per_pos: vec![1.0; 2],
             overlapped_fixed: 0.0,
             overlapped_per_token: 0.0,
+            overlap_slowdown: 1.0,
         };
         let proto = |p: Policy| shares_to_proto(&p.plan(&cost, 1, std::slice::from_ref(&demand), 4, false, crate::balancer::Overlap::Auto).shares[0], 10);
         assert_eq!(

@@ -45,6 +45,9 @@ pub struct CostModel {
     /// The linear layers as two interleaved sub-batches: per step, and per batch token.
     pub overlapped_fixed: f64,
     pub overlapped_per_token: f64,
+    /// Measured over predicted time of overlapped steps (≥ 1: the pipeline's bubbles —
+    /// the first and last half-layer, uneven halves — that the max() does not see).
+    pub overlap_slowdown: f64,
 }
 
 /// One decode sequence of the step.
@@ -96,7 +99,7 @@ impl CostModel {
             .map(|(w, &c)| self.cpu_fixed[w] + self.cpu_attn_per_pos[w] * c as f64)
             .fold(0.0, f64::max);
         if overlap {
-            (self.overlapped_fixed + self.overlapped_per_token * tokens as f64 + gpu).max(cpu)
+            (self.overlapped_fixed + self.overlapped_per_token * tokens as f64 + gpu).max(cpu) * self.overlap_slowdown
         } else {
             self.linear_fixed + self.linear_per_token * tokens as f64 + gpu.max(cpu)
         }
@@ -216,6 +219,7 @@ mod tests {
             cpu_attn_per_pos: cpu.to_vec(),
             overlapped_fixed: 0.002,
             overlapped_per_token: 0.0001,
+            overlap_slowdown: 1.0,
         }
     }
 
@@ -301,6 +305,7 @@ mod tests {
             cpu_attn_per_pos: vec![5e-5],
             overlapped_fixed: 0.1,
             overlapped_per_token: 0.0,
+            overlap_slowdown: 1.0,
         };
         let seqs: Vec<_> = (0..4).map(|_| on(0, 2000)).collect();
         // Without overlap: 0.1 + 0.2 (half each). With: max(0.1 + a_g G, a_c C) = 0.25 at

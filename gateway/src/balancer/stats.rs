@@ -129,6 +129,8 @@ pub struct StepStats {
     pub cpu_attention: Vec<LinearFit>,
     /// |predicted − measured| / measured of recent steps.
     errors: VecDeque<f64>,
+    /// Measured over predicted time of overlapped steps, exponentially weighted.
+    overlap_slowdown: f64,
 }
 
 /// Priors before measurements: all devices alike, so that the first `lp` steps split
@@ -145,6 +147,7 @@ impl StepStats {
             gpu_attention: LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1),
             cpu_attention: vec![LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1); n_workers],
             errors: VecDeque::new(),
+            overlap_slowdown: 1.0,
         }
     }
 
@@ -163,6 +166,7 @@ impl StepStats {
             cpu_attn_per_pos,
             overlapped_fixed: of,
             overlapped_per_token: ot,
+            overlap_slowdown: self.overlap_slowdown,
         }
     }
 
@@ -190,6 +194,11 @@ impl StepStats {
         }
         if let Some(p) = predicted_s {
             let measured = s(t.total_ns);
+            if t.sub_batches == 2 && p > 0.0 && measured > 0.0 {
+                // `p` includes the slowdown it was predicted with: the ratio corrects it.
+                let seen = (self.overlap_slowdown * measured / p).clamp(1.0, 2.0);
+                self.overlap_slowdown = FORGET * self.overlap_slowdown + (1.0 - FORGET) * seen;
+            }
             // Steady state only: decode steps, once every fit has data.
             let linear = if t.sub_batches == 2 { &self.linear_overlapped } else { &self.linear };
             let warm = linear.samples() >= WARM
@@ -274,6 +283,19 @@ mod tests {
             f.add((i % 10) as f64, 1.0 + 2.0 * (i % 10) as f64);
         }
         assert!((f.coefficients().1 - 2.0).abs() < 0.05, "{:?}", f.coefficients());
+    }
+
+    #[test]
+    fn overlapped_steps_learn_their_slowdown() {
+        let mut st = StepStats::new(1);
+        for _ in 0..300 {
+            // Every overlapped step takes 12% longer than the plain model says.
+            let predicted = st.cost_model().overlap_slowdown * 0.1;
+            let t = pb::StepTimings { total_ns: 112_000_000, decode_tokens: 16, sub_batches: 2, ..Default::default() };
+            st.observe(&t, Some(predicted));
+        }
+        let s = st.cost_model().overlap_slowdown;
+        assert!((s - 1.12).abs() < 0.01, "{s}");
     }
 
     #[test]

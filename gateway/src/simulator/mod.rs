@@ -240,6 +240,7 @@ impl Setup {
             // Two sub-batches: the linear layers once per half (the weights read twice).
             overlapped_fixed: self.linear_s(batch / 2) + self.linear_s(batch - batch / 2),
             overlapped_per_token: 0.0,
+            overlap_slowdown: 1.0,
         }
     }
 
