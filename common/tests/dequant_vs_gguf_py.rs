@@ -21,19 +21,7 @@ fn fixture(name: &str) -> PathBuf {
     p
 }
 
-const ALL_TYPES: [GgmlType; 11] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q8_0,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+const ALL_TYPES: [GgmlType; 11] = GgmlType::WEIGHT_TYPES;
 
 #[test]
 fn every_tensor_dequantises_to_gguf_py_bits() {

@@ -20,19 +20,7 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
 
-const WEIGHT_TYPES: [GgmlType; 11] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+const WEIGHT_TYPES: [GgmlType; 11] = GgmlType::WEIGHT_TYPES;
 
 const EPS: f64 = f32::EPSILON as f64;
 const ROWS_PER_SIZE: usize = 6;

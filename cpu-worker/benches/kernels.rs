@@ -161,19 +161,7 @@ fn main() {
         }
     }
     let cols = 4096;
-    for ty in [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ] {
+    for ty in GgmlType::WEIGHT_TYPES {
         if !wanted(&format!("matrix-vector {ty}")) {
             continue;
         }

@@ -31,6 +31,22 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    /// Every type a weight tensor may have (what Q4_K_M / Q5_K_M files use and the floats);
+    /// the activation-only types (Q8_1, Q8_K) are not among them.
+    pub const WEIGHT_TYPES: [GgmlType; 11] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+
     /// The type with this GGUF id, if ggml defines it and Duet knows it.
     pub fn from_id(id: u32) -> Option<Self> {
         Some(match id {
