@@ -176,6 +176,11 @@ pub struct TextModel {
 }
 
 impl TextModel {
+    /// A token's text for logprobs and tokenisation replies: its bytes, lossily as UTF-8.
+    pub fn piece(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.tokenizer.token_bytes(id).unwrap_or(&[])).into_owned()
+    }
+
     /// The token ids of a prompt (text with special tokens, ids checked, or chat rendered).
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, GatewayError> {
         match prompt {

@@ -80,10 +80,6 @@ fn ns(d: std::time::Duration) -> u64 {
 }
 
 impl InferenceService {
-    fn piece(&self, id: u32) -> String {
-        String::from_utf8_lossy(self.backend.text.tokenizer.token_bytes(id).unwrap_or(&[])).into_owned()
-    }
-
     fn response(&self, ev: Event) -> pb::GenerateResponse {
         use pb::generate_response::Event as E;
         let event = match ev {
@@ -94,7 +90,7 @@ impl InferenceService {
                 id,
                 text,
                 logprob,
-                top_logprobs: top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.piece(id) }).collect(),
+                top_logprobs: top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.backend.text.piece(id) }).collect(),
             }),
             Event::Finished { reason, text, usage } => E::Finished(pb::Finished {
                 reason: stop_reason(reason) as i32,
@@ -141,7 +137,7 @@ impl Inference for InferenceService {
         let parse_special = r.parse_special.unwrap_or(true);
         let ids = if r.add_special.unwrap_or(true) { tok.encode_prompt(&r.text, parse_special) } else { tok.encode(&r.text, parse_special) }
             .map_err(GatewayError::from)?;
-        let pieces = ids.iter().map(|&id| self.piece(id)).collect();
+        let pieces = ids.iter().map(|&id| self.backend.text.piece(id)).collect();
         Ok(Response::new(pb::TokenizeResponse { ids, pieces }))
     }
 

@@ -160,11 +160,6 @@ async fn start(s: &AppState, params: GenerateParams) -> Result<(u32, Events), Ap
     }
 }
 
-/// A token's text for logprobs (its bytes, lossily as UTF-8).
-fn piece(s: &AppState, id: u32) -> String {
-    String::from_utf8_lossy(s.backend.text.tokenizer.token_bytes(id).unwrap_or(&[])).into_owned()
-}
-
 /// Which logprobs shape a response carries.
 #[derive(Clone, Copy)]
 enum LogprobStyle {
@@ -189,9 +184,9 @@ impl Logprobs {
             LogprobStyle::None => return,
             LogprobStyle::Completion(n) | LogprobStyle::Chat(n) => n as usize,
         };
-        self.tokens.push(piece(s, id));
+        self.tokens.push(s.backend.text.piece(id));
         self.token_logprobs.push(logprob.unwrap_or(f32::NAN));
-        self.top.push(top.iter().take(n).map(|&(t, lp)| (piece(s, t), lp)).collect());
+        self.top.push(top.iter().take(n).map(|&(t, lp)| (s.backend.text.piece(t), lp)).collect());
     }
 
     fn to_json(&self, style: LogprobStyle, text_start: usize) -> Value {

@@ -65,8 +65,9 @@ impl SubBatch {
 /// finish A(l) and its MLP. Each row computes exactly what it would in one batch.
 fn run_overlapped(model: &CpuModel, attention: &mut StepAttention<'_>, subs: &[SubBatch; 2]) -> Result<[Vec<f32>; 2], StepError> {
     let [a, b] = subs;
-    let mut xa = model.start_batch(&a.tokens, &a.positions, &a.logit_rows())?;
-    let mut xb = model.start_batch(&b.tokens, &b.positions, &b.logit_rows())?;
+    let (rows_a, rows_b) = (a.logit_rows(), b.logit_rows());
+    let mut xa = model.start_batch(&a.tokens, &a.positions, &rows_a)?;
+    let mut xb = model.start_batch(&b.tokens, &b.positions, &rows_b)?;
     let q_dim = model.config.q_dim();
     let mut pending_b: Option<(usize, super::step_attention::Begun, Vec<f32>)> = None;
     for l in 0..model.config.n_layer {
@@ -88,7 +89,7 @@ fn run_overlapped(model: &CpuModel, attention: &mut StepAttention<'_>, subs: &[S
         attention.finish(&b.plan, begun_b, &qb, &mut out)?;
         model.finish_layer(lb, &mut xb, &out);
     }
-    Ok([model.logits(&xa, &a.logit_rows()), model.logits(&xb, &b.logit_rows())])
+    Ok([model.logits(&xa, &rows_a), model.logits(&xb, &rows_b)])
 }
 
 /// A sequence's part of the running step.
@@ -190,12 +191,10 @@ impl Executor {
                 timings.decode_tokens += p.n as u32;
             }
         }
-        let c = &self.model.config;
         let mut attention = StepAttention {
             arenas: &mut self.arenas,
             block_size: bs,
-            n_head: c.n_head,
-            n_kv_head: c.n_kv_head,
+            shape: self.model.attn_shape(),
             job_timeout: self.job_timeout,
             timings: &mut timings,
         };
@@ -218,13 +217,11 @@ impl Executor {
         let mut next_row = [0usize; 2];
         let rows: Vec<(&Planned, &[f32])> = order
             .iter()
-            .map(|&(k, i)| &subs[k].plan[i])
-            .zip(order.iter().map(|&(k, _)| k))
-            .filter(|(p, _)| p.sample)
-            .map(|(p, k)| {
+            .filter(|&&(k, i)| subs[k].plan[i].sample)
+            .map(|&(k, i)| {
                 let r = next_row[k];
                 next_row[k] += 1;
-                (p, &logits[k][r * n_vocab..(r + 1) * n_vocab])
+                (&subs[k].plan[i], &logits[k][r * n_vocab..(r + 1) * n_vocab])
             })
             .collect();
         let mut sampled = Vec::with_capacity(rows.len());

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{attn_scale, causal_attention, decode_attention_range, padded_len, KvHead, KV_PADDING};
+use duet_common::kernels::attention::{attn_scale, causal_attention, decode_attention_range, padded_len, AttnShape, KvHead, KV_PADDING};
 use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::rpc::pb;
 use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
@@ -48,8 +48,9 @@ fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration
 pub(super) struct StepAttention<'a> {
     pub arenas: &'a mut KvArenas,
     pub block_size: usize,
-    pub n_head: usize,
-    pub n_kv_head: usize,
+    /// The model's attention heads: the rows of q, k, v and out are `n_head · head_dim`
+    /// and `n_kv_head · head_dim` wide.
+    pub shape: AttnShape,
     pub job_timeout: Duration,
     pub timings: &'a mut pb::StepTimings,
 }
@@ -90,20 +91,12 @@ pub(super) fn to_worker_error(e: StepError) -> WorkerError {
     }
 }
 
-/// Row widths of a layer's tensors: (q_dim, kv_dim, head_dim, n_kv_head).
-fn dims(plan: &[Planned], n_head: usize, q: &[f32], k: &[f32]) -> (usize, usize, usize, usize) {
-    let n_rows = plan.iter().map(|p| p.n).sum::<usize>().max(1);
-    let (q_dim, kv_dim) = (q.len() / n_rows, k.len() / n_rows);
-    let hd = q_dim / n_head;
-    (q_dim, kv_dim, hd, kv_dim / hd.max(1))
-}
-
 impl StepAttention<'_> {
     /// Writes layer `layer`'s new K/V rows of `plan` into the arenas and posts one job per
     /// cpu-worker with shares.
     pub fn begin(&mut self, plan: &[Planned], layer: u32, q: &[f32], k: &[f32], v: &[f32]) -> Result<Begun, StepError> {
         let bs = self.block_size;
-        let (q_dim, kv_dim, hd, n_kv) = dims(plan, self.n_head, q, k);
+        let kv_dim = self.shape.n_kv_head * self.shape.head_dim;
         let t = Instant::now();
         for p in plan {
             for i in 0..p.n {
@@ -113,7 +106,7 @@ impl StepAttention<'_> {
             }
         }
         self.timings.kv_write_ns += ns(t.elapsed());
-        let posted = self.post_jobs(plan, layer, q, q_dim, hd, n_kv)?;
+        let posted = self.post_jobs(plan, layer, q)?;
         Ok(Begun { layer, posted })
     }
 
@@ -121,15 +114,12 @@ impl StepAttention<'_> {
     /// its decode shares), then the cpu-workers' results, merged by log-sum-exp into `out`.
     pub fn finish(&mut self, plan: &[Planned], begun: Begun, q: &[f32], out: &mut [f32]) -> Result<(), StepError> {
         let Begun { layer, posted } = begun;
-        let n_head = self.n_head;
-        let n_rows = plan.iter().map(|p| p.n).sum::<usize>().max(1);
-        let q_dim = q.len() / n_rows;
-        let hd = q_dim / n_head;
-        let n_kv = self.n_kv_head;
+        let shape = self.shape;
+        let (hd, n_kv) = (shape.head_dim, shape.n_kv_head);
+        let q_dim = shape.n_head * hd;
         // The gpu-worker's own part: prefill chunks (and unsplit decode tokens) over the
         // whole context, and its decode shares.
         let t = Instant::now();
-        let shape = duet_common::kernels::attention::AttnShape { n_head, n_kv_head: n_kv, head_dim: hd };
         let mut partials: Vec<Vec<(Vec<f32>, Vec<f32>)>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
         let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
         for (pi, p) in plan.iter().enumerate() {
@@ -155,7 +145,7 @@ impl StepAttention<'_> {
                 if layer == 0 {
                     self.timings.gpu_attention_positions += sh.range.len() as u64;
                 }
-                partials[pi][si] = self.gpu_share(p, sh, layer, &q[p.row0 * q_dim..(p.row0 + 1) * q_dim], hd, n_kv)?;
+                partials[pi][si] = self.gpu_share(p, sh, layer, &q[p.row0 * q_dim..(p.row0 + 1) * q_dim])?;
             }
         }
         self.timings.attention_gpu_ns += ns(t.elapsed());
@@ -212,7 +202,9 @@ impl StepAttention<'_> {
     }
 
     /// Posts one attention job per cpu-worker that has shares in this step.
-    fn post_jobs(&mut self, plan: &[Planned], layer: u32, q: &[f32], q_dim: usize, hd: usize, n_kv: usize) -> Result<Vec<Posted>, StepError> {
+    fn post_jobs(&mut self, plan: &[Planned], layer: u32, q: &[f32]) -> Result<Vec<Posted>, StepError> {
+        let AttnShape { n_head, n_kv_head, head_dim } = self.shape;
+        let q_dim = n_head * head_dim;
         let bs = self.block_size;
         // Per cpu-worker: its job and what each of the job's sequences answers.
         type Building = (u32, AttnJob, Vec<(usize, usize)>, u64);
@@ -223,7 +215,7 @@ impl StepAttention<'_> {
                 let idx = match by_worker.iter().position(|(x, _, _, _)| *x == w) {
                     Some(i) => i,
                     None => {
-                        let job = AttnJob { layer, n_head: self.n_head as u32, n_kv_head: n_kv as u32, head_dim: hd as u32, kv_padding: KV_PADDING as u32, seqs: vec![] };
+                        let job = AttnJob { layer, n_head: n_head as u32, n_kv_head: n_kv_head as u32, head_dim: head_dim as u32, kv_padding: KV_PADDING as u32, seqs: vec![] };
                         by_worker.push((w, job, vec![], 0));
                         by_worker.len() - 1
                     }
@@ -267,12 +259,13 @@ impl StepAttention<'_> {
     }
 
     /// The gpu-worker's share of one decode token: every query head over `sh.range`.
-    fn gpu_share(&self, p: &Planned, sh: &Share, layer: u32, q: &[f32], hd: usize, n_kv: usize) -> Result<(Vec<f32>, Vec<f32>), StepError> {
-        let group = self.n_head / n_kv;
+    fn gpu_share(&self, p: &Planned, sh: &Share, layer: u32, q: &[f32]) -> Result<(Vec<f32>, Vec<f32>), StepError> {
+        let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = self.shape;
+        let group = n_head / n_kv;
         let n_padded = padded_len(p.n_ctx(), KV_PADDING);
         let scale = attn_scale(hd);
-        let mut out = vec![0f32; self.n_head * hd];
-        let mut lse = vec![0f32; self.n_head];
+        let mut out = vec![0f32; n_head * hd];
+        let mut lse = vec![0f32; n_head];
         let (mut k16, mut v16) = (Vec::new(), Vec::new());
         for h in 0..n_kv {
             self.arenas.gather(&p.blocks, layer, h as u32, sh.range.clone(), &mut k16, &mut v16)?;
