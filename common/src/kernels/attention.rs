@@ -121,7 +121,7 @@ struct Head64 {
 #[inline]
 fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 {
+    if isa() >= Isa::Avx2 {
         let head64 = (job.hd == 64).then_some(Head64 { dot: super::simd_x86::dot_f16_64 });
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
         return unsafe { attend_fma(job, out, head64) };

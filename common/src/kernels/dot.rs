@@ -71,7 +71,7 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
 #[inline(always)]
 fn quantize_block_q8(x: &[f32]) -> (f32, [i8; 32], i32) {
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx2 {
+    if super::isa() >= super::Isa::Avx2 {
         // SAFETY: AVX2 (which implies SSE4.1's round instruction) was detected.
         return unsafe { quantize_block_q8_avx2(x) };
     }

@@ -2,6 +2,8 @@
 //! and the element-wise ops of a Llama layer. The instruction set is chosen once, here.
 
 pub mod attention;
+#[cfg(target_arch = "x86_64")]
+pub mod attention_avx512;
 pub mod dot;
 pub mod ggml_exact;
 pub mod matmul;
@@ -15,39 +17,72 @@ use std::sync::OnceLock;
 
 pub use quant::GgmlType;
 
-/// The SIMD level the kernels run at on this machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The SIMD level the kernels run at on this machine, lowest first: each level includes the
+/// ones below it (an AVX-512 machine runs the AVX2 kernels where no AVX-512 one exists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
-    Avx2,
     Scalar,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// AVX-512 F/BW/VL/DQ on top of [`Isa::Avx2`].
+    Avx512,
 }
 
-/// Detected once; `DUET_FORCE_SCALAR=1` forces the scalar twins (for comparison runs).
+/// Detected once and logged. `DUET_ISA=scalar|avx2` caps it (for comparison runs and for
+/// testing the lower levels on a bigger machine); `DUET_FORCE_SCALAR=1` is `DUET_ISA=scalar`.
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
-        let forced = std::env::var_os("DUET_FORCE_SCALAR").is_some_and(|v| v != "0");
-        let isa = if !forced && has_avx2() { Isa::Avx2 } else { Isa::Scalar };
-        tracing::info!(?isa, forced_scalar = forced, "CPU kernels selected");
+        let detected = detect_isa();
+        let cap = isa_cap();
+        let isa = detected.min(cap.unwrap_or(Isa::Avx512));
+        tracing::info!(?isa, ?detected, capped = cap.is_some(), "CPU kernels selected");
         isa
     })
 }
 
+/// The cap asked for by `DUET_ISA` / `DUET_FORCE_SCALAR`, if any (unknown values: no cap,
+/// with a warning).
+pub fn isa_cap() -> Option<Isa> {
+    if std::env::var_os("DUET_FORCE_SCALAR").is_some_and(|v| v != "0") {
+        return Some(Isa::Scalar);
+    }
+    match std::env::var("DUET_ISA").ok()?.to_ascii_lowercase().as_str() {
+        "scalar" => Some(Isa::Scalar),
+        "avx2" => Some(Isa::Avx2),
+        "avx512" => Some(Isa::Avx512),
+        other => {
+            tracing::warn!(value = other, "DUET_ISA must be scalar, avx2 or avx512; ignored");
+            None
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
-fn has_avx2() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+fn detect_isa() -> Isa {
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+    let avx512 = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512dq");
+    match (avx2, avx512) {
+        (true, true) => Isa::Avx512,
+        (true, false) => Isa::Avx2,
+        _ => Isa::Scalar,
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn has_avx2() -> bool {
-    false
+fn detect_isa() -> Isa {
+    Isa::Scalar
 }
+
 
 /// `ggml_exact::dot_f16` of two 64-element rows (a head of 64), in registers where AVX2 is
 /// present; bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
 pub fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 {
+    if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected.
         return unsafe { simd_x86::dot_f16_64(x, y) };
     }
@@ -59,7 +94,7 @@ pub fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
 #[inline]
 pub fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 {
+    if isa() >= Isa::Avx2 {
         // SAFETY: F16C (with AVX2) was detected.
         unsafe { simd_x86::widen_f16(src, dst) };
         return;
@@ -79,7 +114,7 @@ pub fn widen_f16_scalar(src: &[half::f16], dst: &mut [f32]) {
 #[inline]
 pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 {
+    if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected; block counts are checked by the slices.
         unsafe {
             match ty {
@@ -98,7 +133,7 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
 #[inline]
 pub fn vec_dot_x4(ty: GgmlType, n: usize, w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx2 {
+    if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected; block counts are checked by the slices.
         unsafe {
             match ty {

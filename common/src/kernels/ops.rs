@@ -82,7 +82,7 @@ pub fn llama3_freq_factors(
 /// `gate = silu(gate) * up`, with ggml's vectorised `x / (1 + expf(-x))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx2 {
+    if super::isa() >= super::Isa::Avx2 {
         // SAFETY: AVX2 and FMA were detected.
         return unsafe { silu_mul_fma(gate, up) };
     }

@@ -72,11 +72,13 @@ impl PagedRange<'_> {
     }
 }
 
-/// Reusable buffers for the widened K and V rows of one KV head.
+/// Reusable buffers for the widened K and V rows of one KV head (and the AVX-512 kernel's).
 #[derive(Debug, Default)]
 pub struct KvScratch {
     k: Vec<f32>,
     v: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    group: super::attention_avx512::GroupScratch,
 }
 
 impl KvScratch {
@@ -102,22 +104,18 @@ pub fn gather_kv_head<A: ArenaRows + ?Sized>(
 ) {
     assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
     assert!(kv_head < layout.n_kv_head, "kv head {kv_head} of {}", layout.n_kv_head);
-    let (bs, hd) = (layout.block_size as usize, layout.head_dim as usize);
+    let hd = layout.head_dim as usize;
     let n = r.end - r.start;
     scratch.k.resize(n * hd, 0.0);
     scratch.v.resize(n * hd, 0.0);
-    let first = (r.start - r.first_pos) / bs;
-    let last = (r.end - 1 - r.first_pos) / bs;
-    for (i, &block) in r.blocks.iter().enumerate().take(last + 1).skip(first) {
-        let block_pos = r.first_pos + i * bs;
-        let lo = r.start.max(block_pos) - block_pos;
-        let hi = r.end.min(block_pos + bs) - block_pos;
-        let rows = (hi - lo) * hd;
-        let dst = (block_pos + lo - r.start) * hd;
-        let k_src = arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, rows);
-        let v_src = arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, rows);
-        widen_f16(k_src, &mut scratch.k[dst..dst + rows]);
-        widen_f16(v_src, &mut scratch.v[dst..dst + rows]);
+    let mut dst = 0;
+    for (block, lo, rows) in block_runs(layout, r) {
+        let len = rows * hd;
+        let k_src = arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, len);
+        let v_src = arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, len);
+        widen_f16(k_src, &mut scratch.k[dst..dst + len]);
+        widen_f16(v_src, &mut scratch.v[dst..dst + len]);
+        dst += len;
     }
 }
 
@@ -139,12 +137,40 @@ pub fn attend_group<A: ArenaRows + ?Sized>(
 ) {
     let hd = layout.head_dim as usize;
     assert!(q.len() == out.len() && out.len() == lse.len() * hd, "query group slice sizes");
-    gather_kv_head(arena, layout, r, kv_head, scratch);
     let n_padded = padded_len(r.n_ctx, r.kv_padding);
     let scale = attn_scale(hd);
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 && hd == 64 && lse.len() <= super::attention_avx512::MAX_GROUP {
+        assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
+        assert!(kv_head < layout.n_kv_head, "kv head {kv_head} of {}", layout.n_kv_head);
+        let runs: Vec<_> = block_runs(layout, r)
+            .map(|(block, lo, rows)| super::attention_avx512::KvRun {
+                k: arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, rows * hd),
+                v: arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, rows * hd),
+            })
+            .collect();
+        // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
+        unsafe { super::attention_avx512::attend_group_hd64(&runs, r.start, r.end, n_padded, scale, q, out, lse, &mut scratch.group) };
+        return;
+    }
+    gather_kv_head(arena, layout, r, kv_head, scratch);
     for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
         *l = decode_attention_range(qh, &scratch.k, &scratch.v, r.start..r.end, n_padded, scale, oh);
     }
+}
+
+/// The blocks of `r` in position order, each with the first slot attended in it and the
+/// number of slots: `(block, lo, rows)`.
+fn block_runs<'a>(layout: &ArenaLayout, r: &'a PagedRange<'_>) -> impl Iterator<Item = (BlockId, usize, usize)> + 'a {
+    let bs = layout.block_size as usize;
+    let first = (r.start - r.first_pos) / bs;
+    let last = (r.end - 1 - r.first_pos) / bs;
+    r.blocks.iter().enumerate().take(last + 1).skip(first).map(move |(i, &block)| {
+        let block_pos = r.first_pos + i * bs;
+        let lo = r.start.max(block_pos) - block_pos;
+        let hi = r.end.min(block_pos + bs) - block_pos;
+        (block, lo, hi - lo)
+    })
 }
 
 /// Merges partial attention outputs of one query head over disjoint position ranges, each
