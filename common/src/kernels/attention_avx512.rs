@@ -31,7 +31,12 @@ pub struct KvRun<'a> {
 pub struct GroupScratch {
     scores: Vec<f32>,
     lanes: Vec<f32>,
+    rows: RowTable,
 }
+
+// SAFETY: `rows` only holds pointers into the K/V slices of one call; they are rewritten
+// before every use and never read after the call returns.
+unsafe impl Send for GroupScratch {}
 
 /// The group's attention over positions `start..end`, given as `runs` in position order (their
 /// rows add up to `end - start`); `q`/`out` are `[group][64]`, `lse` one per head; `n_padded`
@@ -98,55 +103,93 @@ unsafe fn group_kernel<const G: usize>(
             *v = _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x));
         }
     }
-    scores_pass::<G>(runs, n, stride, scale, &qv, scores);
+    scratch.rows.fill(runs);
+    scores_pass::<G>(&scratch.rows, n, stride, scale, &qv, scores);
     for (g, l) in lse.iter_mut().enumerate() {
         *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n));
     }
-    value_pass::<G>(runs, start, end, n_padded, stride, scores, out, &mut scratch.lanes);
+    value_pass::<G>(start, end, n_padded, stride, scores, out, scratch);
 }
 
 /// Scaled Q·K scores of every head for the `n` positions, into `scores[g * stride + i]`.
+/// Prefetches K a few rows ahead, and into L2 the V rows of the value pass's first window
+/// during the last [`WINDOW`] positions.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores_pass<const G: usize>(runs: &[KvRun<'_>], n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) {
+unsafe fn scores_pass<const G: usize>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) {
     let zero = _mm512_setzero_ps();
     let scale = _mm512_set1_ps(scale);
     // h[g][i]: position i (of 16)'s 16-lane partial sums (`reduce64` before its last step).
     let mut h = [[zero; 16]; G];
-    let mut i = 0; // position index from the range start
-    for run in runs {
-        let rows = run.k.len() / 64;
-        let k = run.k.as_ptr() as *const __m256i;
-        for r in 0..rows {
-            let row = k.add(4 * r);
-            let kx = [
-                _mm512_cvtph_ps(_mm256_loadu_si256(row)),
-                _mm512_cvtph_ps(_mm256_loadu_si256(row.add(1))),
-                _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2))),
-                _mm512_cvtph_ps(_mm256_loadu_si256(row.add(3))),
-            ];
+    let v_from = n.saturating_sub(WINDOW);
+    for i in 0..n {
+        if i + K_AHEAD < n {
+            prefetch_row::<_MM_HINT_T0>(rows.k(i + K_AHEAD));
+        }
+        if i >= v_from {
+            prefetch_row::<_MM_HINT_T1>(rows.v(i - v_from));
+        }
+        let kx = widen_row(rows.k(i));
+        for g in 0..G {
+            let p = |j: usize| _mm512_fmadd_ps(kx[j], qv[g][j], zero);
+            // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
+            h[g][i % 16] = _mm512_add_ps(_mm512_add_ps(p(0), p(2)), _mm512_add_ps(p(1), p(3)));
+        }
+        if i % 16 == 15 {
             for g in 0..G {
-                let p = |j: usize| _mm512_fmadd_ps(kx[j], qv[g][j], zero);
-                // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
-                h[g][i % 16] = _mm512_add_ps(_mm512_add_ps(p(0), p(2)), _mm512_add_ps(p(1), p(3)));
-            }
-            i += 1;
-            if i % 16 == 0 {
-                for g in 0..G {
-                    let s = _mm512_mul_ps(reduce16_x16(&h[g]), scale);
-                    _mm512_storeu_ps(scores.add(g * stride + i - 16), s);
-                }
+                let s = _mm512_mul_ps(reduce16_x16(&h[g]), scale);
+                _mm512_storeu_ps(scores.add(g * stride + i - 15), s);
             }
         }
     }
-    if i % 16 != 0 {
-        let keep = (1u32 << (i % 16)) - 1;
+    if n % 16 != 0 {
+        let keep = (1u32 << (n % 16)) - 1;
         for g in 0..G {
             let s = _mm512_mul_ps(reduce16_x16(&h[g]), scale);
-            _mm512_mask_storeu_ps(scores.add(g * stride + i - i % 16), keep as __mmask16, s);
+            _mm512_mask_storeu_ps(scores.add(g * stride + n - n % 16), keep as __mmask16, s);
         }
     }
-    debug_assert_eq!(i, n);
+}
+
+/// K rows are prefetched this many positions ahead (blocks need not be contiguous).
+const K_AHEAD: usize = 32;
+
+/// Both cache lines of a 64-element f16 row.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn prefetch_row<const HINT: i32>(row: *const f16) {
+    _mm_prefetch::<HINT>(row as *const i8);
+    _mm_prefetch::<HINT>((row as *const i8).add(64));
+}
+
+/// The K and V row of every position of the range, from its start.
+#[derive(Debug, Default)]
+struct RowTable {
+    k: Vec<*const f16>,
+    v: Vec<*const f16>,
+}
+
+impl RowTable {
+    fn fill(&mut self, runs: &[KvRun<'_>]) {
+        self.k.clear();
+        self.v.clear();
+        for run in runs {
+            self.k.extend(run.k.chunks_exact(64).map(|r| r.as_ptr()));
+            self.v.extend(run.v.chunks_exact(64).map(|r| r.as_ptr()));
+        }
+    }
+
+    /// Safety: `i` is below the number of rows of the last fill.
+    #[inline(always)]
+    unsafe fn k(&self, i: usize) -> *const f16 {
+        *self.k.get_unchecked(i)
+    }
+
+    /// Safety: as [`Self::k`].
+    #[inline(always)]
+    unsafe fn v(&self, i: usize) -> *const f16 {
+        *self.v.get_unchecked(i)
+    }
 }
 
 /// `_mm512_reduce_add_ps` of each of 16 vectors, lane `p` of the result being `h[p]`'s sum:
@@ -246,71 +289,130 @@ unsafe fn softmax_f16(x: &mut [f32]) -> f32 {
 /// V · weights: positions below the last multiple of 64 of the padded length into ggml's 64
 /// lanes (`p % 64`) for every head, the lanes reduced by `reduce64`'s tree, then the rest of
 /// the positions added in f64.
+///
+/// The lanes are accumulated lane by lane rather than position by position: a pair of lanes'
+/// accumulators (every head, every dimension) stays in registers while the positions of
+/// those lanes are visited in order, window after window of [`WINDOW`] positions (whose V
+/// rows are prefetched into L2 while the window before is summed). Each lane sees its
+/// positions in the same order as position by position, so the sums are the same.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn value_pass<const G: usize>(
-    runs: &[KvRun<'_>],
     start: usize,
     end: usize,
     n_padded: usize,
     stride: usize,
     weights: *const f32,
     out: &mut [f32],
-    lanes: &mut Vec<f32>,
+    scratch: &mut GroupScratch,
 ) {
     let simd_end = (n_padded & !63).min(end).max(start);
-    let use_lanes = simd_end > start;
-    if use_lanes {
-        lanes.clear();
-        lanes.resize(G * 64 * 64, 0.0);
-    }
-    let lanes = lanes.as_mut_ptr();
+    let rows = &scratch.rows;
     let mut sums = [[_mm512_setzero_pd(); 8]; G];
-    let mut p = start;
-    for run in runs {
-        let rows = run.v.len() / 64;
-        let v = run.v.as_ptr() as *const __m256i;
-        for r in 0..rows {
-            let row = v.add(4 * r);
-            let vx = [
-                _mm512_cvtph_ps(_mm256_loadu_si256(row)),
-                _mm512_cvtph_ps(_mm256_loadu_si256(row.add(1))),
-                _mm512_cvtph_ps(_mm256_loadu_si256(row.add(2))),
-                _mm512_cvtph_ps(_mm256_loadu_si256(row.add(3))),
-            ];
-            let i = p - start;
-            if p < simd_end {
-                let lane = lanes.add((p % 64) * 64);
-                for g in 0..G {
-                    let w = _mm512_set1_ps(*weights.add(g * stride + i));
-                    let acc = lane.add(g * 64 * 64);
-                    for (j, &vj) in vx.iter().enumerate() {
-                        _mm512_storeu_ps(acc.add(16 * j), _mm512_fmadd_ps(vj, w, _mm512_loadu_ps(acc.add(16 * j))));
-                    }
+    if simd_end > start {
+        scratch.lanes.clear();
+        scratch.lanes.resize(G * 64 * 64, 0.0);
+        let lanes = scratch.lanes.as_mut_ptr();
+        let mut w0 = start;
+        while w0 < simd_end {
+            let w1 = (w0 - w0 % 64 + WINDOW).min(simd_end);
+            // The next window's V rows, into L2 while this one is summed: a slice per lane pair.
+            let next = (w1 - start)..(w1 - w1 % 64 + WINDOW).min(simd_end) - start;
+            let per_pair = next.len().div_ceil(32);
+            for pair in 0..32 {
+                for i in next.clone().skip(pair * per_pair).take(per_pair) {
+                    prefetch_row::<_MM_HINT_T1>(rows.v(i));
                 }
-            } else {
-                for g in 0..G {
-                    let w = _mm512_set1_ps(*weights.add(g * stride + i));
-                    for (j, &vj) in vx.iter().enumerate() {
-                        let prod = _mm512_mul_ps(vj, w);
-                        let s = &mut sums[g];
-                        s[2 * j] = _mm512_add_pd(s[2 * j], _mm512_cvtps_pd(_mm512_castps512_ps256(prod)));
-                        s[2 * j + 1] = _mm512_add_pd(s[2 * j + 1], _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(prod)));
-                    }
-                }
+                lane_pair::<G>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
             }
-            p += 1;
-            // The lanes' sum comes first in every dimension's f64 sum: fold it in as soon as
-            // the SIMD part is done (the f64 sums are still zero then).
-            if p == simd_end && use_lanes {
-                fold_lanes::<G>(lanes, &mut sums);
+            w0 = w1;
+        }
+        fold_lanes::<G>(lanes, &mut sums);
+    }
+    for p in simd_end..end {
+        let i = p - start;
+        let vx = widen_row(rows.v(i));
+        for (g, s) in sums.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(*weights.add(g * stride + i));
+            for (j, &vj) in vx.iter().enumerate() {
+                let prod = _mm512_mul_ps(vj, w);
+                s[2 * j] = _mm512_add_pd(s[2 * j], _mm512_cvtps_pd(_mm512_castps512_ps256(prod)));
+                s[2 * j + 1] = _mm512_add_pd(s[2 * j + 1], _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(prod)));
             }
         }
     }
     for (g, o) in out.chunks_exact_mut(64).enumerate() {
         for j in 0..8 {
             _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), _mm512_cvtpd_ps(sums[g][j]));
+        }
+    }
+}
+
+/// Positions per window of the V pass (256 KiB of f16 V rows of 64).
+const WINDOW: usize = 2048;
+
+/// One 64-element f16 row widened to four vectors.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn widen_row(row: *const f16) -> [__m512; 4] {
+    let r = row as *const __m256i;
+    [
+        _mm512_cvtph_ps(_mm256_loadu_si256(r)),
+        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(1))),
+        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(2))),
+        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(3))),
+    ]
+}
+
+/// Lanes `lane` and `lane + 1` over the positions `w0..w1`: their accumulators loaded from
+/// `lanes[g][lane][..]`, the positions `p ≡ lane (mod 64)` added in order, stored back.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn lane_pair<const G: usize>(
+    lane: usize,
+    w0: usize,
+    w1: usize,
+    start: usize,
+    stride: usize,
+    weights: *const f32,
+    rows: &RowTable,
+    lanes: *mut f32,
+) {
+    let at = |g: usize, l: usize, j: usize| lanes.add((g * 64 + lane + l) * 64 + 16 * j);
+    let mut acc = [[[_mm512_setzero_ps(); 4]; G]; 2];
+    for (l, acc_l) in acc.iter_mut().enumerate() {
+        for (g, acc_g) in acc_l.iter_mut().enumerate() {
+            for (j, a) in acc_g.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(at(g, l, j));
+            }
+        }
+    }
+    // First position of lane `lane` at or after the start of w0's 64-position chunk.
+    let mut p = w0 - w0 % 64 + lane;
+    while p < w1 {
+        for (l, acc_l) in acc.iter_mut().enumerate() {
+            let q = p + l;
+            if q < w0 || q >= w1 {
+                continue;
+            }
+            let i = q - start;
+            let vx = widen_row(rows.v(i));
+            for (g, acc_g) in acc_l.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*weights.add(g * stride + i));
+                for (a, &vj) in acc_g.iter_mut().zip(&vx) {
+                    *a = _mm512_fmadd_ps(vj, w, *a);
+                }
+            }
+        }
+        p += 64;
+    }
+    for (l, acc_l) in acc.iter().enumerate() {
+        for (g, acc_g) in acc_l.iter().enumerate() {
+            for (j, a) in acc_g.iter().enumerate() {
+                _mm512_storeu_ps(at(g, l, j), *a);
+            }
         }
     }
 }
