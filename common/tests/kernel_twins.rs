@@ -492,6 +492,46 @@ fn four_row_kernels_equal_four_single_rows() {
     }
 }
 
+/// The four-weight-row kernels (AVX-512, with and without VNNI, where the CPU has them) and
+/// their dispatch `vec_dot_r4` against four single-row `vec_dot` calls, bit for bit.
+#[test]
+fn four_weight_row_kernels_equal_four_single_rows() {
+    let mut rng = StdRng::seed_from_u64(0x5eed_0005);
+    for ty in WEIGHT_TYPES {
+        for n in sizes(ty).into_iter().chain([ty.block_size() * 96]) {
+            let ws: Vec<Vec<u8>> = (0..4).map(|_| random_weight_row(&mut rng, ty, n)).collect();
+            let w = [ws[0].as_slice(), &ws[1], &ws[2], &ws[3]];
+            let a = quantized(vec_dot_type(ty), &random_acts(&mut rng, n));
+            let single = w.map(|w| kernels::vec_dot(ty, n, w, &a));
+            let mut variants = vec![("vec_dot_r4", kernels::vec_dot_r4(ty, n, w, &a))];
+            #[cfg(target_arch = "x86_64")]
+            if kernels::isa() == Isa::Avx512 {
+                use duet_common::kernels::matvec_avx512 as m;
+                // SAFETY: AVX-512 (and VNNI where called) detected; rows are whole blocks.
+                unsafe {
+                    match ty {
+                        GgmlType::Q4_1 => variants.push(("q4_1 r4", m::dot_q4_1_q8_1_r4(w, &a))),
+                        GgmlType::Q8_0 => variants.push(("q8_0 r4", m::dot_q8_0_q8_0_r4(w, &a))),
+                        _ => {}
+                    }
+                    if kernels::has_vnni() {
+                        match ty {
+                            GgmlType::Q4_1 => variants.push(("q4_1 r4 vnni", m::dot_q4_1_q8_1_r4_vnni(w, &a))),
+                            GgmlType::Q8_0 => variants.push(("q8_0 r4 vnni", m::dot_q8_0_q8_0_r4_vnni(w, &a))),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+            for (name, four) in variants {
+                for r in 0..4 {
+                    assert_eq!(four[r].to_bits(), single[r].to_bits(), "{name} {ty} n={n} row {r}: {} vs {}", four[r], single[r]);
+                }
+            }
+        }
+    }
+}
+
 /// The KV helpers used by decode attention: `dot_f16_64` is bit-identical to
 /// `ggml_exact::dot_f16` (the same products and reduction tree), `widen_f16` to the scalar
 /// widening — on random values, exact zeros of both signs, and magnitudes far apart.

@@ -122,7 +122,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
     match cli.command {
         Command::Serve(args) => serve(args),
-        Command::Run(args) => run_generate(args),
+        // Inside the pool (see `worker::service`): forward passes' parallel loops are cheap there.
+        Command::Run(args) => rayon::scope(move |_| run_generate(args)),
         Command::Tokenize(args) => {
             let engine = load(&args.model)?;
             let ids = engine.tokenizer.encode_prompt(&args.text, args.special)?;
@@ -134,8 +135,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             let text = std::fs::read_to_string(&args.file).map_err(|e| anyhow::anyhow!("reading {}: {e}", args.file.display()))?;
             let tokens = engine.tokenizer.encode_prompt(&text, false)?;
             let start = std::time::Instant::now();
-            let result = engine.perplexity(&tokens, args.ctx, |done, total, ppl| {
-                eprintln!("[{done}/{total}] running perplexity {ppl:.4}");
+            let result = rayon::scope(|_| {
+                engine.perplexity(&tokens, args.ctx, |done, total, ppl| {
+                    eprintln!("[{done}/{total}] running perplexity {ppl:.4}");
+                })
             })?;
             let secs = start.elapsed().as_secs_f64();
             tracing::info!(tokens_per_s = (result.chunks * args.ctx) as f64 / secs, "perplexity done in {secs:.1}s");

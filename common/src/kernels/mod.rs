@@ -7,6 +7,8 @@ pub mod attention_avx512;
 pub mod dot;
 pub mod ggml_exact;
 pub mod matmul;
+#[cfg(target_arch = "x86_64")]
+pub mod matvec_avx512;
 pub mod ops;
 pub mod paged_attention;
 pub mod quant;
@@ -36,7 +38,7 @@ pub fn isa() -> Isa {
         let detected = detect_isa();
         let cap = isa_cap();
         let isa = detected.min(cap.unwrap_or(Isa::Avx512));
-        tracing::info!(?isa, ?detected, capped = cap.is_some(), "CPU kernels selected");
+        tracing::info!(?isa, ?detected, capped = cap.is_some(), vnni = has_vnni(), "CPU kernels selected");
         isa
     })
 }
@@ -56,6 +58,15 @@ pub fn isa_cap() -> Option<Isa> {
             None
         }
     }
+}
+
+/// Whether the AVX-512 kernels may use VNNI's `vpdpbusd` (detected once).
+pub fn has_vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    #[cfg(target_arch = "x86_64")]
+    return *VNNI.get_or_init(matvec_avx512::has_vnni);
+    #[cfg(not(target_arch = "x86_64"))]
+    return *VNNI.get_or_init(|| false);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -144,4 +155,25 @@ pub fn vec_dot_x4(ty: GgmlType, n: usize, w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
         }
     }
     a.map(|a| vec_dot(ty, n, w, a))
+}
+
+/// Four weight rows against one activation row, bit-identical to four [`vec_dot`] calls (on
+/// AVX-512 two rows share a register for the types that have such a kernel).
+#[inline]
+pub fn vec_dot_r4(ty: GgmlType, n: usize, w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C were detected (VNNI where used);
+        // the row lengths are checked by the callers' slices.
+        unsafe {
+            match (ty, has_vnni()) {
+                (GgmlType::Q4_1, true) => return matvec_avx512::dot_q4_1_q8_1_r4_vnni(w, a),
+                (GgmlType::Q4_1, false) => return matvec_avx512::dot_q4_1_q8_1_r4(w, a),
+                (GgmlType::Q8_0, true) => return matvec_avx512::dot_q8_0_q8_0_r4_vnni(w, a),
+                (GgmlType::Q8_0, false) => return matvec_avx512::dot_q8_0_q8_0_r4(w, a),
+                _ => {}
+            }
+        }
+    }
+    w.map(|w| vec_dot(ty, n, w, a))
 }

@@ -1,0 +1,172 @@
+//! AVX-512 dot products of four weight rows with one activation row, for the default model's
+//! weight types (Q4_1 × Q8_1, Q8_0 × Q8_0), bit-identical to four calls of the AVX2 kernels
+//! in `simd_x86` (ggml's arithmetic).
+//!
+//! Two weight rows share one 512-bit register: row A in lanes 0–7, row B in lanes 8–15, so
+//! every lane does exactly what the AVX2 kernel's eight lanes do (per block: the integer sums
+//! of four byte products, scaled by `d_w · d_a` and accumulated with one FMA); only the
+//! instruction count halves. With AVX-512 VNNI one `vpdpbusd` replaces `maddubs` + `madd`
+//! (the same integer sums: no product pair reaches `maddubs`' saturation for these types).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+/// Whether the `vpdpbusd` variants can run here (AVX-512 VNNI).
+pub fn has_vnni() -> bool {
+    is_x86_feature_detected!("avx512vnni")
+}
+
+const Q4_1_BYTES: usize = 20;
+const Q8_1_BYTES: usize = 36;
+const Q8_0_BYTES: usize = 34;
+
+/// Sum of products of unsigned bytes `u` and signed bytes `s`, four at a time, as 16 i32.
+#[inline(always)]
+unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
+    } else {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))
+    }
+}
+
+/// `hsum_ps` of the AVX2 kernels on each 8-lane half: (lo4 + hi4), then (0 + 2, 1 + 3), then
+/// the two added.
+#[inline(always)]
+unsafe fn hsum_halves(v: __m512) -> [f32; 2] {
+    [hsum8(_mm512_castps512_ps256(v)), hsum8(_mm512_extractf32x8_ps::<1>(v))]
+}
+
+#[inline(always)]
+unsafe fn hsum8(x: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// 32 bytes at `p` in lanes 0–31, 32 bytes at `q` in lanes 32–63.
+#[inline(always)]
+unsafe fn bytes_pair(p: *const u8, q: *const u8) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(p.cast())), _mm256_loadu_si256(q.cast()))
+}
+
+/// Two 16-byte nibble arrays as 64 bytes: A's low nibbles, A's high nibbles, B's low, B's high.
+#[inline(always)]
+unsafe fn nibbles_pair(a: *const u8, b: *const u8) -> __m512i {
+    let ab = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(a.cast())), _mm_loadu_si128(b.cast()));
+    let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(ab), _mm256_srli_epi16::<4>(ab));
+    // [A, B, A>>4, B>>4] → [A, A>>4, B, B>>4]
+    let ordered = _mm512_shuffle_i64x2::<0b11_01_10_00>(both, both);
+    _mm512_and_si512(ordered, _mm512_set1_epi8(0x0F))
+}
+
+/// Lanes 0–7 = `v[0]`, lanes 8–15 = `v[2]`.
+#[inline(always)]
+unsafe fn spread_0_2(v: __m128) -> __m512 {
+    let idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v))
+}
+
+/// Two f16 pairs (4 bytes at `a`, 4 bytes at `b`) widened: `[a0, a1, b0, b1]`.
+#[inline(always)]
+unsafe fn f16_pairs(a: *const u8, b: *const u8) -> __m128 {
+    let x = _mm_insert_epi32::<1>(_mm_cvtsi32_si128((a as *const i32).read_unaligned()), (b as *const i32).read_unaligned());
+    _mm_cvtph_ps(x)
+}
+
+#[inline(always)]
+unsafe fn q4_1_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    let nb = a.len() / Q8_1_BYTES;
+    debug_assert!(w.iter().all(|r| r.len() == nb * Q4_1_BYTES));
+    let (w0, w1, w2, w3) = (w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr());
+    let y = a.as_ptr();
+    let mut acc01 = _mm512_setzero_ps();
+    let mut acc23 = _mm512_setzero_ps();
+    // Lanes 1 and 3 carry the rows' running sums of m·s (lanes 0 and 2 are unused).
+    let mut summs01 = _mm_setzero_ps();
+    let mut summs23 = _mm_setzero_ps();
+    for b in 0..nb {
+        let yb = y.add(b * Q8_1_BYTES);
+        // [d_a, s_a, d_a, s_a]
+        let ds = _mm_cvtph_ps(_mm_set1_epi32((yb as *const i32).read_unaligned()));
+        let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(4).cast()));
+        let o = b * Q4_1_BYTES;
+        // [d_w · d_a, m_w · s_a] for two rows.
+        let p01 = _mm_mul_ps(f16_pairs(w0.add(o), w1.add(o)), ds);
+        let p23 = _mm_mul_ps(f16_pairs(w2.add(o), w3.add(o)), ds);
+        summs01 = _mm_add_ps(summs01, p01);
+        summs23 = _mm_add_ps(summs23, p23);
+        let x01 = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(nibbles_pair(w0.add(o + 4), w1.add(o + 4)), qy));
+        let x23 = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(nibbles_pair(w2.add(o + 4), w3.add(o + 4)), qy));
+        acc01 = _mm512_fmadd_ps(spread_0_2(p01), x01, acc01);
+        acc23 = _mm512_fmadd_ps(spread_0_2(p23), x23, acc23);
+    }
+    let ([r0, r1], [r2, r3]) = (hsum_halves(acc01), hsum_halves(acc23));
+    let (mut s01, mut s23) = ([0f32; 4], [0f32; 4]);
+    _mm_storeu_ps(s01.as_mut_ptr(), summs01);
+    _mm_storeu_ps(s23.as_mut_ptr(), summs23);
+    [r0 + s01[1], r1 + s01[3], r2 + s23[1], r3 + s23[3]]
+}
+
+#[inline(always)]
+unsafe fn q8_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    let nb = a.len() / Q8_0_BYTES;
+    debug_assert!(w.iter().all(|r| r.len() == nb * Q8_0_BYTES));
+    let (w0, w1, w2, w3) = (w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr());
+    let y = a.as_ptr();
+    let mut acc01 = _mm512_setzero_ps();
+    let mut acc23 = _mm512_setzero_ps();
+    for b in 0..nb {
+        let o = b * Q8_0_BYTES;
+        let yb = y.add(o);
+        let dy = _mm_cvtph_ps(_mm_set1_epi16((yb as *const i16).read_unaligned()));
+        let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(2).cast()));
+        // [d_w0, _, d_w1, _] · d_a: the f16 pair loads pick up a quant byte in lanes 1 and 3.
+        let d01 = _mm_mul_ps(f16_pairs(w0.add(o), w1.add(o)), dy);
+        let d23 = _mm_mul_ps(f16_pairs(w2.add(o), w3.add(o)), dy);
+        let (x01, x23) = (bytes_pair(w0.add(o + 2), w1.add(o + 2)), bytes_pair(w2.add(o + 2), w3.add(o + 2)));
+        let s01 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x01), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x01), _mm512_setzero_si512(), qy));
+        let s23 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x23), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x23), _mm512_setzero_si512(), qy));
+        acc01 = _mm512_fmadd_ps(spread_0_2(d01), _mm512_cvtepi32_ps(s01), acc01);
+        acc23 = _mm512_fmadd_ps(spread_0_2(d23), _mm512_cvtepi32_ps(s23), acc23);
+    }
+    let ([r0, r1], [r2, r3]) = (hsum_halves(acc01), hsum_halves(acc23));
+    [r0, r1, r2, r3]
+}
+
+/// Four Q4_1 weight rows · one Q8_1 activation row, each as `simd_x86::dot_q4_1_q8_1`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/DQ with AVX2, FMA and F16C; every row whole blocks of the same count.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn dot_q4_1_q8_1_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    q4_1_r4_body::<false>(w, a)
+}
+
+/// [`dot_q4_1_q8_1_r4`] with `vpdpbusd`.
+///
+/// # Safety
+/// As [`dot_q4_1_q8_1_r4`], and AVX-512 VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn dot_q4_1_q8_1_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    q4_1_r4_body::<true>(w, a)
+}
+
+/// Four Q8_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q8_0_q8_0`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/DQ with AVX2, FMA and F16C; every row whole blocks of the same count.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn dot_q8_0_q8_0_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    q8_0_r4_body::<false>(w, a)
+}
+
+/// [`dot_q8_0_q8_0_r4`] with `vpdpbusd`.
+///
+/// # Safety
+/// As [`dot_q8_0_q8_0_r4`], and AVX-512 VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn dot_q8_0_q8_0_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    q8_0_r4_body::<true>(w, a)
+}
