@@ -448,7 +448,7 @@ fn matmul_equals_per_row_vec_dot() {
     for ty in WEIGHT_TYPES {
         let cols = sizes(ty)[1];
         for rows in [1usize, 7, 37] {
-            for batch in [1usize, 3, 5] {
+            for batch in [1usize, 3, 5, 17, 40] {
                 let data: Vec<u8> = (0..rows).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
                 let w = QMatrix::new(ty, rows, cols, &data);
                 let x = random_acts(&mut rng, cols * batch);

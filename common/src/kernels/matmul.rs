@@ -63,6 +63,11 @@ pub fn matmul(w: &QMatrix<'_>, x: &QuantizedActs, out: &mut [f32]) {
     assert_eq!(out.len(), w.rows * x.n_rows, "matmul output size");
     let chunk = (w.rows / (rayon::current_num_threads() * 8)).clamp(8, 256);
     let out_ptr = SyncPtr(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if x.n_rows >= 2 && super::isa() == super::Isa::Avx512 && matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0) {
+        matmul_paired(w, x, chunk, out_ptr);
+        return;
+    }
     (0..w.rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
         let rows = c * chunk..((c + 1) * chunk).min(w.rows);
         // SAFETY (both writes): each task writes only its own rows `r` of every batch row
@@ -94,6 +99,36 @@ pub fn matmul(w: &QMatrix<'_>, x: &QuantizedActs, out: &mut [f32]) {
             }
             for r in r..rows.end {
                 write(t, r, vec_dot(w.ty, w.cols, w.row(r), a));
+            }
+        }
+    });
+}
+
+/// [`matmul`] with the AVX-512 tile kernels: activation rows regrouped in pairs once, then
+/// per chunk of weight rows every tile of sixteen activation rows (same bits as `vec_dot`).
+#[cfg(target_arch = "x86_64")]
+fn matmul_paired(w: &QMatrix<'_>, x: &QuantizedActs, chunk: usize, out_ptr: SyncPtr) {
+    use super::matmul_avx512::{self as k, PairedActs, TILE};
+    let nb = w.cols / w.ty.block_size();
+    // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
+    let acts = unsafe { PairedActs::new(x.ty, &x.data, x.n_rows, nb) };
+    let kernel: unsafe fn(&[u8], &PairedActs, usize) -> [f32; TILE] = match (w.ty, super::has_vnni()) {
+        (GgmlType::Q4_1, true) => k::q4_1_row_tile_vnni,
+        (GgmlType::Q4_1, false) => k::q4_1_row_tile,
+        (_, true) => k::q8_0_row_tile_vnni,
+        (_, false) => k::q8_0_row_tile,
+    };
+    (0..w.rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let rows = c * chunk..((c + 1) * chunk).min(w.rows);
+        for tile in 0..acts.n_tiles() {
+            let t0 = tile * TILE;
+            for r in rows.clone() {
+                // SAFETY: the kernel's CPU features were detected; the row has `nb` blocks.
+                let v = unsafe { kernel(w.row(r), &acts, tile) };
+                for (i, &v) in v.iter().enumerate().take(x.n_rows - t0) {
+                    // SAFETY: as in `matmul` — this task's rows only, in bounds.
+                    unsafe { *out_ptr.get().add((t0 + i) * w.rows + r) = v };
+                }
             }
         }
     });

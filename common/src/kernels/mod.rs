@@ -8,6 +8,8 @@ pub mod dot;
 pub mod ggml_exact;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
+pub mod matmul_avx512;
+#[cfg(target_arch = "x86_64")]
 pub mod matvec_avx512;
 pub mod ops;
 pub mod paged_attention;

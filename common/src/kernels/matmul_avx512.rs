@@ -1,0 +1,181 @@
+//! AVX-512 matrix products for batches of activation rows (prefill, many sequences), for the
+//! default model's weight types, bit-identical to one `vec_dot` per (weight row, activation
+//! row) — ggml's arithmetic.
+//!
+//! Activation rows are regrouped once per product into pairs, so that one 512-bit register
+//! holds two rows' quants of a block (row A in bytes 0–31, row B in bytes 32–63) next to their
+//! scales (lanes 0–7 and 8–15). A weight block is unpacked once, put in both halves, and
+//! multiplied with each pair by one `vpdpbusd` (or `maddubs` + `madd`): every lane computes
+//! what a lane of the AVX2 kernel does for that (weight row, activation row).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::quant::GgmlType;
+
+/// Activation rows per tile: eight pairs, whose accumulators stay in registers.
+pub const TILE: usize = 16;
+
+/// The activation rows of one product, regrouped for the kernels.
+#[derive(Debug, Default)]
+pub struct PairedActs {
+    /// Blocks per row.
+    nb: usize,
+    /// Tiles of [`TILE`] rows (the last padded with zero rows).
+    n_tiles: usize,
+    /// Per tile, block and pair: 64 bytes of quants (A then B).
+    qs: Vec<__m512i>,
+    /// Per tile, block and pair: the two rows' scales `d`, 8 lanes each.
+    d: Vec<__m512>,
+    /// Per tile and block: each row's `s = d · sum(q)` (Q8_1 only), one lane per row.
+    s: Vec<__m512>,
+}
+
+// SAFETY: plain vectors of numbers.
+unsafe impl Send for PairedActs {}
+unsafe impl Sync for PairedActs {}
+
+impl PairedActs {
+    /// Regroups `n_rows` activation rows of `row_bytes` each (Q8_0 or Q8_1 blocks, `nb` per
+    /// row) from `data`.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/DQ and F16C; `data` holds `n_rows * row_bytes` bytes of whole blocks
+    /// of `act_ty`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub unsafe fn new(act_ty: GgmlType, data: &[u8], n_rows: usize, nb: usize) -> PairedActs {
+        let (bb, qoff, has_s) = match act_ty {
+            GgmlType::Q8_1 => (36, 4, true),
+            GgmlType::Q8_0 => (34, 2, false),
+            other => panic!("{other} is not a paired activation type"),
+        };
+        assert_eq!(data.len(), n_rows * nb * bb, "activation rows");
+        let n_tiles = n_rows.div_ceil(TILE);
+        let pairs = TILE / 2;
+        let mut qs = vec![_mm512_setzero_si512(); n_tiles * nb * pairs];
+        let mut d = vec![_mm512_setzero_ps(); n_tiles * nb * pairs];
+        let mut s = vec![_mm512_setzero_ps(); if has_s { n_tiles * nb } else { 0 }];
+        let block = |row: usize, b: usize| (row < n_rows).then(|| &data[(row * nb + b) * bb..(row * nb + b + 1) * bb]);
+        let f16_at = |blk: &[u8], at: usize| half::f16::from_le_bytes([blk[at], blk[at + 1]]).to_f32();
+        for tile in 0..n_tiles {
+            for b in 0..nb {
+                let mut s_lanes = [0f32; TILE];
+                for p in 0..pairs {
+                    let mut q = [0u8; 64];
+                    let mut dl = [0f32; 16];
+                    for half in 0..2 {
+                        let row = tile * TILE + 2 * p + half;
+                        if let Some(blk) = block(row, b) {
+                            q[32 * half..32 * half + 32].copy_from_slice(&blk[qoff..qoff + 32]);
+                            dl[8 * half..8 * half + 8].fill(f16_at(blk, 0));
+                            if has_s {
+                                s_lanes[2 * p + half] = f16_at(blk, 2);
+                            }
+                        }
+                    }
+                    let at = (tile * nb + b) * pairs + p;
+                    qs[at] = _mm512_loadu_si512(q.as_ptr().cast());
+                    d[at] = _mm512_loadu_ps(dl.as_ptr());
+                }
+                if has_s {
+                    s[tile * nb + b] = _mm512_loadu_ps(s_lanes.as_ptr());
+                }
+            }
+        }
+        PairedActs { nb, n_tiles, qs, d, s }
+    }
+
+    pub fn n_tiles(&self) -> usize {
+        self.n_tiles
+    }
+}
+
+/// Sum of products of unsigned bytes `u` and signed bytes `s`, four at a time, as 16 i32.
+#[inline(always)]
+unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
+    } else {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))
+    }
+}
+
+/// The AVX2 kernels' `hsum_ps` of an 8-lane half.
+#[inline(always)]
+unsafe fn hsum8(x: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+}
+
+/// One weight row against one tile of activation rows: `out[i]` for the tile's row `i`.
+#[inline(always)]
+unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+    const PAIRS: usize = TILE / 2;
+    let nb = acts.nb;
+    let bb = if Q4_1 { 20 } else { 34 };
+    debug_assert_eq!(w.len(), nb * bb);
+    let wp = w.as_ptr();
+    let qs = acts.qs.as_ptr().add(tile * nb * PAIRS);
+    let ds = acts.d.as_ptr().add(tile * nb * PAIRS);
+    let mut acc = [_mm512_setzero_ps(); PAIRS];
+    let mut summs = _mm512_setzero_ps();
+    for b in 0..nb {
+        let blk = wp.add(b * bb);
+        let dx = _mm512_set1_ps(f16_at(blk));
+        let at = b * PAIRS;
+        if Q4_1 {
+            summs = _mm512_add_ps(summs, _mm512_mul_ps(_mm512_set1_ps(f16_at(blk.add(2))), *acts.s.as_ptr().add(tile * nb + b)));
+            let raw = _mm_loadu_si128(blk.add(4).cast());
+            let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
+            let wx = _mm512_broadcast_i64x4(lohi);
+            for p in 0..PAIRS {
+                let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(wx, *qs.add(at + p)));
+                acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, acc[p]);
+            }
+        } else {
+            let wx = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast()));
+            let neg = _mm512_movepi8_mask(wx);
+            let ax = _mm512_abs_epi8(wx);
+            for p in 0..PAIRS {
+                let y = *qs.add(at + p);
+                let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
+                let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(ax, sy));
+                acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, acc[p]);
+            }
+        }
+    }
+    let mut s = [0f32; TILE];
+    _mm512_storeu_ps(s.as_mut_ptr(), summs);
+    let mut out = [0f32; TILE];
+    for p in 0..PAIRS {
+        out[2 * p] = hsum8(_mm512_castps512_ps256(acc[p])) + s[2 * p];
+        out[2 * p + 1] = hsum8(_mm512_extractf32x8_ps::<1>(acc[p])) + s[2 * p + 1];
+    }
+    out
+}
+
+macro_rules! row_tile_fn {
+    ($name:ident, $q4_1:expr, $vnni:expr, $features:literal, $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The CPU features named in `target_feature`; `w` is one weight row of `acts`' block
+        /// count, `tile < acts.n_tiles()`.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+            row_tile::<$q4_1, $vnni>(w, acts, tile)
+        }
+    };
+}
+
+row_tile_fn!(q4_1_row_tile, true, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "A Q4_1 weight row · a tile of Q8_1 rows.");
+row_tile_fn!(q4_1_row_tile_vnni, true, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "A Q4_1 weight row · a tile of Q8_1 rows, with `vpdpbusd`.");
+row_tile_fn!(q8_0_row_tile, false, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "A Q8_0 weight row · a tile of Q8_0 rows.");
+row_tile_fn!(q8_0_row_tile_vnni, false, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "A Q8_0 weight row · a tile of Q8_0 rows, with `vpdpbusd`.");
