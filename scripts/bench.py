@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""The Duet benchmark table (see README "Benchmarks"): one table of
+
+* the kernel rows of `cargo bench -p duet-cpu-worker --bench kernels` (read bandwidth measured
+  in the same run, decode attention, matrix-vector per weight type);
+* whole-system rows, measured on a `duet-gateway serve` started here with `duet-gateway bench`:
+  prefill of a 512-token prompt, decode at depth 0 / 1K / 4K with one stream, aggregate decode
+  of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed);
+* the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
+  installed, and the ratio Duet / llama.cpp.
+
+Run through scripts/bench.sh, which builds the binaries and fetches the model first.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release")
+MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+DECODE_TOKENS = 64
+
+SYSTEM_ROWS = [
+    # (row id, description, shape)
+    ("prefill-512", "whole system: prefill", "512-token prompt, 1 stream"),
+    ("decode-depth-0", "whole system: decode, batch 1", "depth 0"),
+    ("decode-depth-1024", "whole system: decode, batch 1", "depth 1024"),
+    ("decode-depth-4096", "whole system: decode, batch 1", "depth 4096"),
+    ("aggregate-8", "whole system: aggregate decode", "8 concurrent sessions"),
+    ("aggregate-16", "whole system: aggregate decode", "16 concurrent sessions"),
+    ("aggregate-32", "whole system: aggregate decode", "32 concurrent sessions"),
+]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def kernel_rows(threads, quick):
+    cmd = ["cargo", "bench", "-q", "-p", "duet-cpu-worker", "--bench", "kernels", "--", "--threads", str(threads)]
+    if quick:
+        cmd.append("--quick")
+    log("kernels: " + " ".join(cmd))
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    header = next(l for l in out.splitlines() if l.startswith("Duet kernel benchmark"))
+    rows = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("what", "---") and not cells[0].startswith("-"):
+            rows.append(cells)
+    return header, rows
+
+
+class Server:
+    """`duet-gateway serve` in local mode (it starts the gpu-worker and the cpu-workers)."""
+
+    def __init__(self, threads):
+        self.dir = tempfile.mkdtemp(prefix="duet-bench-")
+        env = dict(os.environ, RUST_LOG="warn")
+        self.out = open(os.path.join(self.dir, "gw.out"), "w+")
+        self.err = open(os.path.join(self.dir, "gw.log"), "w")
+        self.proc = subprocess.Popen(
+            [os.path.join(BIN, "duet-gateway"), "serve", "--model", MODEL, "--listen", "127.0.0.1:0",
+             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads)],
+            stdout=self.out, stderr=self.err, env=env)
+        deadline = time.time() + 120
+        self.addr = None
+        while time.time() < deadline and self.proc.poll() is None:
+            self.out.seek(0)
+            m = re.search(r"^duet-gateway listening on (\S+)$", self.out.read(), re.M)
+            if m:
+                self.addr = m.group(1)
+                break
+            time.sleep(0.2)
+        if not self.addr:
+            self.stop()
+            sys.exit("the gateway did not come up; its log: " + open(os.path.join(self.dir, "gw.log")).read())
+
+    def bench(self, *args):
+        cmd = [os.path.join(BIN, "duet-gateway"), "bench", "--addr", self.addr, "--json", *args]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def duet_rows(threads):
+    server = Server(threads)
+    res = {}
+    try:
+        log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}")
+        r = server.bench("--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "1")[0]
+        res["prefill-512"] = 512 / (r["ttft_median_ms"] / 1e3)
+        r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS))[0]
+        res["decode-depth-0"] = r["decode_tokens_per_s_per_stream"]
+        for depth in (1024, 4096):
+            r = server.bench("--concurrency", "1", "--context", str(depth), "--max-tokens", str(DECODE_TOKENS))[0]
+            res[f"decode-depth-{depth}"] = r["decode_tokens_per_s_per_stream"]
+        for n in (8, 16, 32):
+            r = server.bench("--concurrency", str(n), "--context", "16", "--max-tokens", str(DECODE_TOKENS))[0]
+            res[f"aggregate-{n}"] = r["aggregate_tokens_per_s"]
+    finally:
+        server.stop()
+    return res
+
+
+def llama_rows(threads):
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        log("llama-cpp-python is not installed: no llama.cpp column (python3 -m pip install llama-cpp-python)")
+        return None
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "llama_cpp_bench.py"), "--model", MODEL, "--threads", str(threads),
+           "--decode-tokens", str(DECODE_TOKENS)]
+    log("llama.cpp: " + " ".join(cmd[1:]))
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="shorter kernel runs (contexts 1K and 4K only)")
+    ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--no-system", action="store_true")
+    ap.add_argument("--no-llama", action="store_true")
+    args = ap.parse_args()
+    header, krows = ("", []) if args.no_kernels else kernel_rows(args.threads, args.quick)
+    duet = {} if args.no_system else duet_rows(args.threads)
+    llama = None if (args.no_system or args.no_llama) else llama_rows(args.threads)
+    print(f"Duet benchmark: {args.threads} threads; {header}".rstrip("; "))
+    print()
+    print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for what, shape, gbs, frac in krows:
+        print(f"| {what} | {shape} | {gbs} | GB/s | | | {frac} |")
+    for row, what, shape in SYSTEM_ROWS:
+        if row not in duet:
+            continue
+        d = duet[row]
+        l = llama.get(row) if llama else None
+        ratio = f"{d / l:.2f}×" if l else ""
+        print(f"| {what} | {shape} | {d:.1f} | tok/s | {f'{l:.1f}' if l else ''} | {ratio} | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""llama.cpp (through llama-cpp-python's C API bindings) on the same model, threads and
+workloads as Duet's system benchmark rows, for the side-by-side table of scripts/bench.sh.
+
+Rows (names match scripts/bench.sh):
+  prefill-512       tokens/s of one 512-token prompt, one llama_decode call
+  decode-depth-D    batch 1: a D-token prompt prefilled untimed, then greedy decode timed
+  aggregate-N       N sequences, each with a 16-token prompt prefilled untimed, then N
+                    tokens per llama_decode call (one per sequence), greedy; all tokens / time
+
+Prompts are random ordinary token ids (1000..40000) and end-of-generation is ignored, as in
+`duet-gateway bench`. llama.cpp's own defaults otherwise (flash attention "auto").
+Prints one JSON object {row: tokens_per_s}.
+"""
+
+import argparse
+import ctypes
+import json
+import random
+import sys
+import time
+
+import numpy as np
+
+try:
+    import llama_cpp as L
+except ImportError:
+    sys.exit("llama-cpp-python is not installed (python3 -m pip install llama-cpp-python)")
+
+
+class Runner:
+    def __init__(self, model_path, threads, n_ctx, n_seq, n_batch):
+        L.llama_backend_init()
+        L.llama_log_set(ctypes.cast(0, L.llama_log_callback), ctypes.c_void_p(0)) if hasattr(L, "llama_log_callback") else None
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(model_path.encode(), mp)
+        if not self.model:
+            sys.exit(f"llama.cpp could not load {model_path}")
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        cp.n_seq_max = n_seq
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            sys.exit("llama.cpp could not create a context")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.batch = L.llama_batch_init(max(n_batch, n_seq), 0, n_seq)
+
+    def clear(self):
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+
+    def decode(self, items):
+        """items: (token, pos, seq, wants_logits). Returns the argmax of each row asked for."""
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (tok, pos, seq, out) in enumerate(items):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = 1 if out else 0
+        rc = L.llama_decode(self.ctx, b)
+        if rc != 0:
+            sys.exit(f"llama_decode returned {rc}")
+        n_out = sum(1 for it in items if it[3])
+        logits = np.ctypeslib.as_array(L.llama_get_logits(self.ctx), shape=(n_out * self.n_vocab,))
+        return logits.reshape(n_out, self.n_vocab).argmax(axis=1).tolist()
+
+    def prefill(self, seq, tokens, n_batch):
+        last = None
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start : start + n_batch]
+            items = [(t, start + i, seq, start + i == len(tokens) - 1) for i, t in enumerate(chunk)]
+            out = self.decode(items)
+            if out:
+                last = out[-1]
+        return last
+
+
+def prompt(rng, n):
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="prefill-512,decode-depth-0,decode-depth-1024,decode-depth-4096,aggregate-8,aggregate-16,aggregate-32")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    args = ap.parse_args()
+    rng = random.Random(1)
+    rows = args.rows.split(",")
+    results = {}
+    n_batch = 512
+    max_seq = max([int(r.split("-")[1]) for r in rows if r.startswith("aggregate-")] or [1])
+    # One context per shape of work, as a user would configure llama.cpp for it.
+    single = Runner(args.model, args.threads, 4096 + 256, 1, n_batch)
+    for row in rows:
+        if row == "prefill-512":
+            best = 0.0
+            for _ in range(3):
+                single.clear()
+                toks = prompt(rng, 512)
+                t = time.perf_counter()
+                single.prefill(0, toks, n_batch)
+                best = max(best, 512 / (time.perf_counter() - t))
+            results[row] = best
+        elif row.startswith("decode-depth-"):
+            depth = int(row.split("-")[2])
+            single.clear()
+            toks = prompt(rng, max(depth, 1))
+            nxt = single.prefill(0, toks, n_batch)
+            pos = len(toks)
+            t = time.perf_counter()
+            for _ in range(args.decode_tokens):
+                nxt = single.decode([(nxt, pos, 0, True)])[0]
+                pos += 1
+            results[row] = args.decode_tokens / (time.perf_counter() - t)
+    agg = [r for r in rows if r.startswith("aggregate-")]
+    if agg:
+        multi = Runner(args.model, args.threads, max_seq * (16 + args.decode_tokens + 16), max_seq, n_batch)
+        for row in agg:
+            n = int(row.split("-")[1])
+            multi.clear()
+            nxt = [multi.prefill(s, prompt(rng, 16), n_batch) for s in range(n)]
+            pos = 16
+            t = time.perf_counter()
+            for _ in range(args.decode_tokens):
+                nxt = multi.decode([(nxt[s], pos, s, True) for s in range(n)])
+                pos += 1
+            results[row] = n * args.decode_tokens / (time.perf_counter() - t)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
