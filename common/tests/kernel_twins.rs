@@ -573,13 +573,14 @@ fn attention_kv_helpers_equal_their_scalar_twins_bit_for_bit() {
 #[test]
 fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
     use duet_common::kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
-    use duet_common::kernels::attention_avx512::{attend_group_hd64, GroupScratch, KvRun};
+    use duet_common::kernels::attention::KvRun;
+    use duet_common::kernels::attention_avx512::{attend_group_hd64, FastScratch};
     if kernels::isa() < Isa::Avx512 {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the AVX-512 attention kernel is not run");
         return;
     }
     let mut rng = StdRng::seed_from_u64(512);
-    let mut scratch = GroupScratch::default();
+    let mut scratch = FastScratch::default();
     let cases: &[(usize, usize, usize)] = &[
         (1, 0, 1),
         (17, 0, 17),

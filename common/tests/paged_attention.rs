@@ -2,8 +2,8 @@
 //! context, and split into ranges merged by log-sum-exp within a stated tolerance of the
 //! unsplit result and of a float64 reference, for real and odd shapes.
 
-use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead, KV_PADDING};
-use duet_common::kernels::paged_attention::{attend_group, merge_lse, merge_partials, KvScratch, PagedRange};
+use duet_common::kernels::attention::{causal_attention, AttnShape, GroupScratch, KvHead, KV_PADDING};
+use duet_common::kernels::paged_attention::{attend_group, merge_lse, merge_partials, PagedRange};
 use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
 use half::f16;
 use rand::rngs::StdRng;
@@ -96,7 +96,7 @@ impl Fixture {
             kv_padding: KV_PADDING,
         };
         let (mut out, mut lse) = (vec![0f32; n_head * hd], vec![0f32; n_head]);
-        let mut scratch = KvScratch::default();
+        let mut scratch = GroupScratch::default();
         for h in 0..n_kv_head {
             let heads = h * group..(h + 1) * group;
             attend_group(

@@ -42,6 +42,15 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
     let group = n_head / n_kv_head;
     let scale = attn_scale(hd);
     let n_padded = padded_len(n_ctx, KV_PADDING);
+    if n_tok == 1 {
+        // Decode: each KV head's query group in one pass over its rows.
+        let mut lse = vec![0f32; n_head];
+        out.par_chunks_mut(group * hd).zip(lse.par_chunks_mut(group)).enumerate().for_each_init(GroupScratch::default, |scratch, (h, (o, l))| {
+            let run = KvRun { k: &kv[h].k[..n_ctx * hd], v: &kv[h].v[..n_ctx * hd] };
+            decode_group(&[run], 0..n_ctx, n_padded, scale, &q[h * group * hd..(h + 1) * group * hd], o, l, scratch);
+        });
+        return;
+    }
     // Widen each KV head once for all query tokens.
     let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
         .par_iter()
@@ -59,6 +68,66 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
         let job = Job { q: q_row, k, v, start: 0, end: pos0 + t + 1, n_padded, hd, scale, tiled: n_tok >= 2 };
         run(&job, o);
     });
+}
+
+/// One run of consecutive positions of one KV head: `[rows][head_dim]` f16 K and V rows.
+#[derive(Debug, Clone, Copy)]
+pub struct KvRun<'a> {
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+}
+
+/// Reusable buffers of [`decode_group`].
+#[derive(Debug, Default)]
+pub struct GroupScratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    fast: super::attention_avx512::FastScratch,
+}
+
+/// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
+/// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
+/// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
+/// [`decode_attention_range`], whose results these are, bit for bit, head by head.
+///
+/// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
+/// (`attention_avx512`); otherwise the rows are widened once and each head runs
+/// [`decode_attention_range`]. Panics if the slices disagree.
+#[allow(clippy::too_many_arguments)] // the rows, the range and the group's three slices
+pub fn decode_group(
+    runs: &[KvRun<'_>],
+    range: Range<usize>,
+    n_padded: usize,
+    scale: f32,
+    q: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut GroupScratch,
+) {
+    let group = lse.len();
+    assert!(group > 0 && q.len() == out.len() && out.len() % group == 0, "query group slice sizes");
+    let hd = out.len() / group;
+    let n = range.end.saturating_sub(range.start);
+    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
+    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP {
+        // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
+        unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, q, out, lse, &mut scratch.fast) };
+        return;
+    }
+    scratch.k.resize(n * hd, 0.0);
+    scratch.v.resize(n * hd, 0.0);
+    let mut at = 0;
+    for run in runs {
+        super::widen_f16(run.k, &mut scratch.k[at..at + run.k.len()]);
+        super::widen_f16(run.v, &mut scratch.v[at..at + run.v.len()]);
+        at += run.k.len();
+    }
+    for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
+        *l = decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scale, oh);
+    }
 }
 
 /// The softmax scale of attention with heads of `head_dim`: `1 / sqrt(head_dim)` in f32.

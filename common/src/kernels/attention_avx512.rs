@@ -16,19 +16,14 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use super::attention::KvRun;
+
 /// Largest query group the kernel is built for (GQA ratios in use are 1 to 8).
 pub const MAX_GROUP: usize = 8;
 
-/// One run of consecutive positions: `[rows][64]` f16 K and V rows.
-#[derive(Debug, Clone, Copy)]
-pub struct KvRun<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
-}
-
 /// Reusable buffers of the kernel (scores, and the V lanes of every head of the group).
 #[derive(Debug, Default)]
-pub struct GroupScratch {
+pub struct FastScratch {
     scores: Vec<f32>,
     lanes: Vec<f32>,
     rows: RowTable,
@@ -36,7 +31,7 @@ pub struct GroupScratch {
 
 // SAFETY: `rows` only holds pointers into the K/V slices of one call; they are rewritten
 // before every use and never read after the call returns.
-unsafe impl Send for GroupScratch {}
+unsafe impl Send for FastScratch {}
 
 /// The group's attention over positions `start..end`, given as `runs` in position order (their
 /// rows add up to `end - start`); `q`/`out` are `[group][64]`, `lse` one per head; `n_padded`
@@ -56,7 +51,7 @@ pub unsafe fn attend_group_hd64(
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
-    scratch: &mut GroupScratch,
+    scratch: &mut FastScratch,
 ) {
     let group = lse.len();
     let n = end - start;
@@ -89,7 +84,7 @@ unsafe fn group_kernel<const G: usize>(
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
-    scratch: &mut GroupScratch,
+    scratch: &mut FastScratch,
 ) {
     let n = end - start;
     let stride = n.next_multiple_of(16);
@@ -305,7 +300,7 @@ unsafe fn value_pass<const G: usize>(
     stride: usize,
     weights: *const f32,
     out: &mut [f32],
-    scratch: &mut GroupScratch,
+    scratch: &mut FastScratch,
 ) {
     let simd_end = (n_padded & !63).min(end).max(start);
     let rows = &scratch.rows;

@@ -2,16 +2,14 @@
 //! position range of one KV head, for that head's whole GQA query group, returning each query
 //! head's output and log-sum-exp; and the log-sum-exp merge of such partial results.
 //!
-//! The arithmetic is [`decode_attention_range`]'s, the routine single-process decode uses, so
-//! a range covering a sequence's whole context gives bit for bit what
-//! [`causal_attention`](super::attention::causal_attention) gives for its decode token. A
-//! KV head's rows are gathered (widened to f32) once and read by every query head of its
-//! group, as the arena's `[kv_head][token][head_dim]` runs are laid out for.
+//! The arithmetic is [`decode_group`]'s, which single-process decode uses too, so a range
+//! covering a sequence's whole context gives bit for bit what
+//! [`causal_attention`](super::attention::causal_attention) gives for its decode token. The
+//! blocks' `[token][head_dim]` runs of a KV head are read in place, once for its whole group.
 
 use half::f16;
 
-use super::attention::{attn_scale, decode_attention_range, padded_len};
-use super::widen_f16;
+use super::attention::{attn_scale, decode_group, padded_len, GroupScratch, KvRun};
 use crate::kv::{ArenaLayout, BlockId, KvDtype};
 
 /// Read access to the f16 K/V rows of a KV arena (a byte arena described by an
@@ -72,53 +70,6 @@ impl PagedRange<'_> {
     }
 }
 
-/// Reusable buffers for the widened K and V rows of one KV head (and the AVX-512 kernel's).
-#[derive(Debug, Default)]
-pub struct KvScratch {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    #[cfg(target_arch = "x86_64")]
-    group: super::attention_avx512::GroupScratch,
-}
-
-impl KvScratch {
-    /// The K rows of the last gather, `[position - start][head_dim]`.
-    pub fn k(&self) -> &[f32] {
-        &self.k
-    }
-
-    /// The V rows of the last gather.
-    pub fn v(&self) -> &[f32] {
-        &self.v
-    }
-}
-
-/// Copies positions `r.start..r.end` of `kv_head` in `r.layer` from the arena's blocks into
-/// `scratch`, widened to f32, contiguous. Panics unless `r.fits(layout)`.
-pub fn gather_kv_head<A: ArenaRows + ?Sized>(
-    arena: &A,
-    layout: &ArenaLayout,
-    r: &PagedRange<'_>,
-    kv_head: u32,
-    scratch: &mut KvScratch,
-) {
-    assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
-    assert!(kv_head < layout.n_kv_head, "kv head {kv_head} of {}", layout.n_kv_head);
-    let hd = layout.head_dim as usize;
-    let n = r.end - r.start;
-    scratch.k.resize(n * hd, 0.0);
-    scratch.v.resize(n * hd, 0.0);
-    let mut dst = 0;
-    for (block, lo, rows) in block_runs(layout, r) {
-        let len = rows * hd;
-        let k_src = arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, len);
-        let v_src = arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, len);
-        widen_f16(k_src, &mut scratch.k[dst..dst + len]);
-        widen_f16(v_src, &mut scratch.v[dst..dst + len]);
-        dst += len;
-    }
-}
-
 /// Decode attention of the query group of `kv_head` over `r`'s positions: `q` and `out` are
 /// `[group][head_dim]` (the query heads `kv_head * group .. (kv_head + 1) * group`), `lse`
 /// gets one log-sum-exp per query head. The KV head is gathered once for the whole group.
@@ -133,30 +84,19 @@ pub fn attend_group<A: ArenaRows + ?Sized>(
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
-    scratch: &mut KvScratch,
+    scratch: &mut GroupScratch,
 ) {
     let hd = layout.head_dim as usize;
     assert!(q.len() == out.len() && out.len() == lse.len() * hd, "query group slice sizes");
-    let n_padded = padded_len(r.n_ctx, r.kv_padding);
-    let scale = attn_scale(hd);
-    #[cfg(target_arch = "x86_64")]
-    if super::isa() == super::Isa::Avx512 && hd == 64 && lse.len() <= super::attention_avx512::MAX_GROUP {
-        assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
-        assert!(kv_head < layout.n_kv_head, "kv head {kv_head} of {}", layout.n_kv_head);
-        let runs: Vec<_> = block_runs(layout, r)
-            .map(|(block, lo, rows)| super::attention_avx512::KvRun {
-                k: arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, rows * hd),
-                v: arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, rows * hd),
-            })
-            .collect();
-        // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-        unsafe { super::attention_avx512::attend_group_hd64(&runs, r.start, r.end, n_padded, scale, q, out, lse, &mut scratch.group) };
-        return;
-    }
-    gather_kv_head(arena, layout, r, kv_head, scratch);
-    for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
-        *l = decode_attention_range(qh, &scratch.k, &scratch.v, r.start..r.end, n_padded, scale, oh);
-    }
+    assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
+    assert!(kv_head < layout.n_kv_head, "kv head {kv_head} of {}", layout.n_kv_head);
+    let runs: Vec<KvRun<'_>> = block_runs(layout, r)
+        .map(|(block, lo, rows)| KvRun {
+            k: arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, rows * hd),
+            v: arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, rows * hd),
+        })
+        .collect();
+    decode_group(&runs, r.start..r.end, padded_len(r.n_ctx, r.kv_padding), attn_scale(hd), q, out, lse, scratch);
 }
 
 /// The blocks of `r` in position order, each with the first slot attended in it and the
