@@ -6,7 +6,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::paged_attention::{attend_group, ArenaRows, KvScratch};
+use duet_common::kernels::attention::GroupScratch;
+use duet_common::kernels::paged_attention::{attend_group, ArenaRows};
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
 use duet_common::shm::{Consumer, ShmError};
@@ -105,7 +106,7 @@ pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &Aren
     let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..tasks)
         .into_par_iter()
         .with_min_len(min_len)
-        .map_init(KvScratch::default, |scratch, task| {
+        .map_init(GroupScratch::default, |scratch, task| {
             let (s, h) = (task / n_kv, task % n_kv);
             let seq = &job.seqs[s];
             let r = seq.paged_range(job.layer, job.kv_padding);

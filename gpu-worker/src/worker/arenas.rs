@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use duet_common::kernels::attention::KvRun;
 use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
 use duet_common::shm::{Producer, Ring, Segment};
 use half::f16;
@@ -132,6 +133,34 @@ impl KvArenas {
             }
         }
         Ok(())
+    }
+
+    /// The K/V rows of positions `range` of one KV head of `layer`, in place in the arenas:
+    /// one run per block, in position order (`blocks[i]` holds positions `i * block_size..`).
+    pub fn runs(&self, blocks: &[(u32, BlockId)], layer: u32, kv_head: u32, range: Range<usize>) -> Result<Vec<KvRun<'_>>, StepError> {
+        let bs = self.block_size().ok_or(StepError::WorkerNotAttached(0))?;
+        let hd = self.shape.head_dim as usize;
+        let mut runs = Vec::with_capacity(range.len().div_ceil(bs) + 1);
+        let mut pos = range.start;
+        while pos < range.end {
+            let (worker, block) = *blocks
+                .get(pos / bs)
+                .ok_or_else(|| StepError::Invalid(format!("position {pos} has no KV block")))?;
+            let w = self.worker(worker)?;
+            let slot = pos % bs;
+            let n = (bs - slot).min(range.end - pos);
+            // SAFETY: inside the arena (blocks checked when the step was accepted); these
+            // rows were written by this process in this or an earlier step, and no one
+            // writes them while the step reads them.
+            runs.push(unsafe {
+                KvRun {
+                    k: w.arena.slice::<f16>(w.layout.k_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
+                    v: w.arena.slice::<f16>(w.layout.v_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
+                }
+            });
+            pos += n;
+        }
+        Ok(runs)
     }
 
     /// Copies positions `range` of one KV head of `layer` out of the arenas into `k` and `v`

@@ -6,11 +6,10 @@
 
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{attn_scale, causal_attention, decode_attention_range, padded_len, AttnShape, KvHead, KV_PADDING};
+use duet_common::kernels::attention::{attn_scale, causal_attention, decode_group, padded_len, AttnShape, GroupScratch, KvHead, KV_PADDING};
 use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::rpc::pb;
 use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::arenas::KvArenas;
@@ -123,6 +122,15 @@ impl StepAttention<'_> {
         let mut partials: Vec<Vec<(Vec<f32>, Vec<f32>)>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
         let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
         for (pi, p) in plan.iter().enumerate() {
+            if p.shares.is_empty() && p.n == 1 {
+                // An unsplit decode token: its whole context here, read in place.
+                if layer == 0 {
+                    self.timings.gpu_attention_positions += p.n_ctx() as u64;
+                }
+                let rows = p.row0 * q_dim..(p.row0 + 1) * q_dim;
+                self.attend_in_place(p, layer, 0..p.n_ctx(), &q[rows.clone()], &mut out[rows])?;
+                continue;
+            }
             if p.shares.is_empty() {
                 let mut heads = Vec::with_capacity(n_kv);
                 for h in 0..n_kv {
@@ -130,10 +138,6 @@ impl StepAttention<'_> {
                     heads.push((std::mem::take(&mut kbuf), std::mem::take(&mut vbuf)));
                 }
                 let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
-                if layer == 0 && p.n == 1 {
-                    // An unsplit decode token: its whole context here.
-                    self.timings.gpu_attention_positions += p.n_ctx() as u64;
-                }
                 let rows = p.row0 * q_dim..(p.row0 + p.n) * q_dim;
                 causal_attention(&q[rows.clone()], &views, shape, p.start, &mut out[rows]);
                 continue;
@@ -260,28 +264,28 @@ impl StepAttention<'_> {
 
     /// The gpu-worker's share of one decode token: every query head over `sh.range`.
     fn gpu_share(&self, p: &Planned, sh: &Share, layer: u32, q: &[f32]) -> Result<(Vec<f32>, Vec<f32>), StepError> {
+        let mut out = vec![0f32; q.len()];
+        let lse = self.attend_in_place(p, layer, sh.range.clone(), q, &mut out)?;
+        Ok((out, lse))
+    }
+
+    /// Decode attention of one token (`q`, `out`: `[head][head_dim]`) over positions `range`
+    /// of its context, straight from the arenas, each KV head's query group in one pass, the
+    /// KV heads in parallel. Returns the log-sum-exp of every query head.
+    fn attend_in_place(&self, p: &Planned, layer: u32, range: std::ops::Range<usize>, q: &[f32], out: &mut [f32]) -> Result<Vec<f32>, StepError> {
         let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = self.shape;
         let group = n_head / n_kv;
         let n_padded = padded_len(p.n_ctx(), KV_PADDING);
         let scale = attn_scale(hd);
-        let mut out = vec![0f32; n_head * hd];
         let mut lse = vec![0f32; n_head];
-        let (mut k16, mut v16) = (Vec::new(), Vec::new());
-        for h in 0..n_kv {
-            self.arenas.gather(&p.blocks, layer, h as u32, sh.range.clone(), &mut k16, &mut v16)?;
-            let (mut k, mut v) = (vec![0f32; k16.len()], vec![0f32; v16.len()]);
-            k16.convert_to_f32_slice(&mut k);
-            v16.convert_to_f32_slice(&mut v);
-            let heads = h * group..(h + 1) * group;
-            out[heads.start * hd..heads.end * hd]
-                .par_chunks_mut(hd)
-                .zip(lse[heads.clone()].par_iter_mut())
-                .enumerate()
-                .for_each(|(g, (o, l))| {
-                    let qh = &q[(heads.start + g) * hd..(heads.start + g + 1) * hd];
-                    *l = decode_attention_range(qh, &k, &v, sh.range.clone(), n_padded, scale, o);
-                });
-        }
-        Ok((out, lse))
+        let runs = (0..n_kv).map(|h| self.arenas.runs(&p.blocks, layer, h as u32, range.clone())).collect::<Result<Vec<_>, _>>()?;
+        out.par_chunks_mut(group * hd).zip(lse.par_chunks_mut(group)).zip(&runs).enumerate().for_each_init(
+            GroupScratch::default,
+            |scratch, (h, ((o, l), runs))| {
+                let q = &q[h * group * hd..(h + 1) * group * hd];
+                decode_group(runs, range.clone(), n_padded, scale, q, o, l, scratch);
+            },
+        );
+        Ok(lse)
     }
 }
