@@ -185,10 +185,17 @@ impl StepStats {
         if t.prefill_tokens == 0 && t.gpu_attention_positions > 0 {
             self.gpu_attention.add(t.gpu_attention_positions as f64, s(t.attention_gpu_ns));
         }
+        // What a step pays for a cpu-worker's share is its jobs' latency as the gpu-worker
+        // sees it: the worker's busy time plus the hand-over (posting, waking it, reading the
+        // results back). When one worker ran unoverlapped decode jobs and the gpu-worker had
+        // to wait for them, that latency is the gpu-worker's own share plus the wait; the
+        // busy time alone would make small shares look free.
+        let handover = t.prefill_tokens == 0 && t.sub_batches <= 1 && t.cpu_workers.len() == 1 && t.attention_wait_ns > 0;
         for w in &t.cpu_workers {
             if let Some(fit) = self.cpu_attention.get_mut(w.worker as usize) {
                 if w.positions > 0 {
-                    fit.add(w.positions as f64, s(w.busy_ns));
+                    let latency = if handover { w.busy_ns.max(t.attention_gpu_ns + t.attention_wait_ns) } else { w.busy_ns };
+                    fit.add(w.positions as f64, s(latency));
                 }
             }
         }
