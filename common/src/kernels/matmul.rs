@@ -112,7 +112,7 @@ fn matmul_paired(w: &QMatrix<'_>, x: &QuantizedActs, chunk: usize, out_ptr: Sync
     let nb = w.cols / w.ty.block_size();
     // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
     let acts = unsafe { PairedActs::new(x.ty, &x.data, x.n_rows, nb) };
-    let kernel: unsafe fn(&[u8], &PairedActs, usize) -> [f32; TILE] = match (w.ty, super::has_vnni()) {
+    let kernel: unsafe fn(&[u8], &PairedActs, usize, usize) -> [f32; TILE] = match (w.ty, super::has_vnni()) {
         (GgmlType::Q4_1, true) => k::q4_1_row_tile_vnni,
         (GgmlType::Q4_1, false) => k::q4_1_row_tile,
         (_, true) => k::q8_0_row_tile_vnni,
@@ -122,10 +122,11 @@ fn matmul_paired(w: &QMatrix<'_>, x: &QuantizedActs, chunk: usize, out_ptr: Sync
         let rows = c * chunk..((c + 1) * chunk).min(w.rows);
         for tile in 0..acts.n_tiles() {
             let t0 = tile * TILE;
+            let in_tile = (x.n_rows - t0).min(TILE);
             for r in rows.clone() {
                 // SAFETY: the kernel's CPU features were detected; the row has `nb` blocks.
-                let v = unsafe { kernel(w.row(r), &acts, tile) };
-                for (i, &v) in v.iter().enumerate().take(x.n_rows - t0) {
+                let v = unsafe { kernel(w.row(r), &acts, tile, in_tile) };
+                for (i, &v) in v.iter().enumerate().take(in_tile) {
                     // SAFETY: as in `matmul` — this task's rows only, in bounds.
                     unsafe { *out_ptr.get().add((t0 + i) * w.rows + r) = v };
                 }

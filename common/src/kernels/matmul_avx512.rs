@@ -114,9 +114,10 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
 }
 
-/// One weight row against one tile of activation rows: `out[i]` for the tile's row `i`.
+/// One weight row against the first `2 * P` rows of one tile of activation rows: `out[i]` for
+/// the tile's row `i` (the rest left zero).
 #[inline(always)]
-unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
     const PAIRS: usize = TILE / 2;
     let nb = acts.nb;
     let bb = if Q4_1 { 20 } else { 34 };
@@ -124,7 +125,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedAc
     let wp = w.as_ptr();
     let qs = acts.qs.as_ptr().add(tile * nb * PAIRS);
     let ds = acts.d.as_ptr().add(tile * nb * PAIRS);
-    let mut acc = [_mm512_setzero_ps(); PAIRS];
+    let mut acc = [_mm512_setzero_ps(); P];
     let mut summs = _mm512_setzero_ps();
     for b in 0..nb {
         let blk = wp.add(b * bb);
@@ -135,7 +136,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedAc
             let raw = _mm_loadu_si128(blk.add(4).cast());
             let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
             let wx = _mm512_broadcast_i64x4(lohi);
-            for p in 0..PAIRS {
+            for p in 0..P {
                 let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(wx, *qs.add(at + p)));
                 acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, acc[p]);
             }
@@ -143,7 +144,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedAc
             let wx = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast()));
             let neg = _mm512_movepi8_mask(wx);
             let ax = _mm512_abs_epi8(wx);
-            for p in 0..PAIRS {
+            for p in 0..P {
                 let y = *qs.add(at + p);
                 let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
                 let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(ax, sy));
@@ -154,7 +155,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedAc
     let mut s = [0f32; TILE];
     _mm512_storeu_ps(s.as_mut_ptr(), summs);
     let mut out = [0f32; TILE];
-    for p in 0..PAIRS {
+    for p in 0..P {
         out[2 * p] = hsum8(_mm512_castps512_ps256(acc[p])) + s[2 * p];
         out[2 * p + 1] = hsum8(_mm512_extractf32x8_ps::<1>(acc[p])) + s[2 * p + 1];
     }
@@ -164,13 +165,20 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool>(w: &[u8], acts: &PairedAc
 macro_rules! row_tile_fn {
     ($name:ident, $q4_1:expr, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
+        /// Only the tile's first `rows` rows are computed (the others are zero rows or
+        /// beyond the batch): in pairs, rounded up to 1, 2, 4 or 8 pairs.
         ///
         /// # Safety
         /// The CPU features named in `target_feature`; `w` is one weight row of `acts`' block
         /// count, `tile < acts.n_tiles()`.
         #[target_feature(enable = $features)]
-        pub unsafe fn $name(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
-            row_tile::<$q4_1, $vnni>(w, acts, tile)
+        pub unsafe fn $name(w: &[u8], acts: &PairedActs, tile: usize, rows: usize) -> [f32; TILE] {
+            match rows.div_ceil(2) {
+                0 | 1 => row_tile::<$q4_1, $vnni, 1>(w, acts, tile),
+                2 => row_tile::<$q4_1, $vnni, 2>(w, acts, tile),
+                3 | 4 => row_tile::<$q4_1, $vnni, 4>(w, acts, tile),
+                _ => row_tile::<$q4_1, $vnni, 8>(w, acts, tile),
+            }
         }
     };
 }
