@@ -613,7 +613,7 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
             let scale = attn_scale(64);
             let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
             // SAFETY: AVX-512 was detected (checked above).
-            unsafe { attend_group_hd64(&runs, start, end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch) };
+            unsafe { attend_group_hd64(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
             let (kw, vw): (Vec<f32>, Vec<f32>) = (k.iter().map(|x| x.to_f32()).collect(), v.iter().map(|x| x.to_f32()).collect());
             for g in 0..group {
                 let mut twin = vec![0f32; 64];
@@ -626,5 +626,36 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
                 assert_eq!(lse[g].to_bits(), twin_lse.to_bits(), "n_ctx {n_ctx} range {start}..{end} group {group} head {g}: lse");
             }
         }
+    }
+}
+
+/// Prefill attention (several query tokens, causal, after `pos0` cached positions) on the
+/// dispatched path — the AVX-512 group kernel with tinyBLAS's arithmetic where the CPU has
+/// it — against the widened one-head-at-a-time path, bit for bit: first prompts and second
+/// turns, group sizes 1 to 8, prompts crossing the kernel's 2048-position windows.
+#[test]
+fn prefill_attention_equals_widened_twin_bit_for_bit() {
+    use duet_common::kernels::attention::{causal_attention, causal_attention_widened, AttnShape, KvHead};
+    if kernels::isa() < Isa::Avx512 {
+        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; prefill runs the widened path itself");
+    }
+    let mut rng = StdRng::seed_from_u64(1024);
+    for &(group, n_kv, pos0, n_tok) in &[(3, 3, 0, 2), (3, 3, 0, 37), (3, 3, 300, 17), (1, 2, 5, 9), (4, 2, 0, 64), (8, 1, 2040, 20), (2, 1, 0, 2100)] {
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64 };
+        let n_ctx = pos0 + n_tok;
+        let gain = if n_tok % 2 == 0 { 1.0 } else { 6.0 };
+        let kv_data: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
+            .map(|_| {
+                let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
+                (row(), row())
+            })
+            .collect();
+        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
+        let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+        let (mut fast, mut twin) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        causal_attention(&q, &kv, shape, pos0, &mut fast);
+        causal_attention_widened(&q, &kv, shape, pos0, &mut twin);
+        let first_bad = fast.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(first_bad.is_none(), "group {group} x {n_kv} kv heads, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
     }
 }

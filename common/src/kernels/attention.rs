@@ -51,6 +51,36 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
         });
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && hd == 64 && group <= super::attention_avx512::MAX_GROUP {
+        // Prefill: per token and KV head, the query group over the token's causal prefix in
+        // one pass over the rows, with tinyBLAS's arithmetic.
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
+            let (t, h) = (i / n_kv_head, i % n_kv_head);
+            let len = pos0 + t + 1;
+            let run = KvRun { k: &kv[h].k[..len * hd], v: &kv[h].v[..len * hd] };
+            let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
+            let q = &q[i * group * hd..(i + 1) * group * hd];
+            // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
+            unsafe { super::attention_avx512::attend_group_hd64(&[run], 0, len, n_padded, scale, true, q, o, &mut lse[..group], scratch) };
+        });
+        return;
+    }
+    causal_attention_widened(q, kv, shape, pos0, out);
+}
+
+/// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
+/// token at a time: the path of machines without AVX-512 (and of heads other than 64), and the
+/// twin the AVX-512 kernels are tested against.
+pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
+    let AttnShape { n_head, n_kv_head, head_dim: hd } = shape;
+    let n_tok = q.len() / (n_head * hd);
+    let n_ctx = pos0 + n_tok;
+    assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
+    assert_eq!(out.len(), q.len(), "attention output size");
+    let group = n_head / n_kv_head;
+    let scale = attn_scale(hd);
+    let n_padded = padded_len(n_ctx, KV_PADDING);
     // Widen each KV head once for all query tokens.
     let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
         .par_iter()
@@ -114,7 +144,7 @@ pub fn decode_group(
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP {
         // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-        unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, q, out, lse, &mut scratch.fast) };
+        unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, false, q, out, lse, &mut scratch.fast) };
         return;
     }
     scratch.k.resize(n * hd, 0.0);

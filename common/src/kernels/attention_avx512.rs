@@ -35,7 +35,9 @@ unsafe impl Send for FastScratch {}
 
 /// The group's attention over positions `start..end`, given as `runs` in position order (their
 /// rows add up to `end - start`); `q`/`out` are `[group][64]`, `lse` one per head; `n_padded`
-/// and `scale` as in `decode_attention_range`.
+/// and `scale` as in `decode_attention_range`. `tiled` selects the arithmetic llama.cpp uses
+/// for a batch of query tokens (tinyBLAS: Q·K as one fused multiply-add chain per lane of
+/// 16, V·weights in 16 position lanes summed in f32) instead of the decode one.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C. Panics (safely) if the slices
@@ -48,6 +50,7 @@ pub unsafe fn attend_group_hd64(
     end: usize,
     n_padded: usize,
     scale: f32,
+    tiled: bool,
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
@@ -60,22 +63,31 @@ pub unsafe fn attend_group_hd64(
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
     assert!(n > 0, "empty attention range");
-    match group {
-        1 => group_kernel::<1>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        2 => group_kernel::<2>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        3 => group_kernel::<3>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        4 => group_kernel::<4>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        5 => group_kernel::<5>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        6 => group_kernel::<6>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        7 => group_kernel::<7>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-        _ => group_kernel::<8>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+    macro_rules! by_group {
+        ($t:literal) => {
+            match group {
+                1 => group_kernel::<1, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                2 => group_kernel::<2, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                3 => group_kernel::<3, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                4 => group_kernel::<4, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                5 => group_kernel::<5, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                6 => group_kernel::<6, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                7 => group_kernel::<7, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                _ => group_kernel::<8, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+            }
+        };
+    }
+    if tiled {
+        by_group!(true)
+    } else {
+        by_group!(false)
     }
 }
 
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn group_kernel<const G: usize>(
+unsafe fn group_kernel<const G: usize, const TILED: bool>(
     runs: &[KvRun<'_>],
     start: usize,
     end: usize,
@@ -99,11 +111,15 @@ unsafe fn group_kernel<const G: usize>(
         }
     }
     scratch.rows.fill(runs);
-    scores_pass::<G>(&scratch.rows, n, stride, scale, &qv, scores);
+    scores_pass::<G, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
     for (g, l) in lse.iter_mut().enumerate() {
         *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n));
     }
-    value_pass::<G>(start, end, n_padded, stride, scores, out, scratch);
+    if TILED {
+        tiled_value_pass::<G>(start, end, stride, scores, out, scratch);
+    } else {
+        value_pass::<G>(start, end, n_padded, stride, scores, out, scratch);
+    }
 }
 
 /// Scaled Q·K scores of every head for the `n` positions, into `scores[g * stride + i]`.
@@ -111,7 +127,7 @@ unsafe fn group_kernel<const G: usize>(
 /// during the last [`WINDOW`] positions.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores_pass<const G: usize>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) {
+unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) {
     let zero = _mm512_setzero_ps();
     let scale = _mm512_set1_ps(scale);
     // h[g][i]: position i (of 16)'s 16-lane partial sums (`reduce64` before its last step).
@@ -126,9 +142,18 @@ unsafe fn scores_pass<const G: usize>(rows: &RowTable, n: usize, stride: usize, 
         }
         let kx = widen_row(rows.k(i));
         for g in 0..G {
-            let p = |j: usize| _mm512_fmadd_ps(kx[j], qv[g][j], zero);
-            // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
-            h[g][i % 16] = _mm512_add_ps(_mm512_add_ps(p(0), p(2)), _mm512_add_ps(p(1), p(3)));
+            h[g][i % 16] = if TILED {
+                // tinyBLAS: one fused multiply-add chain per lane over the 16-element chunks.
+                let mut acc = zero;
+                for j in 0..4 {
+                    acc = _mm512_fmadd_ps(qv[g][j], kx[j], acc);
+                }
+                acc
+            } else {
+                let p = |j: usize| _mm512_fmadd_ps(kx[j], qv[g][j], zero);
+                // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
+                _mm512_add_ps(_mm512_add_ps(p(0), p(2)), _mm512_add_ps(p(1), p(3)))
+            };
         }
         if i % 16 == 15 {
             for g in 0..G {
@@ -187,7 +212,8 @@ impl RowTable {
     }
 }
 
-/// `_mm512_reduce_add_ps` of each of 16 vectors, lane `p` of the result being `h[p]`'s sum:
+/// `_mm512_reduce_add_ps` (or tinyBLAS's `reduce16`, the same tree) of each of 16 vectors,
+/// lane `p` of the result being `h[p]`'s sum:
 /// the halves added pairwise (8, 4, then (0+2)+(1+3)) by a butterfly over the vectors.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -319,7 +345,7 @@ unsafe fn value_pass<const G: usize>(
                 for i in next.clone().skip(pair * per_pair).take(per_pair) {
                     prefetch_row::<_MM_HINT_T1>(rows.v(i));
                 }
-                lane_pair::<G>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
+                lane_pair::<G, 64>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
             }
             w0 = w1;
         }
@@ -344,6 +370,40 @@ unsafe fn value_pass<const G: usize>(
     }
 }
 
+/// tinyBLAS's V · weights: every position into 16 lanes (`p % 16`), each head's lanes summed
+/// by `reduce16` per dimension, in f32. Lane pairs and windows as in [`value_pass`].
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn tiled_value_pass<const G: usize>(start: usize, end: usize, stride: usize, weights: *const f32, out: &mut [f32], scratch: &mut FastScratch) {
+    let rows = &scratch.rows;
+    scratch.lanes.clear();
+    scratch.lanes.resize(G * 16 * 64, 0.0);
+    let lanes = scratch.lanes.as_mut_ptr();
+    let mut w0 = start;
+    while w0 < end {
+        let w1 = (w0 - w0 % 64 + WINDOW).min(end);
+        let next = (w1 - start)..(w1 - w1 % 64 + WINDOW).min(end) - start;
+        let per_pair = next.len().div_ceil(8);
+        for pair in 0..8 {
+            for i in next.clone().skip(pair * per_pair).take(per_pair) {
+                prefetch_row::<_MM_HINT_T1>(rows.v(i));
+            }
+            lane_pair::<G, 16>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
+        }
+        w0 = w1;
+    }
+    for (g, o) in out.chunks_exact_mut(64).enumerate() {
+        let l = lanes.add(g * 16 * 64);
+        for j in 0..4 {
+            let at = |lane: usize| _mm512_loadu_ps(l.add(lane * 64 + 16 * j));
+            let t8: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(at(i + 8), at(i)));
+            let t4: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(t8[i + 4], t8[i]));
+            let r = _mm512_add_ps(_mm512_add_ps(t4[0], t4[2]), _mm512_add_ps(t4[1], t4[3]));
+            _mm512_storeu_ps(o.as_mut_ptr().add(16 * j), r);
+        }
+    }
+}
+
 /// Positions per window of the V pass (256 KiB of f16 V rows of 64).
 const WINDOW: usize = 2048;
 
@@ -360,12 +420,13 @@ unsafe fn widen_row(row: *const f16) -> [__m512; 4] {
     ]
 }
 
-/// Lanes `lane` and `lane + 1` over the positions `w0..w1`: their accumulators loaded from
-/// `lanes[g][lane][..]`, the positions `p ≡ lane (mod 64)` added in order, stored back.
+/// Lanes `lane` and `lane + 1` (of `LANES`) over the positions `w0..w1`: their accumulators
+/// loaded from `lanes[g][lane][..]`, the positions `p ≡ lane (mod LANES)` added in order,
+/// stored back.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn lane_pair<const G: usize>(
+unsafe fn lane_pair<const G: usize, const LANES: usize>(
     lane: usize,
     w0: usize,
     w1: usize,
@@ -375,7 +436,7 @@ unsafe fn lane_pair<const G: usize>(
     rows: &RowTable,
     lanes: *mut f32,
 ) {
-    let at = |g: usize, l: usize, j: usize| lanes.add((g * 64 + lane + l) * 64 + 16 * j);
+    let at = |g: usize, l: usize, j: usize| lanes.add((g * LANES + lane + l) * 64 + 16 * j);
     let mut acc = [[[_mm512_setzero_ps(); 4]; G]; 2];
     for (l, acc_l) in acc.iter_mut().enumerate() {
         for (g, acc_g) in acc_l.iter_mut().enumerate() {
@@ -384,8 +445,8 @@ unsafe fn lane_pair<const G: usize>(
             }
         }
     }
-    // First position of lane `lane` at or after the start of w0's 64-position chunk.
-    let mut p = w0 - w0 % 64 + lane;
+    // First position of lane `lane` at or after the start of w0's chunk of LANES positions.
+    let mut p = w0 - w0 % LANES + lane;
     while p < w1 {
         for (l, acc_l) in acc.iter_mut().enumerate() {
             let q = p + l;
@@ -401,7 +462,7 @@ unsafe fn lane_pair<const G: usize>(
                 }
             }
         }
-        p += 64;
+        p += LANES;
     }
     for (l, acc_l) in acc.iter().enumerate() {
         for (g, acc_g) in acc_l.iter().enumerate() {
