@@ -6,6 +6,8 @@ pub mod attention;
 pub mod attention_avx512;
 pub mod dot;
 pub mod ggml_exact;
+#[cfg(target_arch = "x86_64")]
+pub mod kquants_avx512;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 pub mod matmul_avx512;
@@ -126,6 +128,20 @@ pub fn widen_f16_scalar(src: &[half::f16], dst: &mut [f32]) {
 /// to `dot::vec_dot_type(ty)`, on the fastest kernel this machine has.
 #[inline]
 pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C were detected (VNNI where used);
+        // block counts are checked by the slices.
+        unsafe {
+            match (ty, has_vnni()) {
+                (GgmlType::Q4K, true) => return kquants_avx512::dot_q4k_q8k_vnni(w, a),
+                (GgmlType::Q4K, false) => return kquants_avx512::dot_q4k_q8k(w, a),
+                (GgmlType::Q6K, true) => return kquants_avx512::dot_q6k_q8k_vnni(w, a),
+                (GgmlType::Q6K, false) => return kquants_avx512::dot_q6k_q8k(w, a),
+                _ => {}
+            }
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected; block counts are checked by the slices.
