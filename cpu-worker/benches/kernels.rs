@@ -56,11 +56,13 @@ fn best(reps: usize, mut f: impl FnMut()) -> Duration {
         .unwrap_or_default()
 }
 
-/// GB/s of a parallel sum over 1 GiB of f32 (512 MiB with --quick).
+/// GB/s of a parallel sum over 1 GiB of f32 (512 MiB with --quick), the best of 9 runs: this
+/// machine's (a VM's) bandwidth varies between runs by up to 1.7×, and the kernels' fractions
+/// should be of what it can do at its best, not of a slow moment.
 fn read_bandwidth(quick: bool) -> f64 {
     let n = if quick { 128 << 20 } else { 256 << 20 };
     let data: Vec<f32> = (0..n).into_par_iter().map(|i| (i % 7) as f32).collect();
-    let t = best(3, || {
+    let t = best(9, || {
         // 32 independent lanes: the adds vectorise and never wait on each other, so the
         // loop is bound by memory, not by one long chain of additions.
         let s: f32 = data
