@@ -2,6 +2,8 @@
 //! rows, threads split by output rows with rayon, each thread's weight rows reused across the
 //! whole batch while they sit in cache.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::dot::{quantize_row, vec_dot_type};
@@ -58,86 +60,104 @@ impl QuantizedActs {
 
 /// `out[t * w.rows + r] = w.row(r) · x.row(t)` for every row `r` and batch row `t`.
 pub fn matmul(w: &QMatrix<'_>, x: &QuantizedActs, out: &mut [f32]) {
-    assert_eq!(x.ty, vec_dot_type(w.ty), "activations quantised for another weight type");
-    assert_eq!(x.cols, w.cols, "matmul inner dimension");
-    assert_eq!(out.len(), w.rows * x.n_rows, "matmul output size");
-    let chunk = (w.rows / (rayon::current_num_threads() * 8)).clamp(8, 256);
-    let out_ptr = SyncPtr(out.as_mut_ptr());
-    #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= 2 && super::isa() == super::Isa::Avx512 && matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0) {
-        matmul_paired(w, x, chunk, out_ptr);
-        return;
-    }
-    (0..w.rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let rows = c * chunk..((c + 1) * chunk).min(w.rows);
-        // SAFETY (both writes): each task writes only its own rows `r` of every batch row
-        // `t`, so the indices `t * w.rows + r` of different tasks never overlap; in bounds by
-        // the size assertion above.
-        let write = |t: usize, r: usize, v: f32| unsafe { *out_ptr.get().add(t * w.rows + r) = v };
-        let mut t = 0;
-        // Four batch rows at a time: same bits as one at a time, weight blocks unpacked once.
-        while t + 4 <= x.n_rows {
-            let a = [x.row(t), x.row(t + 1), x.row(t + 2), x.row(t + 3)];
-            for r in rows.clone() {
-                let v = vec_dot_x4(w.ty, w.cols, w.row(r), a);
-                for (i, &v) in v.iter().enumerate() {
-                    write(t + i, r, v);
-                }
-            }
-            t += 4;
-        }
-        for t in t..x.n_rows {
-            let a = x.row(t);
-            // Four weight rows at a time (same bits as one at a time), the rest one by one.
-            let mut r = rows.start;
-            while r + 4 <= rows.end {
-                let v = vec_dot_r4(w.ty, w.cols, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], a);
-                for (i, &v) in v.iter().enumerate() {
-                    write(t, r + i, v);
-                }
-                r += 4;
-            }
-            for r in r..rows.end {
-                write(t, r, vec_dot(w.ty, w.cols, w.row(r), a));
-            }
-        }
-    });
+    matmul_many(&[*w], x, &mut [out]);
 }
 
-/// [`matmul`] with the AVX-512 tile kernels: activation rows regrouped in pairs once, then
-/// per chunk of weight rows every tile of sixteen activation rows (same bits as `vec_dot`).
+/// [`matmul`] of several weight matrices with the same input (a layer's Q, K and V
+/// projections; its gate and up projections), in one parallel loop over all their rows:
+/// `outs[i][t * ws[i].rows + r] = ws[i].row(r) · x.row(t)`. One loop instead of several
+/// matters at batch 1, where a projection is a few microseconds of work.
+pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len(), "one output per weight matrix");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(x.ty, vec_dot_type(w.ty), "activations quantised for another weight type");
+        assert_eq!(x.cols, w.cols, "matmul inner dimension");
+        assert_eq!(out.len(), w.rows * x.n_rows, "matmul output size");
+    }
+    let outs: Vec<SyncPtr> = outs.iter_mut().map(|o| SyncPtr(o.as_mut_ptr())).collect();
+    let threads = rayon::current_num_threads();
+    let tasks: Vec<(usize, Range<usize>)> = ws
+        .iter()
+        .enumerate()
+        .flat_map(|(i, w)| {
+            let chunk = (w.rows / (threads * 8)).clamp(8, 256);
+            (0..w.rows.div_ceil(chunk)).map(move |c| (i, c * chunk..((c + 1) * chunk).min(w.rows)))
+        })
+        .collect();
+    #[cfg(target_arch = "x86_64")]
+    if x.n_rows >= 2 && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0)) {
+        let nb = x.cols / ws[0].ty.block_size();
+        // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
+        let acts = unsafe { super::matmul_avx512::PairedActs::new(x.ty, &x.data, x.n_rows, nb) };
+        tasks.into_par_iter().for_each(|(i, rows)| paired_rows(&ws[i], x.n_rows, &acts, rows, outs[i]));
+        return;
+    }
+    tasks.into_par_iter().for_each(|(i, rows)| plain_rows(&ws[i], x, rows, outs[i]));
+}
+
+/// Rows `rows` of `w` against every activation row, into `out` (`[t][w.rows]`).
+fn plain_rows(w: &QMatrix<'_>, x: &QuantizedActs, rows: Range<usize>, out: SyncPtr) {
+    // SAFETY (every write): each task writes only its own rows `r` of every batch row `t`,
+    // so the indices `t * w.rows + r` of different tasks never overlap; in bounds by the
+    // size assertions of `matmul_many`.
+    let write = |t: usize, r: usize, v: f32| unsafe { *out.get().add(t * w.rows + r) = v };
+    let mut t = 0;
+    // Four batch rows at a time: same bits as one at a time, weight blocks unpacked once.
+    while t + 4 <= x.n_rows {
+        let a = [x.row(t), x.row(t + 1), x.row(t + 2), x.row(t + 3)];
+        for r in rows.clone() {
+            let v = vec_dot_x4(w.ty, w.cols, w.row(r), a);
+            for (i, &v) in v.iter().enumerate() {
+                write(t + i, r, v);
+            }
+        }
+        t += 4;
+    }
+    for t in t..x.n_rows {
+        let a = x.row(t);
+        // Four weight rows at a time (same bits as one at a time), the rest one by one.
+        let mut r = rows.start;
+        while r + 4 <= rows.end {
+            let v = vec_dot_r4(w.ty, w.cols, [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)], a);
+            for (i, &v) in v.iter().enumerate() {
+                write(t, r + i, v);
+            }
+            r += 4;
+        }
+        for r in r..rows.end {
+            write(t, r, vec_dot(w.ty, w.cols, w.row(r), a));
+        }
+    }
+}
+
+/// [`plain_rows`] with the AVX-512 tile kernels over activation rows regrouped in pairs
+/// (same bits as `vec_dot`): every tile of sixteen activation rows for each weight row.
 #[cfg(target_arch = "x86_64")]
-fn matmul_paired(w: &QMatrix<'_>, x: &QuantizedActs, chunk: usize, out_ptr: SyncPtr) {
+fn paired_rows(w: &QMatrix<'_>, n_rows: usize, acts: &super::matmul_avx512::PairedActs, rows: Range<usize>, out: SyncPtr) {
     use super::matmul_avx512::{self as k, PairedActs, TILE};
-    let nb = w.cols / w.ty.block_size();
-    // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
-    let acts = unsafe { PairedActs::new(x.ty, &x.data, x.n_rows, nb) };
     let kernel: unsafe fn(&[u8], &PairedActs, usize, usize) -> [f32; TILE] = match (w.ty, super::has_vnni()) {
         (GgmlType::Q4_1, true) => k::q4_1_row_tile_vnni,
         (GgmlType::Q4_1, false) => k::q4_1_row_tile,
         (_, true) => k::q8_0_row_tile_vnni,
         (_, false) => k::q8_0_row_tile,
     };
-    (0..w.rows.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let rows = c * chunk..((c + 1) * chunk).min(w.rows);
-        for tile in 0..acts.n_tiles() {
-            let t0 = tile * TILE;
-            let in_tile = (x.n_rows - t0).min(TILE);
-            for r in rows.clone() {
-                // SAFETY: the kernel's CPU features were detected; the row has `nb` blocks.
-                let v = unsafe { kernel(w.row(r), &acts, tile, in_tile) };
-                for (i, &v) in v.iter().enumerate().take(in_tile) {
-                    // SAFETY: as in `matmul` — this task's rows only, in bounds.
-                    unsafe { *out_ptr.get().add((t0 + i) * w.rows + r) = v };
-                }
+    for tile in 0..acts.n_tiles() {
+        let t0 = tile * TILE;
+        let in_tile = (n_rows - t0).min(TILE);
+        for r in rows.clone() {
+            // SAFETY: the kernel's CPU features were detected; the row has the acts' blocks.
+            let v = unsafe { kernel(w.row(r), acts, tile, in_tile) };
+            for (i, &v) in v.iter().enumerate().take(in_tile) {
+                // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
+                unsafe { *out.get().add((t0 + i) * w.rows + r) = v };
             }
         }
-    });
+    }
 }
 
 #[derive(Clone, Copy)]
 struct SyncPtr(*mut f32);
-// SAFETY: used only for disjoint writes (see `matmul`).
+// SAFETY: used only for disjoint writes (see `plain_rows`).
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 impl SyncPtr {

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead};
-use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
+use duet_common::kernels::dot::vec_dot_type;
+use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
 use duet_common::kernels::ops::{llama3_freq_factors, rms_norm, silu_mul, Rope};
 use duet_common::kernels::quant::{dequantize, GgmlType};
 use duet_common::model::config::{LlamaConfig, RopeScaling};
@@ -144,6 +145,22 @@ impl CpuModel {
         out
     }
 
+    /// `x` times each of `ws` (same input width): the input quantised once and one parallel
+    /// loop for all when the weights share an activation type, else one [`Self::linear`]
+    /// each. Same results either way.
+    fn linear_many<const N: usize>(&self, ws: [&Weight; N], x: &[f32]) -> [Vec<f32>; N] {
+        let act_ty = vec_dot_type(ws[0].ty);
+        if ws.iter().any(|w| vec_dot_type(w.ty) != act_ty) {
+            return ws.map(|w| self.linear(w, x));
+        }
+        let acts = QuantizedActs::new(ws[0].ty, x, ws[0].cols);
+        let mut outs = ws.map(|w| vec![0f32; acts.n_rows * w.rows]);
+        let mats = ws.map(|w| self.mat(w));
+        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+        matmul_many(&mats, &acts, &mut views);
+        outs
+    }
+
     /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
     /// cache, and returns the logits asked for (`[row][vocab]`).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
@@ -216,9 +233,7 @@ impl CpuModel {
         let c = &self.config;
         let (layer, hd, n_rot) = (&self.layers[l], c.head_dim, c.n_rot);
         norm_rows(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn);
-        let mut q = self.linear(&layer.wq, &b.xn);
-        let mut k = self.linear(&layer.wk, &b.xn);
-        let v = self.linear(&layer.wv, &b.xn);
+        let [mut q, mut k, v] = self.linear_many([&layer.wq, &layer.wk, &layer.wv], &b.xn);
         q.par_chunks_mut(c.q_dim()).zip(&b.tables).for_each(|(row, t)| {
             row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
         });
@@ -236,8 +251,7 @@ impl CpuModel {
         let o = self.linear(&layer.wo, attn);
         add(&mut b.x, &o);
         norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
-        let mut g = self.linear(&layer.gate, &b.xn);
-        let u = self.linear(&layer.up, &b.xn);
+        let [mut g, u] = self.linear_many([&layer.gate, &layer.up], &b.xn);
         g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| silu_mul(g, u));
         let down = self.linear(&layer.down, &g);
         add(&mut b.x, &down);
