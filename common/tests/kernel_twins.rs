@@ -660,31 +660,42 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
     }
 }
 
-/// The AVX-512 k-quant kernels (with and without VNNI, where the CPU has them) against the
-/// scalar twins, bit for bit: the integer sums are exact and the float epilogue is the same.
+/// The AVX-512 block kernels of the types without a ggml-order AVX2 kernel (Q4_K, Q5_K, Q6_K,
+/// Q5_0, Q5_1; with and without VNNI, where the CPU has them) against the scalar twins, bit for
+/// bit: the integer sums are exact and the float epilogue is the same.
 #[test]
-fn avx512_kquant_kernels_equal_scalar_twins_bit_for_bit() {
+fn avx512_block_kernels_equal_scalar_twins_bit_for_bit() {
     #[cfg(target_arch = "x86_64")]
     {
-        use duet_common::kernels::kquants_avx512 as k;
+        use duet_common::kernels::blockdot_avx512 as k;
         if kernels::isa() < Isa::Avx512 {
-            println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the k-quant kernels are not run");
+            println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the block kernels are not run");
             return;
         }
+        type Dot = unsafe fn(&[u8], &[u8]) -> f32;
+        let kernels_of = |ty: GgmlType| -> [(&str, Dot); 2] {
+            match ty {
+                GgmlType::Q4K => [("plain", k::dot_q4k_q8k), ("vnni", k::dot_q4k_q8k_vnni)],
+                GgmlType::Q5K => [("plain", k::dot_q5k_q8k), ("vnni", k::dot_q5k_q8k_vnni)],
+                GgmlType::Q6K => [("plain", k::dot_q6k_q8k), ("vnni", k::dot_q6k_q8k_vnni)],
+                GgmlType::Q5_0 => [("plain", k::dot_q5_0_q8_0), ("vnni", k::dot_q5_0_q8_0_vnni)],
+                _ => [("plain", k::dot_q5_1_q8_1), ("vnni", k::dot_q5_1_q8_1_vnni)],
+            }
+        };
         let mut rng = StdRng::seed_from_u64(0x5eed_0006);
-        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
-            for n in [256, 256 * 3, 256 * 17] {
+        for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q5_1] {
+            for n in sizes(ty).into_iter().chain([ty.block_size() * 17]) {
                 for _ in 0..ROWS_PER_SIZE {
                     let w = random_weight_row(&mut rng, ty, n);
                     let a = quantized(vec_dot_type(ty), &random_acts(&mut rng, n));
                     let twin = vec_dot_scalar(ty, n, &w, &a);
-                    // SAFETY: AVX-512 detected above (VNNI checked before its variants run).
                     let mut fast = vec![("dispatch", kernels::vec_dot(ty, n, &w, &a))];
-                    unsafe {
-                        fast.push(("plain", if ty == GgmlType::Q4K { k::dot_q4k_q8k(&w, &a) } else { k::dot_q6k_q8k(&w, &a) }));
-                        if kernels::has_vnni() {
-                            fast.push(("vnni", if ty == GgmlType::Q4K { k::dot_q4k_q8k_vnni(&w, &a) } else { k::dot_q6k_q8k_vnni(&w, &a) }));
+                    for (name, f) in kernels_of(ty) {
+                        if name == "vnni" && !kernels::has_vnni() {
+                            continue;
                         }
+                        // SAFETY: AVX-512 detected above, VNNI checked before its variants.
+                        fast.push((name, unsafe { f(&w, &a) }));
                     }
                     for (name, v) in fast {
                         assert_eq!(v.to_bits(), twin.to_bits(), "{ty} n={n} {name}: {v} vs scalar {twin}");

@@ -7,7 +7,7 @@ pub mod attention_avx512;
 pub mod dot;
 pub mod ggml_exact;
 #[cfg(target_arch = "x86_64")]
-pub mod kquants_avx512;
+pub mod blockdot_avx512;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 pub mod matmul_avx512;
@@ -134,10 +134,16 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
         // block counts are checked by the slices.
         unsafe {
             match (ty, has_vnni()) {
-                (GgmlType::Q4K, true) => return kquants_avx512::dot_q4k_q8k_vnni(w, a),
-                (GgmlType::Q4K, false) => return kquants_avx512::dot_q4k_q8k(w, a),
-                (GgmlType::Q6K, true) => return kquants_avx512::dot_q6k_q8k_vnni(w, a),
-                (GgmlType::Q6K, false) => return kquants_avx512::dot_q6k_q8k(w, a),
+                (GgmlType::Q4K, true) => return blockdot_avx512::dot_q4k_q8k_vnni(w, a),
+                (GgmlType::Q4K, false) => return blockdot_avx512::dot_q4k_q8k(w, a),
+                (GgmlType::Q5K, true) => return blockdot_avx512::dot_q5k_q8k_vnni(w, a),
+                (GgmlType::Q5K, false) => return blockdot_avx512::dot_q5k_q8k(w, a),
+                (GgmlType::Q6K, true) => return blockdot_avx512::dot_q6k_q8k_vnni(w, a),
+                (GgmlType::Q6K, false) => return blockdot_avx512::dot_q6k_q8k(w, a),
+                (GgmlType::Q5_0, true) => return blockdot_avx512::dot_q5_0_q8_0_vnni(w, a),
+                (GgmlType::Q5_0, false) => return blockdot_avx512::dot_q5_0_q8_0(w, a),
+                (GgmlType::Q5_1, true) => return blockdot_avx512::dot_q5_1_q8_1_vnni(w, a),
+                (GgmlType::Q5_1, false) => return blockdot_avx512::dot_q5_1_q8_1(w, a),
                 _ => {}
             }
         }

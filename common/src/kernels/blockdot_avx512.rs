@@ -1,0 +1,221 @@
+//! AVX-512 dot products of one weight row with one activation row for the block types without
+//! an AVX2 kernel of ggml's lane order — the k-quants Q4_K, Q5_K, Q6_K (with Q8_K activations;
+//! most published GGUF models) and Q5_0, Q5_1 — bit-identical to the scalar twins in `dot.rs`:
+//! each block's integer sums are computed with vector byte products (VNNI's `vpdpbusd` where
+//! present) — integers, the same in any order — and the float epilogue of each block and the
+//! sum over blocks are the scalar code's own.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::quant::{scale_min_k4, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
+
+#[inline(always)]
+unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
+    } else {
+        _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))
+    }
+}
+
+#[inline(always)]
+unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+}
+
+#[inline(always)]
+fn f16_bytes(b: [u8; 2]) -> f32 {
+    half::f16::from_le_bytes(b).to_f32()
+}
+
+/// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K block (the scalar twin's `sum_sc`).
+#[inline(always)]
+unsafe fn q4k_sum_sc<const VNNI: bool>(x: &BlockQ4K, y: &BlockQ8K, sc: &[u8; 8]) -> i32 {
+    let mask = _mm256_set1_epi8(0x0F);
+    let scv = _mm_loadl_epi64(sc.as_ptr().cast());
+    let mut acc = _mm512_setzero_si512();
+    for i in 0..4 {
+        let raw = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i).cast());
+        let u = join(_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask));
+        let yv = _mm512_loadu_si512(y.qs.as_ptr().add(64 * i).cast());
+        // Lanes 0–7: sub-block 2i, lanes 8–15: sub-block 2i + 1.
+        let idx = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let s = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(scv, _mm_add_epi8(idx, _mm_set1_epi8(2 * i as i8))));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot_u8i8::<VNNI>(u, yv), s));
+    }
+    _mm512_reduce_add_epi32(acc)
+}
+
+#[inline(always)]
+unsafe fn dot_q4k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ4K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    xs.iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            let (mut sc, mut sum_m) = ([0u8; 8], 0i32);
+            for (j, s) in sc.iter_mut().enumerate() {
+                let (scale, m) = scale_min_k4(j, &x.scales);
+                *s = scale;
+                sum_m += m as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
+            }
+            let sum_sc = q4k_sum_sc::<VNNI>(x, y, &sc);
+            y.scale() * (f16_bytes(x.d) * sum_sc as f32) - y.scale() * f16_bytes(x.dmin) * sum_m as f32
+        })
+        .sum()
+}
+
+/// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q5_K block: Q4_K's nibbles with a fifth bit,
+/// bit `j` of `qh[l]` for sub-block `j`.
+#[inline(always)]
+unsafe fn q5k_sum_sc<const VNNI: bool>(x: &BlockQ5K, y: &BlockQ8K, sc: &[u8; 8]) -> i32 {
+    let mask = _mm256_set1_epi8(0x0F);
+    let bit4 = _mm256_set1_epi8(0x10);
+    let qh = _mm256_loadu_si256(x.qh.as_ptr().cast());
+    let scv = _mm_loadl_epi64(sc.as_ptr().cast());
+    let mut acc = _mm512_setzero_si512();
+    for i in 0..4 {
+        let raw = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i).cast());
+        let h_lo = _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((1u8 << (2 * i)) as i8)), bit4);
+        let h_hi = _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8((1u8 << (2 * i + 1)) as i8)), bit4);
+        let lo = _mm256_or_si256(_mm256_and_si256(raw, mask), h_lo);
+        let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask), h_hi);
+        let yv = _mm512_loadu_si512(y.qs.as_ptr().add(64 * i).cast());
+        let idx = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let s = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(scv, _mm_add_epi8(idx, _mm_set1_epi8(2 * i as i8))));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot_u8i8::<VNNI>(join(lo, hi), yv), s));
+    }
+    _mm512_reduce_add_epi32(acc)
+}
+
+#[inline(always)]
+unsafe fn dot_q5k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ5K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    xs.iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            let (mut sc, mut sum_m) = ([0u8; 8], 0i32);
+            for (j, s) in sc.iter_mut().enumerate() {
+                let (scale, m) = scale_min_k4(j, &x.scales);
+                *s = scale;
+                sum_m += m as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
+            }
+            let sum_sc = q5k_sum_sc::<VNNI>(x, y, &sc);
+            y.scale() * (f16_bytes(x.d) * sum_sc as f32) - y.scale() * f16_bytes(x.dmin) * sum_m as f32
+        })
+        .sum()
+}
+
+/// The 32 five-bit quants of a Q5_0/Q5_1 block (0..31, `q5_values`' order: low nibbles, then
+/// high nibbles, bit `k` of `qh` on quant `k`).
+#[inline(always)]
+unsafe fn q5_bytes(qh: [u8; 4], qs: &[u8; 16]) -> __m256i {
+    let raw = _mm_loadu_si128(qs.as_ptr().cast());
+    let nib = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
+    _mm256_or_si256(nib, _mm256_maskz_mov_epi8(u32::from_le_bytes(qh), _mm256_set1_epi8(0x10)))
+}
+
+/// Sum of products of unsigned bytes `u` and signed bytes `s` (32 of each).
+#[inline(always)]
+unsafe fn sum_u8i8_256<const VNNI: bool>(u: __m256i, s: __m256i) -> i32 {
+    let v = if VNNI {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    } else {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    };
+    let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+    _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v)))
+}
+
+#[inline(always)]
+unsafe fn dot_q5_0_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ5_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
+    xs.iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            let q = q5_bytes(x.qh, &x.qs);
+            let yv = _mm256_loadu_si256(y.qs.as_ptr().cast());
+            // Σ (q − 16)·y = Σ q·y − 16 Σ y.
+            let sum_y = sum_u8i8_256::<VNNI>(_mm256_set1_epi8(1), yv);
+            let sumi = sum_u8i8_256::<VNNI>(q, yv) - 16 * sum_y;
+            sumi as f32 * (f16_bytes(x.d) * f16_bytes(y.d))
+        })
+        .sum()
+}
+
+#[inline(always)]
+unsafe fn dot_q5_1_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ5_1::slice(w).unwrap(), BlockQ8_1::slice(a).unwrap());
+    xs.iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            let sumi = sum_u8i8_256::<VNNI>(q5_bytes(x.qh, &x.qs), _mm256_loadu_si256(y.qs.as_ptr().cast()));
+            (f16_bytes(x.d) * f16_bytes(y.d)) * sumi as f32 + f16_bytes(x.m) * f16_bytes(y.s)
+        })
+        .sum()
+}
+
+/// `Σ_j scales_j · Σ_l q_j[l] · y_j[l]` of one Q6_K block (the scalar twin's `sumi`), with
+/// the quants offset to 0..63 for the unsigned byte product and the offset taken back through
+/// the activation block sums.
+#[inline(always)]
+unsafe fn q6k_sumi<const VNNI: bool>(x: &BlockQ6K, y: &BlockQ8K) -> i32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let scv = _mm_loadu_si128(x.scales.as_ptr().cast());
+    let mut acc = _mm512_setzero_si512();
+    for n in 0..2 {
+        let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n).cast());
+        let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n + 32).cast());
+        let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * n).cast());
+        let a = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(0x03))));
+        let b = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C))));
+        let c = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+        let d = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+            _mm256_srli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0xC0u8 as i8))),
+        );
+        let y1 = _mm512_loadu_si512(y.qs.as_ptr().add(128 * n).cast());
+        let y2 = _mm512_loadu_si512(y.qs.as_ptr().add(128 * n + 64).cast());
+        // Four lanes per group of 16 positions: groups 8n..8n+3, then 8n+4..8n+7.
+        let base = 8 * n as i8;
+        let idx1 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        let s1 = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(scv, _mm_add_epi8(idx1, _mm_set1_epi8(base))));
+        let s2 = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(scv, _mm_add_epi8(idx1, _mm_set1_epi8(base + 4))));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot_u8i8::<VNNI>(join(a, b), y1), s1));
+        acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot_u8i8::<VNNI>(join(c, d), y2), s2));
+    }
+    let offset: i32 = (0..16).map(|j| x.scales[j] as i8 as i32 * y.bsum(j)).sum();
+    _mm512_reduce_add_epi32(acc) - 32 * offset
+}
+
+#[inline(always)]
+unsafe fn dot_q6k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ6K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    xs.iter().zip(ys).map(|(x, y)| f16_bytes(x.d) * y.scale() * q6k_sumi::<VNNI>(x, y) as f32).sum()
+}
+
+macro_rules! kquant_fn {
+    ($name:ident, $body:ident, $vnni:expr, $features:literal, $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The CPU features named in `target_feature`; `w` and `a` whole blocks of the same count.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(w: &[u8], a: &[u8]) -> f32 {
+            $body::<$vnni>(w, a)
+        }
+    };
+}
+
+kquant_fn!(dot_q4k_q8k, dot_q4k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K · Q8_K.");
+kquant_fn!(dot_q4k_q8k_vnni, dot_q4k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K · Q8_K with `vpdpbusd`.");
+kquant_fn!(dot_q6k_q8k, dot_q6k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q6_K · Q8_K.");
+kquant_fn!(dot_q6k_q8k_vnni, dot_q6k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q6_K · Q8_K with `vpdpbusd`.");
+kquant_fn!(dot_q5k_q8k, dot_q5k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_K · Q8_K.");
+kquant_fn!(dot_q5k_q8k_vnni, dot_q5k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_K · Q8_K with `vpdpbusd`.");
+kquant_fn!(dot_q5_0_q8_0, dot_q5_0_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_0 · Q8_0.");
+kquant_fn!(dot_q5_0_q8_0_vnni, dot_q5_0_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_0 · Q8_0 with `vpdpbusd`.");
+kquant_fn!(dot_q5_1_q8_1, dot_q5_1_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_1 · Q8_1.");
+kquant_fn!(dot_q5_1_q8_1_vnni, dot_q5_1_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_1 · Q8_1 with `vpdpbusd`.");
