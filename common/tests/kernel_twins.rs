@@ -510,12 +510,14 @@ fn four_weight_row_kernels_equal_four_single_rows() {
                 // SAFETY: AVX-512 (and VNNI where called) detected; rows are whole blocks.
                 unsafe {
                     match ty {
+                        GgmlType::Q4_0 => variants.push(("q4_0 r4", m::dot_q4_0_q8_0_r4(w, &a))),
                         GgmlType::Q4_1 => variants.push(("q4_1 r4", m::dot_q4_1_q8_1_r4(w, &a))),
                         GgmlType::Q8_0 => variants.push(("q8_0 r4", m::dot_q8_0_q8_0_r4(w, &a))),
                         _ => {}
                     }
                     if kernels::has_vnni() {
                         match ty {
+                            GgmlType::Q4_0 => variants.push(("q4_0 r4 vnni", m::dot_q4_0_q8_0_r4_vnni(w, &a))),
                             GgmlType::Q4_1 => variants.push(("q4_1 r4 vnni", m::dot_q4_1_q8_1_r4_vnni(w, &a))),
                             GgmlType::Q8_0 => variants.push(("q8_0 r4 vnni", m::dot_q8_0_q8_0_r4_vnni(w, &a))),
                             _ => {}

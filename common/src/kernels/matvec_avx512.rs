@@ -1,5 +1,6 @@
-//! AVX-512 dot products of four weight rows with one activation row, for the default model's
-//! weight types (Q4_1 × Q8_1, Q8_0 × Q8_0), bit-identical to four calls of the AVX2 kernels
+//! AVX-512 dot products of four weight rows with one activation row, for the weight types with
+//! an AVX2 kernel of ggml's order (Q4_0 × Q8_0, Q4_1 × Q8_1, Q8_0 × Q8_0), bit-identical to
+//! four calls of the AVX2 kernels
 //! in `simd_x86` (ggml's arithmetic).
 //!
 //! Two weight rows share one 512-bit register: row A in lanes 0–7, row B in lanes 8–15, so
@@ -17,6 +18,7 @@ pub fn has_vnni() -> bool {
     is_x86_feature_detected!("avx512vnni")
 }
 
+const Q4_0_BYTES: usize = 18;
 const Q4_1_BYTES: usize = 20;
 const Q8_1_BYTES: usize = 36;
 const Q8_0_BYTES: usize = 34;
@@ -122,6 +124,36 @@ unsafe fn q4_1_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
 }
 
 #[inline(always)]
+unsafe fn q4_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    let nb = a.len() / Q8_0_BYTES;
+    debug_assert!(w.iter().all(|r| r.len() == nb * Q4_0_BYTES));
+    let (w0, w1, w2, w3) = (w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr());
+    let y = a.as_ptr();
+    let mut acc01 = _mm512_setzero_ps();
+    let mut acc23 = _mm512_setzero_ps();
+    let eight = _mm512_set1_epi8(8);
+    for b in 0..nb {
+        let o = b * Q4_0_BYTES;
+        prefetch_rows(&[w0, w1, w2, w3], o);
+        let yb = y.add(b * Q8_0_BYTES);
+        let dy = _mm_cvtph_ps(_mm_set1_epi16((yb as *const i16).read_unaligned()));
+        let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(2).cast()));
+        // [d_w0, _, d_w1, _] · d_a: the f16 pair loads pick up quant bytes in lanes 1 and 3.
+        let d01 = _mm_mul_ps(f16_pairs(w0.add(o), w1.add(o)), dy);
+        let d23 = _mm_mul_ps(f16_pairs(w2.add(o), w3.add(o)), dy);
+        // The quants as signed bytes q − 8, multiplied as |x| · sign(y, x) (ggml's way).
+        let x01 = _mm512_sub_epi8(nibbles_pair(w0.add(o + 2), w1.add(o + 2)), eight);
+        let x23 = _mm512_sub_epi8(nibbles_pair(w2.add(o + 2), w3.add(o + 2)), eight);
+        let s01 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x01), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x01), _mm512_setzero_si512(), qy));
+        let s23 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x23), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x23), _mm512_setzero_si512(), qy));
+        acc01 = _mm512_fmadd_ps(spread_0_2(d01), _mm512_cvtepi32_ps(s01), acc01);
+        acc23 = _mm512_fmadd_ps(spread_0_2(d23), _mm512_cvtepi32_ps(s23), acc23);
+    }
+    let ([r0, r1], [r2, r3]) = (hsum_halves(acc01), hsum_halves(acc23));
+    [r0, r1, r2, r3]
+}
+
+#[inline(always)]
 unsafe fn q8_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
     let nb = a.len() / Q8_0_BYTES;
     debug_assert!(w.iter().all(|r| r.len() == nb * Q8_0_BYTES));
@@ -164,6 +196,24 @@ pub unsafe fn dot_q4_1_q8_1_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn dot_q4_1_q8_1_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
     q4_1_r4_body::<true>(w, a)
+}
+
+/// Four Q4_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q4_0_q8_0`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/DQ with AVX2, FMA and F16C; every row whole blocks of the same count.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn dot_q4_0_q8_0_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    q4_0_r4_body::<false>(w, a)
+}
+
+/// [`dot_q4_0_q8_0_r4`] with `vpdpbusd`.
+///
+/// # Safety
+/// As [`dot_q4_0_q8_0_r4`], and AVX-512 VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn dot_q4_0_q8_0_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    q4_0_r4_body::<true>(w, a)
 }
 
 /// Four Q8_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q8_0_q8_0`.

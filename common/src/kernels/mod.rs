@@ -191,6 +191,8 @@ pub fn vec_dot_r4(ty: GgmlType, n: usize, w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
         // the row lengths are checked by the callers' slices.
         unsafe {
             match (ty, has_vnni()) {
+                (GgmlType::Q4_0, true) => return matvec_avx512::dot_q4_0_q8_0_r4_vnni(w, a),
+                (GgmlType::Q4_0, false) => return matvec_avx512::dot_q4_0_q8_0_r4(w, a),
                 (GgmlType::Q4_1, true) => return matvec_avx512::dot_q4_1_q8_1_r4_vnni(w, a),
                 (GgmlType::Q4_1, false) => return matvec_avx512::dot_q4_1_q8_1_r4(w, a),
                 (GgmlType::Q8_0, true) => return matvec_avx512::dot_q8_0_q8_0_r4_vnni(w, a),
