@@ -136,7 +136,7 @@ pub fn decode_group(
     scratch: &mut GroupScratch,
 ) {
     let group = lse.len();
-    assert!(group > 0 && q.len() == out.len() && out.len() % group == 0, "query group slice sizes");
+    assert!(group > 0 && q.len() == out.len() && out.len().is_multiple_of(group), "query group slice sizes");
     let hd = out.len() / group;
     let n = range.end.saturating_sub(range.start);
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");

@@ -58,7 +58,7 @@ pub unsafe fn attend_group_hd64(
 ) {
     let group = lse.len();
     let n = end - start;
-    assert!(group >= 1 && group <= MAX_GROUP, "query group of {group}");
+    assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
     assert!(q.len() == group * 64 && out.len() == group * 64, "query group slice sizes");
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
@@ -156,16 +156,16 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
             };
         }
         if i % 16 == 15 {
-            for g in 0..G {
-                let s = _mm512_mul_ps(reduce16_x16(&h[g]), scale);
+            for (g, hg) in h.iter().enumerate() {
+                let s = _mm512_mul_ps(reduce16_x16(hg), scale);
                 _mm512_storeu_ps(scores.add(g * stride + i - 15), s);
             }
         }
     }
-    if n % 16 != 0 {
+    if !n.is_multiple_of(16) {
         let keep = (1u32 << (n % 16)) - 1;
-        for g in 0..G {
-            let s = _mm512_mul_ps(reduce16_x16(&h[g]), scale);
+        for (g, hg) in h.iter().enumerate() {
+            let s = _mm512_mul_ps(reduce16_x16(hg), scale);
             _mm512_mask_storeu_ps(scores.add(g * stride + n - n % 16), keep as __mmask16, s);
         }
     }
@@ -363,9 +363,9 @@ unsafe fn value_pass<const G: usize>(
             }
         }
     }
-    for (g, o) in out.chunks_exact_mut(64).enumerate() {
-        for j in 0..8 {
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), _mm512_cvtpd_ps(sums[g][j]));
+    for (o, s) in out.chunks_exact_mut(64).zip(&sums) {
+        for (j, &sj) in s.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), _mm512_cvtpd_ps(sj));
         }
     }
 }

@@ -136,19 +136,19 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
             let raw = _mm_loadu_si128(blk.add(4).cast());
             let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
             let wx = _mm512_broadcast_i64x4(lohi);
-            for p in 0..P {
+            for (p, a) in acc.iter_mut().enumerate() {
                 let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(wx, *qs.add(at + p)));
-                acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, acc[p]);
+                *a = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, *a);
             }
         } else {
             let wx = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast()));
             let neg = _mm512_movepi8_mask(wx);
             let ax = _mm512_abs_epi8(wx);
-            for p in 0..P {
+            for (p, a) in acc.iter_mut().enumerate() {
                 let y = *qs.add(at + p);
                 let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
                 let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(ax, sy));
-                acc[p] = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, acc[p]);
+                *a = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, *a);
             }
         }
     }
