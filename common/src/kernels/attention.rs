@@ -34,14 +34,7 @@ pub struct AttnShape {
 /// token seeing positions `0..=its own` (causal). `q` and `out` are `[token][head][head_dim]`;
 /// `kv[h]` must hold at least `pos0 + n_tok` positions already written.
 pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
-    let AttnShape { n_head, n_kv_head, head_dim: hd } = shape;
-    let n_tok = q.len() / (n_head * hd);
-    let n_ctx = pos0 + n_tok;
-    assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
-    assert_eq!(out.len(), q.len(), "attention output size");
-    let group = n_head / n_kv_head;
-    let scale = attn_scale(hd);
-    let n_padded = padded_len(n_ctx, KV_PADDING);
+    let Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group, scale, n_padded } = Causal::of(q, kv, shape, pos0, out);
     if n_tok == 1 {
         // Decode: each KV head's query group in one pass over its rows.
         let mut lse = vec![0f32; n_head];
@@ -73,14 +66,7 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
 /// token at a time: the path of machines without AVX-512 (and of heads other than 64), and the
 /// twin the AVX-512 kernels are tested against.
 pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
-    let AttnShape { n_head, n_kv_head, head_dim: hd } = shape;
-    let n_tok = q.len() / (n_head * hd);
-    let n_ctx = pos0 + n_tok;
-    assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
-    assert_eq!(out.len(), q.len(), "attention output size");
-    let group = n_head / n_kv_head;
-    let scale = attn_scale(hd);
-    let n_padded = padded_len(n_ctx, KV_PADDING);
+    let Causal { n_head, hd, n_tok, n_ctx, group, scale, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
     // Widen each KV head once for all query tokens.
     let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
         .par_iter()
@@ -157,6 +143,30 @@ pub fn decode_group(
     }
     for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
         *l = decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scale, oh);
+    }
+}
+
+/// The sizes of one causal attention call, checked.
+struct Causal {
+    n_head: usize,
+    n_kv_head: usize,
+    hd: usize,
+    n_tok: usize,
+    n_ctx: usize,
+    group: usize,
+    scale: f32,
+    n_padded: usize,
+}
+
+impl Causal {
+    fn of(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &[f32]) -> Causal {
+        let AttnShape { n_head, n_kv_head, head_dim: hd } = shape;
+        let n_tok = q.len() / (n_head * hd);
+        let n_ctx = pos0 + n_tok;
+        assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
+        assert_eq!(out.len(), q.len(), "attention output size");
+        let (scale, n_padded) = (attn_scale(hd), padded_len(n_ctx, KV_PADDING));
+        Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group: n_head / n_kv_head, scale, n_padded }
     }
 }
 

@@ -335,20 +335,7 @@ unsafe fn value_pass<const G: usize>(
         scratch.lanes.clear();
         scratch.lanes.resize(G * 64 * 64, 0.0);
         let lanes = scratch.lanes.as_mut_ptr();
-        let mut w0 = start;
-        while w0 < simd_end {
-            let w1 = (w0 - w0 % 64 + WINDOW).min(simd_end);
-            // The next window's V rows, into L2 while this one is summed: a slice per lane pair.
-            let next = (w1 - start)..(w1 - w1 % 64 + WINDOW).min(simd_end) - start;
-            let per_pair = next.len().div_ceil(32);
-            for pair in 0..32 {
-                for i in next.clone().skip(pair * per_pair).take(per_pair) {
-                    prefetch_row::<_MM_HINT_T1>(rows.v(i));
-                }
-                lane_pair::<G, 64>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
-            }
-            w0 = w1;
-        }
+        sum_lanes::<G, 64>(start, simd_end, stride, weights, rows, lanes);
         fold_lanes::<G>(lanes, &mut sums);
     }
     for p in simd_end..end {
@@ -379,19 +366,7 @@ unsafe fn tiled_value_pass<const G: usize>(start: usize, end: usize, stride: usi
     scratch.lanes.clear();
     scratch.lanes.resize(G * 16 * 64, 0.0);
     let lanes = scratch.lanes.as_mut_ptr();
-    let mut w0 = start;
-    while w0 < end {
-        let w1 = (w0 - w0 % 64 + WINDOW).min(end);
-        let next = (w1 - start)..(w1 - w1 % 64 + WINDOW).min(end) - start;
-        let per_pair = next.len().div_ceil(8);
-        for pair in 0..8 {
-            for i in next.clone().skip(pair * per_pair).take(per_pair) {
-                prefetch_row::<_MM_HINT_T1>(rows.v(i));
-            }
-            lane_pair::<G, 16>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
-        }
-        w0 = w1;
-    }
+    sum_lanes::<G, 16>(start, end, stride, weights, rows, lanes);
     for (g, o) in out.chunks_exact_mut(64).enumerate() {
         let l = lanes.add(g * 16 * 64);
         for j in 0..4 {
@@ -401,6 +376,28 @@ unsafe fn tiled_value_pass<const G: usize>(start: usize, end: usize, stride: usi
             let r = _mm512_add_ps(_mm512_add_ps(t4[0], t4[2]), _mm512_add_ps(t4[1], t4[3]));
             _mm512_storeu_ps(o.as_mut_ptr().add(16 * j), r);
         }
+    }
+}
+
+/// Positions `start..end` into `LANES` position lanes (`p % LANES`) of every head, a lane
+/// pair at a time, window after window of [`WINDOW`] positions; the next window's V rows are
+/// prefetched into L2 while this one is summed (a slice per lane pair).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, lanes: *mut f32) {
+    let pairs = LANES / 2;
+    let mut w0 = start;
+    while w0 < end {
+        let w1 = (w0 - w0 % 64 + WINDOW).min(end);
+        let next = (w1 - start)..(w1 - w1 % 64 + WINDOW).min(end) - start;
+        let per_pair = next.len().div_ceil(pairs);
+        for pair in 0..pairs {
+            for i in next.clone().skip(pair * per_pair).take(per_pair) {
+                prefetch_row::<_MM_HINT_T1>(rows.v(i));
+            }
+            lane_pair::<G, LANES>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
+        }
+        w0 = w1;
     }
 }
 

@@ -9,16 +9,8 @@
 
 use std::arch::x86_64::*;
 
+use super::matvec_avx512::dot_u8i8;
 use super::quant::{scale_min_k4, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
-
-#[inline(always)]
-unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
-    if VNNI {
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
-    } else {
-        _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))
-    }
-}
 
 #[inline(always)]
 unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
@@ -51,19 +43,22 @@ unsafe fn q4k_sum_sc<const VNNI: bool>(x: &BlockQ4K, y: &BlockQ8K, sc: &[u8; 8])
 #[inline(always)]
 unsafe fn dot_q4k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let (xs, ys) = (BlockQ4K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
-    xs.iter()
-        .zip(ys)
-        .map(|(x, y)| {
-            let (mut sc, mut sum_m) = ([0u8; 8], 0i32);
-            for (j, s) in sc.iter_mut().enumerate() {
-                let (scale, m) = scale_min_k4(j, &x.scales);
-                *s = scale;
-                sum_m += m as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
-            }
-            let sum_sc = q4k_sum_sc::<VNNI>(x, y, &sc);
-            y.scale() * (f16_bytes(x.d) * sum_sc as f32) - y.scale() * f16_bytes(x.dmin) * sum_m as f32
-        })
-        .sum()
+    xs.iter().zip(ys).map(|(x, y)| k4_block(x.d, x.dmin, &x.scales, y, |sc| q4k_sum_sc::<VNNI>(x, y, sc))).sum()
+}
+
+/// One Q4_K/Q5_K block's value as the scalar twin computes it: its 6-bit scales and mins
+/// decoded, `sum_sc` (the scaled integer dot products, from `sum_sc`) and the mins against
+/// the activation block sums, then the twin's float epilogue.
+#[inline(always)]
+fn k4_block(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], y: &BlockQ8K, sum_sc: impl FnOnce(&[u8; 8]) -> i32) -> f32 {
+    let (mut sc, mut sum_m) = ([0u8; 8], 0i32);
+    for (j, s) in sc.iter_mut().enumerate() {
+        let (scale, m) = scale_min_k4(j, scales);
+        *s = scale;
+        sum_m += m as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
+    }
+    let sum_sc = sum_sc(&sc);
+    y.scale() * (f16_bytes(d) * sum_sc as f32) - y.scale() * f16_bytes(dmin) * sum_m as f32
 }
 
 /// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q5_K block: Q4_K's nibbles with a fifth bit,
@@ -92,19 +87,7 @@ unsafe fn q5k_sum_sc<const VNNI: bool>(x: &BlockQ5K, y: &BlockQ8K, sc: &[u8; 8])
 #[inline(always)]
 unsafe fn dot_q5k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let (xs, ys) = (BlockQ5K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
-    xs.iter()
-        .zip(ys)
-        .map(|(x, y)| {
-            let (mut sc, mut sum_m) = ([0u8; 8], 0i32);
-            for (j, s) in sc.iter_mut().enumerate() {
-                let (scale, m) = scale_min_k4(j, &x.scales);
-                *s = scale;
-                sum_m += m as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
-            }
-            let sum_sc = q5k_sum_sc::<VNNI>(x, y, &sc);
-            y.scale() * (f16_bytes(x.d) * sum_sc as f32) - y.scale() * f16_bytes(x.dmin) * sum_m as f32
-        })
-        .sum()
+    xs.iter().zip(ys).map(|(x, y)| k4_block(x.d, x.dmin, &x.scales, y, |sc| q5k_sum_sc::<VNNI>(x, y, sc))).sum()
 }
 
 /// The 32 five-bit quants of a Q5_0/Q5_1 block (0..31, `q5_values`' order: low nibbles, then

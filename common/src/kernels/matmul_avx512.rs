@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::matvec_avx512::{dot_u8i8, hsum8};
 use super::quant::GgmlType;
 
 /// Activation rows per tile: eight pairs, whose accumulators stay in registers.
@@ -89,24 +90,6 @@ impl PairedActs {
     pub fn n_tiles(&self) -> usize {
         self.n_tiles
     }
-}
-
-/// Sum of products of unsigned bytes `u` and signed bytes `s`, four at a time, as 16 i32.
-#[inline(always)]
-unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
-    if VNNI {
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
-    } else {
-        _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1))
-    }
-}
-
-/// The AVX2 kernels' `hsum_ps` of an 8-lane half.
-#[inline(always)]
-unsafe fn hsum8(x: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
 #[inline(always)]

@@ -34,9 +34,10 @@ unsafe fn prefetch_rows(rows: &[*const u8; 4], at: usize) {
     }
 }
 
-/// Sum of products of unsigned bytes `u` and signed bytes `s`, four at a time, as 16 i32.
+/// Sum of products of unsigned bytes `u` and signed bytes `s`, four at a time, as 16 i32
+/// (shared by the AVX-512 integer kernels).
 #[inline(always)]
-unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
+pub(super) unsafe fn dot_u8i8<const VNNI: bool>(u: __m512i, s: __m512i) -> __m512i {
     if VNNI {
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s)
     } else {
@@ -51,8 +52,9 @@ unsafe fn hsum_halves(v: __m512) -> [f32; 2] {
     [hsum8(_mm512_castps512_ps256(v)), hsum8(_mm512_extractf32x8_ps::<1>(v))]
 }
 
+/// The AVX2 kernels' `hsum_ps` of eight lanes (shared by the AVX-512 kernels).
 #[inline(always)]
-unsafe fn hsum8(x: __m256) -> f32 {
+pub(super) unsafe fn hsum8(x: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
@@ -123,17 +125,26 @@ unsafe fn q4_1_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
     [r0 + s01[1], r1 + s01[3], r2 + s23[1], r3 + s23[3]]
 }
 
+/// Four rows of a weight type with signed quants and one f16 scale per block of 32 (Q4_0:
+/// nibbles − 8, `Q4 = true`; Q8_0: bytes) · one Q8_0 activation row, ggml's way: |x| · sign(y, x).
 #[inline(always)]
-unsafe fn q4_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+unsafe fn signed_r4_body<const Q4: bool, const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    let bb = if Q4 { Q4_0_BYTES } else { Q8_0_BYTES };
     let nb = a.len() / Q8_0_BYTES;
-    debug_assert!(w.iter().all(|r| r.len() == nb * Q4_0_BYTES));
+    debug_assert!(w.iter().all(|r| r.len() == nb * bb));
     let (w0, w1, w2, w3) = (w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr());
     let y = a.as_ptr();
     let mut acc01 = _mm512_setzero_ps();
     let mut acc23 = _mm512_setzero_ps();
-    let eight = _mm512_set1_epi8(8);
+    let quants = |p: *const u8, q: *const u8| {
+        if Q4 {
+            _mm512_sub_epi8(nibbles_pair(p, q), _mm512_set1_epi8(8))
+        } else {
+            bytes_pair(p, q)
+        }
+    };
     for b in 0..nb {
-        let o = b * Q4_0_BYTES;
+        let o = b * bb;
         prefetch_rows(&[w0, w1, w2, w3], o);
         let yb = y.add(b * Q8_0_BYTES);
         let dy = _mm_cvtph_ps(_mm_set1_epi16((yb as *const i16).read_unaligned()));
@@ -141,9 +152,7 @@ unsafe fn q4_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
         // [d_w0, _, d_w1, _] · d_a: the f16 pair loads pick up quant bytes in lanes 1 and 3.
         let d01 = _mm_mul_ps(f16_pairs(w0.add(o), w1.add(o)), dy);
         let d23 = _mm_mul_ps(f16_pairs(w2.add(o), w3.add(o)), dy);
-        // The quants as signed bytes q − 8, multiplied as |x| · sign(y, x) (ggml's way).
-        let x01 = _mm512_sub_epi8(nibbles_pair(w0.add(o + 2), w1.add(o + 2)), eight);
-        let x23 = _mm512_sub_epi8(nibbles_pair(w2.add(o + 2), w3.add(o + 2)), eight);
+        let (x01, x23) = (quants(w0.add(o + 2), w1.add(o + 2)), quants(w2.add(o + 2), w3.add(o + 2)));
         let s01 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x01), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x01), _mm512_setzero_si512(), qy));
         let s23 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x23), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x23), _mm512_setzero_si512(), qy));
         acc01 = _mm512_fmadd_ps(spread_0_2(d01), _mm512_cvtepi32_ps(s01), acc01);
@@ -154,82 +163,31 @@ unsafe fn q4_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
 }
 
 #[inline(always)]
+unsafe fn q4_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+    signed_r4_body::<true, VNNI>(w, a)
+}
+
+#[inline(always)]
 unsafe fn q8_0_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    let nb = a.len() / Q8_0_BYTES;
-    debug_assert!(w.iter().all(|r| r.len() == nb * Q8_0_BYTES));
-    let (w0, w1, w2, w3) = (w[0].as_ptr(), w[1].as_ptr(), w[2].as_ptr(), w[3].as_ptr());
-    let y = a.as_ptr();
-    let mut acc01 = _mm512_setzero_ps();
-    let mut acc23 = _mm512_setzero_ps();
-    for b in 0..nb {
-        let o = b * Q8_0_BYTES;
-        prefetch_rows(&[w0, w1, w2, w3], o);
-        let yb = y.add(o);
-        let dy = _mm_cvtph_ps(_mm_set1_epi16((yb as *const i16).read_unaligned()));
-        let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(2).cast()));
-        // [d_w0, _, d_w1, _] · d_a: the f16 pair loads pick up a quant byte in lanes 1 and 3.
-        let d01 = _mm_mul_ps(f16_pairs(w0.add(o), w1.add(o)), dy);
-        let d23 = _mm_mul_ps(f16_pairs(w2.add(o), w3.add(o)), dy);
-        let (x01, x23) = (bytes_pair(w0.add(o + 2), w1.add(o + 2)), bytes_pair(w2.add(o + 2), w3.add(o + 2)));
-        let s01 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x01), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x01), _mm512_setzero_si512(), qy));
-        let s23 = dot_u8i8::<VNNI>(_mm512_abs_epi8(x23), _mm512_mask_sub_epi8(qy, _mm512_movepi8_mask(x23), _mm512_setzero_si512(), qy));
-        acc01 = _mm512_fmadd_ps(spread_0_2(d01), _mm512_cvtepi32_ps(s01), acc01);
-        acc23 = _mm512_fmadd_ps(spread_0_2(d23), _mm512_cvtepi32_ps(s23), acc23);
-    }
-    let ([r0, r1], [r2, r3]) = (hsum_halves(acc01), hsum_halves(acc23));
-    [r0, r1, r2, r3]
+    signed_r4_body::<false, VNNI>(w, a)
 }
 
-/// Four Q4_1 weight rows · one Q8_1 activation row, each as `simd_x86::dot_q4_1_q8_1`.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/DQ with AVX2, FMA and F16C; every row whole blocks of the same count.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1_q8_1_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    q4_1_r4_body::<false>(w, a)
+macro_rules! r4_fn {
+    ($name:ident, $body:ident, $vnni:expr, $features:literal, $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The CPU features named in `target_feature`; every row whole blocks of the same count.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
+            $body::<$vnni>(w, a)
+        }
+    };
 }
 
-/// [`dot_q4_1_q8_1_r4`] with `vpdpbusd`.
-///
-/// # Safety
-/// As [`dot_q4_1_q8_1_r4`], and AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_1_q8_1_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    q4_1_r4_body::<true>(w, a)
-}
-
-/// Four Q4_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q4_0_q8_0`.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/DQ with AVX2, FMA and F16C; every row whole blocks of the same count.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0_q8_0_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    q4_0_r4_body::<false>(w, a)
-}
-
-/// [`dot_q4_0_q8_0_r4`] with `vpdpbusd`.
-///
-/// # Safety
-/// As [`dot_q4_0_q8_0_r4`], and AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q4_0_q8_0_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    q4_0_r4_body::<true>(w, a)
-}
-
-/// Four Q8_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q8_0_q8_0`.
-///
-/// # Safety
-/// AVX-512 F/BW/VL/DQ with AVX2, FMA and F16C; every row whole blocks of the same count.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0_q8_0_r4(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    q8_0_r4_body::<false>(w, a)
-}
-
-/// [`dot_q8_0_q8_0_r4`] with `vpdpbusd`.
-///
-/// # Safety
-/// As [`dot_q8_0_q8_0_r4`], and AVX-512 VNNI.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dot_q8_0_q8_0_r4_vnni(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
-    q8_0_r4_body::<true>(w, a)
-}
+r4_fn!(dot_q4_1_q8_1_r4, q4_1_r4_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Four Q4_1 weight rows · one Q8_1 activation row, each as `simd_x86::dot_q4_1_q8_1`.");
+r4_fn!(dot_q4_1_q8_1_r4_vnni, q4_1_r4_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "[`dot_q4_1_q8_1_r4`] with `vpdpbusd`.");
+r4_fn!(dot_q4_0_q8_0_r4, q4_0_r4_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Four Q4_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q4_0_q8_0`.");
+r4_fn!(dot_q4_0_q8_0_r4_vnni, q4_0_r4_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "[`dot_q4_0_q8_0_r4`] with `vpdpbusd`.");
+r4_fn!(dot_q8_0_q8_0_r4, q8_0_r4_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Four Q8_0 weight rows · one Q8_0 activation row, each as `simd_x86::dot_q8_0_q8_0`.");
+r4_fn!(dot_q8_0_q8_0_r4_vnni, q8_0_r4_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "[`dot_q8_0_q8_0_r4`] with `vpdpbusd`.");

@@ -174,29 +174,11 @@ impl KvArenas {
         k: &mut Vec<f16>,
         v: &mut Vec<f16>,
     ) -> Result<(), StepError> {
-        let bs = self.block_size().ok_or(StepError::WorkerNotAttached(0))?;
-        let hd = self.shape.head_dim as usize;
         k.clear();
         v.clear();
-        let mut pos = range.start;
-        while pos < range.end {
-            let (worker, block) = *blocks
-                .get(pos / bs)
-                .ok_or_else(|| StepError::Invalid(format!("position {pos} has no KV block")))?;
-            let w = self.worker(worker)?;
-            let slot = pos % bs;
-            let n = (bs - slot).min(range.end - pos);
-            // SAFETY: inside the arena (blocks checked when the step was accepted); these
-            // rows were written by this process in this or an earlier step.
-            let (ks, vs) = unsafe {
-                (
-                    w.arena.slice::<f16>(w.layout.k_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
-                    w.arena.slice::<f16>(w.layout.v_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
-                )
-            };
-            k.extend_from_slice(ks);
-            v.extend_from_slice(vs);
-            pos += n;
+        for run in self.runs(blocks, layer, kv_head, range)? {
+            k.extend_from_slice(run.k);
+            v.extend_from_slice(run.v);
         }
         Ok(())
     }
