@@ -92,7 +92,6 @@ fn detect_isa() -> Isa {
     Isa::Scalar
 }
 
-
 /// `ggml_exact::dot_f16` of two 64-element rows (a head of 64), in registers where AVX2 is
 /// present; bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
 pub fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
