@@ -14,7 +14,6 @@ Prints one JSON object {row: tokens_per_s}.
 """
 
 import argparse
-import ctypes
 import json
 import random
 import sys
@@ -31,7 +30,6 @@ except ImportError:
 class Runner:
     def __init__(self, model_path, threads, n_ctx, n_seq, n_batch):
         L.llama_backend_init()
-        L.llama_log_set(ctypes.cast(0, L.llama_log_callback), ctypes.c_void_p(0)) if hasattr(L, "llama_log_callback") else None
         mp = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(model_path.encode(), mp)
         if not self.model:

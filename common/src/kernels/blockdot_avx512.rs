@@ -179,7 +179,7 @@ unsafe fn dot_q6k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     xs.iter().zip(ys).map(|(x, y)| f16_bytes(x.d) * y.scale() * q6k_sumi::<VNNI>(x, y) as f32).sum()
 }
 
-macro_rules! kquant_fn {
+macro_rules! block_fn {
     ($name:ident, $body:ident, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
         ///
@@ -192,13 +192,13 @@ macro_rules! kquant_fn {
     };
 }
 
-kquant_fn!(dot_q4k_q8k, dot_q4k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K · Q8_K.");
-kquant_fn!(dot_q4k_q8k_vnni, dot_q4k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K · Q8_K with `vpdpbusd`.");
-kquant_fn!(dot_q6k_q8k, dot_q6k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q6_K · Q8_K.");
-kquant_fn!(dot_q6k_q8k_vnni, dot_q6k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q6_K · Q8_K with `vpdpbusd`.");
-kquant_fn!(dot_q5k_q8k, dot_q5k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_K · Q8_K.");
-kquant_fn!(dot_q5k_q8k_vnni, dot_q5k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_K · Q8_K with `vpdpbusd`.");
-kquant_fn!(dot_q5_0_q8_0, dot_q5_0_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_0 · Q8_0.");
-kquant_fn!(dot_q5_0_q8_0_vnni, dot_q5_0_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_0 · Q8_0 with `vpdpbusd`.");
-kquant_fn!(dot_q5_1_q8_1, dot_q5_1_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_1 · Q8_1.");
-kquant_fn!(dot_q5_1_q8_1_vnni, dot_q5_1_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_1 · Q8_1 with `vpdpbusd`.");
+block_fn!(dot_q4k_q8k, dot_q4k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K · Q8_K.");
+block_fn!(dot_q4k_q8k_vnni, dot_q4k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K · Q8_K with `vpdpbusd`.");
+block_fn!(dot_q6k_q8k, dot_q6k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q6_K · Q8_K.");
+block_fn!(dot_q6k_q8k_vnni, dot_q6k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q6_K · Q8_K with `vpdpbusd`.");
+block_fn!(dot_q5k_q8k, dot_q5k_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_K · Q8_K.");
+block_fn!(dot_q5k_q8k_vnni, dot_q5k_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_K · Q8_K with `vpdpbusd`.");
+block_fn!(dot_q5_0_q8_0, dot_q5_0_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_0 · Q8_0.");
+block_fn!(dot_q5_0_q8_0_vnni, dot_q5_0_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_0 · Q8_0 with `vpdpbusd`.");
+block_fn!(dot_q5_1_q8_1, dot_q5_1_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_1 · Q8_1.");
+block_fn!(dot_q5_1_q8_1_vnni, dot_q5_1_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_1 · Q8_1 with `vpdpbusd`.");

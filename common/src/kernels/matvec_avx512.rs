@@ -13,11 +13,6 @@
 
 use std::arch::x86_64::*;
 
-/// Whether the `vpdpbusd` variants can run here (AVX-512 VNNI).
-pub fn has_vnni() -> bool {
-    is_x86_feature_detected!("avx512vnni")
-}
-
 const Q4_0_BYTES: usize = 18;
 const Q4_1_BYTES: usize = 20;
 const Q8_1_BYTES: usize = 36;

@@ -64,13 +64,12 @@ pub fn isa_cap() -> Option<Isa> {
     }
 }
 
-/// Whether the AVX-512 kernels may use VNNI's `vpdpbusd` (detected once).
+/// Whether the AVX-512 kernels may use VNNI's `vpdpbusd` (std caches the detection).
 pub fn has_vnni() -> bool {
-    static VNNI: OnceLock<bool> = OnceLock::new();
     #[cfg(target_arch = "x86_64")]
-    return *VNNI.get_or_init(matvec_avx512::has_vnni);
+    return is_x86_feature_detected!("avx512vnni");
     #[cfg(not(target_arch = "x86_64"))]
-    return *VNNI.get_or_init(|| false);
+    return false;
 }
 
 #[cfg(target_arch = "x86_64")]
