@@ -9,6 +9,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::ggml_exact::{dot_f16, reduce16, reduce64, softmax_in_place};
+use super::paged_attention::{merge_lse, merge_partials};
 use super::{isa, Isa};
 
 /// llama.cpp (without flash attention) pads the attended KV length to a multiple of this,
@@ -34,14 +35,25 @@ pub struct AttnShape {
 /// token seeing positions `0..=its own` (causal). `q` and `out` are `[token][head][head_dim]`;
 /// `kv[h]` must hold at least `pos0 + n_tok` positions already written.
 pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
-    let Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group, scale, n_padded } = Causal::of(q, kv, shape, pos0, out);
+    let Causal { n_kv_head, hd, n_tok, n_ctx, group, scale, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
     if n_tok == 1 {
-        // Decode: each KV head's query group in one pass over its rows.
-        let mut lse = vec![0f32; n_head];
-        out.par_chunks_mut(group * hd).zip(lse.par_chunks_mut(group)).enumerate().for_each_init(GroupScratch::default, |scratch, (h, (o, l))| {
-            let run = KvRun { k: &kv[h].k[..n_ctx * hd], v: &kv[h].v[..n_ctx * hd] };
-            decode_group(&[run], 0..n_ctx, n_padded, scale, &q[h * group * hd..(h + 1) * group * hd], o, l, scratch);
-        });
+        // Decode: each KV head's query group in one pass over its rows, chunk by chunk, the
+        // (head, chunk) pairs in parallel.
+        let chunks: Vec<Range<usize>> = decode_chunks(0..n_ctx).collect();
+        let tasks: Vec<(usize, Range<usize>)> = (0..n_kv_head).flat_map(|h| chunks.iter().map(move |c| (h, c.clone()))).collect();
+        let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
+            .into_par_iter()
+            .map_init(GroupScratch::default, |scratch, (h, c)| {
+                let run = KvRun { k: &kv[h].k[c.start * hd..c.end * hd], v: &kv[h].v[c.start * hd..c.end * hd] };
+                let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
+                decode_group(&[run], c, n_padded, scale, &q[h * group * hd..(h + 1) * group * hd], &mut o, &mut l, scratch);
+                (o, l)
+            })
+            .collect();
+        let mut lse = vec![0f32; group];
+        for (o, head_parts) in out.chunks_exact_mut(group * hd).zip(parts.chunks(chunks.len())) {
+            merge_chunks(head_parts, o, &mut lse);
+        }
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -102,10 +114,46 @@ pub struct GroupScratch {
     fast: super::attention_avx512::FastScratch,
 }
 
+/// Decode attention over a long context is computed in chunks of this many positions,
+/// aligned to multiples of it, and the chunks merged by log-sum-exp ([`merge_chunks`]). The
+/// chunks of one KV head can then run on different threads (a batch-1 step of a model with
+/// three KV heads otherwise keeps one of two threads idle a third of the time), and every path
+/// (single process, gpu-worker, cpu-worker) computes the same chunks, so they still agree bit
+/// for bit. Within a chunk the arithmetic is llama.cpp's.
+pub const DECODE_CHUNK: usize = 2048;
+
+/// The [`DECODE_CHUNK`]-aligned chunks of `range`, in order (none if it is empty).
+pub fn decode_chunks(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        if at >= range.end {
+            return None;
+        }
+        let end = ((at / DECODE_CHUNK + 1) * DECODE_CHUNK).min(range.end);
+        let chunk = at..end;
+        at = end;
+        Some(chunk)
+    })
+}
+
+/// Merges one query group's results over consecutive chunks (`(out, lse)` each, in position
+/// order) into `out` and `lse`, head by head: one chunk is copied unchanged.
+pub fn merge_chunks(parts: &[(Vec<f32>, Vec<f32>)], out: &mut [f32], lse: &mut [f32]) {
+    let group = lse.len();
+    let hd = out.len() / group;
+    for (h, (oh, lh)) in out.chunks_exact_mut(hd).zip(lse.iter_mut()).enumerate() {
+        let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(o, l)| (&o[h * hd..(h + 1) * hd], l[h])).collect();
+        oh.copy_from_slice(&merge_partials(&head_parts));
+        *lh = merge_lse(&head_parts.iter().map(|p| p.1).collect::<Vec<_>>());
+    }
+}
+
 /// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
 /// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
 /// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
-/// [`decode_attention_range`], whose results these are, bit for bit, head by head.
+/// [`decode_attention_range`]. A range within one [`DECODE_CHUNK`] gives that function's
+/// results, bit for bit, head by head; a longer one is computed chunk by chunk and merged by
+/// [`merge_chunks`] (callers that run the chunks in parallel merge them the same way).
 ///
 /// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
 /// (`attention_avx512`); otherwise the rows are widened once and each head runs
@@ -127,6 +175,52 @@ pub fn decode_group(
     let n = range.end.saturating_sub(range.start);
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
+    if range.start / DECODE_CHUNK == range.end.saturating_sub(1) / DECODE_CHUNK || n == 0 {
+        decode_group_chunk(runs, range, n_padded, scale, q, out, lse, scratch);
+        return;
+    }
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = decode_chunks(range.clone())
+        .map(|chunk| {
+            let rows = runs_within(runs, hd, chunk.start - range.start..chunk.end - range.start);
+            let (mut o, mut l) = (vec![0f32; out.len()], vec![0f32; group]);
+            decode_group_chunk(&rows, chunk, n_padded, scale, q, &mut o, &mut l, scratch);
+            (o, l)
+        })
+        .collect();
+    merge_chunks(&parts, out, lse);
+}
+
+/// The rows `rows` (counted from the first row of `runs`) of runs of `hd`-wide rows.
+fn runs_within<'a>(runs: &[KvRun<'a>], hd: usize, rows: Range<usize>) -> Vec<KvRun<'a>> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for run in runs {
+        let n = run.k.len() / hd;
+        let (lo, hi) = (rows.start.max(at), rows.end.min(at + n));
+        if lo < hi {
+            let span = (lo - at) * hd..(hi - at) * hd;
+            out.push(KvRun { k: &run.k[span.clone()], v: &run.v[span] });
+        }
+        at += n;
+    }
+    out
+}
+
+/// [`decode_group`] of a range within one chunk.
+#[allow(clippy::too_many_arguments)]
+fn decode_group_chunk(
+    runs: &[KvRun<'_>],
+    range: Range<usize>,
+    n_padded: usize,
+    scale: f32,
+    q: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut GroupScratch,
+) {
+    let group = lse.len();
+    let hd = out.len() / group;
+    let n = range.end.saturating_sub(range.start);
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP {
         // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.

@@ -4,16 +4,19 @@
 //! partial results are merged by log-sum-exp. Split into begin (write, post) and finish
 //! (own part, wait, merge) so that two sub-batches' layers can interleave.
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{attn_scale, causal_attention, decode_group, padded_len, AttnShape, GroupScratch, KvHead, KV_PADDING};
+use duet_common::kernels::attention::{
+    attn_scale, causal_attention, decode_chunks, decode_group, merge_chunks, padded_len, AttnShape, GroupScratch, KvHead, KV_PADDING,
+};
 use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::rpc::pb;
 use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
 use rayon::prelude::*;
 
 use super::arenas::KvArenas;
-use super::executor::{ns, Planned, Share};
+use super::executor::{ns, Planned};
 use super::StepError;
 use crate::device::cpu::Attention;
 use crate::error::WorkerError;
@@ -120,15 +123,16 @@ impl StepAttention<'_> {
         // whole context, and its decode shares.
         let t = Instant::now();
         let mut partials: Vec<Vec<(Vec<f32>, Vec<f32>)>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
+        // Decode work read in place, all of it in one parallel loop: unsplit tokens over their
+        // whole context (`None`) and the gpu-worker's shares (`Some(share)`).
+        let mut in_place: Vec<(usize, Option<usize>, std::ops::Range<usize>)> = Vec::new();
         let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
         for (pi, p) in plan.iter().enumerate() {
             if p.shares.is_empty() && p.n == 1 {
-                // An unsplit decode token: its whole context here, read in place.
                 if layer == 0 {
                     self.timings.gpu_attention_positions += p.n_ctx() as u64;
                 }
-                let rows = p.row0 * q_dim..(p.row0 + 1) * q_dim;
-                self.attend_in_place(p, layer, 0..p.n_ctx(), &q[rows.clone()], &mut out[rows])?;
+                in_place.push((pi, None, 0..p.n_ctx()));
                 continue;
             }
             if p.shares.is_empty() {
@@ -149,7 +153,14 @@ impl StepAttention<'_> {
                 if layer == 0 {
                     self.timings.gpu_attention_positions += sh.range.len() as u64;
                 }
-                partials[pi][si] = self.gpu_share(p, sh, layer, &q[p.row0 * q_dim..(p.row0 + 1) * q_dim])?;
+                in_place.push((pi, Some(si), sh.range.clone()));
+            }
+        }
+        let results = self.attend_in_place(plan, layer, &in_place, q)?;
+        for ((pi, share, _), (o, l)) in in_place.into_iter().zip(results) {
+            match share {
+                Some(si) => partials[pi][si] = (o, l),
+                None => out[plan[pi].row0 * q_dim..(plan[pi].row0 + 1) * q_dim].copy_from_slice(&o),
             }
         }
         self.timings.attention_gpu_ns += ns(t.elapsed());
@@ -262,30 +273,44 @@ impl StepAttention<'_> {
         Ok(posted)
     }
 
-    /// The gpu-worker's share of one decode token: every query head over `sh.range`.
-    fn gpu_share(&self, p: &Planned, sh: &Share, layer: u32, q: &[f32]) -> Result<(Vec<f32>, Vec<f32>), StepError> {
-        let mut out = vec![0f32; q.len()];
-        let lse = self.attend_in_place(p, layer, sh.range.clone(), q, &mut out)?;
-        Ok((out, lse))
-    }
-
-    /// Decode attention of one token (`q`, `out`: `[head][head_dim]`) over positions `range`
-    /// of its context, straight from the arenas, each KV head's query group in one pass, the
-    /// KV heads in parallel. Returns the log-sum-exp of every query head.
-    fn attend_in_place(&self, p: &Planned, layer: u32, range: std::ops::Range<usize>, q: &[f32], out: &mut [f32]) -> Result<Vec<f32>, StepError> {
+    /// Decode attention of one token per item `(plan index, _, range)` over `range` of its
+    /// context, straight from the arenas: every (item, KV head, chunk of the range) in one
+    /// parallel loop, each KV head's query group in one pass over its rows, the chunks merged
+    /// as `decode_group` merges them. Returns each item's output (`[head][head_dim]`) and the
+    /// log-sum-exp of every query head.
+    fn attend_in_place(&self, plan: &[Planned], layer: u32, items: &[(usize, Option<usize>, Range<usize>)], q: &[f32]) -> Result<Vec<(Vec<f32>, Vec<f32>)>, StepError> {
         let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = self.shape;
         let group = n_head / n_kv;
-        let n_padded = padded_len(p.n_ctx(), KV_PADDING);
         let scale = attn_scale(hd);
-        let mut lse = vec![0f32; n_head];
-        let runs = (0..n_kv).map(|h| self.arenas.runs(&p.blocks, layer, h as u32, range.clone())).collect::<Result<Vec<_>, _>>()?;
-        out.par_chunks_mut(group * hd).zip(lse.par_chunks_mut(group)).zip(&runs).enumerate().for_each_init(
-            GroupScratch::default,
-            |scratch, (h, ((o, l), runs))| {
-                let q = &q[h * group * hd..(h + 1) * group * hd];
-                decode_group(runs, range.clone(), n_padded, scale, q, o, l, scratch);
-            },
-        );
-        Ok(lse)
+        // (item, KV head, chunk, its rows), items and heads in order, chunks in position order.
+        let mut tasks = Vec::new();
+        for (i, (pi, _, range)) in items.iter().enumerate() {
+            for h in 0..n_kv {
+                for chunk in decode_chunks(range.clone()) {
+                    let runs = self.arenas.runs(&plan[*pi].blocks, layer, h as u32, chunk.clone())?;
+                    tasks.push((i, h, chunk, runs));
+                }
+            }
+        }
+        let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
+            .par_iter()
+            .map_init(GroupScratch::default, |scratch, (i, h, chunk, runs)| {
+                let p = &plan[items[*i].0];
+                let q = &q[(p.row0 * n_head + h * group) * hd..(p.row0 * n_head + (h + 1) * group) * hd];
+                let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
+                decode_group(runs, chunk.clone(), padded_len(p.n_ctx(), KV_PADDING), scale, q, &mut o, &mut l, scratch);
+                (o, l)
+            })
+            .collect();
+        let mut results: Vec<(Vec<f32>, Vec<f32>)> = items.iter().map(|_| (vec![0f32; n_head * hd], vec![0f32; n_head])).collect();
+        let mut at = 0;
+        while at < tasks.len() {
+            let (i, h) = (tasks[at].0, tasks[at].1);
+            let n = tasks[at..].iter().take_while(|t| t.0 == i && t.1 == h).count();
+            let (o, l) = &mut results[i];
+            merge_chunks(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], &mut l[h * group..(h + 1) * group]);
+            at += n;
+        }
+        Ok(results)
     }
 }
