@@ -71,26 +71,35 @@ fn read_bandwidth(quick: bool) -> f64 {
 }
 
 /// Sum of `c` in 32 independent lanes (the adds vectorise and never wait on each other, so
-/// the loop is bound by memory), with the widest vectors this CPU has.
+/// the loop is bound by memory), with the widest vectors this CPU has, and the data prefetched
+/// 8 KiB ahead as the matrix-vector kernels do (without it the sum read 20–40 % slower than
+/// those kernels: a bandwidth it is not a fair fraction of).
 fn sum_lanes(c: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx512f") {
         // SAFETY: AVX-512F was detected.
         return unsafe { sum_lanes_avx512(c) };
     }
-    sum_lanes_body(c)
+    sum_lanes_body(c, |_| {})
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn sum_lanes_avx512(c: &[f32]) -> f32 {
-    sum_lanes_body(c)
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    sum_lanes_body(c, |p| {
+        // A prefetch never faults, wherever it points.
+        let ahead = p.wrapping_add(2048).cast::<i8>();
+        _mm_prefetch::<_MM_HINT_T0>(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+    })
 }
 
 #[inline(always)]
-fn sum_lanes_body(c: &[f32]) -> f32 {
+fn sum_lanes_body(c: &[f32], prefetch: impl Fn(*const f32)) -> f32 {
     let mut acc = [0f32; 32];
     for block in c.chunks_exact(32) {
+        prefetch(block.as_ptr());
         for (a, &x) in acc.iter_mut().zip(block) {
             *a += x;
         }

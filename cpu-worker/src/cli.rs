@@ -130,6 +130,7 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use duet_common::kv::layout::DEFAULT_BLOCK_SIZE;
 
     fn args(extra: &[&str]) -> Args {
         let base = ["duet-cpu-worker", "--instance", "t", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8"];
@@ -154,7 +155,7 @@ mod tests {
         assert_eq!(c.layout().unwrap().n_blocks, 10);
         let c = args(&["--kv-bytes", "1M", "--worker", "3"]).into_config().unwrap();
         assert_eq!(c.worker, 3);
-        let block = 2 * 2 * 16 * 8 * 2; // layers x K/V x tokens x dims x bytes
+        let block = 2 * 2 * DEFAULT_BLOCK_SIZE as usize * 8 * 2; // layers x K/V x tokens x dims x bytes
         assert_eq!(c.layout().unwrap().n_blocks as usize, ((1 << 20) - 4096) / block);
         for bad in [&["--cpus", "1-0", "--kv-blocks", "1"][..], &[], &["--kv-bytes", "100"]] {
             assert!(args(bad).into_config().and_then(|c| c.layout()).is_err(), "{bad:?}");

@@ -75,7 +75,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
     };
     let g = &workers.gpu_info;
-    let block_size = workers.cpu_infos.first().map_or(16, |i| i.block_size as usize);
+    let block_size = workers.cpu_infos.first().map_or(duet_common::kv::layout::DEFAULT_BLOCK_SIZE as usize, |i| i.block_size as usize);
     if workers.cpu_infos.iter().any(|i| i.block_size as usize != block_size) {
         anyhow::bail!("the cpu-workers use different KV block sizes");
     }

@@ -112,6 +112,8 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
     let mut summs = _mm512_setzero_ps();
     for b in 0..nb {
         let blk = wp.add(b * bb);
+        // The rows of a task are read one after another: one stream, prefetched far ahead.
+        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
         let dx = _mm512_set1_ps(f16_at(blk));
         let at = b * PAIRS;
         if Q4_1 {

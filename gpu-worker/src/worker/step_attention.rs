@@ -21,6 +21,12 @@ use super::StepError;
 use crate::device::cpu::Attention;
 use crate::error::WorkerError;
 
+/// A partial attention result: the output (`[head][head_dim]`) and each head's log-sum-exp.
+type Partial = (Vec<f32>, Vec<f32>);
+
+/// Decode work read in place: (plan index, the share or `None` for a whole context, positions).
+type InPlace = (usize, Option<usize>, Range<usize>);
+
 /// How often a wait for a cpu-worker's answer checks that the worker is still alive.
 const LIVENESS_CHECK: Duration = Duration::from_millis(50);
 
@@ -122,10 +128,10 @@ impl StepAttention<'_> {
         // The gpu-worker's own part: prefill chunks (and unsplit decode tokens) over the
         // whole context, and its decode shares.
         let t = Instant::now();
-        let mut partials: Vec<Vec<(Vec<f32>, Vec<f32>)>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
+        let mut partials: Vec<Vec<Partial>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
         // Decode work read in place, all of it in one parallel loop: unsplit tokens over their
         // whole context (`None`) and the gpu-worker's shares (`Some(share)`).
-        let mut in_place: Vec<(usize, Option<usize>, std::ops::Range<usize>)> = Vec::new();
+        let mut in_place: Vec<InPlace> = Vec::new();
         let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
         for (pi, p) in plan.iter().enumerate() {
             if p.shares.is_empty() && p.n == 1 {
@@ -278,7 +284,7 @@ impl StepAttention<'_> {
     /// parallel loop, each KV head's query group in one pass over its rows, the chunks merged
     /// as `decode_group` merges them. Returns each item's output (`[head][head_dim]`) and the
     /// log-sum-exp of every query head.
-    fn attend_in_place(&self, plan: &[Planned], layer: u32, items: &[(usize, Option<usize>, Range<usize>)], q: &[f32]) -> Result<Vec<(Vec<f32>, Vec<f32>)>, StepError> {
+    fn attend_in_place(&self, plan: &[Planned], layer: u32, items: &[InPlace], q: &[f32]) -> Result<Vec<Partial>, StepError> {
         let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = self.shape;
         let group = n_head / n_kv;
         let scale = attn_scale(hd);
@@ -292,7 +298,7 @@ impl StepAttention<'_> {
                 }
             }
         }
-        let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
+        let parts: Vec<Partial> = tasks
             .par_iter()
             .map_init(GroupScratch::default, |scratch, (i, h, chunk, runs)| {
                 let p = &plan[items[*i].0];
@@ -302,7 +308,7 @@ impl StepAttention<'_> {
                 (o, l)
             })
             .collect();
-        let mut results: Vec<(Vec<f32>, Vec<f32>)> = items.iter().map(|_| (vec![0f32; n_head * hd], vec![0f32; n_head])).collect();
+        let mut results: Vec<Partial> = items.iter().map(|_| (vec![0f32; n_head * hd], vec![0f32; n_head])).collect();
         let mut at = 0;
         while at < tasks.len() {
             let (i, h) = (tasks[at].0, tasks[at].1);
