@@ -21,7 +21,7 @@ use rayon::prelude::*;
 const N_HEAD: u32 = 9;
 const N_KV_HEAD: u32 = 3;
 const HEAD_DIM: u32 = 64;
-const BLOCK: u32 = 16;
+const BLOCK: u32 = duet_common::kv::layout::DEFAULT_BLOCK_SIZE;
 
 struct Args {
     threads: usize,

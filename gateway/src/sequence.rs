@@ -160,6 +160,7 @@ mod tests {
             overlapped_fixed: 0.0,
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
+            shared_cores: false,
         };
         let proto = |p: Policy| shares_to_proto(&p.plan(&cost, 1, std::slice::from_ref(&demand), 4, false, crate::balancer::Overlap::Auto).shares[0], 10);
         assert_eq!(

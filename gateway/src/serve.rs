@@ -92,6 +92,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         model_name: g.model.clone(),
         vocab_size: g.n_vocab,
         gpu_device: g.device.clone(),
+        // Local workers share the machine's cores; a gpu-worker on the CPU competes for them.
+        shared_cores: local && g.device.starts_with("cpu"),
     };
     if text.tokenizer.vocab_size() != g.n_vocab as usize {
         anyhow::bail!("the tokenizer has {} tokens, the gpu-worker's model {}", text.tokenizer.vocab_size(), g.n_vocab);

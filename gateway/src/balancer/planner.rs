@@ -24,6 +24,17 @@
 //! g_s + Σ_w c_{s,w} = n_s, 0 ≤ g_s ≤ gpu_max_s, 0 ≤ c_{s,w} ≤ held_{s,w} — a linear
 //! program (good_lp with the microlp solver); rounds each g_s to a block boundary, predicts
 //! the realised plans' times and keeps the faster.
+//!
+//! When the gpu-worker's device is the CPU and the cpu-workers run on the same cores (local
+//! mode on a machine without a GPU), the two sides cannot attend at the same time, only take
+//! turns, so the step time is the sum, and overlap hides nothing:
+//!
+//! ```text
+//! T = linear(tokens) + gpu_attn · G + Σ_w (cpu_fixed_w + cpu_attn_w · C_w)
+//! ```
+//!
+//! The LP then minimises that sum (each position goes to the cheaper side), and the all-gpu
+//! plan is kept instead when it is predicted faster (it pays no cpu-worker's fixed cost).
 
 use std::ops::Range;
 
@@ -48,6 +59,9 @@ pub struct CostModel {
     /// Measured over predicted time of overlapped steps (≥ 1: the pipeline's bubbles —
     /// the first and last half-layer, uneven halves — that the max() does not see).
     pub overlap_slowdown: f64,
+    /// The gpu-worker computes on the cores the cpu-workers use: attention shares take turns
+    /// instead of running side by side (the sum form of the time model).
+    pub shared_cores: bool,
 }
 
 /// One decode sequence of the step.
@@ -96,12 +110,16 @@ impl CostModel {
             .iter()
             .enumerate()
             .filter(|(_, &c)| c > 0)
-            .map(|(w, &c)| self.cpu_fixed[w] + self.cpu_attn_per_pos[w] * c as f64)
-            .fold(0.0, f64::max);
+            .map(|(w, &c)| self.cpu_fixed[w] + self.cpu_attn_per_pos[w] * c as f64);
+        let linear = self.linear_fixed + self.linear_per_token * tokens as f64;
+        if self.shared_cores {
+            return linear + gpu + cpu.sum::<f64>();
+        }
+        let cpu = cpu.fold(0.0, f64::max);
         if overlap {
             (self.overlapped_fixed + self.overlapped_per_token * tokens as f64 + gpu).max(cpu) * self.overlap_slowdown
         } else {
-            self.linear_fixed + self.linear_per_token * tokens as f64 + gpu.max(cpu)
+            linear + gpu.max(cpu)
         }
     }
 }
@@ -150,7 +168,7 @@ pub struct PlanError(String);
 /// with `may_overlap`, also the best split of an overlapped step, and the faster of both.
 pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, may_overlap: bool) -> Result<Plan, PlanError> {
     let plain = solve(cost, tokens, seqs, block_size, false)?;
-    if !may_overlap || seqs.len() < 2 {
+    if !may_overlap || seqs.len() < 2 || cost.shared_cores {
         return Ok(plain);
     }
     let overlapped = solve(cost, tokens, seqs, block_size, true)?;
@@ -180,12 +198,20 @@ pub fn solve(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: us
     }
     let mut model = vars.minimise(mu).using(good_lp::microlp);
     let gpu_total: Expression = gpu.iter().copied().sum();
-    let gpu_base = if overlap { cost.overlapped_fixed + cost.overlapped_per_token * tokens as f64 } else { 0.0 };
-    model = model.with(constraint!(mu >= gpu_base + cost.gpu_attn_per_pos * gpu_total));
-    for w in 0..n_workers {
-        let load: Expression = cpu.iter().flatten().filter(|(x, _)| *x == w).map(|(_, v)| *v).sum();
-        if cpu.iter().flatten().any(|(x, _)| *x == w) {
-            model = model.with(constraint!(mu >= cost.cpu_fixed[w] + cost.cpu_attn_per_pos[w] * load));
+    let gpu_base = if overlap && !cost.shared_cores { cost.overlapped_fixed + cost.overlapped_per_token * tokens as f64 } else { 0.0 };
+    let loads: Vec<Option<Expression>> = (0..n_workers)
+        .map(|w| {
+            let vs: Vec<good_lp::Variable> = cpu.iter().flatten().filter(|(x, _)| *x == w).map(|(_, v)| *v).collect();
+            (!vs.is_empty()).then(|| cost.cpu_fixed[w] + cost.cpu_attn_per_pos[w] * vs.into_iter().sum::<Expression>())
+        })
+        .collect();
+    if cost.shared_cores {
+        let cpu_total: Expression = loads.iter().flatten().cloned().sum();
+        model = model.with(constraint!(mu >= cost.gpu_attn_per_pos * gpu_total + cpu_total));
+    } else {
+        model = model.with(constraint!(mu >= gpu_base + cost.gpu_attn_per_pos * gpu_total));
+        for load in loads.into_iter().flatten() {
+            model = model.with(constraint!(mu >= load));
         }
     }
     for (s, (g, cs)) in seqs.iter().zip(gpu.iter().zip(&cpu)) {
@@ -203,7 +229,14 @@ pub fn solve(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: us
             rounded.min(s.gpu_max).min(s.n_ctx)
         })
         .collect();
-    Ok(realise(cost, tokens, seqs, &prefix, overlap))
+    let solved = realise(cost, tokens, seqs, &prefix, overlap);
+    if cost.shared_cores {
+        let all_gpu = realise(cost, tokens, seqs, &seqs.iter().map(|s| s.gpu_max).collect::<Vec<_>>(), overlap);
+        if all_gpu.predicted_s < solved.predicted_s {
+            return Ok(all_gpu);
+        }
+    }
+    Ok(solved)
 }
 
 #[cfg(test)]
@@ -220,6 +253,7 @@ mod tests {
             overlapped_fixed: 0.002,
             overlapped_per_token: 0.0001,
             overlap_slowdown: 1.0,
+            shared_cores: false,
         }
     }
 
@@ -246,6 +280,26 @@ mod tests {
         // G = 2 C and G + C = 9000: G = 6000.
         assert!((p.gpu_positions as i64 - 6000).abs() <= 3, "{p:?}");
         assert!((p.predicted_s - c.step_time(3, 6000, &[3000], false)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn on_shared_cores_each_position_goes_to_the_cheaper_side() {
+        // Side by side a cpu-worker twice as slow would take a third (above); taking turns on
+        // the same cores, any position it takes costs twice what it would on the gpu-worker.
+        let shared = |gpu: f64, cpu: f64| CostModel { shared_cores: true, ..cost(gpu, &[cpu]) };
+        let seqs: Vec<_> = (0..3).map(|_| on(0, 3000)).collect();
+        let p = plan_lp(&shared(1e-6, 2e-6), 3, &seqs, 1, true).unwrap();
+        assert_eq!((p.gpu_positions, p.cpu_positions[0], p.overlap), (9000, 0, false), "{p:?}");
+        let c = shared(2e-6, 1e-6);
+        let p = plan_lp(&c, 3, &seqs, 1, true).unwrap();
+        assert_eq!((p.gpu_positions, p.cpu_positions[0]), (0, 9000), "{p:?}");
+        // The time is the sum of both sides' work.
+        assert!((c.step_time(3, 100, &[200], false) - (0.001 + 0.0003 + 100.0 * 2e-6 + 200.0 * 1e-6)).abs() < 1e-12);
+        // A cpu-worker's fixed cost is paid only when it has work: a small saving per
+        // position does not buy it.
+        let c = CostModel { cpu_fixed: vec![0.02], ..shared(2e-6, 1e-6) };
+        let p = plan_lp(&c, 3, &seqs, 1, false).unwrap();
+        assert_eq!(p.cpu_positions[0], 0, "{p:?}");
     }
 
     #[test]
@@ -306,6 +360,7 @@ mod tests {
             overlapped_fixed: 0.1,
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
+            shared_cores: false,
         };
         let seqs: Vec<_> = (0..4).map(|_| on(0, 2000)).collect();
         // Without overlap: 0.1 + 0.2 (half each). With: max(0.1 + a_g G, a_c C) = 0.25 at

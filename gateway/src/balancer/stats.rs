@@ -131,6 +131,8 @@ pub struct StepStats {
     errors: VecDeque<f64>,
     /// Measured over predicted time of overlapped steps, exponentially weighted.
     overlap_slowdown: f64,
+    /// Copied into every cost model.
+    shared_cores: bool,
 }
 
 /// Priors before measurements: all devices alike, so that the first `lp` steps split
@@ -139,8 +141,11 @@ const PRIOR_LINEAR: (f64, f64) = (1e-3, 1e-4);
 const PRIOR_ATTENTION: (f64, f64) = (0.0, 1e-7);
 
 impl StepStats {
-    pub fn new(n_workers: usize) -> Self {
+    /// `shared_cores`: the gpu-worker computes on the cpu-workers' cores (see
+    /// [`CostModel::shared_cores`]).
+    pub fn new(n_workers: usize, shared_cores: bool) -> Self {
         StepStats {
+            shared_cores,
             linear: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             linear_prefill: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             linear_overlapped: LinearFit::new(2.0 * PRIOR_LINEAR.0, PRIOR_LINEAR.1),
@@ -167,6 +172,7 @@ impl StepStats {
             overlapped_fixed: of,
             overlapped_per_token: ot,
             overlap_slowdown: self.overlap_slowdown,
+            shared_cores: self.shared_cores,
         }
     }
 
@@ -294,7 +300,7 @@ mod tests {
 
     #[test]
     fn overlapped_steps_learn_their_slowdown() {
-        let mut st = StepStats::new(1);
+        let mut st = StepStats::new(1, false);
         for _ in 0..300 {
             // Every overlapped step takes 12% longer than the plain model says.
             let predicted = st.cost_model().overlap_slowdown * 0.1;
@@ -307,7 +313,7 @@ mod tests {
 
     #[test]
     fn stats_fit_each_device_and_report_errors() {
-        let mut st = StepStats::new(1);
+        let mut st = StepStats::new(1, false);
         for i in 0..100u64 {
             let (gpu_pos, cpu_pos, tokens) = (1000 + 370 * (i % 13), 500 + 400 * (i % 11), 1 + (i % 16) as u32);
             let linear = 0.002 + 1e-4 * tokens as f64;

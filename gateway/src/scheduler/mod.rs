@@ -69,6 +69,9 @@ pub struct SchedulerConfig {
     pub model_name: String,
     pub vocab_size: u32,
     pub gpu_device: String,
+    /// The gpu-worker computes on the CPU cores the cpu-workers use (local mode without a
+    /// GPU): the balancer plans their attention as taking turns, not running side by side.
+    pub shared_cores: bool,
 }
 
 /// Starts the scheduler task; returns the command sender.
@@ -93,7 +96,7 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
         generated_total: 0,
         drain: None,
         policy: cfg.policy,
-        stats: StepStats::new(n_workers),
+        stats: StepStats::new(n_workers, cfg.shared_cores),
         cfg,
     };
     let handle = tokio::spawn(s.run(rx));

@@ -241,6 +241,7 @@ impl Setup {
             overlapped_fixed: self.linear_s(batch / 2) + self.linear_s(batch - batch / 2),
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
+            shared_cores: false,
         }
     }
 
