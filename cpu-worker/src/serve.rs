@@ -2,12 +2,13 @@
 //! attention for every (sequence, KV head) of a job in parallel on the worker's pool,
 //! writes the results (or an error status) into the job's slot and completes it.
 
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::GroupScratch;
-use duet_common::kernels::paged_attention::{attend_group, ArenaRows};
+use duet_common::kernels::attention::{decode_chunks, merge_chunks, GroupScratch};
+use duet_common::kernels::paged_attention::{attend_group, ArenaRows, PagedRange};
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
 use duet_common::shm::{Consumer, ShmError};
@@ -94,33 +95,45 @@ pub fn answer<A: ArenaRows + ?Sized>(slot: &mut [u8], arena: &A, layout: &ArenaL
 /// Jobs attending fewer (position, KV head) pairs than this run on one thread.
 pub const PARALLEL_MIN_POSITIONS: usize = 8192;
 
-/// Paged attention of every (sequence, KV head) of a validated job, in parallel; each task
-/// gathers its KV head once for its query group.
+/// Paged attention of every (sequence, KV head) of a validated job, in parallel, long
+/// contexts as several tasks (one per `DECODE_CHUNK` of positions, merged as `decode_group`
+/// merges them); each task reads its KV head's rows once for the query group.
 pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &ArenaLayout) -> Vec<SeqResult> {
     let (n_kv, hd) = (job.n_kv_head as usize, job.head_dim as usize);
     let group = job.n_head as usize / n_kv;
-    let tasks = job.seqs.len() * n_kv;
+    // (sequence, KV head, chunk), sequences and heads in order, chunks in position order.
+    let tasks: Vec<(usize, usize, Range<u32>)> = job
+        .seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, seq)| {
+            let chunks: Vec<Range<u32>> = decode_chunks(seq.start as usize..seq.end as usize).map(|c| c.start as u32..c.end as u32).collect();
+            (0..n_kv).flat_map(move |h| chunks.clone().into_iter().map(move |c| (s, h, c)))
+        })
+        .collect();
     // A small job runs on the calling thread: waking the pool costs more than it saves.
     let positions: usize = job.seqs.iter().map(|s| (s.end - s.start) as usize).sum::<usize>() * n_kv;
-    let min_len = if positions < PARALLEL_MIN_POSITIONS { tasks.max(1) } else { 1 };
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..tasks)
-        .into_par_iter()
+    let min_len = if positions < PARALLEL_MIN_POSITIONS { tasks.len().max(1) } else { 1 };
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
+        .par_iter()
         .with_min_len(min_len)
-        .map_init(GroupScratch::default, |scratch, task| {
-            let (s, h) = (task / n_kv, task % n_kv);
-            let seq = &job.seqs[s];
-            let r = seq.paged_range(job.layer, job.kv_padding);
+        .map_init(GroupScratch::default, |scratch, (s, h, chunk)| {
+            let seq = &job.seqs[*s];
+            let r = PagedRange { start: chunk.start as usize, end: chunk.end as usize, ..seq.paged_range(job.layer, job.kv_padding) };
             let q = &seq.q[h * group * hd..(h + 1) * group * hd];
             let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
-            attend_group(arena, layout, &r, h as u32, q, &mut out, &mut lse, scratch);
+            attend_group(arena, layout, &r, *h as u32, q, &mut out, &mut lse, scratch);
             (out, lse)
         })
         .collect();
-    parts
-        .chunks(n_kv)
-        .map(|heads| SeqResult {
-            out: heads.iter().flat_map(|(o, _)| o.iter().copied()).collect(),
-            lse: heads.iter().flat_map(|(_, l)| l.iter().copied()).collect(),
-        })
-        .collect()
+    let mut results: Vec<SeqResult> = job.seqs.iter().map(|_| SeqResult { out: vec![0f32; n_kv * group * hd], lse: vec![0f32; n_kv * group] }).collect();
+    let mut at = 0;
+    while at < tasks.len() {
+        let (s, h) = (tasks[at].0, tasks[at].1);
+        let n = tasks[at..].iter().take_while(|t| t.0 == s && t.1 == h).count();
+        let r = &mut results[s];
+        merge_chunks(&parts[at..at + n], &mut r.out[h * group * hd..(h + 1) * group * hd], &mut r.lse[h * group..(h + 1) * group]);
+        at += n;
+    }
+    results
 }

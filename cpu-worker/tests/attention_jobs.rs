@@ -23,7 +23,7 @@ mod support;
 
 use support::{attach, Worker, BLOCK_SIZE, N_LAYER, SHAPE, WAIT};
 
-const KV_BLOCKS: u32 = 64;
+const KV_BLOCKS: u32 = 400;
 /// The layer the jobs read; the other layer holds different values, to catch wrong offsets.
 const LAYER: u32 = 1;
 /// Split-and-merged against unsplit: two f16 roundings of the softmax weights, 2 · 2^-11
@@ -141,8 +141,10 @@ fn worker_serves_attention_jobs() {
     let mut rng = StdRng::seed_from_u64(11);
     let mut free: Vec<BlockId> = (0..KV_BLOCKS).map(BlockId).collect();
     free.shuffle(&mut rng);
-    // One sequence over several blocks, one partial block, one just past a block boundary.
-    let seqs: Vec<Sequence> = [100, 5, 33].map(|n| Sequence::new(n, &mut free, &arena, &layout, &mut rng)).into();
+    // One sequence over several blocks, one partial block, one just past a block boundary, and
+    // one longer than two attention chunks (`DECODE_CHUNK`), whose chunks run as tasks of
+    // their own and are merged as single-process decode merges them.
+    let seqs: Vec<Sequence> = [100, 5, 33, 4500].map(|n| Sequence::new(n, &mut free, &arena, &layout, &mut rng)).into();
     let references: Vec<Vec<f32>> = seqs.iter().map(Sequence::reference).collect();
 
     // Whole contexts: bit for bit the single-process result.
@@ -152,7 +154,7 @@ fn worker_serves_attention_jobs() {
     }
 
     // Split ranges in one job, merged per query head by log-sum-exp.
-    let cuts: [&[usize]; 3] = [&[40], &[2], &[16, 17]];
+    let cuts: [&[usize]; 4] = [&[40], &[2], &[16, 17], &[3000]];
     let mut entries = Vec::new();
     for (s, cut) in seqs.iter().zip(cuts) {
         let bounds: Vec<usize> = std::iter::once(0).chain(cut.iter().copied()).chain([s.n]).collect();
