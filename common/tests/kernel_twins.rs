@@ -707,3 +707,23 @@ fn avx512_block_kernels_equal_scalar_twins_bit_for_bit() {
         }
     }
 }
+
+/// RoPE with hardware FMA (when the CPU has it) against the same multiply-adds done by
+/// `f32::mul_add` here (a correctly rounded fused multiply-add either way): bit for bit.
+#[test]
+fn rope_equals_its_scalar_twin_bit_for_bit() {
+    use duet_common::kernels::ops::Rope;
+    let mut rng = StdRng::seed_from_u64(5);
+    for n in [2usize, 6, 64, 128] {
+        let table: Vec<(f32, f32)> = (0..n / 2).map(|_| (rng.random_range(-1.0..1.0), rng.random_range(-1.0..1.0))).collect();
+        let head: Vec<f32> = (0..n).map(|_| rng.random_range(-100.0..100.0)).collect();
+        let mut got = head.clone();
+        Rope::apply(&table, &mut got);
+        let want: Vec<f32> = head
+            .chunks_exact(2)
+            .zip(&table)
+            .flat_map(|(p, &(c, s))| [p[0].mul_add(c, -(p[1] * s)), p[0].mul_add(s, p[1] * c)])
+            .collect();
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "head of {n}");
+    }
+}

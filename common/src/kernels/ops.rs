@@ -43,12 +43,30 @@ impl Rope {
 
     /// Rotates consecutive pairs `(x[2i], x[2i+1])` of one head in place (normal, non-NeoX),
     /// with the multiply-adds GCC contracts ggml's `x0*cos - x1*sin` into.
+    /// With FMA present the multiply-adds are instructions (bit for bit what the `fmaf` calls
+    /// they otherwise compile to return).
     pub fn apply(table: &[(f32, f32)], head: &mut [f32]) {
-        for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
-            let (x0, x1) = (pair[0], pair[1]);
-            pair[0] = x0.mul_add(c, -(x1 * s));
-            pair[1] = x0.mul_add(s, x1 * c);
+        #[cfg(target_arch = "x86_64")]
+        if super::isa() >= super::Isa::Avx2 {
+            // SAFETY: AVX2 and FMA were detected.
+            return unsafe { rope_fma(table, head) };
         }
+        rope_body(table, head)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rope_fma(table: &[(f32, f32)], head: &mut [f32]) {
+    rope_body(table, head)
+}
+
+#[inline(always)]
+fn rope_body(table: &[(f32, f32)], head: &mut [f32]) {
+    for (pair, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
+        let (x0, x1) = (pair[0], pair[1]);
+        pair[0] = x0.mul_add(c, -(x1 * s));
+        pair[1] = x0.mul_add(s, x1 * c);
     }
 }
 
