@@ -170,6 +170,20 @@ fn matvec(ty: GgmlType, cols: usize, rng: &mut rand::rngs::StdRng) -> f64 {
     bytes as f64 / t.as_secs_f64() / 1e9
 }
 
+/// Multiply-accumulates per second (G) of one matrix product of `batch` activation rows with
+/// a `cols`-column matrix of 64 MiB (a batched decode step's tiles).
+fn matmul_rows(ty: GgmlType, cols: usize, batch: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+    let rows = (64usize << 20) / ty.row_bytes(cols);
+    let mut data = vec![0u8; ty.row_bytes(cols) * rows];
+    rng.fill(data.as_mut_slice());
+    let w = QMatrix::new(ty, rows, cols, &data);
+    let x: Vec<f32> = (0..cols * batch).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let acts = QuantizedActs::new(ty, &x, cols);
+    let mut out = vec![0f32; rows * batch];
+    let t = best(5, || matmul(&w, &acts, &mut out));
+    (rows * cols * batch) as f64 / t.as_secs_f64() / 1e9
+}
+
 fn main() {
     let a = args();
     rayon::ThreadPoolBuilder::new().num_threads(a.threads).build_global().expect("thread pool");
@@ -200,6 +214,14 @@ fn main() {
             rows.push((format!("matrix-vector {ty}"), "256 MiB, 576 columns (SmolLM2's width)".into(), matvec(ty, 576, &mut rng)));
         }
     }
+    let mut macs = Vec::new();
+    for batch in [8usize, 16] {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            if wanted(&format!("matrix × {batch} rows {ty}")) {
+                macs.push((format!("matrix × {batch} rows {ty}"), "64 MiB, 576 columns".to_string(), matmul_rows(ty, 576, batch, &mut rng)));
+            }
+        }
+    }
     let bw_after = read_bandwidth(a.quick);
     let bw = bw_before.max(bw_after);
     let mib = if a.quick { 512 } else { 1024 };
@@ -210,5 +232,8 @@ fn main() {
     println!("| read bandwidth after the kernels | {mib} MiB | {bw_after:.1} | {:.0}% |", 100.0 * bw_after / bw);
     for (what, shape, g) in rows {
         println!("| {what} | {shape} | {g:.1} | {:.0}% |", 100.0 * g / bw);
+    }
+    for (what, shape, g) in macs {
+        println!("| {what} (G multiply-adds/s) | {shape} | {g:.1} | |");
     }
 }
