@@ -144,7 +144,8 @@ def main():
     print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")
     print("|---|---|---:|---|---:|---:|---:|")
     for what, shape, gbs, frac in krows:
-        print(f"| {what} | {shape} | {gbs} | GB/s | | | {frac} |")
+        unit = "G mul-add/s" if "multiply-adds" in what else "GB/s"
+        print(f"| {what} | {shape} | {gbs} | {unit} | | | {frac} |")
     for row, what, shape in SYSTEM_ROWS:
         if row not in duet:
             continue
