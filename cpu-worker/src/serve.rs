@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{decode_chunks, merge_chunks, GroupScratch};
+use duet_common::kernels::attention::{decode_chunks, merge_chunk_tasks, GroupScratch};
 use duet_common::kernels::paged_attention::{attend_group, ArenaRows, PagedRange};
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
@@ -102,12 +102,12 @@ pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &Aren
     let (n_kv, hd) = (job.n_kv_head as usize, job.head_dim as usize);
     let group = job.n_head as usize / n_kv;
     // (sequence, KV head, chunk), sequences and heads in order, chunks in position order.
-    let tasks: Vec<(usize, usize, Range<u32>)> = job
+    let tasks: Vec<(usize, usize, Range<usize>)> = job
         .seqs
         .iter()
         .enumerate()
         .flat_map(|(s, seq)| {
-            let chunks: Vec<Range<u32>> = decode_chunks(seq.start as usize..seq.end as usize).map(|c| c.start as u32..c.end as u32).collect();
+            let chunks: Vec<Range<usize>> = decode_chunks(seq.start as usize..seq.end as usize).collect();
             (0..n_kv).flat_map(move |h| chunks.clone().into_iter().map(move |c| (s, h, c)))
         })
         .collect();
@@ -119,21 +119,13 @@ pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &Aren
         .with_min_len(min_len)
         .map_init(GroupScratch::default, |scratch, (s, h, chunk)| {
             let seq = &job.seqs[*s];
-            let r = PagedRange { start: chunk.start as usize, end: chunk.end as usize, ..seq.paged_range(job.layer, job.kv_padding) };
+            let r = PagedRange { start: chunk.start, end: chunk.end, ..seq.paged_range(job.layer, job.kv_padding) };
             let q = &seq.q[h * group * hd..(h + 1) * group * hd];
             let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
             attend_group(arena, layout, &r, *h as u32, q, &mut out, &mut lse, scratch);
             (out, lse)
         })
         .collect();
-    let mut results: Vec<SeqResult> = job.seqs.iter().map(|_| SeqResult { out: vec![0f32; n_kv * group * hd], lse: vec![0f32; n_kv * group] }).collect();
-    let mut at = 0;
-    while at < tasks.len() {
-        let (s, h) = (tasks[at].0, tasks[at].1);
-        let n = tasks[at..].iter().take_while(|t| t.0 == s && t.1 == h).count();
-        let r = &mut results[s];
-        merge_chunks(&parts[at..at + n], &mut r.out[h * group * hd..(h + 1) * group * hd], &mut r.lse[h * group..(h + 1) * group]);
-        at += n;
-    }
-    results
+    let keys: Vec<(usize, usize)> = tasks.iter().map(|t| (t.0, t.1)).collect();
+    merge_chunk_tasks(&keys, &parts, job.seqs.len(), n_kv, group, hd).into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()
 }

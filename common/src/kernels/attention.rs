@@ -50,10 +50,9 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
                 (o, l)
             })
             .collect();
-        let mut lse = vec![0f32; group];
-        for (o, head_parts) in out.chunks_exact_mut(group * hd).zip(parts.chunks(chunks.len())) {
-            merge_chunks(head_parts, o, &mut lse);
-        }
+        let keys: Vec<(usize, usize)> = (0..n_kv_head).flat_map(|h| chunks.iter().map(move |_| (0, h))).collect();
+        let (merged, _) = merge_chunk_tasks(&keys, &parts, 1, n_kv_head, group, hd).remove(0);
+        out.copy_from_slice(&merged);
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -148,12 +147,30 @@ pub fn merge_chunks(parts: &[(Vec<f32>, Vec<f32>)], out: &mut [f32], lse: &mut [
     }
 }
 
+/// Merges the results `parts` of decode tasks keyed `(item, kv_head)` — each key's chunks
+/// consecutive and in position order, as [`decode_chunks`] yields them — into one output
+/// (`[head][head_dim]`, `n_kv_head * group` heads) and one log-sum-exp per query head for each
+/// of `n_items` items (sequences). Heads without a task stay zero.
+pub fn merge_chunk_tasks(keys: &[(usize, usize)], parts: &[(Vec<f32>, Vec<f32>)], n_items: usize, n_kv_head: usize, group: usize, hd: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+    assert_eq!(keys.len(), parts.len(), "one key per task");
+    let mut results: Vec<(Vec<f32>, Vec<f32>)> = (0..n_items).map(|_| (vec![0f32; n_kv_head * group * hd], vec![0f32; n_kv_head * group])).collect();
+    let mut at = 0;
+    while at < keys.len() {
+        let (i, h) = keys[at];
+        let n = keys[at..].iter().take_while(|&&k| k == (i, h)).count();
+        let (o, l) = &mut results[i];
+        merge_chunks(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], &mut l[h * group..(h + 1) * group]);
+        at += n;
+    }
+    results
+}
+
 /// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
 /// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
 /// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
-/// [`decode_attention_range`]. A range within one [`DECODE_CHUNK`] gives that function's
-/// results, bit for bit, head by head; a longer one is computed chunk by chunk and merged by
-/// [`merge_chunks`] (callers that run the chunks in parallel merge them the same way).
+/// [`decode_attention_range`], whose results these are, bit for bit, head by head. The range
+/// lies within one [`DECODE_CHUNK`]: callers split longer ones with [`decode_chunks`] and
+/// merge the parts with [`merge_chunks`].
 ///
 /// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
 /// (`attention_avx512`); otherwise the rows are widened once and each head runs
@@ -175,52 +192,7 @@ pub fn decode_group(
     let n = range.end.saturating_sub(range.start);
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
-    if range.start / DECODE_CHUNK == range.end.saturating_sub(1) / DECODE_CHUNK || n == 0 {
-        decode_group_chunk(runs, range, n_padded, scale, q, out, lse, scratch);
-        return;
-    }
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = decode_chunks(range.clone())
-        .map(|chunk| {
-            let rows = runs_within(runs, hd, chunk.start - range.start..chunk.end - range.start);
-            let (mut o, mut l) = (vec![0f32; out.len()], vec![0f32; group]);
-            decode_group_chunk(&rows, chunk, n_padded, scale, q, &mut o, &mut l, scratch);
-            (o, l)
-        })
-        .collect();
-    merge_chunks(&parts, out, lse);
-}
-
-/// The rows `rows` (counted from the first row of `runs`) of runs of `hd`-wide rows.
-fn runs_within<'a>(runs: &[KvRun<'a>], hd: usize, rows: Range<usize>) -> Vec<KvRun<'a>> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for run in runs {
-        let n = run.k.len() / hd;
-        let (lo, hi) = (rows.start.max(at), rows.end.min(at + n));
-        if lo < hi {
-            let span = (lo - at) * hd..(hi - at) * hd;
-            out.push(KvRun { k: &run.k[span.clone()], v: &run.v[span] });
-        }
-        at += n;
-    }
-    out
-}
-
-/// [`decode_group`] of a range within one chunk.
-#[allow(clippy::too_many_arguments)]
-fn decode_group_chunk(
-    runs: &[KvRun<'_>],
-    range: Range<usize>,
-    n_padded: usize,
-    scale: f32,
-    q: &[f32],
-    out: &mut [f32],
-    lse: &mut [f32],
-    scratch: &mut GroupScratch,
-) {
-    let group = lse.len();
-    let hd = out.len() / group;
-    let n = range.end.saturating_sub(range.start);
+    assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP {
         // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.

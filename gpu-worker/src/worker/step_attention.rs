@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use duet_common::kernels::attention::{
-    attn_scale, causal_attention, decode_chunks, decode_group, merge_chunks, padded_len, AttnShape, GroupScratch, KvHead, KV_PADDING,
+    attn_scale, causal_attention, decode_chunks, decode_group, merge_chunk_tasks, padded_len, AttnShape, GroupScratch, KvHead, KV_PADDING,
 };
 use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::rpc::pb;
@@ -308,15 +308,7 @@ impl StepAttention<'_> {
                 (o, l)
             })
             .collect();
-        let mut results: Vec<Partial> = items.iter().map(|_| (vec![0f32; n_head * hd], vec![0f32; n_head])).collect();
-        let mut at = 0;
-        while at < tasks.len() {
-            let (i, h) = (tasks[at].0, tasks[at].1);
-            let n = tasks[at..].iter().take_while(|t| t.0 == i && t.1 == h).count();
-            let (o, l) = &mut results[i];
-            merge_chunks(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], &mut l[h * group..(h + 1) * group]);
-            at += n;
-        }
-        Ok(results)
+        let keys: Vec<(usize, usize)> = tasks.iter().map(|t| (t.0, t.1)).collect();
+        Ok(merge_chunk_tasks(&keys, &parts, items.len(), n_kv, group, hd))
     }
 }
