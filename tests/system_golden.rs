@@ -99,3 +99,23 @@ async fn greedy_over_grpc_matches_the_single_process_reference() {
     }
     assert!(failures.is_empty(), "{} mismatches:\n{}", failures.len(), failures.join("\n"));
 }
+
+/// Decode past `DECODE_CHUNK` (2048) positions: the single process, the gpu-worker reading the
+/// arenas in place and a cpu-worker each split the context into the same chunks and merge them
+/// the same way, so whole-context attention on either worker still gives the reference's tokens
+/// exactly (the golden prompts are all shorter than one chunk).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_past_one_attention_chunk_matches_the_single_process_reference() {
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(golden("greedy.json")).unwrap()).unwrap();
+    let mut prompt: Vec<u32> = data["items"].as_array().unwrap().iter().flat_map(|it| ids(&it["prompt_ids"])).collect();
+    assert!(prompt.len() > 2300, "the golden prompts hold {} tokens", prompt.len());
+    prompt.truncate(2300);
+    let want = Reference::load().generate(&prompt, 6);
+    for (label, flags) in [("on one cpu-worker", ["--cpu-workers", "1", "--policy", "cpu"]), ("on the gpu-worker", ["--cpu-workers", "1", "--policy", "gpu"])] {
+        let mut gw = Gateway::start(&flags);
+        let got = generate(&mut gw.client(), greedy(prompt.clone(), 6)).await.unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert_eq!(got.ids, want.ids, "{label}: a 2300-token context");
+        let status = gw.stop();
+        assert!(status.success(), "{label}: the gateway exited with {status}; log:\n{}", gw.log_tail());
+    }
+}
