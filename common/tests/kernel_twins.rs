@@ -727,3 +727,52 @@ fn rope_equals_its_scalar_twin_bit_for_bit() {
         assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "head of {n}");
     }
 }
+
+/// The AVX-512 tile kernels, with and without VNNI (whichever this CPU runs), on full tiles
+/// (the lane-major kernel) and partial ones (the paired kernel), against `vec_dot`, bit for bit.
+#[test]
+fn tile_kernels_equal_vec_dot_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use duet_common::kernels::matmul_avx512::{self as m, PairedActs, TILE};
+        if kernels::isa() != Isa::Avx512 {
+            println!("SKIPPED: this CPU has no AVX-512");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(0x5eed_0011);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+            for cols in [32usize, 96, 576] {
+                for batch in [3usize, 16, 21, 32] {
+                    let w = random_weight_row(&mut rng, ty, cols);
+                    let x = random_acts(&mut rng, cols * batch);
+                    let acts = QuantizedActs::new(ty, &x, cols);
+                    let nb = cols / 32;
+                    // SAFETY: AVX-512 was detected; the data is `batch` rows of `nb` blocks.
+                    let paired = unsafe { PairedActs::new(acts.ty, &acts.data, batch, nb) };
+                    type Kernel = unsafe fn(&[u8], &PairedActs, usize, usize) -> [f32; TILE];
+                    let mut kernels_here: Vec<(&str, Kernel)> = match ty {
+                        GgmlType::Q4_1 => vec![("q4_1 plain", m::q4_1_row_tile)],
+                        _ => vec![("q8_0 plain", m::q8_0_row_tile)],
+                    };
+                    if kernels::has_vnni() {
+                        kernels_here.push(match ty {
+                            GgmlType::Q4_1 => ("q4_1 vnni", m::q4_1_row_tile_vnni),
+                            _ => ("q8_0 vnni", m::q8_0_row_tile_vnni),
+                        });
+                    }
+                    for (name, kernel) in kernels_here {
+                        for tile in 0..paired.n_tiles() {
+                            let rows = (batch - tile * TILE).min(TILE);
+                            // SAFETY: as above; `w` is one row of `nb` blocks.
+                            let got = unsafe { kernel(&w, &paired, tile, rows) };
+                            for (i, g) in got.iter().take(rows).enumerate() {
+                                let want = kernels::vec_dot(ty, cols, &w, acts.row(tile * TILE + i));
+                                assert_eq!(g.to_bits(), want.to_bits(), "{name} cols {cols} batch {batch} row {}: {g:e} vs {want:e}", tile * TILE + i);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
