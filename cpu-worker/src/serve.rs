@@ -2,12 +2,11 @@
 //! attention for every (sequence, KV head) of a job in parallel on the worker's pool,
 //! writes the results (or an error status) into the job's slot and completes it.
 
-use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{decode_chunks, merge_chunk_tasks, GroupScratch};
+use duet_common::kernels::attention::{chunk_tasks, merge_chunk_tasks, ChunkTask, GroupScratch};
 use duet_common::kernels::paged_attention::{attend_group, ArenaRows, PagedRange};
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
@@ -101,23 +100,14 @@ pub const PARALLEL_MIN_POSITIONS: usize = 8192;
 pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &ArenaLayout) -> Vec<SeqResult> {
     let (n_kv, hd) = (job.n_kv_head as usize, job.head_dim as usize);
     let group = job.n_head as usize / n_kv;
-    // (sequence, KV head, chunk), sequences and heads in order, chunks in position order.
-    let tasks: Vec<(usize, usize, Range<usize>)> = job
-        .seqs
-        .iter()
-        .enumerate()
-        .flat_map(|(s, seq)| {
-            let chunks: Vec<Range<usize>> = decode_chunks(seq.start as usize..seq.end as usize).collect();
-            (0..n_kv).flat_map(move |h| chunks.clone().into_iter().map(move |c| (s, h, c)))
-        })
-        .collect();
+    let tasks = chunk_tasks(job.seqs.iter().map(|s| s.start as usize..s.end as usize), n_kv);
     // A small job runs on the calling thread: waking the pool costs more than it saves.
     let positions: usize = job.seqs.iter().map(|s| (s.end - s.start) as usize).sum::<usize>() * n_kv;
     let min_len = if positions < PARALLEL_MIN_POSITIONS { tasks.len().max(1) } else { 1 };
     let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
         .par_iter()
         .with_min_len(min_len)
-        .map_init(GroupScratch::default, |scratch, (s, h, chunk)| {
+        .map_init(GroupScratch::default, |scratch, ChunkTask { item: s, kv_head: h, chunk }| {
             let seq = &job.seqs[*s];
             let r = PagedRange { start: chunk.start, end: chunk.end, ..seq.paged_range(job.layer, job.kv_padding) };
             let q = &seq.q[h * group * hd..(h + 1) * group * hd];
@@ -126,6 +116,5 @@ pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &Aren
             (out, lse)
         })
         .collect();
-    let keys: Vec<(usize, usize)> = tasks.iter().map(|t| (t.0, t.1)).collect();
-    merge_chunk_tasks(&keys, &parts, job.seqs.len(), n_kv, group, hd).into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()
+    merge_chunk_tasks(&tasks, &parts, job.seqs.len(), n_kv, group, hd).into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()
 }

@@ -179,7 +179,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
 /// A Q4_1 weight row against a full tile of sixteen Q8_1 activation rows, lane-major: each
 /// register holds one ggml lane (the integer sum of four quant products) for all sixteen rows,
 /// so a block needs one `d_w · d_a` multiply for the whole tile instead of one per row pair
-/// (16 rows: 167–176 → 201–206 G multiply-adds/s on 2 threads). The lanes are summed per row
+/// (16 rows: 167–176 → 211–214 G multiply-adds/s on 2 threads). The lanes are summed per row
 /// in `hsum8`'s order at the end: the same numbers as [`row_tile`]. (For Q8_0 the per-lane sign
 /// handling costs more than the multiply saves: 208–214 → 186–188, so Q8_0 keeps the pairs.)
 #[inline(always)]

@@ -29,8 +29,9 @@ const PREFETCH_AHEAD: usize = 512;
 /// rows already being read. Otherwise each row is prefetched `PREFETCH_AHEAD` ahead.
 struct Prefetch {
     rows: [*const u8; 4],
-    /// Bytes the group's span advances per block: four blocks when the rows are contiguous.
-    linear_step: Option<usize>,
+    block_bytes: usize,
+    /// Whether the rows lie back to back (one stream).
+    contiguous: bool,
 }
 
 /// How far ahead a contiguous group is prefetched. Measured on the model's 576-column rows
@@ -42,23 +43,22 @@ pub(super) const LINEAR_AHEAD: usize = 8192;
 impl Prefetch {
     fn new(rows: [*const u8; 4], row_bytes: usize, block_bytes: usize) -> Self {
         let contiguous = (1..4).all(|i| rows[i] == rows[0].wrapping_add(i * row_bytes));
-        Prefetch { rows, linear_step: contiguous.then_some(4 * block_bytes) }
+        Prefetch { rows, block_bytes, contiguous }
     }
 
-    /// Before reading block `b` (at byte `o = b · block_bytes` of each row).
+    /// Before reading block `b` of each row.
     #[inline(always)]
-    unsafe fn at(&self, b: usize, o: usize) {
-        match self.linear_step {
-            Some(step) => {
-                let p = self.rows[0].wrapping_add(LINEAR_AHEAD + b * step);
-                _mm_prefetch::<_MM_HINT_T0>(p.cast());
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(step - 1).cast());
-            }
-            None => {
-                for r in &self.rows {
-                    _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(o + PREFETCH_AHEAD).cast());
-                }
+    unsafe fn at(&self, b: usize) {
+        if self.contiguous {
+            // The group's span advances four blocks per block read.
+            let step = 4 * self.block_bytes;
+            let p = self.rows[0].wrapping_add(LINEAR_AHEAD + b * step);
+            _mm_prefetch::<_MM_HINT_T0>(p.cast());
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(step - 1).cast());
+        } else {
+            for r in &self.rows {
+                _mm_prefetch::<_MM_HINT_T0>(r.wrapping_add(b * self.block_bytes + PREFETCH_AHEAD).cast());
             }
         }
     }
@@ -134,7 +134,7 @@ unsafe fn q4_1_r4_body<const VNNI: bool>(w: [&[u8]; 4], a: &[u8]) -> [f32; 4] {
     let prefetch = Prefetch::new([w0, w1, w2, w3], nb * Q4_1_BYTES, Q4_1_BYTES);
     for b in 0..nb {
         let o = b * Q4_1_BYTES;
-        prefetch.at(b, o);
+        prefetch.at(b);
         let yb = y.add(b * Q8_1_BYTES);
         // [d_a, s_a, d_a, s_a]
         let ds = _mm_cvtph_ps(_mm_set1_epi32((yb as *const i32).read_unaligned()));
@@ -177,7 +177,7 @@ unsafe fn signed_r4_body<const Q4: bool, const VNNI: bool>(w: [&[u8]; 4], a: &[u
     let prefetch = Prefetch::new([w0, w1, w2, w3], nb * bb, bb);
     for b in 0..nb {
         let o = b * bb;
-        prefetch.at(b, o);
+        prefetch.at(b);
         let yb = y.add(b * Q8_0_BYTES);
         let dy = _mm_cvtph_ps(_mm_set1_epi16((yb as *const i16).read_unaligned()));
         let qy = _mm512_broadcast_i64x4(_mm256_loadu_si256(yb.add(2).cast()));

@@ -74,7 +74,7 @@ impl PagedRange<'_> {
 /// `[group][head_dim]` (the query heads `kv_head * group .. (kv_head + 1) * group`), `lse`
 /// gets one log-sum-exp per query head. The KV head is gathered once for the whole group.
 /// Panics unless `r.fits(layout)`, `r`'s positions lie within one `DECODE_CHUNK` (see
-/// `attention::decode_chunks`) and the slices agree (`q.len() == out.len() ==
+/// `attention::chunk_tasks`) and the slices agree (`q.len() == out.len() ==
 /// lse.len() * head_dim`).
 #[allow(clippy::too_many_arguments)] // the arena, the range and the group's three slices
 pub fn attend_group<A: ArenaRows + ?Sized>(

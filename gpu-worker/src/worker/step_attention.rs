@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use duet_common::kernels::attention::{
-    attn_scale, causal_attention, decode_chunks, decode_group, merge_chunk_tasks, padded_len, AttnShape, GroupScratch, KvHead, KV_PADDING,
+    attn_scale, causal_attention, chunk_tasks, decode_group, merge_chunk_tasks, padded_len, AttnShape, ChunkTask, GroupScratch, KvHead, KV_PADDING,
 };
 use duet_common::kernels::paged_attention::merge_partials;
 use duet_common::rpc::pb;
@@ -288,27 +288,22 @@ impl StepAttention<'_> {
         let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = self.shape;
         let group = n_head / n_kv;
         let scale = attn_scale(hd);
-        // (item, KV head, chunk, its rows), items and heads in order, chunks in position order.
-        let mut tasks = Vec::new();
-        for (i, (pi, _, range)) in items.iter().enumerate() {
-            for h in 0..n_kv {
-                for chunk in decode_chunks(range.clone()) {
-                    let runs = self.arenas.runs(&plan[*pi].blocks, layer, h as u32, chunk.clone())?;
-                    tasks.push((i, h, chunk, runs));
-                }
-            }
-        }
+        let tasks = chunk_tasks(items.iter().map(|(_, _, range)| range.clone()), n_kv);
+        let runs = tasks
+            .iter()
+            .map(|t| self.arenas.runs(&plan[items[t.item].0].blocks, layer, t.kv_head as u32, t.chunk.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
         let parts: Vec<Partial> = tasks
             .par_iter()
-            .map_init(GroupScratch::default, |scratch, (i, h, chunk, runs)| {
-                let p = &plan[items[*i].0];
+            .zip(&runs)
+            .map_init(GroupScratch::default, |scratch, (ChunkTask { item, kv_head: h, chunk }, runs)| {
+                let p = &plan[items[*item].0];
                 let q = &q[(p.row0 * n_head + h * group) * hd..(p.row0 * n_head + (h + 1) * group) * hd];
                 let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
                 decode_group(runs, chunk.clone(), padded_len(p.n_ctx(), KV_PADDING), scale, q, &mut o, &mut l, scratch);
                 (o, l)
             })
             .collect();
-        let keys: Vec<(usize, usize)> = tasks.iter().map(|t| (t.0, t.1)).collect();
-        Ok(merge_chunk_tasks(&keys, &parts, items.len(), n_kv, group, hd))
+        Ok(merge_chunk_tasks(&tasks, &parts, items.len(), n_kv, group, hd))
     }
 }
