@@ -743,31 +743,35 @@ fn tile_kernels_equal_vec_dot_bit_for_bit() {
         for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
             for cols in [32usize, 96, 576] {
                 for batch in [3usize, 16, 21, 32] {
-                    let w = random_weight_row(&mut rng, ty, cols);
+                    let w: Vec<u8> = (0..3).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
                     let x = random_acts(&mut rng, cols * batch);
                     let acts = QuantizedActs::new(ty, &x, cols);
                     let nb = cols / 32;
                     // SAFETY: AVX-512 was detected; the data is `batch` rows of `nb` blocks.
                     let paired = unsafe { PairedActs::new(acts.ty, &acts.data, batch, nb) };
-                    type Kernel = unsafe fn(&[u8], &PairedActs, usize, usize) -> [f32; TILE];
+                    type Kernel = unsafe fn(&[u8], usize, &PairedActs, usize, usize, &mut [[f32; TILE]]);
                     let mut kernels_here: Vec<(&str, Kernel)> = match ty {
-                        GgmlType::Q4_1 => vec![("q4_1 plain", m::q4_1_row_tile)],
-                        _ => vec![("q8_0 plain", m::q8_0_row_tile)],
+                        GgmlType::Q4_1 => vec![("q4_1 plain", m::q4_1_rows_tile)],
+                        _ => vec![("q8_0 plain", m::q8_0_rows_tile)],
                     };
                     if kernels::has_vnni() {
                         kernels_here.push(match ty {
-                            GgmlType::Q4_1 => ("q4_1 vnni", m::q4_1_row_tile_vnni),
-                            _ => ("q8_0 vnni", m::q8_0_row_tile_vnni),
+                            GgmlType::Q4_1 => ("q4_1 vnni", m::q4_1_rows_tile_vnni),
+                            _ => ("q8_0 vnni", m::q8_0_rows_tile_vnni),
                         });
                     }
                     for (name, kernel) in kernels_here {
                         for tile in 0..paired.n_tiles() {
                             let rows = (batch - tile * TILE).min(TILE);
-                            // SAFETY: as above; `w` is one row of `nb` blocks.
-                            let got = unsafe { kernel(&w, &paired, tile, rows) };
-                            for (i, g) in got.iter().take(rows).enumerate() {
-                                let want = kernels::vec_dot(ty, cols, &w, acts.row(tile * TILE + i));
-                                assert_eq!(g.to_bits(), want.to_bits(), "{name} cols {cols} batch {batch} row {}: {g:e} vs {want:e}", tile * TILE + i);
+                            let mut got = [[0f32; TILE]; 3];
+                            // SAFETY: as above; `w` is three rows of `nb` blocks.
+                            unsafe { kernel(&w, w.len() / 3, &paired, tile, rows, &mut got) };
+                            for (r, got_r) in got.iter().enumerate() {
+                                let w_r = &w[r * w.len() / 3..(r + 1) * w.len() / 3];
+                                for (i, g) in got_r.iter().take(rows).enumerate() {
+                                    let want = kernels::vec_dot(ty, cols, w_r, acts.row(tile * TILE + i));
+                                    assert_eq!(g.to_bits(), want.to_bits(), "{name} cols {cols} batch {batch} weight row {r} row {}: {g:e} vs {want:e}", tile * TILE + i);
+                                }
                             }
                         }
                     }

@@ -58,6 +58,9 @@ impl QuantizedActs {
     }
 }
 
+/// The most weight rows one task of [`matmul_many`] takes.
+const MAX_TASK_ROWS: usize = 256;
+
 /// `out[t * w.rows + r] = w.row(r) · x.row(t)` for every row `r` and batch row `t`.
 pub fn matmul(w: &QMatrix<'_>, x: &QuantizedActs, out: &mut [f32]) {
     matmul_many(&[*w], x, &mut [out]);
@@ -80,7 +83,7 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         .iter()
         .enumerate()
         .flat_map(|(i, w)| {
-            let chunk = (w.rows / (threads * 8)).clamp(8, 256);
+            let chunk = (w.rows / (threads * 8)).clamp(8, MAX_TASK_ROWS);
             (0..w.rows.div_ceil(chunk)).map(move |c| (i, c * chunk..((c + 1) * chunk).min(w.rows)))
         })
         .collect();
@@ -131,25 +134,33 @@ fn plain_rows(w: &QMatrix<'_>, x: &QuantizedActs, rows: Range<usize>, out: SyncP
 }
 
 /// [`plain_rows`] with the AVX-512 tile kernels over activation rows regrouped in pairs
-/// (same bits as `vec_dot`): every tile of sixteen activation rows for each weight row.
+/// (same bits as `vec_dot`): every tile of sixteen activation rows for the task's weight rows,
+/// into a buffer (one vector of results per weight row) copied out to each batch row as one
+/// contiguous run. Stored straight into the output, a weight row's sixteen results went to
+/// sixteen rows a whole output row apart (for the vocabulary, 192 KiB apart: one cache set).
 #[cfg(target_arch = "x86_64")]
 fn paired_rows(w: &QMatrix<'_>, n_rows: usize, acts: &super::matmul_avx512::PairedActs, rows: Range<usize>, out: SyncPtr) {
     use super::matmul_avx512::{self as k, PairedActs, TILE};
-    let kernel: unsafe fn(&[u8], &PairedActs, usize, usize) -> [f32; TILE] = match (w.ty, super::has_vnni()) {
-        (GgmlType::Q4_1, true) => k::q4_1_row_tile_vnni,
-        (GgmlType::Q4_1, false) => k::q4_1_row_tile,
-        (_, true) => k::q8_0_row_tile_vnni,
-        (_, false) => k::q8_0_row_tile,
+    type Kernel = unsafe fn(&[u8], usize, &PairedActs, usize, usize, &mut [[f32; TILE]]);
+    let kernel: Kernel = match (w.ty, super::has_vnni()) {
+        (GgmlType::Q4_1, true) => k::q4_1_rows_tile_vnni,
+        (GgmlType::Q4_1, false) => k::q4_1_rows_tile,
+        (_, true) => k::q8_0_rows_tile_vnni,
+        (_, false) => k::q8_0_rows_tile,
     };
+    let rb = w.ty.row_bytes(w.cols);
+    let mut buf = [[0f32; TILE]; MAX_TASK_ROWS];
+    let buf = &mut buf[..rows.len()];
     for tile in 0..acts.n_tiles() {
         let t0 = tile * TILE;
         let in_tile = (n_rows - t0).min(TILE);
-        for r in rows.clone() {
-            // SAFETY: the kernel's CPU features were detected; the row has the acts' blocks.
-            let v = unsafe { kernel(w.row(r), acts, tile, in_tile) };
-            for (i, &v) in v.iter().enumerate().take(in_tile) {
-                // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
-                unsafe { *out.get().add((t0 + i) * w.rows + r) = v };
+        // SAFETY: the kernel's CPU features were detected; the rows have the acts' blocks.
+        unsafe { kernel(&w.data[rows.start * rb..rows.end * rb], rb, acts, tile, in_tile, buf) };
+        for i in 0..in_tile {
+            // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t0 + i) * w.rows + rows.start), rows.len()) };
+            for (d, b) in dst.iter_mut().zip(buf.iter()) {
+                *d = b[i];
             }
         }
     }

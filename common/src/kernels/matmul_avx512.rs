@@ -216,28 +216,35 @@ unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, til
 macro_rules! row_tile_fn {
     ($name:ident, $q4_1:expr, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
-        /// Only the tile's first `rows` rows are computed (the others are zero rows or
-        /// beyond the batch): in pairs, rounded up to 1, 2, 4 or 8 pairs.
+        /// `w` holds `out.len()` weight rows of `row_bytes` each; `out[r]` gets row `r`'s
+        /// products with the tile (one call for a run of rows: the kernel is chosen once and
+        /// inlined into the loop). Only the tile's first `rows` rows are computed (the others
+        /// are zero rows or beyond the batch): in pairs, rounded up to 1, 2, 4 or 8 pairs.
         ///
         /// # Safety
-        /// The CPU features named in `target_feature`; `w` is one weight row of `acts`' block
-        /// count, `tile < acts.n_tiles()`.
+        /// The CPU features named in `target_feature`; every weight row has `acts`' block
+        /// count, `tile < acts.n_tiles()`. Panics if `w` is shorter than `out` needs.
         #[target_feature(enable = $features)]
-        pub unsafe fn $name(w: &[u8], acts: &PairedActs, tile: usize, rows: usize) -> [f32; TILE] {
+        pub unsafe fn $name(w: &[u8], row_bytes: usize, acts: &PairedActs, tile: usize, rows: usize, out: &mut [[f32; TILE]]) {
+            assert!(w.len() >= out.len() * row_bytes, "weight rows for every output");
+            let w_rows = w.chunks_exact(row_bytes).zip(out.iter_mut());
             if $q4_1 && rows == TILE && acts.is_full(tile) {
-                return q4_1_row_tile_lanes::<$vnni>(w, acts, tile);
+                for (row, o) in w_rows {
+                    *o = q4_1_row_tile_lanes::<$vnni>(row, acts, tile);
+                }
+                return;
             }
             match rows.div_ceil(2) {
-                0 | 1 => row_tile::<$q4_1, $vnni, 1>(w, acts, tile),
-                2 => row_tile::<$q4_1, $vnni, 2>(w, acts, tile),
-                3 | 4 => row_tile::<$q4_1, $vnni, 4>(w, acts, tile),
-                _ => row_tile::<$q4_1, $vnni, 8>(w, acts, tile),
+                0 | 1 => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 1>(row, acts, tile)),
+                2 => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 2>(row, acts, tile)),
+                3 | 4 => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 4>(row, acts, tile)),
+                _ => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 8>(row, acts, tile)),
             }
         }
     };
 }
 
-row_tile_fn!(q4_1_row_tile, true, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "A Q4_1 weight row · a tile of Q8_1 rows.");
-row_tile_fn!(q4_1_row_tile_vnni, true, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "A Q4_1 weight row · a tile of Q8_1 rows, with `vpdpbusd`.");
-row_tile_fn!(q8_0_row_tile, false, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "A Q8_0 weight row · a tile of Q8_0 rows.");
-row_tile_fn!(q8_0_row_tile_vnni, false, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "A Q8_0 weight row · a tile of Q8_0 rows, with `vpdpbusd`.");
+row_tile_fn!(q4_1_rows_tile, true, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_1 weight rows · a tile of Q8_1 rows.");
+row_tile_fn!(q4_1_rows_tile_vnni, true, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_1 weight rows · a tile of Q8_1 rows, with `vpdpbusd`.");
+row_tile_fn!(q8_0_rows_tile, false, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q8_0 weight rows · a tile of Q8_0 rows.");
+row_tile_fn!(q8_0_rows_tile_vnni, false, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q8_0 weight rows · a tile of Q8_0 rows, with `vpdpbusd`.");
