@@ -331,7 +331,10 @@ unsafe fn value_pass<const G: usize>(
     let simd_end = (n_padded & !63).min(end).max(start);
     let rows = &scratch.rows;
     let mut sums = [[_mm512_setzero_pd(); 8]; G];
-    if simd_end > start {
+    if simd_end > start && simd_end - start <= 64 {
+        // One position per lane at most: the lanes folded straight from the V rows.
+        fold_positions::<G>(start, simd_end, stride, weights, rows, &mut sums);
+    } else if simd_end > start {
         scratch.lanes.clear();
         scratch.lanes.resize(G * 64 * 64, 0.0);
         let lanes = scratch.lanes.as_mut_ptr();
@@ -470,6 +473,49 @@ unsafe fn lane_pair<const G: usize, const LANES: usize>(
     }
 }
 
+/// [`fold_lanes`] of the lanes [`sum_lanes`] would build from positions `start..end`, at
+/// most 64 of them (so at most one per lane; a lane's sum is then its position's product, or
+/// zero), computed straight from the V rows without the lane buffer: short contexts
+/// otherwise spend more on clearing, storing and reloading 64 lanes than on their rows.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn fold_positions<const G: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, sums: &mut [[__m512d; 8]; G]) {
+    let zero = _mm512_setzero_ps();
+    for j in 0..4 {
+        let mut h = [[zero; 16]; G];
+        for i in 0..16 {
+            // The positions of lanes i, i + 16, i + 32 and i + 48 (if in the range).
+            let x: [Option<(usize, __m512)>; 4] = std::array::from_fn(|k| {
+                let lane = i + 16 * k;
+                let off = (lane + 64 - start % 64) % 64;
+                (start + off < end).then(|| (off, _mm512_cvtph_ps(_mm256_loadu_si256((rows.v(off) as *const __m256i).add(j)))))
+            });
+            for (g, hg) in h.iter_mut().enumerate() {
+                let lane = |k: usize| match x[k] {
+                    Some((off, v)) => _mm512_mul_ps(v, _mm512_set1_ps(*weights.add(g * stride + off))),
+                    None => zero,
+                };
+                // As `fold_lanes`: (l_i + l_{i+32}) + (l_{i+16} + l_{i+48}).
+                hg[i] = _mm512_add_ps(_mm512_add_ps(lane(0), lane(2)), _mm512_add_ps(lane(1), lane(3)));
+            }
+        }
+        for (s, hg) in sums.iter_mut().zip(&h) {
+            [s[2 * j], s[2 * j + 1]] = fold16(hg);
+        }
+    }
+}
+
+/// The rest of `reduce64` for sixteen dimensions, from `h[i] = (l_i + l_{i+32}) + (l_{i+16} +
+/// l_{i+48})`: `(h_i + h_{i+8})`, then `+4`, then `(0 + 2) + (1 + 3)`, widened to f64.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn fold16(h: &[__m512; 16]) -> [__m512d; 2] {
+    let t8: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(h[i + 8], h[i]));
+    let t4: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(t8[i + 4], t8[i]));
+    let r = _mm512_add_ps(_mm512_add_ps(t4[0], t4[2]), _mm512_add_ps(t4[1], t4[3]));
+    [_mm512_cvtps_pd(_mm512_castps512_ps256(r)), _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(r))]
+}
+
 /// `sums[g][d] = reduce64(lanes[g][..][d])` in f64, for every dimension at once.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -482,11 +528,7 @@ unsafe fn fold_lanes<const G: usize>(lanes: *const f32, sums: &mut [[__m512d; 8]
             for (i, hi) in h.iter_mut().enumerate() {
                 *hi = _mm512_add_ps(_mm512_add_ps(at(i), at(i + 32)), _mm512_add_ps(at(i + 16), at(i + 48)));
             }
-            let t8: [__m512; 8] = std::array::from_fn(|i| _mm512_add_ps(h[i + 8], h[i]));
-            let t4: [__m512; 4] = std::array::from_fn(|i| _mm512_add_ps(t8[i + 4], t8[i]));
-            let r = _mm512_add_ps(_mm512_add_ps(t4[0], t4[2]), _mm512_add_ps(t4[1], t4[3]));
-            s[2 * j] = _mm512_cvtps_pd(_mm512_castps512_ps256(r));
-            s[2 * j + 1] = _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(r));
+            [s[2 * j], s[2 * j + 1]] = fold16(&h);
         }
     }
 }
