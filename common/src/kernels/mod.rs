@@ -17,6 +17,8 @@ pub mod ops;
 pub mod paged_attention;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
+pub mod quantize_avx512;
+#[cfg(target_arch = "x86_64")]
 mod simd_x86;
 
 use std::sync::OnceLock;
