@@ -12,6 +12,7 @@ use duet_common::model::config::{LlamaConfig, RopeScaling};
 use duet_common::model::gguf::GgufFile;
 use duet_common::model::names::TensorName;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use crate::error::{Result, WorkerError};
@@ -355,9 +356,7 @@ impl KvCache {
             for (t, row) in src.chunks_exact(n_kv * hd).enumerate() {
                 for (h, head) in row.chunks_exact(hd).enumerate() {
                     let p = pos0 + t;
-                    for (d, &x) in dst[h][p * hd..(p + 1) * hd].iter_mut().zip(head) {
-                        *d = f16::from_f32(x);
-                    }
+                    dst[h][p * hd..(p + 1) * hd].convert_from_f32_slice(head);
                 }
             }
         }

@@ -8,6 +8,7 @@ use duet_common::kernels::attention::KvRun;
 use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
 use duet_common::shm::{Producer, Ring, Segment};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::StepError;
 
@@ -127,9 +128,8 @@ impl KvArenas {
                 // the plan gives each token position to one sequence, and its attention jobs
                 // are posted after this write (the ring's release/acquire orders them).
                 let dst = unsafe { w.arena.slice_mut::<f16>(offset + slot * hd * 2, hd) };
-                for (d, &x) in dst.iter_mut().zip(src) {
-                    *d = f16::from_f32(x);
-                }
+                // Eight at a time with F16C where present (the same rounding).
+                dst.convert_from_f32_slice(src);
             }
         }
         Ok(())
