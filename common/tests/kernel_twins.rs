@@ -751,7 +751,7 @@ fn tile_kernels_equal_vec_dot_bit_for_bit() {
                     let nb = cols / 32;
                     // SAFETY: AVX-512 was detected; the data is `batch` rows of `nb` blocks.
                     let paired = unsafe { PairedActs::new(acts.ty, &acts.data, batch, nb) };
-                    type Kernel = unsafe fn(&[u8], usize, &PairedActs, usize, usize, &mut [[f32; TILE]]);
+                    type Kernel = m::RowsTileKernel;
                     let mut kernels_here: Vec<(&str, Kernel)> = match ty {
                         GgmlType::Q4_1 => vec![("q4_1 plain", m::q4_1_rows_tile)],
                         _ => vec![("q8_0 plain", m::q8_0_rows_tile)],
@@ -812,6 +812,26 @@ fn q8_quantisation_equals_scalar_twin_byte_for_byte() {
                 quantize_row_scalar(ty, &x, &mut want);
                 assert_eq!(got, want, "{ty} {blocks} blocks, scale {scale:e}");
             }
+        }
+    }
+}
+
+/// `silu_mul` on the dispatched path (AVX-512 sixteen lanes at a time where the CPU has it)
+/// against the scalar twin, bit for bit: odd lengths (a scalar tail), inputs from tiny to past
+/// `expf`'s overflow and underflow limits.
+#[test]
+fn silu_mul_equals_scalar_twin_bit_for_bit() {
+    use duet_common::kernels::ops::{silu_mul, silu_mul_scalar};
+    let mut rng = StdRng::seed_from_u64(0x5eed_0051);
+    for n in [1usize, 15, 16, 17, 1536, 1543] {
+        for range in [1e-3f32, 1.0, 20.0, 200.0] {
+            let gate: Vec<f32> = (0..n).map(|_| rng.random_range(-range..range)).collect();
+            let up: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let (mut got, mut want) = (gate.clone(), gate.clone());
+            silu_mul(&mut got, &up);
+            silu_mul_scalar(&mut want, &up);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "n {n}, inputs within ±{range}");
         }
     }
 }

@@ -251,10 +251,11 @@ unsafe fn reduce16(v: __m512) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
 }
 
-/// `ggml_v_expf`, AVX-512 variant (the one `ggml_exact::expf` mirrors lane by lane).
+/// `ggml_v_expf`, AVX-512 variant (the one `ggml_exact::expf` mirrors lane by lane): the
+/// softmax's exponential here, and SiLU's (`ops::silu_mul`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn expf16(x: __m512) -> __m512 {
+pub(crate) unsafe fn expf16(x: __m512) -> __m512 {
     let c = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
     let r = c(0x4b40_0000);
     let z = _mm512_fmadd_ps(x, c(0x3fb8_aa3b), r);

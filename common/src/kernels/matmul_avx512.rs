@@ -213,6 +213,10 @@ unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, til
     out
 }
 
+/// The signature of the tile kernels below (weight rows, row bytes, acts, tile, rows of the
+/// tile, one result vector per weight row).
+pub type RowsTileKernel = unsafe fn(&[u8], usize, &PairedActs, usize, usize, &mut [[f32; TILE]]);
+
 macro_rules! row_tile_fn {
     ($name:ident, $q4_1:expr, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]

@@ -100,6 +100,11 @@ pub fn llama3_freq_factors(
 /// `gate = silu(gate) * up`, with ggml's vectorised `x / (1 + expf(-x))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
+    if super::isa() == super::Isa::Avx512 {
+        // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected.
+        return unsafe { silu_mul_avx512(gate, up) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if super::isa() >= super::Isa::Avx2 {
         // SAFETY: AVX2 and FMA were detected.
         return unsafe { silu_mul_fma(gate, up) };
@@ -110,6 +115,28 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_fma(gate: &mut [f32], up: &[f32]) {
+    silu_mul_body(gate, up)
+}
+
+/// Sixteen lanes at a time with ggml's AVX-512 `expf` (the same bits as the scalar body);
+/// the tail of fewer than sixteen by the scalar body.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn silu_mul_avx512(gate: &mut [f32], up: &[f32]) {
+    use std::arch::x86_64::*;
+    let n = gate.len().min(up.len());
+    let whole = n - n % 16;
+    for i in (0..whole).step_by(16) {
+        let x = _mm512_loadu_ps(gate.as_ptr().add(i));
+        let e = super::attention_avx512::expf16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        let silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+        _mm512_storeu_ps(gate.as_mut_ptr().add(i), _mm512_mul_ps(silu, _mm512_loadu_ps(up.as_ptr().add(i))));
+    }
+    silu_mul_body(&mut gate[whole..n], &up[whole..n]);
+}
+
+/// The scalar twin of [`silu_mul`]'s SIMD paths.
+pub fn silu_mul_scalar(gate: &mut [f32], up: &[f32]) {
     silu_mul_body(gate, up)
 }
 
