@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::matvec_avx512::dot_u8i8;
-use super::quant::{scale_min_k4, BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
+use super::quant::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
 #[inline(always)]
 unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
@@ -24,9 +24,9 @@ fn f16_bytes(b: [u8; 2]) -> f32 {
 
 /// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K block (the scalar twin's `sum_sc`).
 #[inline(always)]
-unsafe fn q4k_sum_sc<const VNNI: bool>(x: &BlockQ4K, y: &BlockQ8K, sc: &[u8; 8]) -> i32 {
+unsafe fn q4k_sum_sc<const VNNI: bool>(x: &BlockQ4K, y: &BlockQ8K, sc: u64) -> i32 {
     let mask = _mm256_set1_epi8(0x0F);
-    let scv = _mm_loadl_epi64(sc.as_ptr().cast());
+    let scv = _mm_cvtsi64_si128(sc as i64);
     let mut acc = _mm512_setzero_si512();
     for i in 0..4 {
         let raw = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i).cast());
@@ -47,28 +47,40 @@ unsafe fn dot_q4k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
 }
 
 /// One Q4_K/Q5_K block's value as the scalar twin computes it: its 6-bit scales and mins
-/// decoded, `sum_sc` (the scaled integer dot products, from `sum_sc`) and the mins against
-/// the activation block sums, then the twin's float epilogue.
+/// decoded, `sum_sc` (the scaled integer dot products, from the eight scales, byte `j` of its
+/// argument) and the mins against the activation block sums, then the twin's float epilogue.
 #[inline(always)]
-fn k4_block(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], y: &BlockQ8K, sum_sc: impl FnOnce(&[u8; 8]) -> i32) -> f32 {
-    let (mut sc, mut sum_m) = ([0u8; 8], 0i32);
-    for (j, s) in sc.iter_mut().enumerate() {
-        let (scale, m) = scale_min_k4(j, scales);
-        *s = scale;
-        sum_m += m as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1));
-    }
-    let sum_sc = sum_sc(&sc);
+fn k4_block(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], y: &BlockQ8K, sum_sc: impl FnOnce(u64) -> i32) -> f32 {
+    let (sc, mins) = k4_scales_mins(scales);
+    let sum_m: i32 = (0..8).map(|j| ((mins >> (8 * j)) & 0xFF) as i32 * (y.bsum(2 * j) + y.bsum(2 * j + 1))).sum();
+    let sum_sc = sum_sc(sc);
     y.scale() * (f16_bytes(d) * sum_sc as f32) - y.scale() * f16_bytes(dmin) * sum_m as f32
+}
+
+/// The eight 6-bit scales and the eight mins of a Q4_K/Q5_K block (sub-block `j` in byte `j`),
+/// unpacked in registers as ggml's x86 kernels do (the values of `scale_min_k4`). Built one
+/// byte at a time in memory and reloaded as a whole, they stalled every block on a failed
+/// store-to-load forward.
+#[inline(always)]
+fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    let scales_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
+    let mins_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
+    (((scales_hi as u64) << 32) | (u0 & LOW6) as u64, ((mins_hi as u64) << 32) | (u1 & LOW6) as u64)
 }
 
 /// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q5_K block: Q4_K's nibbles with a fifth bit,
 /// bit `j` of `qh[l]` for sub-block `j`.
 #[inline(always)]
-unsafe fn q5k_sum_sc<const VNNI: bool>(x: &BlockQ5K, y: &BlockQ8K, sc: &[u8; 8]) -> i32 {
+unsafe fn q5k_sum_sc<const VNNI: bool>(x: &BlockQ5K, y: &BlockQ8K, sc: u64) -> i32 {
     let mask = _mm256_set1_epi8(0x0F);
     let bit4 = _mm256_set1_epi8(0x10);
     let qh = _mm256_loadu_si256(x.qh.as_ptr().cast());
-    let scv = _mm_loadl_epi64(sc.as_ptr().cast());
+    let scv = _mm_cvtsi64_si128(sc as i64);
     let mut acc = _mm512_setzero_si512();
     for i in 0..4 {
         let raw = _mm256_loadu_si256(x.qs.as_ptr().add(32 * i).cast());
