@@ -241,10 +241,10 @@ unsafe fn reduce16_x16(h: &[__m512; 16]) -> __m512 {
 }
 
 /// `_mm512_reduce_add_ps` in its exact order: (lo8 + hi8), then (lo4 + hi4), then
-/// (0 + 2) + (1 + 3).
+/// (0 + 2) + (1 + 3) — `ggml_exact::reduce16`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn reduce16(v: __m512) -> f32 {
+pub(crate) unsafe fn reduce16(v: __m512) -> f32 {
     let t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
     let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
     let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));

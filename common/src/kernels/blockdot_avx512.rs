@@ -1,6 +1,7 @@
 //! AVX-512 dot products of one weight row with one activation row for the block types without
 //! an AVX2 kernel of ggml's lane order — the k-quants Q4_K, Q5_K, Q6_K (with Q8_K activations;
-//! most published GGUF models) and Q5_0, Q5_1 — bit-identical to the scalar twins in `dot.rs`:
+//! most published GGUF models), Q5_0, Q5_1, and F16 (ggml's x86 lane order) — bit-identical to
+//! the scalar twins in `dot.rs`:
 //! each block's integer sums are computed with vector byte products (VNNI's `vpdpbusd` where
 //! present) — integers, the same in any order — and the float epilogue of each block and the
 //! sum over blocks are the scalar code's own.
@@ -191,6 +192,36 @@ unsafe fn dot_q6k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     xs.iter().zip(ys).map(|(x, y)| f16_bytes(x.d) * y.scale() * q6k_sumi::<VNNI>(x, y) as f32).sum()
 }
 
+/// F16 · F16 as ggml's x86 `ggml_vec_dot_f16` ([`ggml_exact::dot_f16`](super::ggml_exact::dot_f16),
+/// the dot product of attention's Q·K too): fused multiply-adds into 64 lanes (four registers)
+/// for the first `n & !63` elements, `reduce64`'s tree, then the rest added in f64.
+#[inline(always)]
+unsafe fn dot_f16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let n = w.len().min(a.len()) / 2;
+    let np = n & !63;
+    let (wp, ap) = (w.as_ptr() as *const __m256i, a.as_ptr() as *const __m256i);
+    let widen = |p: *const __m256i, i: usize| _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i)));
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for i in (0..np / 16).step_by(4) {
+        // One stream per row, prefetched as the quantised kernels do.
+        _mm_prefetch::<_MM_HINT_T0>(wp.add(i).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        _mm_prefetch::<_MM_HINT_T0>(wp.add(i + 2).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            *acc_j = _mm512_fmadd_ps(widen(wp, i + j), widen(ap, i + j), *acc_j);
+        }
+    }
+    // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
+    let mut sum = if np > 0 {
+        super::attention_avx512::reduce16(_mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))) as f64
+    } else {
+        0.0
+    };
+    for i in np..n {
+        sum += (f16_bytes([w[2 * i], w[2 * i + 1]]) * f16_bytes([a[2 * i], a[2 * i + 1]])) as f64;
+    }
+    sum as f32
+}
+
 macro_rules! block_fn {
     ($name:ident, $body:ident, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
@@ -214,3 +245,4 @@ block_fn!(dot_q5_0_q8_0, dot_q5_0_body, false, "avx512f,avx512bw,avx512vl,avx512
 block_fn!(dot_q5_0_q8_0_vnni, dot_q5_0_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_0 · Q8_0 with `vpdpbusd`.");
 block_fn!(dot_q5_1_q8_1, dot_q5_1_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_1 · Q8_1.");
 block_fn!(dot_q5_1_q8_1_vnni, dot_q5_1_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_1 · Q8_1 with `vpdpbusd`.");
+block_fn!(dot_f16_f16, dot_f16_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "F16 · F16.");

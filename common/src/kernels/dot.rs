@@ -152,11 +152,10 @@ pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
             s as f32
         }
         GgmlType::F16 => {
-            let mut s = 0f64;
-            for (w, a) in w.chunks_exact(2).zip(a.chunks_exact(2)) {
-                s += (f16_bytes([w[0], w[1]]) * f16_bytes([a[0], a[1]])) as f64;
-            }
-            s as f32
+            // ggml's x86 `ggml_vec_dot_f16` (64 lanes, their tree, the rest in f64), not its
+            // scalar fallback's one f64 sum: llama.cpp on these machines runs the former.
+            let widen = |b: &[u8]| b.chunks_exact(2).map(|h| f16_bytes([h[0], h[1]])).collect::<Vec<f32>>();
+            super::ggml_exact::dot_f16(&widen(w), &widen(a))
         }
         GgmlType::BF16 => {
             let mut s = 0f64;
