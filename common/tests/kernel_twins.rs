@@ -836,18 +836,20 @@ fn silu_mul_equals_scalar_twin_bit_for_bit() {
     }
 }
 
-/// F16 · F16 on the dispatched path (the AVX-512 kernel where the CPU has it) against the
-/// scalar twin (ggml's x86 `ggml_vec_dot_f16` order), bit for bit: lengths below, at and past
-/// multiples of its 64 lanes.
+/// F16 · F16 and BF16 · BF16 on the dispatched path (the AVX-512 kernels where the CPU has
+/// them) against the scalar twins (ggml's x86 orders), bit for bit: lengths below, at and past
+/// multiples of their 64 and 32 lanes.
 #[test]
-fn f16_dot_equals_scalar_twin_bit_for_bit() {
+fn f16_and_bf16_dots_equal_scalar_twins_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(0x5eed_00f1);
-    for n in [1usize, 63, 64, 65, 200, 576, 4096 + 7] {
-        for _ in 0..4 {
-            let w = random_weight_row(&mut rng, GgmlType::F16, n);
-            let a = quantized(GgmlType::F16, &random_acts(&mut rng, n));
-            let (fast, slow) = (kernels::vec_dot(GgmlType::F16, n, &w, &a), vec_dot_scalar(GgmlType::F16, n, &w, &a));
-            assert_eq!(fast.to_bits(), slow.to_bits(), "n {n}: {fast:e} vs {slow:e}");
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        for n in [1usize, 31, 32, 33, 63, 64, 65, 200, 576, 4096 + 7] {
+            for _ in 0..4 {
+                let w = random_weight_row(&mut rng, ty, n);
+                let a = quantized(ty, &random_acts(&mut rng, n));
+                let (fast, slow) = (kernels::vec_dot(ty, n, &w, &a), vec_dot_scalar(ty, n, &w, &a));
+                assert_eq!(fast.to_bits(), slow.to_bits(), "{ty} n {n}: {fast:e} vs {slow:e}");
+            }
         }
     }
 }

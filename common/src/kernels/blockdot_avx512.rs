@@ -1,6 +1,6 @@
 //! AVX-512 dot products of one weight row with one activation row for the block types without
 //! an AVX2 kernel of ggml's lane order — the k-quants Q4_K, Q5_K, Q6_K (with Q8_K activations;
-//! most published GGUF models), Q5_0, Q5_1, and F16 (ggml's x86 lane order) — bit-identical to
+//! most published GGUF models), Q5_0, Q5_1, and F16 / BF16 (ggml's x86 lane orders) — bit-identical to
 //! the scalar twins in `dot.rs`:
 //! each block's integer sums are computed with vector byte products (VNNI's `vpdpbusd` where
 //! present) — integers, the same in any order — and the float epilogue of each block and the
@@ -222,6 +222,30 @@ unsafe fn dot_f16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     sum as f32
 }
 
+/// BF16 · BF16 as ggml's AVX-512F `ggml_vec_dot_bf16` (the scalar twin's order): two 16-lane accumulators over steps of 32 elements (widened by a shift,
+/// multiplied, then added), each reduced by `_mm512_reduce_add_ps`'s tree into an f64 sum, the
+/// rest added in f64.
+#[inline(always)]
+unsafe fn dot_bf16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let n = w.len().min(a.len()) / 2;
+    let n32 = n & !31;
+    let widen = |p: *const u8, i: usize| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.add(2 * i).cast()))));
+    let (wp, ap) = (w.as_ptr(), a.as_ptr());
+    let (mut c1, mut c2) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    for i in (0..n32).step_by(32) {
+        _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * i + super::matvec_avx512::LINEAR_AHEAD).cast());
+        c1 = _mm512_add_ps(_mm512_mul_ps(widen(wp, i), widen(ap, i)), c1);
+        c2 = _mm512_add_ps(_mm512_mul_ps(widen(wp, i + 16), widen(ap, i + 16)), c2);
+    }
+    let mut sum = super::attention_avx512::reduce16(c1) as f64;
+    sum += super::attention_avx512::reduce16(c2) as f64;
+    let bf = |b: &[u8], i: usize| half::bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32();
+    for i in n32..n {
+        sum += (bf(w, i) * bf(a, i)) as f64;
+    }
+    sum as f32
+}
+
 macro_rules! block_fn {
     ($name:ident, $body:ident, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
@@ -246,3 +270,4 @@ block_fn!(dot_q5_0_q8_0_vnni, dot_q5_0_body, true, "avx512f,avx512bw,avx512vl,av
 block_fn!(dot_q5_1_q8_1, dot_q5_1_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_1 · Q8_1.");
 block_fn!(dot_q5_1_q8_1_vnni, dot_q5_1_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_1 · Q8_1 with `vpdpbusd`.");
 block_fn!(dot_f16_f16, dot_f16_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "F16 · F16.");
+block_fn!(dot_bf16_bf16, dot_bf16_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "BF16 · BF16.");

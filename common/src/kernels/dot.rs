@@ -158,10 +158,23 @@ pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
             super::ggml_exact::dot_f16(&widen(w), &widen(a))
         }
         GgmlType::BF16 => {
-            let mut s = 0f64;
-            for (w, a) in w.chunks_exact(2).zip(a.chunks_exact(2)) {
-                let (w, a) = (bf16::from_le_bytes([w[0], w[1]]), bf16::from_le_bytes([a[0], a[1]]));
-                s += (w.to_f32() * a.to_f32()) as f64;
+            // ggml's AVX-512F `ggml_vec_dot_bf16`: two 16-lane sums over steps of 32 elements,
+            // each reduced (`reduce16`) into an f64 sum, the rest in f64. (On CPUs with
+            // AVX512-BF16 llama.cpp uses `vdpbf16ps`, whose rounding no portable code repeats.)
+            let widen = |b: &[u8]| b.chunks_exact(2).map(|h| bf16::from_le_bytes([h[0], h[1]]).to_f32()).collect::<Vec<f32>>();
+            let (w, a) = (widen(w), widen(a));
+            let n32 = w.len().min(a.len()) & !31;
+            let (mut c1, mut c2) = ([0f32; 16], [0f32; 16]);
+            for i in (0..n32).step_by(32) {
+                for l in 0..16 {
+                    c1[l] += w[i + l] * a[i + l];
+                    c2[l] += w[i + 16 + l] * a[i + 16 + l];
+                }
+            }
+            let mut s = super::ggml_exact::reduce16(&c1) as f64;
+            s += super::ggml_exact::reduce16(&c2) as f64;
+            for i in n32..w.len().min(a.len()) {
+                s += (w[i] * a[i]) as f64;
             }
             s as f32
         }
