@@ -222,9 +222,9 @@ unsafe fn dot_f16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     sum as f32
 }
 
-/// BF16 · BF16 as ggml's AVX-512F `ggml_vec_dot_bf16` (the scalar twin's order): two 16-lane accumulators over steps of 32 elements (widened by a shift,
-/// multiplied, then added), each reduced by `_mm512_reduce_add_ps`'s tree into an f64 sum, the
-/// rest added in f64.
+/// BF16 · BF16 as ggml's AVX-512F `ggml_vec_dot_bf16` (the scalar twin's order): two 16-lane
+/// accumulators over steps of 32 elements (widened by a shift, multiplied, then added), each
+/// reduced by `_mm512_reduce_add_ps`'s tree into an f64 sum, the rest added in f64.
 #[inline(always)]
 unsafe fn dot_bf16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let n = w.len().min(a.len()) / 2;
