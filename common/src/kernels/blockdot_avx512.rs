@@ -125,20 +125,47 @@ unsafe fn sum_u8i8_256<const VNNI: bool>(u: __m256i, s: __m256i) -> i32 {
     _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v)))
 }
 
+/// `Σ u·s` of the 32 bytes of two blocks at once, `u` unsigned and `s` signed, block A in
+/// the low halves: one 512-bit product, its halves reduced together (integers: any order).
+#[inline(always)]
+unsafe fn sums_u8i8_pair(v: __m512i) -> (i32, i32) {
+    // Each 128-bit quarter summed into all its lanes; A is quarters 0 + 1, B quarters 2 + 3.
+    let t = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0b0100_1110>(v));
+    let t = _mm512_add_epi32(t, _mm512_shuffle_epi32::<0b1011_0001>(t));
+    let lo = _mm_add_epi32(_mm512_castsi512_si128(t), _mm512_extracti32x4_epi32::<1>(t));
+    let hi = _mm_add_epi32(_mm512_extracti32x4_epi32::<2>(t), _mm512_extracti32x4_epi32::<3>(t));
+    (_mm_cvtsi128_si32(lo), _mm_cvtsi128_si32(hi))
+}
+
+/// Q5_0 · Q8_0, the integer sums `Σ (q − 16)·y` two blocks at a time (one 512-bit product
+/// each for `Σ q·y` and `Σ y`, their halves reduced together), the blocks' values added in
+/// order from the start value of the scalar twin's `.sum()`. (Q5_1 has one product per block
+/// and pairing its blocks measured slower: 22.7–22.9 → 14.5–16.1 GB/s.)
 #[inline(always)]
 unsafe fn dot_q5_0_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    // No closures here: they would not inherit the kernel's target features, and their
+    // intrinsics would become calls (measured 13 GB/s).
     let (xs, ys) = (BlockQ5_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
-    xs.iter()
-        .zip(ys)
-        .map(|(x, y)| {
-            let q = q5_bytes(x.qh, &x.qs);
-            let yv = _mm256_loadu_si256(y.qs.as_ptr().cast());
-            // Σ (q − 16)·y = Σ q·y − 16 Σ y.
-            let sum_y = sum_u8i8_256::<VNNI>(_mm256_set1_epi8(1), yv);
-            let sumi = sum_u8i8_256::<VNNI>(q, yv) - 16 * sum_y;
-            sumi as f32 * (f16_bytes(x.d) * f16_bytes(y.d))
-        })
-        .sum()
+    let n = xs.len().min(ys.len());
+    let ones = _mm256_set1_epi8(1);
+    let mut total: f32 = std::iter::empty::<f32>().sum();
+    let mut i = 0;
+    while i + 1 < n {
+        let (x0, x1, y0, y1) = (&xs[i], &xs[i + 1], &ys[i], &ys[i + 1]);
+        let y = join(_mm256_loadu_si256(y0.qs.as_ptr().cast()), _mm256_loadu_si256(y1.qs.as_ptr().cast()));
+        let qy = dot_u8i8::<VNNI>(join(q5_bytes(x0.qh, &x0.qs), q5_bytes(x1.qh, &x1.qs)), y);
+        let (s0, s1) = sums_u8i8_pair(_mm512_sub_epi32(qy, _mm512_slli_epi32::<4>(dot_u8i8::<VNNI>(join(ones, ones), y))));
+        total += s0 as f32 * (f16_bytes(x0.d) * f16_bytes(y0.d));
+        total += s1 as f32 * (f16_bytes(x1.d) * f16_bytes(y1.d));
+        i += 2;
+    }
+    if i < n {
+        let (x, y) = (&xs[i], &ys[i]);
+        let yv = _mm256_loadu_si256(y.qs.as_ptr().cast());
+        let sumi = sum_u8i8_256::<VNNI>(q5_bytes(x.qh, &x.qs), yv) - 16 * sum_u8i8_256::<VNNI>(ones, yv);
+        total += sumi as f32 * (f16_bytes(x.d) * f16_bytes(y.d));
+    }
+    total
 }
 
 #[inline(always)]
