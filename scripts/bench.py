@@ -7,7 +7,8 @@
   prefill of a 512-token prompt, decode at depth 0 / 1K / 4K with one stream, aggregate decode
   of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed);
 * the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
-  installed, and the ratio Duet / llama.cpp.
+  installed, and the ratio Duet / llama.cpp. Each system row is the median of `--repeat`
+  passes (3), Duet's and llama.cpp's passes taking turns.
 
 Run through scripts/bench.sh, which builds the binaries and fetches the model first.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,32 +97,57 @@ class Server:
             self.proc.kill()
 
 
-def duet_rows(threads):
+def median_rows(passes):
+    """Per row, the median over the passes (dicts of row id -> tok/s)."""
+    rows = set().union(*passes)
+    return {r: statistics.median(p[r] for p in passes if r in p) for r in rows}
+
+
+def system_rows(threads, repeat, with_llama):
+    """The whole-system rows of Duet (on one server) and of llama.cpp (or None), each the
+    median of `repeat` passes, Duet's and llama.cpp's passes taking turns so that both see the
+    same phases of this machine (a VM's speed drifts by 10-20 % between minutes)."""
     server = Server(threads)
-    res = {}
+    duet, llama = [], []
     try:
-        log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}")
-        r = server.bench("--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "1")[0]
-        res["prefill-512"] = 512 / (r["ttft_median_ms"] / 1e3)
-        r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS))[0]
-        res["decode-depth-0"] = r["decode_tokens_per_s_per_stream"]
-        for depth in (1024, 4096):
-            r = server.bench("--concurrency", "1", "--context", str(depth), "--max-tokens", str(DECODE_TOKENS))[0]
-            res[f"decode-depth-{depth}"] = r["decode_tokens_per_s_per_stream"]
-        for n in (8, 16, 32):
-            r = server.bench("--concurrency", str(n), "--context", "16", "--max-tokens", str(DECODE_TOKENS))[0]
-            res[f"aggregate-{n}"] = r["aggregate_tokens_per_s"]
+        log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}, {repeat} passes")
+        for i in range(repeat):
+            log(f"pass {i + 1} of {repeat}")
+            duet.append(duet_pass(server))
+            if with_llama:
+                llama.append(llama_pass(threads))
     finally:
         server.stop()
+    return median_rows(duet), (median_rows(llama) if with_llama else None)
+
+
+def duet_pass(server):
+    """One pass over the whole-system rows."""
+    res = {}
+    r = server.bench("--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "1")[0]
+    res["prefill-512"] = 512 / (r["ttft_median_ms"] / 1e3)
+    r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS))[0]
+    res["decode-depth-0"] = r["decode_tokens_per_s_per_stream"]
+    for depth in (1024, 4096):
+        r = server.bench("--concurrency", "1", "--context", str(depth), "--max-tokens", str(DECODE_TOKENS))[0]
+        res[f"decode-depth-{depth}"] = r["decode_tokens_per_s_per_stream"]
+    for n in (8, 16, 32):
+        r = server.bench("--concurrency", str(n), "--context", "16", "--max-tokens", str(DECODE_TOKENS))[0]
+        res[f"aggregate-{n}"] = r["aggregate_tokens_per_s"]
     return res
 
 
-def llama_rows(threads):
+def llama_available():
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         log("llama-cpp-python is not installed: no llama.cpp column (python3 -m pip install llama-cpp-python)")
-        return None
+        return False
+    return True
+
+
+def llama_pass(threads):
+    """One pass of scripts/llama_cpp_bench.py over the same rows."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "llama_cpp_bench.py"), "--model", MODEL, "--threads", str(threads),
            "--decode-tokens", str(DECODE_TOKENS)]
     log("llama.cpp: " + " ".join(cmd[1:]))
@@ -135,11 +162,14 @@ def main():
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--no-system", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="passes over the whole-system rows (each row: the median)")
     args = ap.parse_args()
     header, krows = ("", []) if args.no_kernels else kernel_rows(args.threads, args.quick)
-    duet = {} if args.no_system else duet_rows(args.threads)
-    llama = None if (args.no_system or args.no_llama) else llama_rows(args.threads)
-    print(f"Duet benchmark: {args.threads} threads; {header}".rstrip("; "))
+    duet, llama = {}, None
+    if not args.no_system:
+        duet, llama = system_rows(args.threads, max(1, args.repeat), not args.no_llama and llama_available())
+    passes = "" if args.no_system else f"whole-system rows: the median of {max(1, args.repeat)} passes"
+    print("Duet benchmark: " + "; ".join(p for p in (f"{args.threads} threads", header, passes) if p))
     print()
     print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")
     print("|---|---|---:|---|---:|---:|---:|")
