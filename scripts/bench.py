@@ -64,7 +64,7 @@ class Server:
 
     def __init__(self, threads):
         self.dir = tempfile.mkdtemp(prefix="duet-bench-")
-        env = dict(os.environ, RUST_LOG="warn")
+        env = dict(os.environ, RUST_LOG=os.environ.get("DUET_BENCH_LOG", "warn"))
         self.out = open(os.path.join(self.dir, "gw.out"), "w+")
         self.err = open(os.path.join(self.dir, "gw.log"), "w")
         self.proc = subprocess.Popen(
@@ -114,8 +114,10 @@ def system_rows(threads, repeat, with_llama):
         for i in range(repeat):
             log(f"pass {i + 1} of {repeat}")
             duet.append(duet_pass(server))
+            log("  Duet: " + ", ".join(f"{k} {v:.1f}" for k, v in duet[-1].items()))
             if with_llama:
                 llama.append(llama_pass(threads))
+                log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
     finally:
         server.stop()
     return median_rows(duet), (median_rows(llama) if with_llama else None)

@@ -160,7 +160,15 @@ impl StepStats {
     pub fn cost_model(&self) -> CostModel {
         let (lf, lt) = self.linear.coefficients();
         let (_, ga) = self.gpu_attention.coefficients();
-        let (cpu_fixed, cpu_attn_per_pos) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
+        let (cpu_fixed, mut cpu_attn_per_pos): (Vec<f64>, Vec<f64>) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
+        if self.shared_cores {
+            // The same attention kernel on the same cores: a position costs a cpu-worker at
+            // least what it costs the gpu-worker (on top of its fixed cost); a lower estimate is
+            // the noise of two fits. Taken at face value it once sent a 4K-token decode to the
+            // cpu-worker after an idle minute had doubled the gpu-worker's estimate: 6 -> 9.9 ms
+            // a step.
+            cpu_attn_per_pos.iter_mut().for_each(|c| *c = c.max(ga));
+        }
         // Until overlapped steps have been measured: the fixed cost paid twice.
         let (of, ot) = if self.linear_overlapped.samples() >= WARM { self.linear_overlapped.coefficients() } else { (2.0 * lf, lt) };
         CostModel {
@@ -284,6 +292,33 @@ mod tests {
         }
         let want = 1.2 * (0.01 + 1e-5 * 33800.0);
         assert!((f.predict(33800.0) - want).abs() < 0.01 * want, "{} vs {want}", f.predict(33800.0));
+    }
+
+    #[test]
+    fn on_shared_cores_a_cpu_worker_position_costs_at_least_a_gpu_worker_one() {
+        let timings = |gpu_positions: u64, gpu_ns: u64, cpu_positions: u64, cpu_ns: u64| pb::StepTimings {
+            decode_tokens: 1,
+            linear_ns: 1_000_000,
+            gpu_attention_positions: gpu_positions,
+            attention_gpu_ns: gpu_ns,
+            cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, positions: cpu_positions, busy_ns: cpu_ns }],
+            ..Default::default()
+        };
+        for shared in [false, true] {
+            let mut stats = StepStats::new(1, shared);
+            // Measured: the cpu-worker at half the gpu-worker's cost per position.
+            for i in 0..200u64 {
+                let n = 1000 + 100 * (i % 10);
+                stats.observe(&timings(n, 2000 * n, n, 1000 * n), None);
+            }
+            let c = stats.cost_model();
+            assert!(c.gpu_attn_per_pos > 1.5e-6, "{c:?}");
+            if shared {
+                assert_eq!(c.cpu_attn_per_pos[0], c.gpu_attn_per_pos, "{c:?}");
+            } else {
+                assert!(c.cpu_attn_per_pos[0] < 0.7 * c.gpu_attn_per_pos, "side by side the measured costs stand: {c:?}");
+            }
+        }
     }
 
     #[test]
