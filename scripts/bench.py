@@ -8,7 +8,8 @@
   of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed);
 * the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
   installed, and the ratio Duet / llama.cpp. Each system row is the median of `--repeat`
-  passes (3), Duet's and llama.cpp's passes taking turns.
+  passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr.
+  DUET_BENCH_LOG sets the Duet server's log filter (its log is kept in the temp dir).
 
 Run through scripts/bench.sh, which builds the binaries and fetches the model first.
 """
