@@ -492,8 +492,10 @@ unsafe fn fold_positions<const G: usize>(start: usize, end: usize, stride: usize
                 (start + off < end).then(|| (off, _mm512_cvtph_ps(_mm256_loadu_si256((rows.v(off) as *const __m256i).add(j)))))
             });
             for (g, hg) in h.iter_mut().enumerate() {
+                // The lane's one accumulation from zero, as `lane_pair` does it (a fused
+                // multiply-add onto +0, so a −0 product becomes +0 there and here alike).
                 let lane = |k: usize| match x[k] {
-                    Some((off, v)) => _mm512_mul_ps(v, _mm512_set1_ps(*weights.add(g * stride + off))),
+                    Some((off, v)) => _mm512_fmadd_ps(v, _mm512_set1_ps(*weights.add(g * stride + off)), zero),
                     None => zero,
                 };
                 // As `fold_lanes`: (l_i + l_{i+32}) + (l_{i+16} + l_{i+48}).

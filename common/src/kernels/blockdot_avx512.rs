@@ -221,7 +221,8 @@ unsafe fn dot_q6k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
 
 /// F16 · F16 as ggml's x86 `ggml_vec_dot_f16` ([`ggml_exact::dot_f16`](super::ggml_exact::dot_f16),
 /// the dot product of attention's Q·K too): fused multiply-adds into 64 lanes (four registers)
-/// for the first `n & !63` elements, `reduce64`'s tree, then the rest added in f64.
+/// for the first `n & !63` elements, `reduce64`'s tree, then the rest added in f64. (`VNNI`
+/// is unused here and in the BF16 body: no byte products.)
 #[inline(always)]
 unsafe fn dot_f16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let n = w.len().min(a.len()) / 2;
