@@ -168,10 +168,11 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="passes over the whole-system rows (each row: the median)")
     args = ap.parse_args()
     header, krows = ("", []) if args.no_kernels else kernel_rows(args.threads, args.quick)
+    repeat = max(1, args.repeat)
     duet, llama = {}, None
     if not args.no_system:
-        duet, llama = system_rows(args.threads, max(1, args.repeat), not args.no_llama and llama_available())
-    passes = "" if args.no_system else f"whole-system rows: the median of {max(1, args.repeat)} passes"
+        duet, llama = system_rows(args.threads, repeat, not args.no_llama and llama_available())
+    passes = "" if args.no_system else f"whole-system rows: the median of {repeat} passes"
     print("Duet benchmark: " + "; ".join(p for p in (f"{args.threads} threads", header, passes) if p))
     print()
     print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")

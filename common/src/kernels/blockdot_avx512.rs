@@ -143,9 +143,9 @@ unsafe fn sums_u8i8_pair(v: __m512i) -> (i32, i32) {
 /// and pairing its blocks measured slower: 22.7–22.9 → 14.5–16.1 GB/s.)
 #[inline(always)]
 unsafe fn dot_q5_0_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
-    // No closures here (nor in the kernels below): a closure LLVM does not inline runs
-    // without the kernel's target features, and its intrinsics become calls (a version with
-    // two closures ran at 13 GB/s). `#[inline(always)]` helpers are inlined for sure.
+    // No closures here: a closure LLVM does not inline runs without the kernel's target
+    // features, and its intrinsics become calls (a version with two closures ran at 13 GB/s).
+    // `#[inline(always)]` helpers are inlined for sure (the F16/BF16 kernels use them too).
     let (xs, ys) = (BlockQ5_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
     let n = xs.len().min(ys.len());
     let ones = _mm256_set1_epi8(1);
