@@ -111,9 +111,9 @@ unsafe fn group_kernel<const G: usize, const TILED: bool>(
         }
     }
     scratch.rows.fill(runs);
-    scores_pass::<G, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
+    let max = scores_pass::<G, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
     for (g, l) in lse.iter_mut().enumerate() {
-        *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n));
+        *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n), max[g]);
     }
     if TILED {
         tiled_value_pass::<G>(start, end, stride, scores, out, scratch);
@@ -122,14 +122,16 @@ unsafe fn group_kernel<const G: usize, const TILED: bool>(
     }
 }
 
-/// Scaled Q·K scores of every head for the `n` positions, into `scores[g * stride + i]`.
-/// Prefetches K a few rows ahead, and into L2 the V rows of the value pass's first window
-/// during the last [`WINDOW`] positions.
+/// Scaled Q·K scores of every head for the `n` positions, into `scores[g * stride + i]`;
+/// returns each head's largest score (the softmax's maximum, taken here rather than in a
+/// pass of its own). Prefetches K a few rows ahead, and into L2 the V rows of the value
+/// pass's first window during the last [`WINDOW`] positions.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) {
+unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) -> [f32; G] {
     let zero = _mm512_setzero_ps();
     let scale = _mm512_set1_ps(scale);
+    let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); G];
     // h[g][i]: position i (of 16)'s 16-lane partial sums (`reduce64` before its last step).
     let mut h = [[zero; 16]; G];
     let v_from = n.saturating_sub(WINDOW);
@@ -158,17 +160,24 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
         if i % 16 == 15 {
             for (g, hg) in h.iter().enumerate() {
                 let s = _mm512_mul_ps(reduce16_x16(hg), scale);
+                max[g] = _mm512_max_ps(max[g], s);
                 _mm512_storeu_ps(scores.add(g * stride + i - 15), s);
             }
         }
     }
     if !n.is_multiple_of(16) {
-        let keep = (1u32 << (n % 16)) - 1;
+        let keep = ((1u32 << (n % 16)) - 1) as __mmask16;
         for (g, hg) in h.iter().enumerate() {
             let s = _mm512_mul_ps(reduce16_x16(hg), scale);
-            _mm512_mask_storeu_ps(scores.add(g * stride + n - n % 16), keep as __mmask16, s);
+            max[g] = _mm512_mask_max_ps(max[g], keep, max[g], s);
+            _mm512_mask_storeu_ps(scores.add(g * stride + n - n % 16), keep, s);
         }
     }
+    let mut out = [0f32; G];
+    for (o, m) in out.iter_mut().zip(max) {
+        *o = _mm512_reduce_max_ps(m);
+    }
+    out
 }
 
 /// K rows are prefetched this many positions ahead (blocks need not be contiguous).
@@ -276,20 +285,16 @@ pub(crate) unsafe fn expf16(x: __m512) -> __m512 {
     _mm512_mask_blend_ps(big, res, alt)
 }
 
-/// `ggml_exact::softmax_in_place` sixteen lanes at a time, then the weights rounded to f16
-/// (as ggml converts them for the V product). Returns the log-sum-exp.
+/// `ggml_exact::softmax_in_place` sixteen lanes at a time given the scores' maximum `max`,
+/// then the weights rounded to f16 (as ggml converts them for the V product). Returns the
+/// log-sum-exp.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn softmax_f16(x: &mut [f32]) -> f32 {
+unsafe fn softmax_f16(x: &mut [f32], max: f32) -> f32 {
     let n = x.len();
     let p = x.as_mut_ptr();
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let tail_mask = |i: usize| -> __mmask16 { if i + 16 <= n { 0xFFFF } else { ((1u32 << (n - i)) - 1) as __mmask16 } };
-    let mut m = ninf;
-    for i in (0..n).step_by(16) {
-        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, tail_mask(i), p.add(i)));
-    }
-    let max = _mm512_reduce_max_ps(m);
     let vmax = _mm512_set1_ps(max);
     let mut sum = 0f64;
     for i in (0..n).step_by(16) {
@@ -336,8 +341,7 @@ unsafe fn value_pass<const G: usize>(
         // One position per lane at most: the lanes folded straight from the V rows.
         fold_positions::<G>(start, simd_end, stride, weights, rows, &mut sums);
     } else if simd_end > start {
-        scratch.lanes.clear();
-        scratch.lanes.resize(G * 64 * 64, 0.0);
+        grow(&mut scratch.lanes, G * 64 * 64);
         let lanes = scratch.lanes.as_mut_ptr();
         sum_lanes::<G, 64>(start, simd_end, stride, weights, rows, lanes);
         fold_lanes::<G>(lanes, &mut sums);
@@ -367,8 +371,7 @@ unsafe fn value_pass<const G: usize>(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn tiled_value_pass<const G: usize>(start: usize, end: usize, stride: usize, weights: *const f32, out: &mut [f32], scratch: &mut FastScratch) {
     let rows = &scratch.rows;
-    scratch.lanes.clear();
-    scratch.lanes.resize(G * 16 * 64, 0.0);
+    grow(&mut scratch.lanes, G * 16 * 64);
     let lanes = scratch.lanes.as_mut_ptr();
     sum_lanes::<G, 16>(start, end, stride, weights, rows, lanes);
     for (g, o) in out.chunks_exact_mut(64).enumerate() {
@@ -383,9 +386,19 @@ unsafe fn tiled_value_pass<const G: usize>(start: usize, end: usize, stride: usi
     }
 }
 
+/// Makes `v` at least `len` long. The lane buffers are not cleared between tasks: the first
+/// window of [`sum_lanes`] writes every lane from zero (clearing 48 KiB per task cost as much
+/// as reading a 150-position context).
+fn grow(v: &mut Vec<f32>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+}
+
 /// Positions `start..end` into `LANES` position lanes (`p % LANES`) of every head, a lane
 /// pair at a time, window after window of [`WINDOW`] positions; the next window's V rows are
-/// prefetched into L2 while this one is summed (a slice per lane pair).
+/// prefetched into L2 while this one is summed (a slice per lane pair). Every lane of
+/// `lanes[..G * LANES * 64]` is written (from zero in the first window, whatever it held).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, lanes: *mut f32) {
@@ -422,8 +435,8 @@ unsafe fn widen_row(row: *const f16) -> [__m512; 4] {
 }
 
 /// Lanes `lane` and `lane + 1` (of `LANES`) over the positions `w0..w1`: their accumulators
-/// loaded from `lanes[g][lane][..]`, the positions `p ≡ lane (mod LANES)` added in order,
-/// stored back.
+/// loaded from `lanes[g][lane][..]` (zero in the first window, `w0 == start`), the positions
+/// `p ≡ lane (mod LANES)` added in order, stored back.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
@@ -439,10 +452,12 @@ unsafe fn lane_pair<const G: usize, const LANES: usize>(
 ) {
     let at = |g: usize, l: usize, j: usize| lanes.add((g * LANES + lane + l) * 64 + 16 * j);
     let mut acc = [[[_mm512_setzero_ps(); 4]; G]; 2];
-    for (l, acc_l) in acc.iter_mut().enumerate() {
-        for (g, acc_g) in acc_l.iter_mut().enumerate() {
-            for (j, a) in acc_g.iter_mut().enumerate() {
-                *a = _mm512_loadu_ps(at(g, l, j));
+    if w0 != start {
+        for (l, acc_l) in acc.iter_mut().enumerate() {
+            for (g, acc_g) in acc_l.iter_mut().enumerate() {
+                for (j, a) in acc_g.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(at(g, l, j));
+                }
             }
         }
     }
