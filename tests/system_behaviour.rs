@@ -134,6 +134,32 @@ async fn the_service_behaves_as_a_client_expects() {
     assert_eq!(again.code(), Code::NotFound);
     wait_info(&gw, "KV free after closing the session", Duration::from_secs(5), |i| i.kv_free_tokens == i.kv_capacity_tokens && i.sessions == 0).await;
 
+    // A turn that ends on a stop string: the scheduler had already sent the next decode step
+    // (each step goes out while the one before runs), so the gpu-worker computed a position
+    // the turn does not keep. The session holds exactly the conversation: the next turn
+    // generates what a fresh request with the whole conversation does, and every KV block
+    // comes back when the session closes.
+    let c1 = tokenize(&gw, counting).await;
+    let s1 = generate(&mut gw.client(), pb::GenerateRequest { create_session: true, stop: vec![" 11".into()], ..greedy(c1.clone(), 64) })
+        .await
+        .unwrap();
+    assert_eq!(s1.finished.as_ref().unwrap().reason, pb::StopReason::StopString as i32);
+    assert_eq!(s1.text, " 8, 9, 10,");
+    let session = s1.prompt.session_id.clone();
+    let c2 = tokenize(&gw, " 20, 21,").await;
+    let s2 = generate(&mut gw.client(), pb::GenerateRequest { session_id: Some(session.clone()), top_logprobs: 2, ..greedy(c2.clone(), 12) })
+        .await
+        .unwrap();
+    assert_eq!(s2.prompt.cached_tokens as usize, c1.len() + s1.ids.len() - 1);
+    let mut whole = c1.clone();
+    whole.extend(&s1.ids);
+    whole.extend(&c2);
+    let fresh = generate(&mut gw.client(), pb::GenerateRequest { top_logprobs: 2, ..greedy(whole, 12) }).await.unwrap();
+    let fresh_ref = RefGeneration { margins: fresh.top.iter().map(|t| (t[0].1 - t[1].1) as f64).collect(), ids: fresh.ids.clone() };
+    same_up_to_near_tie(&s2.ids, &fresh_ref, 0.5).unwrap_or_else(|e| panic!("turn after a stop string vs fresh request: {e}"));
+    gw.client().close_session(pb::CloseSessionRequest { session_id: session }).await.unwrap();
+    wait_info(&gw, "KV free after a stopped session closed", Duration::from_secs(5), |i| i.kv_free_tokens == i.kv_capacity_tokens && i.sessions == 0).await;
+
     // A cpu-worker killed mid-generation: the request fails with UNAVAILABLE, the
     // supervisor restarts the worker, new requests succeed.
     let pids = pids_with(&["duet-cpu-worker", &gw.instance]);
@@ -179,29 +205,47 @@ async fn a_gateway_serves_with_workers_started_elsewhere() {
     std::fs::create_dir_all(&dir).unwrap();
     let model = duet_common::testutil::model_path();
     let (cpu_sock, gpu_sock) = (format!("unix:{}/cpu0.sock", dir.display()), format!("unix:{}/gpu.sock", dir.display()));
-    let mut cpu = Command::new(duet_tests::bin("duet-cpu-worker"))
+    let cpu = Command::new(duet_tests::bin("duet-cpu-worker"))
         .args(["--instance", &instance, "--worker", "0", "--kv-bytes", "64M", "--listen", &cpu_sock])
         .arg("--model")
         .arg(&model)
+        .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut gpu = Command::new(duet_tests::bin("duet-gpu-worker"))
+    let gpu = Command::new(duet_tests::bin("duet-gpu-worker"))
         .args(["serve", "--listen", &gpu_sock])
         .arg("--model")
         .arg(&model)
+        .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let mut workers = KillOnDrop(vec![cpu, gpu]);
     let mut gw = Gateway::start(&["--gpu-worker", &gpu_sock, "--cpu-worker", &cpu_sock]);
     let g = generate(&mut gw.client(), text_req("1, 2, 3, 4, 5, 6, 7,", 12)).await.expect("generation");
     assert!(g.text.starts_with(" 8, 9, 10,"), "{:?}", g.text);
     assert!(gw.stop().success(), "log:\n{}", gw.log_tail());
-    assert!(cpu.try_wait().unwrap().is_none() && gpu.try_wait().unwrap().is_none(), "the workers outlive the gateway");
-    for child in [&mut cpu, &mut gpu] {
+    assert!(workers.0.iter_mut().all(|c| c.try_wait().unwrap().is_none()), "the workers outlive the gateway");
+    for child in &mut workers.0 {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         assert!(child.wait().unwrap().success());
     }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Child processes killed when dropped: a failing test does not leave its workers running
+/// (holding the test runner's pipes open).
+struct KillOnDrop(Vec<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            if child.try_wait().ok().flatten().is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
 }
