@@ -62,6 +62,8 @@ pub struct Session {
 #[derive(Debug)]
 pub struct Seq {
     pub id: u64,
+    /// Unique to this request (a session's turns share `id`): how a step's results find it.
+    pub serial: u64,
     pub events: Events,
     pub sampling: Sampling,
     pub max_tokens: u32,
@@ -75,6 +77,10 @@ pub struct Seq {
     pub kv_tokens: Vec<u32>,
     /// Tokens still to feed: the rest of the prompt, or the last sampled token.
     pub pending: Vec<u32>,
+    /// How many of `pending` went out in steps whose results are not back yet.
+    pub queued: usize,
+    /// Steps not back yet that sample a token for it (the next input is the last one's).
+    pub samples_in_flight: u32,
     /// Whether the gpu-worker has this generation's sampler.
     pub sampler_sent: bool,
     pub generated: Vec<u32>,
@@ -95,6 +101,18 @@ impl Seq {
     /// Blocks reserved but not yet allocated.
     pub fn outstanding_blocks(&self) -> usize {
         self.reserved_blocks.saturating_sub(self.table.blocks().len())
+    }
+
+    /// Whether it decodes (rather than prefills) in the next step.
+    pub fn decoding(&self) -> bool {
+        !self.generated.is_empty() || self.samples_in_flight > 0
+    }
+
+    /// Whether it certainly goes on after the tokens the steps in flight sample for it: it
+    /// has generation left and context left (an end-of-generation token or a stop string
+    /// may still end it).
+    pub fn continues_after_in_flight(&self, n_ctx: usize) -> bool {
+        (self.generated.len() + self.samples_in_flight as usize) < self.max_tokens as usize && self.table.len() + 1 < n_ctx
     }
 
     /// Whether the client is gone (its stream was dropped).

@@ -87,7 +87,9 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
         running: Vec::new(),
         sessions: HashMap::new(),
         released: Vec::new(),
+        in_flight: VecDeque::new(),
         next_seq: 1,
+        next_serial: 1,
         step: 0,
         worker_up: vec![true; n_workers],
         restarts: vec![0; n_workers],
@@ -123,7 +125,11 @@ struct Scheduler {
     sessions: HashMap<String, Session>,
     /// Sequence ids the gpu-worker may forget (sent with the next step).
     released: Vec<u64>,
+    /// Steps sent whose results are not applied yet, oldest first (at most two: the one
+    /// running and the next, sent so that the gpu-worker never waits for the round trip).
+    in_flight: VecDeque<step::InFlight>,
     next_seq: u64,
+    next_serial: u64,
     step: u64,
     worker_up: Vec<bool>,
     restarts: Vec<u32>,
@@ -140,12 +146,17 @@ struct Scheduler {
 /// How long an idle scheduler sleeps before checking session timeouts.
 const IDLE_TICK: Duration = Duration::from_millis(500);
 
+/// How long a scheduler that could send no step waits for a command before trying again.
+const STALL_TICK: Duration = Duration::from_millis(10);
+
 impl Scheduler {
     async fn run(mut self, mut rx: mpsc::Receiver<Command>) {
+        // Nothing could be sent and nothing is in flight (no sequence fits the step budget).
+        let mut stalled = false;
         loop {
             let idle = self.running.is_empty() && (self.waiting.is_empty() || !self.can_serve()) && self.released.is_empty();
-            if idle {
-                match tokio::time::timeout(IDLE_TICK, rx.recv()).await {
+            if idle && self.in_flight.is_empty() || stalled {
+                match tokio::time::timeout(if stalled { STALL_TICK } else { IDLE_TICK }, rx.recv()).await {
                     Ok(Some(cmd)) => self.handle(cmd),
                     Ok(None) => return,
                     Err(_) => {}
@@ -176,9 +187,20 @@ impl Scheduler {
                     return;
                 }
             }
-            if (!self.running.is_empty() || !self.released.is_empty()) && self.gpu_up {
-                self.run_step().await;
+            // Send the next step while one runs; then apply the oldest step's results.
+            let mut sent = false;
+            if (!self.running.is_empty() || !self.released.is_empty()) && self.gpu_up && self.in_flight.len() < 2 {
+                if let Some(f) = self.send_step() {
+                    self.in_flight.push_back(f);
+                    sent = true;
+                }
             }
+            let finish = self.in_flight.len() >= 2 || (!sent && !self.in_flight.is_empty());
+            if finish {
+                let f = self.in_flight.pop_front().expect("a step in flight");
+                self.finish_step(f).await;
+            }
+            stalled = !sent && !finish && !self.running.is_empty();
             self.publish_metrics();
         }
     }
@@ -230,6 +252,10 @@ impl Scheduler {
             }
             Command::GpuDown { reason } => {
                 self.gpu_up = false;
+                // Their results are errors; the next gpu-worker has not seen them.
+                for f in std::mem::take(&mut self.in_flight) {
+                    f.abort();
+                }
                 let err = GatewayError::Unavailable(format!("the gpu-worker failed ({reason}); the request's KV is lost"));
                 for seq in std::mem::take(&mut self.running) {
                     metrics::request_failed(false);
@@ -445,8 +471,11 @@ impl Scheduler {
         let pending = full[cached..].to_vec();
         metrics::request_admitted(full.len());
         let _ = w.events.send(Ok(Event::Prompt { prompt_ids: pending.clone(), session_id: session_name.clone(), cached_tokens: cached as u32 }));
+        let serial = self.next_serial;
+        self.next_serial += 1;
         self.running.push(Seq {
             id: seq_id,
+            serial,
             events: w.events,
             sampling: w.params.sampling,
             max_tokens: w.params.max_tokens,
@@ -456,6 +485,8 @@ impl Scheduler {
             table,
             kv_tokens,
             pending,
+            queued: 0,
+            samples_in_flight: 0,
             sampler_sent: false,
             generated: Vec::new(),
             text: TextStream::new(w.params.stop.clone()),

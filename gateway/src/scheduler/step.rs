@@ -1,6 +1,6 @@
 //! One step of the scheduler: the batch (every running sequence's decode token, then prompt
 //! chunks while the token budget lasts), its KV blocks and attention shares, the gpu-worker
-//! call, and what the sampled tokens do to each request.
+//! call (sent while the step before runs), and what the sampled tokens do to each request.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -16,29 +16,71 @@ use crate::metrics;
 use crate::balancer::planner::{Plan, SeqDemand, Share};
 use crate::sequence::{attention_demand, shares_to_proto, Seq};
 
+/// A step sent to the gpu-worker whose results are not applied yet.
+pub(super) struct InFlight {
+    step: u64,
+    entries: Vec<Entry>,
+    /// The planner's prediction.
+    predicted_s: f64,
+    /// Whether the step has decode tokens (whose timings refine the cost fits).
+    decodes: bool,
+    call: tokio::task::JoinHandle<Result<tonic::Response<pb::StepResponse>, tonic::Status>>,
+}
+
+impl InFlight {
+    /// Stops waiting for the result (the gpu-worker is gone).
+    pub(super) fn abort(self) {
+        self.call.abort();
+    }
+}
+
+/// One sequence's part of a step.
+struct Entry {
+    /// The sequence ([`Seq::serial`]).
+    serial: u64,
+    /// Input tokens.
+    n: usize,
+    /// The input is the token the step before samples.
+    fed_sampled: bool,
+    sample: bool,
+}
+
 impl Scheduler {
-    /// Builds a step, runs it on the gpu-worker and applies the results.
-    pub(super) async fn run_step(&mut self) {
+    /// Builds the next step and sends it to the gpu-worker (to run after the step in flight,
+    /// if any). Sequences in the step in flight take part with what that step leaves them:
+    /// the next prompt chunk, or a decode token fed with the token it samples, unless that
+    /// token is certainly their last. `None` if there is nothing to send.
+    pub(super) fn send_step(&mut self) -> Option<InFlight> {
         let mut budget = self.cfg.max_step_tokens;
-        let mut entries: Vec<(usize, usize)> = Vec::new();
+        let mut entries: Vec<Entry> = Vec::new();
         let mut steps = Vec::new();
-        let mut failed: Vec<(usize, GatewayError)> = Vec::new();
+        let mut failed: Vec<(u64, GatewayError)> = Vec::new();
         // Decode sequences: (index in `steps`, what the planner needs).
         let mut decoding: Vec<(usize, SeqDemand)> = Vec::new();
         // Decode tokens first (they are what users wait on), then prompt chunks in arrival order.
         let order: Vec<usize> = {
-            let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| !self.running[i].generated.is_empty());
+            let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| self.running[i].decoding());
             dec.into_iter().chain(pre).collect()
         };
         for i in order {
-            let decode = !self.running[i].generated.is_empty();
-            let n = if decode { 1 } else { self.running[i].pending.len().min(self.cfg.prefill_chunk) };
-            if n > budget {
+            let seq = &self.running[i];
+            let fed_sampled = seq.samples_in_flight > 0;
+            let n = if fed_sampled {
+                if !seq.continues_after_in_flight(self.cfg.n_ctx) {
+                    continue;
+                }
+                1
+            } else if seq.decoding() {
+                1
+            } else {
+                (seq.pending.len() - seq.queued).min(self.cfg.prefill_chunk)
+            };
+            if n > budget || (!fed_sampled && seq.queued + n > seq.pending.len()) || n == 0 {
                 continue;
             }
-            let start = self.running[i].table.len();
+            let start = seq.table.len();
             if let Err(e) = self.allocate(i, n) {
-                failed.push((i, GatewayError::ResourceExhausted(format!("no KV block left for the request: {e}"))));
+                failed.push((self.running[i].serial, GatewayError::ResourceExhausted(format!("no KV block left for the request: {e}"))));
                 continue;
             }
             budget -= n;
@@ -53,19 +95,35 @@ impl Scheduler {
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
             }
+            let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };
+            let sample = fed_sampled || seq.queued + n == seq.pending.len();
+            if !fed_sampled {
+                seq.queued += n;
+            }
+            if sample {
+                seq.samples_in_flight += 1;
+            }
             steps.push(pb::SequenceStep {
                 seq_id: seq.id,
                 start_pos: start as u32,
-                tokens: seq.pending[..n].to_vec(),
+                tokens,
                 new_blocks,
                 sampler,
-                sample: n == seq.pending.len(),
+                sample,
                 attention: Vec::new(),
                 sub_batch: 0,
+                feed_sampled: fed_sampled,
             });
-            entries.push((i, n));
+            entries.push(Entry { serial: seq.serial, n, fed_sampled, sample });
         }
-        let tokens: usize = entries.iter().map(|&(_, n)| n).sum();
+        if !failed.is_empty() {
+            let outcomes = failed.into_iter().filter_map(|(serial, e)| Some((self.index_of(serial)?, Err(e)))).collect();
+            self.conclude(outcomes);
+        }
+        if steps.is_empty() && self.released.is_empty() {
+            return None;
+        }
+        let tokens: usize = entries.iter().map(|e| e.n).sum();
         let demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
         // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
         let may_overlap = decoding.len() == steps.len();
@@ -79,23 +137,45 @@ impl Scheduler {
             }
         }
         self.step += 1;
-        let req = pb::StepRequest { step: self.step, sequences: steps, released: std::mem::take(&mut self.released) };
-        let mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)> = failed.into_iter().map(|(i, e)| (i, Err(e))).collect();
-        match self.gpu.step(req).await {
+        if self.step.is_multiple_of(64) && !decoding.is_empty() {
+            tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(), predicted_s = plan.predicted_s, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
+        }
+        let req = pb::StepRequest {
+            step: self.step,
+            sequences: steps,
+            released: std::mem::take(&mut self.released),
+            after_step: self.in_flight.back().map_or(0, |f| f.step),
+        };
+        let mut gpu = self.gpu.clone();
+        let call = tokio::spawn(async move { gpu.step(req).await });
+        Some(InFlight { step: self.step, entries, predicted_s: plan.predicted_s, decodes: !decoding.is_empty(), call })
+    }
+
+    /// The index in `running` of the sequence with this serial, if it still runs.
+    fn index_of(&self, serial: u64) -> Option<usize> {
+        self.running.iter().position(|s| s.serial == serial)
+    }
+
+    /// Waits for a step's results and applies them to its sequences that still run.
+    pub(super) async fn finish_step(&mut self, f: InFlight) {
+        let result = match f.call.await {
+            Ok(r) => r,
+            Err(e) => Err(tonic::Status::unavailable(format!("the step's call failed: {e}"))),
+        };
+        let found: Vec<(usize, Entry)> = f.entries.into_iter().filter_map(|e| Some((self.index_of(e.serial)?, e))).collect();
+        let mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)> = Vec::new();
+        match result {
             Ok(resp) => {
                 let resp = resp.into_inner();
                 if let Some(t) = &resp.timings {
-                    self.stats.observe(t, (!decoding.is_empty()).then_some(plan.predicted_s));
-                    if self.step.is_multiple_of(64) {
-                        tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(), predicted_s = plan.predicted_s, measured_s = t.total_ns as f64 * 1e-9, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
-                    }
-                    metrics::step(t, plan.predicted_s, self.stats.prediction_error());
-                    tracing::debug!(step = self.step, total_us = t.total_ns / 1000, prefill = t.prefill_tokens, decode = t.decode_tokens, wait_us = t.attention_wait_ns / 1000, "step");
+                    self.stats.observe(t, f.decodes.then_some(f.predicted_s));
+                    metrics::step(t, f.predicted_s, self.stats.prediction_error());
+                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, prefill = t.prefill_tokens, decode = t.decode_tokens, wait_us = t.attention_wait_ns / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
-                for (i, n) in entries {
-                    if let Some(reason) = self.apply(i, n, sampled.get(&self.running[i].id)) {
-                        outcomes.push((i, Ok(reason)));
+                for (i, e) in found {
+                    if let Some(outcome) = self.apply(i, &e, sampled.get(&self.running[i].id)) {
+                        outcomes.push((i, outcome));
                     }
                 }
             }
@@ -106,9 +186,9 @@ impl Scheduler {
                     }
                     _ => GatewayError::Internal(format!("the gpu-worker refused a step: {}", status.message())),
                 };
-                tracing::warn!(step = self.step, "step failed: {}", status.message());
+                tracing::warn!(step = f.step, "step failed: {}", status.message());
                 // The gpu-worker forgot the step's sequences; they fail.
-                outcomes.extend(entries.into_iter().map(|(i, _)| (i, Err(err.clone()))));
+                outcomes.extend(found.into_iter().map(|(i, _)| (i, Err(err.clone()))));
             }
         }
         self.conclude(outcomes);
@@ -162,11 +242,21 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Applies a step's result to sequence `i` (`n` inputs fed, maybe a sampled token);
+    /// Applies a step's result to sequence `i` (its inputs fed, maybe a sampled token);
     /// returns why it ends, if it does.
-    fn apply(&mut self, i: usize, n: usize, sampled: Option<&pb::Sampled>) -> Option<StopReason> {
+    fn apply(&mut self, i: usize, e: &Entry, sampled: Option<&pb::Sampled>) -> Option<Result<StopReason, GatewayError>> {
         let eog = &self.text.tokenizer.end_of_generation;
         let seq = &mut self.running[i];
+        let n = e.n;
+        if e.sample {
+            seq.samples_in_flight -= 1;
+        }
+        if !e.fed_sampled {
+            seq.queued -= n;
+        }
+        if seq.pending.len() < n || (e.sample && sampled.is_none()) {
+            return Some(Err(GatewayError::Internal(format!("the gpu-worker returned no token for sequence {}", seq.id))));
+        }
         let fed: Vec<u32> = seq.pending.drain(..n).collect();
         seq.kv_tokens.extend(fed);
         if seq.generated.is_empty() {
@@ -174,7 +264,7 @@ impl Scheduler {
             self.prefilled_total += n as u64;
             metrics::tokens_prefilled(n);
         }
-        let s = sampled?;
+        let s = sampled.filter(|_| e.sample)?;
         let token = s.token.as_ref().map_or(0, |t| t.id);
         seq.generated.push(token);
         self.generated_total += 1;
@@ -189,17 +279,18 @@ impl Scheduler {
             (None, Vec::new())
         };
         let _ = seq.events.send(Ok(Event::Token { id: token, text, logprob, top }));
-        if eog.contains(&token) && !seq.ignore_eos {
-            Some(StopReason::EndOfGeneration)
+        let reason = if eog.contains(&token) && !seq.ignore_eos {
+            StopReason::EndOfGeneration
         } else if seq.text.stopped() {
-            Some(StopReason::StopString)
+            StopReason::StopString
         } else if seq.generated.len() >= seq.max_tokens as usize {
-            Some(StopReason::MaxTokens)
+            StopReason::MaxTokens
         } else if seq.kv_tokens.len() + 1 >= self.cfg.n_ctx {
-            Some(StopReason::ContextFull)
+            StopReason::ContextFull
         } else {
-            None
-        }
+            return None;
+        };
+        Some(Ok(reason))
     }
 
     /// Ends the sequences that finished or failed: events, sessions, KV.

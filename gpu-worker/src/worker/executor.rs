@@ -35,6 +35,8 @@ struct Sequence {
     tokens: Vec<u32>,
     sampler: Option<Sampler>,
     top_n: usize,
+    /// The token its last step sampled (the input of a `feed_sampled` step).
+    last_sampled: Option<u32>,
 }
 
 /// One device's share of a decode token's attention.
@@ -178,7 +180,7 @@ impl Executor {
             }
             let sub = &mut subs[s.sub_batch as usize];
             let p = self.accept(s, bs, sub.tokens.len())?;
-            sub.tokens.extend_from_slice(&s.tokens);
+            sub.tokens.extend_from_slice(&self.seqs[&s.seq_id].tokens[p.start..p.n_ctx()]);
             sub.positions.extend(p.start..p.n_ctx());
             order.push((s.sub_batch as usize, sub.plan.len()));
             sub.plan.push(p);
@@ -229,6 +231,7 @@ impl Executor {
             let seq = self.seqs.get_mut(&p.seq_id).expect("planned sequences are held");
             let sampler = seq.sampler.as_mut().expect("checked when accepted");
             let id = sampler.sample(row, &seq.tokens);
+            seq.last_sampled = Some(id);
             let (logprob, top) = if seq.top_n > 0 {
                 let lp = log_softmax(row);
                 let top = top_n(row, seq.top_n).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
@@ -248,18 +251,24 @@ impl Executor {
 
     /// Checks one sequence's part of a step and applies it to the sequence's state.
     fn accept(&mut self, s: &pb::SequenceStep, bs: usize, row0: usize) -> Result<Planned, StepError> {
-        let n = s.tokens.len();
         let start = s.start_pos as usize;
         let invalid = |what: String| Err(StepError::Invalid(format!("sequence {}: {what}", s.seq_id)));
+        if !self.seqs.contains_key(&s.seq_id) && start != 0 {
+            return Err(StepError::UnknownSequence(s.seq_id));
+        }
+        let tokens: Vec<u32> = match (s.feed_sampled, self.seqs.get(&s.seq_id)) {
+            (false, _) => s.tokens.clone(),
+            (true, _) if !s.tokens.is_empty() => return invalid("feeds its sampled token and has input tokens too".into()),
+            (true, Some(Sequence { last_sampled: Some(t), .. })) => vec![*t],
+            (true, _) => return invalid("feeds its sampled token but its last step sampled none".into()),
+        };
+        let n = tokens.len();
         if n == 0 {
             return invalid("no input tokens".into());
         }
         let n_ctx_max = self.model.config.n_ctx_train;
         if start + n > n_ctx_max {
             return invalid(format!("{} positions exceed the context of {n_ctx_max}", start + n));
-        }
-        if !self.seqs.contains_key(&s.seq_id) && start != 0 {
-            return Err(StepError::UnknownSequence(s.seq_id));
         }
         let seq = self.seqs.entry(s.seq_id).or_default();
         if start > seq.tokens.len() {
@@ -289,7 +298,8 @@ impl Executor {
         if s.sample && seq.sampler.is_none() {
             return invalid("asks to sample but no sampler was configured".into());
         }
-        seq.tokens.extend_from_slice(&s.tokens);
+        seq.tokens.extend(tokens);
+        seq.last_sampled = None;
         let shares = if s.attention.is_empty() {
             Vec::new()
         } else if n != 1 {

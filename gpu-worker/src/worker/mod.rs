@@ -1,9 +1,11 @@
 //! Worker mode: the gpu-worker as one process of the Duet service. It maps the cpu-workers'
 //! KV arenas and exchange rings ([`arenas`]), executes the gateway's steps ([`executor`],
-//! their attention in `step_attention`) and serves them over gRPC ([`service`]).
+//! their attention in `step_attention`) in the gateway's order (`order`) and serves them
+//! over gRPC ([`service`]).
 
 pub mod arenas;
 pub mod executor;
+mod order;
 pub mod service;
 mod step_attention;
 
@@ -16,6 +18,8 @@ pub enum StepError {
     Invalid(String),
     #[error("sequence {0} is unknown to the gpu-worker (it starts with start_pos 0)")]
     UnknownSequence(u64),
+    #[error("out of order: {0}")]
+    Order(String),
     #[error("cpu-worker {0} is not attached")]
     WorkerNotAttached(u32),
     #[error("attaching cpu-worker {worker}: {what}")]

@@ -1,9 +1,10 @@
-//! The gRPC face of worker mode (`duet.v1.GpuWorker`): one executor behind a mutex (the
-//! gateway runs one step at a time), its blocking work on tokio's blocking threads, errors
-//! mapped to gRPC status codes here and nowhere else.
+//! The gRPC face of worker mode (`duet.v1.GpuWorker`): one executor behind a mutex, its
+//! blocking work on tokio's blocking threads, steps run in the order the gateway gives them
+//! (`after_step`: it sends the next step while one runs), errors mapped to gRPC status codes
+//! here and nowhere else.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use duet_common::model::gguf::GgufFile;
@@ -13,15 +14,20 @@ use duet_common::rpc::{pb, Listener};
 use tonic::{Request, Response, Status};
 
 use super::executor::Executor;
+use super::order::Ordered;
 use super::StepError;
 use crate::device::cpu::CpuModel;
 use crate::error::WorkerError;
 
 /// The service state.
 pub struct GpuWorkerService {
-    executor: Arc<Mutex<Executor>>,
+    executor: Arc<Ordered<Executor>>,
     info: pb::GpuInfoResponse,
 }
+
+/// Longest wait of a step for the step it comes after (sent just before it, so it is running
+/// or arriving; longer means it was lost).
+const ORDER_WAIT: Duration = Duration::from_secs(60);
 
 impl GpuWorkerService {
     /// Loads the model at `path` onto the (CPU) device.
@@ -45,24 +51,25 @@ impl GpuWorkerService {
             device: format!("cpu ({:?})", duet_common::kernels::isa()).to_lowercase(),
             pid: std::process::id(),
         };
-        Ok(GpuWorkerService { executor: Arc::new(Mutex::new(Executor::new(model, job_timeout))), info })
+        Ok(GpuWorkerService { executor: Arc::new(Ordered::new(Executor::new(model, job_timeout))), info })
     }
 
-    /// Runs `f` on the executor on a blocking thread.
+    /// Runs `f` on the executor on a blocking thread: as step `step` once step `after` has
+    /// run (`after` 0: at once; `step` `None`: not a step).
     async fn with_executor<T: Send + 'static>(
         &self,
+        after: u64,
+        step: Option<u64>,
         f: impl FnOnce(&mut Executor) -> Result<T, StepError> + Send + 'static,
     ) -> Result<T, Status> {
         let executor = self.executor.clone();
         tokio::task::spawn_blocking(move || {
-            // A panic inside a step is a bug; the executor's state is still consistent
-            // enough to fail later steps cleanly rather than take the process down.
-            let mut guard = executor.lock().unwrap_or_else(PoisonError::into_inner);
-            let ex: &mut Executor = &mut guard;
             // On a thread of the pool: the step's many small parallel loops then hand work to
             // the other threads directly, instead of each being injected into the pool from
             // outside and waited for (which cost ~40% of a batch-1 decode step).
-            rayon::scope(move |_| f(ex))
+            executor.run_after(after, step, ORDER_WAIT, |ex| rayon::scope(move |_| f(ex))).unwrap_or_else(|| {
+                Err(StepError::Order(format!("step {after}, which this step comes after, did not arrive in {ORDER_WAIT:?}")))
+            })
         })
         .await
         .map_err(|e| Status::internal(format!("step task: {e}")))?
@@ -76,7 +83,7 @@ pub fn status(e: StepError) -> Status {
     match e {
         StepError::Invalid(_) | StepError::Model(WorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
         StepError::Model(WorkerError::Model(duet_common::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
-        StepError::UnknownSequence(_) | StepError::Attach { .. } => Status::failed_precondition(msg),
+        StepError::UnknownSequence(_) | StepError::Attach { .. } | StepError::Order(_) => Status::failed_precondition(msg),
         StepError::WorkerNotAttached(_) | StepError::CpuWorker { .. } => Status::unavailable(msg),
         StepError::Model(WorkerError::Step(_)) => Status::unavailable(msg),
         StepError::Model(_) => Status::internal(msg),
@@ -94,14 +101,14 @@ impl GpuWorker for GpuWorkerService {
         req: Request<pb::AttachCpuWorkerRequest>,
     ) -> Result<Response<pb::AttachCpuWorkerResponse>, Status> {
         let r = req.into_inner();
-        let kv_blocks = self.with_executor(move |ex| ex.attach(r.worker, &r.arena_segment, &r.ring_segment, (r.pid != 0).then_some(r.pid))).await?;
+        let kv_blocks = self.with_executor(0, None, move |ex| ex.attach(r.worker, &r.arena_segment, &r.ring_segment, (r.pid != 0).then_some(r.pid))).await?;
         tracing::info!(worker = r.worker, kv_blocks, "cpu-worker attached");
         Ok(Response::new(pb::AttachCpuWorkerResponse { kv_blocks }))
     }
 
     async fn step(&self, req: Request<pb::StepRequest>) -> Result<Response<pb::StepResponse>, Status> {
         let r = req.into_inner();
-        Ok(Response::new(self.with_executor(move |ex| ex.step(&r)).await?))
+        Ok(Response::new(self.with_executor(r.after_step, Some(r.step), move |ex| ex.step(&r)).await?))
     }
 }
 
