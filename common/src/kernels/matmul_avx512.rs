@@ -7,8 +7,9 @@
 //! scales (lanes 0–7 and 8–15). A weight block is unpacked once, put in both halves, and
 //! multiplied with each pair by one `vpdpbusd` (or `maddubs` + `madd`): every lane computes
 //! what a lane of the AVX2 kernel does for that (weight row, activation row). Full tiles of
-//! sixteen Q8_1 rows (Q4_1 weights) are also laid out lane-major — one register per ggml lane,
-//! one lane per activation row — which saves the per-pair scale multiply.
+//! sixteen rows (Q8_1 for Q4_1 weights; Q8_0 for Q8_0 weights where the CPU has VNNI) are also
+//! laid out lane-major — one register per ggml lane, one lane per activation row — which saves
+//! the per-pair scale multiply.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -35,8 +36,11 @@ pub struct PairedActs {
     s: Vec<__m512>,
     /// Per full tile, block and ggml lane `l` (0–7): the four quants `4l..4l + 4` of every
     /// row of the tile, row `t` in bytes `4t..4t + 4` (the lane-major layout of
-    /// `q4_1_row_tile_lanes`; Q8_1 activations only).
+    /// `q4_1_row_tile_lanes`, and of `q8_0_row_tile_lanes` with VNNI).
     lanes: Vec<__m512i>,
+    /// Per full tile, block and lane, for `q8_0_row_tile_lanes`: −128 × the sum of each row's
+    /// four quants of the lane, one i32 per row.
+    corr: Vec<__m512i>,
     /// Per full tile and block: each row's scale `d`, one lane per row.
     d16: Vec<__m512>,
 }
@@ -65,7 +69,10 @@ impl PairedActs {
         let mut qs = vec![_mm512_setzero_si512(); n_tiles * nb * pairs];
         let mut d = vec![_mm512_setzero_ps(); n_tiles * nb * pairs];
         let mut s = vec![_mm512_setzero_ps(); if has_s { n_tiles * nb } else { 0 }];
-        let full_tiles = if has_s { n_rows / TILE } else { 0 };
+        // Lane-major tiles: Q4_1's, and Q8_0's where the CPU has VNNI (`q8_0_row_tile_lanes`).
+        let q8_0_lanes = !has_s && super::has_vnni();
+        let full_tiles = if has_s || q8_0_lanes { n_rows / TILE } else { 0 };
+        let mut corr = vec![_mm512_setzero_si512(); if q8_0_lanes { full_tiles * nb * 8 } else { 0 }];
         let mut lanes = vec![_mm512_setzero_si512(); full_tiles * nb * 8];
         let mut d16 = vec![_mm512_setzero_ps(); full_tiles * nb];
         let block = |row: usize, b: usize| (row < n_rows).then(|| &data[(row * nb + b) * bb..(row * nb + b + 1) * bb]);
@@ -101,14 +108,20 @@ impl PairedActs {
                         let blk = block(tile * TILE + t, b).expect("a full tile's rows exist");
                         *dt = f16_at(blk, 0);
                         for l in 0..8 {
-                            bytes[l * 64 + 4 * t..l * 64 + 4 * t + 4].copy_from_slice(&blk[qoff + 4 * l..qoff + 4 * l + 4]);
+                            let quad = &blk[qoff + 4 * l..qoff + 4 * l + 4];
+                            bytes[l * 64 + 4 * t..l * 64 + 4 * t + 4].copy_from_slice(quad);
+                            if q8_0_lanes {
+                                let c = -128 * quad.iter().map(|&q| q as i8 as i32).sum::<i32>();
+                                // SAFETY: in bounds (full tile `tile`, block `b`, lane `l`, row `t`).
+                                corr.as_mut_ptr().add((tile * nb + b) * 8 + l).cast::<i32>().add(t).write(c);
+                            }
                         }
                     }
                     d16[tile * nb + b] = _mm512_loadu_ps(dl.as_ptr());
                 }
             }
         }
-        PairedActs { nb, n_tiles, qs, d, s, lanes, d16 }
+        PairedActs { nb, n_tiles, qs, d, s, lanes, corr, d16 }
     }
 
     pub fn n_tiles(&self) -> usize {
@@ -182,8 +195,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
 /// (16 rows: 167–176 → 211–214 G multiply-adds/s on 2 threads). Each lane's four weight quants
 /// are broadcast by a load from the block rather than by shuffles from one unpacked register
 /// (222–234 → 278–309 on 2 threads). The lanes are summed per row
-/// in `hsum8`'s order at the end: the same numbers as [`row_tile`]. (For Q8_0 the per-lane sign
-/// handling costs more than the multiply saves: 208–214 → 186–188, so Q8_0 keeps the pairs.)
+/// in `hsum8`'s order at the end: the same numbers as [`row_tile`].
 #[inline(always)]
 unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
     let nb = acts.nb;
@@ -220,6 +232,43 @@ unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, til
     out
 }
 
+/// A Q8_0 weight row against a full tile of sixteen Q8_0 activation rows, lane-major as
+/// [`q4_1_row_tile_lanes`], with `vpdpbusd` taking each lane's four weights plus 128 (broadcast
+/// from the block) as its unsigned operand and the activations as its signed one: the
+/// accumulator starts at −128 × each row's sum of the lane's activations, so every lane's
+/// integer is exactly the sum of its four products, as the pairs' sign trick gives. No sign
+/// handling per row pair, one scale multiply per block for the tile: 16 rows 215–219 → 274–280
+/// G multiply-adds/s on 2 threads. (Sign handling per lane instead, 186–188; the weight sums
+/// computed per block and read back from the stack, 197–204: a failed store forward.)
+#[inline(always)]
+unsafe fn q8_0_row_tile_lanes(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+    let nb = acts.nb;
+    debug_assert_eq!(w.len(), nb * 34);
+    let wp = w.as_ptr();
+    let lanes = acts.lanes.as_ptr().add(tile * nb * 8);
+    let d16 = acts.d16.as_ptr().add(tile * nb);
+    let corr = acts.corr.as_ptr().add(tile * nb * 8);
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let flip = _mm512_set1_epi8(-128);
+    for b in 0..nb {
+        let blk = wp.add(b * 34);
+        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        let d = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
+        let q = blk.add(2);
+        for (l, a) in acc.iter_mut().enumerate() {
+            let wl = _mm512_xor_si512(_mm512_set1_epi32((q.add(4 * l) as *const i32).read_unaligned()), flip);
+            let x = _mm512_dpbusd_epi32(*corr.add(b * 8 + l), wl, *lanes.add(b * 8 + l));
+            *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(x), *a);
+        }
+    }
+    // hsum8 per row, as in `q4_1_row_tile_lanes`.
+    let h = |i: usize, j: usize| _mm512_add_ps(acc[i], acc[j]);
+    let r = _mm512_add_ps(_mm512_add_ps(h(0, 4), h(2, 6)), _mm512_add_ps(h(1, 5), h(3, 7)));
+    let mut out = [0f32; TILE];
+    _mm512_storeu_ps(out.as_mut_ptr(), r);
+    out
+}
+
 /// The signature of the tile kernels below (weight rows, row bytes, acts, tile, rows of the
 /// tile, one result vector per weight row).
 pub type RowsTileKernel = unsafe fn(&[u8], usize, &PairedActs, usize, usize, &mut [[f32; TILE]]);
@@ -242,6 +291,12 @@ macro_rules! row_tile_fn {
             if $q4_1 && rows == TILE && acts.is_full(tile) {
                 for (row, o) in w_rows {
                     *o = q4_1_row_tile_lanes::<$vnni>(row, acts, tile);
+                }
+                return;
+            }
+            if !$q4_1 && $vnni && rows == TILE && acts.is_full(tile) {
+                for (row, o) in w_rows {
+                    *o = q8_0_row_tile_lanes(row, acts, tile);
                 }
                 return;
             }
