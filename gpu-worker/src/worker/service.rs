@@ -4,6 +4,7 @@
 //! here and nowhere else.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,17 +64,29 @@ impl GpuWorkerService {
         f: impl FnOnce(&mut Executor) -> Result<T, StepError> + Send + 'static,
     ) -> Result<T, Status> {
         let executor = self.executor.clone();
+        // Set when this call's future is dropped: the gateway went away (or gave up on it).
+        let gone = CancelOnDrop(Arc::new(AtomicBool::new(false)));
+        let cancelled = gone.0.clone();
         tokio::task::spawn_blocking(move || {
             // On a thread of the pool: the step's many small parallel loops then hand work to
             // the other threads directly, instead of each being injected into the pool from
             // outside and waited for (which cost ~40% of a batch-1 decode step).
-            executor.run_after(after, step, ORDER_WAIT, |ex| rayon::scope(move |_| f(ex))).unwrap_or_else(|| {
-                Err(StepError::Order(format!("step {after}, which this step comes after, did not arrive in {ORDER_WAIT:?}")))
+            executor.run_after(after, step, ORDER_WAIT, &cancelled, |ex| rayon::scope(move |_| f(ex))).unwrap_or_else(|| {
+                Err(StepError::Order(format!("step {after}, which this step comes after, did not run in {ORDER_WAIT:?}, or the caller left")))
             })
         })
         .await
         .map_err(|e| Status::internal(format!("step task: {e}")))?
         .map_err(status)
+    }
+}
+
+/// Sets its flag when dropped.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
