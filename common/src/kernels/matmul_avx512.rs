@@ -194,8 +194,8 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
 /// so a block needs one `d_w · d_a` multiply for the whole tile instead of one per row pair
 /// (16 rows: 167–176 → 211–214 G multiply-adds/s on 2 threads). Each lane's four weight quants
 /// are broadcast by a load from the block rather than by shuffles from one unpacked register
-/// (222–234 → 278–309 on 2 threads). The lanes are summed per row
-/// in `hsum8`'s order at the end: the same numbers as [`row_tile`].
+/// (222–234 → 278–309 on 2 threads). The lanes are summed per row in `hsum8`'s order at the
+/// end: the same numbers as [`row_tile`].
 #[inline(always)]
 unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
     let nb = acts.nb;
