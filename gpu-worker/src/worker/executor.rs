@@ -179,11 +179,17 @@ impl Executor {
                 return Err(StepError::Invalid(format!("sequence {}: sub-batch {} (there are two: 0 and 1)", s.seq_id, s.sub_batch)));
             }
             let sub = &mut subs[s.sub_batch as usize];
-            let p = self.accept(s, bs, sub.tokens.len())?;
+            let Some(p) = self.accept(s, bs, sub.tokens.len(), req.after_step != 0)? else {
+                tracing::debug!(step = req.step, seq = s.seq_id, "sequence skipped: the step before failed and took it");
+                continue;
+            };
             sub.tokens.extend_from_slice(&self.seqs[&s.seq_id].tokens[p.start..p.n_ctx()]);
             sub.positions.extend(p.start..p.n_ctx());
             order.push((s.sub_batch as usize, sub.plan.len()));
             sub.plan.push(p);
+        }
+        if subs.iter().all(|s| s.plan.is_empty()) {
+            return Ok(pb::StepResponse { sampled: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
         }
         let mut timings = pb::StepTimings::default();
         for p in subs.iter().flat_map(|s| &s.plan) {
@@ -249,11 +255,18 @@ impl Executor {
         Ok(pb::StepResponse { sampled, timings: Some(timings) })
     }
 
-    /// Checks one sequence's part of a step and applies it to the sequence's state.
-    fn accept(&mut self, s: &pb::SequenceStep, bs: usize, row0: usize) -> Result<Planned, StepError> {
+    /// Checks one sequence's part of a step and applies it to the sequence's state. With
+    /// `skip_unknown` (the step was sent while the one before ran), a sequence that goes on
+    /// from a position the gpu-worker does not hold is skipped (`None`): the step before
+    /// failed and took it, and the gateway has failed its request; failing this whole step
+    /// would take the requests that joined it too.
+    fn accept(&mut self, s: &pb::SequenceStep, bs: usize, row0: usize, skip_unknown: bool) -> Result<Option<Planned>, StepError> {
         let start = s.start_pos as usize;
         let invalid = |what: String| Err(StepError::Invalid(format!("sequence {}: {what}", s.seq_id)));
         if !self.seqs.contains_key(&s.seq_id) && start != 0 {
+            if skip_unknown {
+                return Ok(None);
+            }
             return Err(StepError::UnknownSequence(s.seq_id));
         }
         let tokens: Vec<u32> = match (s.feed_sampled, self.seqs.get(&s.seq_id)) {
@@ -327,7 +340,7 @@ impl Executor {
             }
             shares
         };
-        Ok(Planned { seq_id: s.seq_id, row0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample })
+        Ok(Some(Planned { seq_id: s.seq_id, row0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample }))
     }
 }
 

@@ -1,0 +1,90 @@
+//! The executor driven with step requests directly (an arena and an exchange ring made here,
+//! all attention on the gpu-worker): steps that feed a sequence its own last sample compute
+//! what steps carrying the token compute; a step sent after a failed one skips the sequences
+//! the failure took and serves the ones that joined it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use duet_common::kv::{ArenaLayout, KvDtype};
+use duet_common::model::gguf::GgufFile;
+use duet_common::rpc::pb;
+use duet_common::shm::{Ring, Segment};
+use duet_common::testutil::model_path;
+use duet_gpu_worker::device::cpu::CpuModel;
+use duet_gpu_worker::worker::executor::Executor;
+
+/// An executor with one attached arena of 64 blocks of 16 positions (segments named after
+/// this process, removed when the returned guards drop).
+fn executor() -> (Executor, (Segment, Ring)) {
+    let model = CpuModel::load(Arc::new(GgufFile::open(model_path()).unwrap())).unwrap();
+    let c = &model.config;
+    let layout =
+        ArenaLayout { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32, block_size: 16, dtype: KvDtype::F16, n_blocks: 64 };
+    let (arena_name, ring_name) = (format!("duet-exec-test-{}-arena", std::process::id()), format!("duet-exec-test-{}-ring", std::process::id()));
+    let arena = Segment::create(&arena_name, layout.total_bytes().unwrap()).unwrap();
+    let header = layout.encode_header().unwrap();
+    // SAFETY: the segment was just created here; nothing else maps it yet.
+    unsafe { arena.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
+    let ring_seg = Segment::create(&ring_name, Ring::bytes_needed(4, 4096).unwrap()).unwrap();
+    let ring = Ring::create(ring_seg, 4, 4096).unwrap();
+    let mut ex = Executor::new(model, Duration::from_secs(5));
+    ex.attach(0, &arena_name, &ring_name, None).unwrap();
+    (ex, (arena, ring))
+}
+
+fn greedy() -> pb::SamplerConfig {
+    pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1 }
+}
+
+/// A sequence's part of a step: `tokens` at `start` (none: fed its last sample).
+fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32], first: bool) -> pb::SequenceStep {
+    pb::SequenceStep {
+        seq_id,
+        start_pos: start,
+        tokens: tokens.to_vec(),
+        new_blocks: new_blocks.iter().map(|&block| pb::KvBlockRef { worker: 0, block }).collect(),
+        sampler: first.then(greedy),
+        sample: true,
+        attention: Vec::new(),
+        sub_batch: 0,
+        feed_sampled: tokens.is_empty(),
+    }
+}
+
+fn step(ex: &mut Executor, step: u64, after_step: u64, sequences: Vec<pb::SequenceStep>) -> Result<Vec<(u64, u32, f32)>, String> {
+    let req = pb::StepRequest { step, sequences, released: Vec::new(), after_step };
+    let resp = ex.step(&req).map_err(|e| e.to_string())?;
+    Ok(resp.sampled.iter().map(|s| (s.seq_id, s.token.as_ref().unwrap().id, s.token.as_ref().unwrap().logprob)).collect())
+}
+
+const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
+
+#[test]
+fn fed_steps_equal_carried_ones_and_a_failed_step_takes_only_its_own_sequences() {
+    let (mut ex, _segments) = executor();
+    // Sequence 1: every step carries the token sampled before (as before pipelining).
+    let mut carried = vec![step(&mut ex, 1, 0, vec![part(1, 0, &PROMPT, &[0], true)]).unwrap()[0]];
+    for i in 0..6 {
+        let last = carried.last().unwrap().1;
+        carried.push(step(&mut ex, 2 + i, 1 + i, vec![part(1, PROMPT.len() as u32 + i as u32, &[last], &[], false)]).unwrap()[0]);
+    }
+    // Sequence 2: the same prompt, then steps that feed it its own last sample.
+    let mut fed = vec![step(&mut ex, 10, 0, vec![part(2, 0, &PROMPT, &[1], true)]).unwrap()[0]];
+    for i in 0..6 {
+        fed.push(step(&mut ex, 11 + i, 10 + i, vec![part(2, PROMPT.len() as u32 + i as u32, &[], &[], false)]).unwrap()[0]);
+    }
+    let strip = |v: &[(u64, u32, f32)]| v.iter().map(|&(_, t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+    assert_eq!(strip(&fed), strip(&carried), "fed steps sample what carried ones do, bit for bit");
+
+    // A step that fails (sequence 4 has no input) takes sequence 2 with it.
+    let at = PROMPT.len() as u32 + 6;
+    let bad = pb::SequenceStep { feed_sampled: false, ..part(4, 0, &[], &[2], true) };
+    assert!(step(&mut ex, 20, 16, vec![part(2, at, &[], &[], false), bad]).is_err());
+    // The step sent after it: sequence 2 is skipped, sequence 3 (joining) is served.
+    let next = step(&mut ex, 21, 20, vec![part(2, at + 1, &[], &[], false), part(3, 0, &PROMPT, &[3], true)]).unwrap();
+    assert_eq!(next.iter().map(|s| (s.0, s.1)).collect::<Vec<_>>(), vec![(3, carried[0].1)], "only the joining sequence samples");
+    // Not sent after another step: an unknown sequence is an error, as it always was.
+    let err = step(&mut ex, 22, 0, vec![part(2, at + 1, &[], &[], false)]).unwrap_err();
+    assert!(err.contains("unknown"), "{err}");
+}
