@@ -836,13 +836,13 @@ fn silu_mul_equals_scalar_twin_bit_for_bit() {
     }
 }
 
-/// F16 · F16 and BF16 · BF16 on the dispatched path (the AVX-512 kernels where the CPU has
-/// them) against the scalar twins (ggml's x86 orders), bit for bit: lengths below, at and past
-/// multiples of their 64 and 32 lanes.
+/// F32 · F32, F16 · F16 and BF16 · BF16 on the dispatched path (the AVX-512 kernels where the
+/// CPU has them) against the scalar twins (ggml's x86 orders), bit for bit: lengths below, at
+/// and past multiples of their 64 and 32 lanes.
 #[test]
-fn f16_and_bf16_dots_equal_scalar_twins_bit_for_bit() {
+fn float_dots_equal_scalar_twins_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(0x5eed_00f1);
-    for ty in [GgmlType::F16, GgmlType::BF16] {
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
         for n in [1usize, 31, 32, 33, 63, 64, 65, 200, 576, 4096 + 7] {
             for _ in 0..4 {
                 let w = random_weight_row(&mut rng, ty, n);

@@ -1,6 +1,6 @@
 //! AVX-512 dot products of one weight row with one activation row for the block types without
 //! an AVX2 kernel of ggml's lane order — the k-quants Q4_K, Q5_K, Q6_K (with Q8_K activations;
-//! most published GGUF models), Q5_0, Q5_1, and F16 / BF16 (ggml's x86 lane orders) — bit-identical to
+//! most published GGUF models), Q5_0, Q5_1, and F32 / F16 / BF16 (ggml's x86 lane orders) — bit-identical to
 //! the scalar twins in `dot.rs`:
 //! each block's integer sums are computed with vector byte products (VNNI's `vpdpbusd` where
 //! present) — integers, the same in any order — and the float epilogue of each block and the
@@ -250,6 +250,28 @@ unsafe fn dot_f16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     sum as f32
 }
 
+/// F32 · F32 as ggml's x86 `ggml_vec_dot_f32` ([`ggml_exact::dot_f32`](super::ggml_exact::dot_f32)):
+/// the lanes and tree of [`dot_f16_body`], the rest added in f32.
+#[inline(always)]
+unsafe fn dot_f32_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
+    let n = w.len().min(a.len()) / 4;
+    let np = n & !63;
+    let (wp, ap) = (w.as_ptr() as *const f32, a.as_ptr() as *const f32);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for i in (0..np).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(wp.add(i).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        _mm_prefetch::<_MM_HINT_T0>(wp.add(i + 32).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            *acc_j = _mm512_fmadd_ps(_mm512_loadu_ps(wp.add(i + 16 * j)), _mm512_loadu_ps(ap.add(i + 16 * j)), *acc_j);
+        }
+    }
+    let mut sum = if np > 0 { super::attention_avx512::reduce16(_mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))) } else { 0.0 };
+    for i in np..n {
+        sum += wp.add(i).read_unaligned() * ap.add(i).read_unaligned();
+    }
+    sum
+}
+
 /// Sixteen f16 values at `p` widened to f32.
 #[inline(always)]
 unsafe fn widen_f16(p: *const __m256i) -> __m512 {
@@ -308,5 +330,6 @@ block_fn!(dot_q5_0_q8_0, dot_q5_0_body, false, "avx512f,avx512bw,avx512vl,avx512
 block_fn!(dot_q5_0_q8_0_vnni, dot_q5_0_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_0 · Q8_0 with `vpdpbusd`.");
 block_fn!(dot_q5_1_q8_1, dot_q5_1_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_1 · Q8_1.");
 block_fn!(dot_q5_1_q8_1_vnni, dot_q5_1_body, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_1 · Q8_1 with `vpdpbusd`.");
+block_fn!(dot_f32_f32, dot_f32_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "F32 · F32.");
 block_fn!(dot_f16_f16, dot_f16_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "F16 · F16.");
 block_fn!(dot_bf16_bf16, dot_bf16_body, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "BF16 · BF16.");

@@ -145,11 +145,10 @@ pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
     debug_assert_eq!(a.len(), vec_dot_type(ty).row_bytes(n));
     match ty {
         GgmlType::F32 => {
-            let mut s = 0f64;
-            for (w, a) in w.chunks_exact(4).zip(a.chunks_exact(4)) {
-                s += (f32::from_le_bytes(w.try_into().unwrap()) * f32::from_le_bytes(a.try_into().unwrap())) as f64;
-            }
-            s as f32
+            // ggml's x86 `ggml_vec_dot_f32` (64 lanes, their tree, the rest in f32), not its
+            // scalar fallback's one f64 sum, as for F16 below.
+            let floats = |b: &[u8]| b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect::<Vec<f32>>();
+            super::ggml_exact::dot_f32(&floats(w), &floats(a))
         }
         GgmlType::F16 => {
             // ggml's x86 `ggml_vec_dot_f16` (64 lanes, their tree, the rest in f64), not its

@@ -61,19 +61,37 @@ pub fn reduce64(acc: &[f32; 64]) -> f32 {
 /// for the first `n & !63` elements, the tree reduction, then the rest added in f64.
 #[inline(always)]
 pub fn dot_f16(x: &[f32], y: &[f32]) -> f32 {
-    let n = x.len().min(y.len());
-    let np = n & !63;
+    let (lanes, np) = fma_lanes64(x, y);
+    let mut sum = lanes as f64;
+    for i in np..x.len().min(y.len()) {
+        sum += (x[i] * y[i]) as f64;
+    }
+    sum as f32
+}
+
+/// `ggml_vec_dot_f32` on x86 (AVX-512 and AVX2 alike: 64 lanes in registers): the lanes of
+/// [`dot_f16`], then the rest added in f32 (its running sum is a float, not a double).
+#[inline(always)]
+pub fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
+    let (mut sum, np) = fma_lanes64(x, y);
+    for i in np..x.len().min(y.len()) {
+        sum += x[i] * y[i];
+    }
+    sum
+}
+
+/// The first `n & !63` elements' products fused-multiply-added into 64 lanes and reduced by
+/// [`reduce64`] (0 if there are none), and that count.
+#[inline(always)]
+fn fma_lanes64(x: &[f32], y: &[f32]) -> (f32, usize) {
+    let np = x.len().min(y.len()) & !63;
     let mut acc = [0f32; 64];
     for i in (0..np).step_by(64) {
         for l in 0..64 {
             acc[l] = x[i + l].mul_add(y[i + l], acc[l]);
         }
     }
-    let mut sum = if np > 0 { reduce64(&acc) as f64 } else { 0.0 };
-    for i in np..n {
-        sum += (x[i] * y[i]) as f64;
-    }
-    sum as f32
+    (if np > 0 { reduce64(&acc) } else { 0.0 }, np)
 }
 
 /// `ggml_vec_soft_max_f32` + normalisation over `x[..n_padded]` where only `x[..n]` is real

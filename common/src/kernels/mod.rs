@@ -144,6 +144,7 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
                 (GgmlType::Q5_0, false) => return blockdot_avx512::dot_q5_0_q8_0(w, a),
                 (GgmlType::Q5_1, true) => return blockdot_avx512::dot_q5_1_q8_1_vnni(w, a),
                 (GgmlType::Q5_1, false) => return blockdot_avx512::dot_q5_1_q8_1(w, a),
+                (GgmlType::F32, _) => return blockdot_avx512::dot_f32_f32(w, a),
                 (GgmlType::F16, _) => return blockdot_avx512::dot_f16_f16(w, a),
                 (GgmlType::BF16, _) => return blockdot_avx512::dot_bf16_bf16(w, a),
                 _ => {}
