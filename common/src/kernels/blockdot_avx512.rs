@@ -221,55 +221,61 @@ unsafe fn dot_q6k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
 }
 
 /// F16 · F16 as ggml's x86 `ggml_vec_dot_f16` ([`ggml_exact::dot_f16`](super::ggml_exact::dot_f16),
-/// the dot product of attention's Q·K too): fused multiply-adds into 64 lanes (four registers)
-/// for the first `n & !63` elements, `reduce64`'s tree, then the rest added in f64. (`VNNI`
-/// is unused here and in the BF16 body: no byte products.)
+/// the dot product of attention's Q·K too): [`fma_lanes64`], then the rest added in f64.
+/// (`VNNI` is unused here and in the F32 and BF16 bodies: no byte products.)
 #[inline(always)]
 unsafe fn dot_f16_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let n = w.len().min(a.len()) / 2;
-    let np = n & !63;
-    let (wp, ap) = (w.as_ptr() as *const __m256i, a.as_ptr() as *const __m256i);
-    let mut acc = [_mm512_setzero_ps(); 4];
-    for i in (0..np / 16).step_by(4) {
-        // One stream per row, prefetched as the quantised kernels do.
-        _mm_prefetch::<_MM_HINT_T0>(wp.add(i).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        _mm_prefetch::<_MM_HINT_T0>(wp.add(i + 2).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        for (j, acc_j) in acc.iter_mut().enumerate() {
-            *acc_j = _mm512_fmadd_ps(widen_f16(wp.add(i + j)), widen_f16(ap.add(i + j)), *acc_j);
-        }
-    }
-    // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
-    let mut sum = if np > 0 {
-        super::attention_avx512::reduce16(_mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))) as f64
-    } else {
-        0.0
-    };
-    for i in np..n {
+    let mut sum = fma_lanes64::<false>(w.as_ptr(), a.as_ptr(), n & !63) as f64;
+    for i in n & !63..n {
         sum += (f16_bytes([w[2 * i], w[2 * i + 1]]) * f16_bytes([a[2 * i], a[2 * i + 1]])) as f64;
     }
     sum as f32
 }
 
 /// F32 · F32 as ggml's x86 `ggml_vec_dot_f32` ([`ggml_exact::dot_f32`](super::ggml_exact::dot_f32)):
-/// the lanes and tree of [`dot_f16_body`], the rest added in f32.
+/// [`fma_lanes64`], then the rest added in f32.
 #[inline(always)]
 unsafe fn dot_f32_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let n = w.len().min(a.len()) / 4;
-    let np = n & !63;
+    let mut sum = fma_lanes64::<true>(w.as_ptr(), a.as_ptr(), n & !63);
     let (wp, ap) = (w.as_ptr() as *const f32, a.as_ptr() as *const f32);
-    let mut acc = [_mm512_setzero_ps(); 4];
-    for i in (0..np).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(wp.add(i).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        _mm_prefetch::<_MM_HINT_T0>(wp.add(i + 32).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        for (j, acc_j) in acc.iter_mut().enumerate() {
-            *acc_j = _mm512_fmadd_ps(_mm512_loadu_ps(wp.add(i + 16 * j)), _mm512_loadu_ps(ap.add(i + 16 * j)), *acc_j);
-        }
-    }
-    let mut sum = if np > 0 { super::attention_avx512::reduce16(_mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3]))) } else { 0.0 };
-    for i in np..n {
+    for i in n & !63..n {
         sum += wp.add(i).read_unaligned() * ap.add(i).read_unaligned();
     }
     sum
+}
+
+/// The first `np` (a multiple of 64) elements of two F32 (`F32`) or F16 rows: fused
+/// multiply-adds into 64 lanes (four registers), reduced by `reduce64`'s tree (0 if `np` is 0).
+#[inline(always)]
+unsafe fn fma_lanes64<const F32: bool>(w: *const u8, a: *const u8, np: usize) -> f32 {
+    let elem = if F32 { 4 } else { 2 };
+    let mut acc = [_mm512_setzero_ps(); 4];
+    for i in (0..np).step_by(64) {
+        // One stream per row, prefetched as the quantised kernels do.
+        _mm_prefetch::<_MM_HINT_T0>(w.add(i * elem).wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        _mm_prefetch::<_MM_HINT_T0>(w.add((i + 32) * elem).wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            let at = (i + 16 * j) * elem;
+            *acc_j = _mm512_fmadd_ps(load16::<F32>(w.add(at)), load16::<F32>(a.add(at)), *acc_j);
+        }
+    }
+    if np == 0 {
+        return 0.0;
+    }
+    // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
+    super::attention_avx512::reduce16(_mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[1], acc[3])))
+}
+
+/// Sixteen f32 (`F32`) or f16 values at `p`, as f32.
+#[inline(always)]
+unsafe fn load16<const F32: bool>(p: *const u8) -> __m512 {
+    if F32 {
+        _mm512_loadu_ps(p.cast())
+    } else {
+        widen_f16(p.cast())
+    }
 }
 
 /// Sixteen f16 values at `p` widened to f32.
