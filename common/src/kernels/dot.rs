@@ -145,14 +145,14 @@ pub fn vec_dot_scalar(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
     debug_assert_eq!(a.len(), vec_dot_type(ty).row_bytes(n));
     match ty {
         GgmlType::F32 => {
-            // ggml's x86 `ggml_vec_dot_f32` (64 lanes, their tree, the rest in f32), not its
-            // scalar fallback's one f64 sum, as for F16 below.
+            // ggml's `ggml_vec_dot_f32` as its AVX-512 build runs it (64 lanes, their tree, the
+            // rest in f32), not its scalar fallback's one f64 sum, as for F16 below.
             let floats = |b: &[u8]| b.chunks_exact(4).map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])).collect::<Vec<f32>>();
             super::ggml_exact::dot_f32(&floats(w), &floats(a))
         }
         GgmlType::F16 => {
-            // ggml's x86 `ggml_vec_dot_f16` (64 lanes, their tree, the rest in f64), not its
-            // scalar fallback's one f64 sum: llama.cpp on these machines runs the former.
+            // ggml's `ggml_vec_dot_f16` as its AVX-512 build runs it (64 lanes, their tree, the
+            // rest in f64; the AVX2 build has 32 lanes), not its scalar fallback's one f64 sum.
             let widen = |b: &[u8]| b.chunks_exact(2).map(|h| f16_bytes([h[0], h[1]])).collect::<Vec<f32>>();
             super::ggml_exact::dot_f16(&widen(w), &widen(a))
         }

@@ -69,8 +69,9 @@ pub fn dot_f16(x: &[f32], y: &[f32]) -> f32 {
     sum as f32
 }
 
-/// `ggml_vec_dot_f32` on x86 (AVX-512 and AVX2 alike: 64 lanes in registers): the lanes of
-/// [`dot_f16`], then the rest added in f32 (its running sum is a float, not a double).
+/// `ggml_vec_dot_f32` as llama.cpp's AVX-512 build runs it (four 16-lane registers; its AVX2
+/// build has 32 lanes): the lanes of [`dot_f16`], then the rest added in f32 (its running sum
+/// is a float, not a double).
 #[inline(always)]
 pub fn dot_f32(x: &[f32], y: &[f32]) -> f32 {
     let (mut sum, np) = fma_lanes64(x, y);
