@@ -742,7 +742,7 @@ fn tile_kernels_equal_vec_dot_bit_for_bit() {
             return;
         }
         let mut rng = StdRng::seed_from_u64(0x5eed_0011);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             for cols in [32usize, 96, 576] {
                 for batch in [3usize, 16, 21, 32] {
                     let w: Vec<u8> = (0..3).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
@@ -753,11 +753,13 @@ fn tile_kernels_equal_vec_dot_bit_for_bit() {
                     let paired = unsafe { PairedActs::new(acts.ty, &acts.data, batch, nb) };
                     type Kernel = m::RowsTileKernel;
                     let mut kernels_here: Vec<(&str, Kernel)> = match ty {
+                        GgmlType::Q4_0 => vec![("q4_0 plain", m::q4_0_rows_tile)],
                         GgmlType::Q4_1 => vec![("q4_1 plain", m::q4_1_rows_tile)],
                         _ => vec![("q8_0 plain", m::q8_0_rows_tile)],
                     };
                     if kernels::has_vnni() {
                         kernels_here.push(match ty {
+                            GgmlType::Q4_0 => ("q4_0 vnni", m::q4_0_rows_tile_vnni),
                             GgmlType::Q4_1 => ("q4_1 vnni", m::q4_1_rows_tile_vnni),
                             _ => ("q8_0 vnni", m::q8_0_rows_tile_vnni),
                         });

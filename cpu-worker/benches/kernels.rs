@@ -216,7 +216,7 @@ fn main() {
     }
     let mut macs = Vec::new();
     for batch in [8usize, 16] {
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             if wanted(&format!("matrix × {batch} rows {ty}")) {
                 macs.push((format!("matrix × {batch} rows {ty}"), "64 MiB, 576 columns".to_string(), matmul_rows(ty, 576, batch, &mut rng)));
             }

@@ -88,7 +88,7 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         })
         .collect();
     #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= 2 && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4_1 | GgmlType::Q8_0)) {
+    if x.n_rows >= 2 && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
         let nb = x.cols / ws[0].ty.block_size();
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
         let acts = unsafe { super::matmul_avx512::PairedActs::new(x.ty, &x.data, x.n_rows, nb) };
@@ -144,6 +144,8 @@ fn paired_rows(w: &QMatrix<'_>, n_rows: usize, acts: &super::matmul_avx512::Pair
     let kernel: k::RowsTileKernel = match (w.ty, super::has_vnni()) {
         (GgmlType::Q4_1, true) => k::q4_1_rows_tile_vnni,
         (GgmlType::Q4_1, false) => k::q4_1_rows_tile,
+        (GgmlType::Q4_0, true) => k::q4_0_rows_tile_vnni,
+        (GgmlType::Q4_0, false) => k::q4_0_rows_tile,
         (_, true) => k::q8_0_rows_tile_vnni,
         (_, false) => k::q8_0_rows_tile,
     };

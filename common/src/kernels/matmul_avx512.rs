@@ -1,13 +1,13 @@
-//! AVX-512 matrix products for batches of activation rows (prefill, many sequences), for the
-//! default model's weight types, bit-identical to one `vec_dot` per (weight row, activation
-//! row) — ggml's arithmetic.
+//! AVX-512 matrix products for batches of activation rows (prefill, many sequences), for Q4_0,
+//! Q4_1 and Q8_0 weights, bit-identical to one `vec_dot` per (weight row, activation row) —
+//! ggml's arithmetic.
 //!
 //! Activation rows are regrouped once per product into pairs, so that one 512-bit register
 //! holds two rows' quants of a block (row A in bytes 0–31, row B in bytes 32–63) next to their
 //! scales (lanes 0–7 and 8–15). A weight block is unpacked once, put in both halves, and
 //! multiplied with each pair by one `vpdpbusd` (or `maddubs` + `madd`): every lane computes
 //! what a lane of the AVX2 kernel does for that (weight row, activation row). Full tiles of
-//! sixteen rows (Q8_1 for Q4_1 weights; Q8_0 for Q8_0 weights where the CPU has VNNI) are also
+//! sixteen rows (Q8_1 for Q4_1 weights; Q8_0 for Q4_0 and Q8_0 weights where the CPU has VNNI) are also
 //! laid out lane-major — one register per ggml lane, one lane per activation row — which saves
 //! the per-pair scale multiply.
 
@@ -41,6 +41,8 @@ pub struct PairedActs {
     /// Per full tile, block and lane, for `q8_0_row_tile_lanes`: −128 × the sum of each row's
     /// four quants of the lane, one i32 per row.
     corr: Vec<__m512i>,
+    /// As `corr` for `q4_0_row_tile_lanes`: −8 × the sum (`corr` / 16, exactly).
+    corr8: Vec<__m512i>,
     /// Per full tile and block: each row's scale `d`, one lane per row.
     d16: Vec<__m512>,
 }
@@ -121,7 +123,8 @@ impl PairedActs {
                 }
             }
         }
-        PairedActs { nb, n_tiles, qs, d, s, lanes, corr, d16 }
+        let corr8 = corr.iter().map(|&c| _mm512_srai_epi32::<4>(c)).collect();
+        PairedActs { nb, n_tiles, qs, d, s, lanes, corr, corr8, d16 }
     }
 
     pub fn n_tiles(&self) -> usize {
@@ -139,13 +142,22 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
 }
 
-/// One weight row against the first `2 * P` rows of one tile of activation rows: `out[i]` for
-/// the tile's row `i` (the rest left zero).
+/// The weight types of the tile kernels (a const parameter of theirs).
+pub const Q8_0: u8 = 0;
+pub const Q4_1: u8 = 1;
+pub const Q4_0: u8 = 2;
+
+/// One weight row (of kind `KIND`: [`Q8_0`], [`Q4_1`] or [`Q4_0`]) against the first `2 * P`
+/// rows of one tile of activation rows: `out[i]` for the tile's row `i` (the rest left zero).
 #[inline(always)]
-unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+unsafe fn row_tile<const KIND: u8, const VNNI: bool, const P: usize>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
     const PAIRS: usize = TILE / 2;
     let nb = acts.nb;
-    let bb = if Q4_1 { 20 } else { 34 };
+    let bb = match KIND {
+        Q4_1 => 20,
+        Q4_0 => 18,
+        _ => 34,
+    };
     debug_assert_eq!(w.len(), nb * bb);
     let wp = w.as_ptr();
     let qs = acts.qs.as_ptr().add(tile * nb * PAIRS);
@@ -158,7 +170,7 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
         _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
         let dx = _mm512_set1_ps(f16_at(blk));
         let at = b * PAIRS;
-        if Q4_1 {
+        if KIND == Q4_1 {
             summs = _mm512_add_ps(summs, _mm512_mul_ps(_mm512_set1_ps(f16_at(blk.add(2))), *acts.s.as_ptr().add(tile * nb + b)));
             let raw = _mm_loadu_si128(blk.add(4).cast());
             let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
@@ -168,7 +180,15 @@ unsafe fn row_tile<const Q4_1: bool, const VNNI: bool, const P: usize>(w: &[u8],
                 *a = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, *a);
             }
         } else {
-            let wx = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast()));
+            let wx = if KIND == Q4_0 {
+                // ggml's bytes_from_nibbles_32: low nibbles, then high nibbles, each minus 8.
+                let raw = _mm_loadu_si128(blk.add(2).cast());
+                let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
+                _mm512_broadcast_i64x4(_mm256_sub_epi8(lohi, _mm256_set1_epi8(8)))
+            } else {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast()))
+            };
+            // Signed weights (both kinds): |w| as the unsigned operand, the sign moved onto y.
             let neg = _mm512_movepi8_mask(wx);
             let ax = _mm512_abs_epi8(wx);
             for (p, a) in acc.iter_mut().enumerate() {
@@ -269,12 +289,49 @@ unsafe fn q8_0_row_tile_lanes(w: &[u8], acts: &PairedActs, tile: usize) -> [f32;
     out
 }
 
+/// A Q4_0 weight row against a full tile of sixteen Q8_0 activation rows, lane-major with
+/// `vpdpbusd`: each lane's four nibbles (0–15, broadcast by a load from the block as in
+/// [`q4_1_row_tile_lanes`]) are the unsigned operand, and the accumulator starts at −8 × each
+/// row's sum of the lane's activations, so every lane's integer is exactly ggml's
+/// `Σ (q − 8) · a` of that lane.
+#[inline(always)]
+unsafe fn q4_0_row_tile_lanes(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+    let nb = acts.nb;
+    debug_assert_eq!(w.len(), nb * 18);
+    let wp = w.as_ptr();
+    let lanes = acts.lanes.as_ptr().add(tile * nb * 8);
+    let d16 = acts.d16.as_ptr().add(tile * nb);
+    let corr = acts.corr8.as_ptr().add(tile * nb * 8);
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let nibbles = _mm512_set1_epi8(0x0F);
+    for b in 0..nb {
+        let blk = wp.add(b * 18);
+        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        let d = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
+        for k in 0..4 {
+            let q = _mm512_set1_epi32((blk.add(2 + 4 * k) as *const i32).read_unaligned());
+            let lo = _mm512_and_si512(q, nibbles);
+            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(q), nibbles);
+            let x_lo = _mm512_dpbusd_epi32(*corr.add(b * 8 + k), lo, *lanes.add(b * 8 + k));
+            acc[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(x_lo), acc[k]);
+            let x_hi = _mm512_dpbusd_epi32(*corr.add(b * 8 + 4 + k), hi, *lanes.add(b * 8 + 4 + k));
+            acc[4 + k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(x_hi), acc[4 + k]);
+        }
+    }
+    // hsum8 per row, as in `q4_1_row_tile_lanes`.
+    let h = |i: usize, j: usize| _mm512_add_ps(acc[i], acc[j]);
+    let r = _mm512_add_ps(_mm512_add_ps(h(0, 4), h(2, 6)), _mm512_add_ps(h(1, 5), h(3, 7)));
+    let mut out = [0f32; TILE];
+    _mm512_storeu_ps(out.as_mut_ptr(), r);
+    out
+}
+
 /// The signature of the tile kernels below (weight rows, row bytes, acts, tile, rows of the
 /// tile, one result vector per weight row).
 pub type RowsTileKernel = unsafe fn(&[u8], usize, &PairedActs, usize, usize, &mut [[f32; TILE]]);
 
 macro_rules! row_tile_fn {
-    ($name:ident, $q4_1:expr, $vnni:expr, $features:literal, $doc:literal) => {
+    ($name:ident, $kind:expr, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
         /// `w` holds `out.len()` weight rows of `row_bytes` each; `out[r]` gets row `r`'s
         /// products with the tile (one call for a run of rows: the kernel is chosen once and
@@ -288,29 +345,37 @@ macro_rules! row_tile_fn {
         pub unsafe fn $name(w: &[u8], row_bytes: usize, acts: &PairedActs, tile: usize, rows: usize, out: &mut [[f32; TILE]]) {
             assert!(w.len() >= out.len() * row_bytes, "weight rows for every output");
             let w_rows = w.chunks_exact(row_bytes).zip(out.iter_mut());
-            if $q4_1 && rows == TILE && acts.is_full(tile) {
+            if $kind == Q4_1 && rows == TILE && acts.is_full(tile) {
                 for (row, o) in w_rows {
                     *o = q4_1_row_tile_lanes::<$vnni>(row, acts, tile);
                 }
                 return;
             }
-            if !$q4_1 && $vnni && rows == TILE && acts.is_full(tile) {
+            if $kind == Q8_0 && $vnni && rows == TILE && acts.is_full(tile) {
                 for (row, o) in w_rows {
                     *o = q8_0_row_tile_lanes(row, acts, tile);
                 }
                 return;
             }
+            if $kind == Q4_0 && $vnni && rows == TILE && acts.is_full(tile) {
+                for (row, o) in w_rows {
+                    *o = q4_0_row_tile_lanes(row, acts, tile);
+                }
+                return;
+            }
             match rows.div_ceil(2) {
-                0 | 1 => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 1>(row, acts, tile)),
-                2 => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 2>(row, acts, tile)),
-                3 | 4 => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 4>(row, acts, tile)),
-                _ => w_rows.for_each(|(row, o)| *o = row_tile::<$q4_1, $vnni, 8>(row, acts, tile)),
+                0 | 1 => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 1>(row, acts, tile)),
+                2 => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 2>(row, acts, tile)),
+                3 | 4 => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 4>(row, acts, tile)),
+                _ => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 8>(row, acts, tile)),
             }
         }
     };
 }
 
-row_tile_fn!(q4_1_rows_tile, true, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_1 weight rows · a tile of Q8_1 rows.");
-row_tile_fn!(q4_1_rows_tile_vnni, true, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_1 weight rows · a tile of Q8_1 rows, with `vpdpbusd`.");
-row_tile_fn!(q8_0_rows_tile, false, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q8_0 weight rows · a tile of Q8_0 rows.");
-row_tile_fn!(q8_0_rows_tile_vnni, false, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q8_0 weight rows · a tile of Q8_0 rows, with `vpdpbusd`.");
+row_tile_fn!(q4_1_rows_tile, Q4_1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_1 weight rows · a tile of Q8_1 rows.");
+row_tile_fn!(q4_1_rows_tile_vnni, Q4_1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_1 weight rows · a tile of Q8_1 rows, with `vpdpbusd`.");
+row_tile_fn!(q8_0_rows_tile, Q8_0, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q8_0 weight rows · a tile of Q8_0 rows.");
+row_tile_fn!(q8_0_rows_tile_vnni, Q8_0, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q8_0 weight rows · a tile of Q8_0 rows, with `vpdpbusd`.");
+row_tile_fn!(q4_0_rows_tile, Q4_0, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_0 weight rows · a tile of Q8_0 rows.");
+row_tile_fn!(q4_0_rows_tile_vnni, Q4_0, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_0 weight rows · a tile of Q8_0 rows, with `vpdpbusd`.");
