@@ -215,10 +215,13 @@ fn main() {
         }
     }
     let mut macs = Vec::new();
-    for batch in [8usize, 16] {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            if wanted(&format!("matrix × {batch} rows {ty}")) {
-                macs.push((format!("matrix × {batch} rows {ty}"), "64 MiB, 576 columns".to_string(), matmul_rows(ty, 576, batch, &mut rng)));
+    // SmolLM2's width, and a 7–8B model's (where a tile's activations outgrow L1).
+    for cols in [576usize, 4096] {
+        for batch in [8usize, 16] {
+            for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+                if wanted(&format!("matrix × {batch} rows {ty}")) {
+                    macs.push((format!("matrix × {batch} rows {ty}"), format!("64 MiB, {cols} columns"), matmul_rows(ty, cols, batch, &mut rng)));
+                }
             }
         }
     }

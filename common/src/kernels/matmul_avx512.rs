@@ -209,51 +209,64 @@ unsafe fn row_tile<const KIND: u8, const VNNI: bool, const P: usize>(w: &[u8], a
     out
 }
 
-/// A Q4_1 weight row against a full tile of sixteen Q8_1 activation rows, lane-major: each
+/// `R` Q4_1 weight rows against a full tile of sixteen Q8_1 activation rows, lane-major: each
 /// register holds one ggml lane (the integer sum of four quant products) for all sixteen rows,
 /// so a block needs one `d_w · d_a` multiply for the whole tile instead of one per row pair
 /// (16 rows: 167–176 → 211–214 G multiply-adds/s on 2 threads). Each lane's four weight quants
 /// are broadcast by a load from the block rather than by shuffles from one unpacked register
 /// (222–234 → 278–309 on 2 threads). The lanes are summed per row in `hsum8`'s order at the
-/// end: the same numbers as [`row_tile`].
+/// end: the same numbers as [`row_tile`]. Two weight rows share each load of the tile's
+/// blocks: a wide matrix's tile outgrows L1 (4096 columns: 40 KiB here, 128 KiB for the
+/// Q8_0 and Q4_0 kernels below), and one row per pass read it from L2 once per weight row.
 #[inline(always)]
-unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+unsafe fn q4_1_rows_tile_lanes<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &PairedActs, tile: usize) -> [[f32; TILE]; R] {
     let nb = acts.nb;
-    debug_assert_eq!(w.len(), nb * 20);
-    let wp = w.as_ptr();
     let lanes = acts.lanes.as_ptr().add(tile * nb * 8);
     let d16 = acts.d16.as_ptr().add(tile * nb);
-    let mut acc = [_mm512_setzero_ps(); 8];
-    let mut summs = _mm512_setzero_ps();
+    let sums = acts.s.as_ptr().add(tile * nb);
+    let mut acc = [[_mm512_setzero_ps(); 8]; R];
+    let mut summs = [_mm512_setzero_ps(); R];
+    let nibbles = _mm512_set1_epi8(0x0F);
     for b in 0..nb {
-        let blk = wp.add(b * 20);
-        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        let d = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
-        summs = _mm512_add_ps(summs, _mm512_mul_ps(_mm512_set1_ps(f16_at(blk.add(2))), *acts.s.as_ptr().add(tile * nb + b)));
+        let mut d = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            debug_assert_eq!(w[r].len(), nb * 20);
+            let blk = w[r].as_ptr().add(b * 20);
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+            d[r] = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
+            summs[r] = _mm512_add_ps(summs[r], _mm512_mul_ps(_mm512_set1_ps(f16_at(blk.add(2))), *sums.add(b)));
+        }
         // Lane l's four quants: the low nibbles of bytes 4l..4l + 4 (l < 4), or the high
         // nibbles of bytes 4(l - 4).. (l >= 4); each four-byte group is broadcast straight from
         // the block (a load, not a shuffle: shuffles were this loop's bottleneck).
-        let nibbles = _mm512_set1_epi8(0x0F);
         for k in 0..4 {
-            let q = _mm512_set1_epi32((blk.add(4 + 4 * k) as *const i32).read_unaligned());
-            let lo = _mm512_and_si512(q, nibbles);
-            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(q), nibbles);
-            let x_lo = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(lo, *lanes.add(b * 8 + k)));
-            acc[k] = _mm512_fmadd_ps(d, x_lo, acc[k]);
-            let x_hi = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(hi, *lanes.add(b * 8 + 4 + k)));
-            acc[4 + k] = _mm512_fmadd_ps(d, x_hi, acc[4 + k]);
+            let (a_lo, a_hi) = (*lanes.add(b * 8 + k), *lanes.add(b * 8 + 4 + k));
+            for r in 0..R {
+                let q = _mm512_set1_epi32((w[r].as_ptr().add(b * 20 + 4 + 4 * k) as *const i32).read_unaligned());
+                let lo = _mm512_and_si512(q, nibbles);
+                let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(q), nibbles);
+                acc[r][k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(lo, a_lo)), acc[r][k]);
+                acc[r][4 + k] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(hi, a_hi)), acc[r][4 + k]);
+            }
         }
     }
-    // hsum8 per row: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)), then + summs.
-    let h = |i: usize, j: usize| _mm512_add_ps(acc[i], acc[j]);
-    let r = _mm512_add_ps(_mm512_add_ps(h(0, 4), h(2, 6)), _mm512_add_ps(h(1, 5), h(3, 7)));
-    let mut out = [0f32; TILE];
-    _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(r, summs));
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), _mm512_add_ps(hsum8_lanes(&acc[r]), summs[r]));
+    }
     out
 }
 
-/// A Q8_0 weight row against a full tile of sixteen Q8_0 activation rows, lane-major as
-/// [`q4_1_row_tile_lanes`], with `vpdpbusd` taking each lane's four weights plus 128 (broadcast
+/// `hsum8` of every row's eight lanes: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+#[inline(always)]
+unsafe fn hsum8_lanes(acc: &[__m512; 8]) -> __m512 {
+    let (a04, a26) = (_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6]));
+    let (a15, a37) = (_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7]));
+    _mm512_add_ps(_mm512_add_ps(a04, a26), _mm512_add_ps(a15, a37))
+}
+
+/// `R` Q8_0 weight rows against a full tile of sixteen Q8_0 activation rows, lane-major as
+/// [`q4_1_rows_tile_lanes`], with `vpdpbusd` taking each lane's four weights plus 128 (broadcast
 /// from the block) as its unsigned operand and the activations as its signed one: the
 /// accumulator starts at −128 × each row's sum of the lane's activations, so every lane's
 /// integer is exactly the sum of its four products, as the pairs' sign trick gives. No sign
@@ -261,68 +274,74 @@ unsafe fn q4_1_row_tile_lanes<const VNNI: bool>(w: &[u8], acts: &PairedActs, til
 /// G multiply-adds/s on 2 threads. (Sign handling per lane instead, 186–188; the weight sums
 /// computed per block and read back from the stack, 197–204: a failed store forward.)
 #[inline(always)]
-unsafe fn q8_0_row_tile_lanes(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
-    let nb = acts.nb;
-    debug_assert_eq!(w.len(), nb * 34);
-    let wp = w.as_ptr();
-    let lanes = acts.lanes.as_ptr().add(tile * nb * 8);
-    let d16 = acts.d16.as_ptr().add(tile * nb);
-    let corr = acts.corr.as_ptr().add(tile * nb * 8);
-    let mut acc = [_mm512_setzero_ps(); 8];
-    let flip = _mm512_set1_epi8(-128);
-    for b in 0..nb {
-        let blk = wp.add(b * 34);
-        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        let d = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
-        let q = blk.add(2);
-        for (l, a) in acc.iter_mut().enumerate() {
-            let wl = _mm512_xor_si512(_mm512_set1_epi32((q.add(4 * l) as *const i32).read_unaligned()), flip);
-            let x = _mm512_dpbusd_epi32(*corr.add(b * 8 + l), wl, *lanes.add(b * 8 + l));
-            *a = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(x), *a);
-        }
-    }
-    // hsum8 per row, as in `q4_1_row_tile_lanes`.
-    let h = |i: usize, j: usize| _mm512_add_ps(acc[i], acc[j]);
-    let r = _mm512_add_ps(_mm512_add_ps(h(0, 4), h(2, 6)), _mm512_add_ps(h(1, 5), h(3, 7)));
-    let mut out = [0f32; TILE];
-    _mm512_storeu_ps(out.as_mut_ptr(), r);
-    out
+unsafe fn q8_0_rows_tile_lanes<const R: usize>(w: [&[u8]; R], acts: &PairedActs, tile: usize) -> [[f32; TILE]; R] {
+    signed_rows_tile_lanes::<Q8_0, 34, R>(w, acts.corr.as_ptr().add(tile * acts.nb * 8), acts, tile)
 }
 
-/// A Q4_0 weight row against a full tile of sixteen Q8_0 activation rows, lane-major with
+/// `R` Q4_0 weight rows against a full tile of sixteen Q8_0 activation rows, lane-major with
 /// `vpdpbusd`: each lane's four nibbles (0–15, broadcast by a load from the block as in
-/// [`q4_1_row_tile_lanes`]) are the unsigned operand, and the accumulator starts at −8 × each
+/// [`q4_1_rows_tile_lanes`]) are the unsigned operand, and the accumulator starts at −8 × each
 /// row's sum of the lane's activations, so every lane's integer is exactly ggml's
 /// `Σ (q − 8) · a` of that lane.
 #[inline(always)]
-unsafe fn q4_0_row_tile_lanes(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+unsafe fn q4_0_rows_tile_lanes<const R: usize>(w: [&[u8]; R], acts: &PairedActs, tile: usize) -> [[f32; TILE]; R] {
+    signed_rows_tile_lanes::<Q4_0, 18, R>(w, acts.corr8.as_ptr().add(tile * acts.nb * 8), acts, tile)
+}
+
+/// Lanes `k` and `k + 4`'s four weights each of a [`Q8_0`] block (plus 128) or a [`Q4_0`]
+/// block (the nibbles, 0–15: one load for both) as unsigned bytes, in every i32 lane.
+#[inline(always)]
+unsafe fn lane_weights<const KIND: u8>(blk: *const u8, k: usize) -> [__m512i; 2] {
+    #[inline(always)]
+    unsafe fn at(blk: *const u8, i: usize) -> __m512i {
+        _mm512_set1_epi32((blk.add(2 + 4 * i) as *const i32).read_unaligned())
+    }
+    if KIND == Q4_0 {
+        let (q, nibbles) = (at(blk, k), _mm512_set1_epi8(0x0F));
+        [_mm512_and_si512(q, nibbles), _mm512_and_si512(_mm512_srli_epi32::<4>(q), nibbles)]
+    } else {
+        let flip = _mm512_set1_epi8(-128);
+        [_mm512_xor_si512(at(blk, k), flip), _mm512_xor_si512(at(blk, k + 4), flip)]
+    }
+}
+
+/// The loop of the lane-major kernels with `vpdpbusd` and a per-lane correction `corr` (the
+/// tile's, per block and lane): `R` weight rows of `KIND` with `BB`-byte blocks (an f16 scale
+/// first).
+#[inline(always)]
+unsafe fn signed_rows_tile_lanes<const KIND: u8, const BB: usize, const R: usize>(
+    w: [&[u8]; R],
+    corr: *const __m512i,
+    acts: &PairedActs,
+    tile: usize,
+) -> [[f32; TILE]; R] {
     let nb = acts.nb;
-    debug_assert_eq!(w.len(), nb * 18);
-    let wp = w.as_ptr();
     let lanes = acts.lanes.as_ptr().add(tile * nb * 8);
     let d16 = acts.d16.as_ptr().add(tile * nb);
-    let corr = acts.corr8.as_ptr().add(tile * nb * 8);
-    let mut acc = [_mm512_setzero_ps(); 8];
-    let nibbles = _mm512_set1_epi8(0x0F);
+    let mut acc = [[_mm512_setzero_ps(); 8]; R];
     for b in 0..nb {
-        let blk = wp.add(b * 18);
-        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        let d = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
+        let mut d = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            debug_assert_eq!(w[r].len(), nb * BB);
+            let blk = w[r].as_ptr().add(b * BB);
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+            d[r] = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk)), *d16.add(b));
+        }
         for k in 0..4 {
-            let q = _mm512_set1_epi32((blk.add(2 + 4 * k) as *const i32).read_unaligned());
-            let lo = _mm512_and_si512(q, nibbles);
-            let hi = _mm512_and_si512(_mm512_srli_epi32::<4>(q), nibbles);
-            let x_lo = _mm512_dpbusd_epi32(*corr.add(b * 8 + k), lo, *lanes.add(b * 8 + k));
-            acc[k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(x_lo), acc[k]);
-            let x_hi = _mm512_dpbusd_epi32(*corr.add(b * 8 + 4 + k), hi, *lanes.add(b * 8 + 4 + k));
-            acc[4 + k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(x_hi), acc[4 + k]);
+            for r in 0..R {
+                let wk = lane_weights::<KIND>(w[r].as_ptr().add(b * BB), k);
+                for (h, &wl) in wk.iter().enumerate() {
+                    let l = k + 4 * h;
+                    let x = _mm512_dpbusd_epi32(*corr.add(b * 8 + l), wl, *lanes.add(b * 8 + l));
+                    acc[r][l] = _mm512_fmadd_ps(d[r], _mm512_cvtepi32_ps(x), acc[r][l]);
+                }
+            }
         }
     }
-    // hsum8 per row, as in `q4_1_row_tile_lanes`.
-    let h = |i: usize, j: usize| _mm512_add_ps(acc[i], acc[j]);
-    let r = _mm512_add_ps(_mm512_add_ps(h(0, 4), h(2, 6)), _mm512_add_ps(h(1, 5), h(3, 7)));
-    let mut out = [0f32; TILE];
-    _mm512_storeu_ps(out.as_mut_ptr(), r);
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), hsum8_lanes(&acc[r]));
+    }
     out
 }
 
@@ -345,21 +364,25 @@ macro_rules! row_tile_fn {
         pub unsafe fn $name(w: &[u8], row_bytes: usize, acts: &PairedActs, tile: usize, rows: usize, out: &mut [[f32; TILE]]) {
             assert!(w.len() >= out.len() * row_bytes, "weight rows for every output");
             let w_rows = w.chunks_exact(row_bytes).zip(out.iter_mut());
-            if $kind == Q4_1 && rows == TILE && acts.is_full(tile) {
-                for (row, o) in w_rows {
-                    *o = q4_1_row_tile_lanes::<$vnni>(row, acts, tile);
+            if rows == TILE && acts.is_full(tile) && ($kind == Q4_1 || $vnni) {
+                // Lane-major, two weight rows at a time (see `q4_1_rows_tile_lanes`), then
+                // the odd one. (Macros, not closures: a closure's intrinsics would be calls.)
+                macro_rules! lanes_kernel {
+                    ($r:literal, $rows:expr) => {
+                        match $kind {
+                            Q4_1 => q4_1_rows_tile_lanes::<$vnni, $r>($rows, acts, tile),
+                            Q4_0 => q4_0_rows_tile_lanes::<$r>($rows, acts, tile),
+                            _ => q8_0_rows_tile_lanes::<$r>($rows, acts, tile),
+                        }
+                    };
                 }
-                return;
-            }
-            if $kind == Q8_0 && $vnni && rows == TILE && acts.is_full(tile) {
-                for (row, o) in w_rows {
-                    *o = q8_0_row_tile_lanes(row, acts, tile);
+                let n = out.len();
+                for (pair, o) in w.chunks_exact(2 * row_bytes).zip(out.chunks_exact_mut(2)) {
+                    let [a, b] = lanes_kernel!(2, [&pair[..row_bytes], &pair[row_bytes..]]);
+                    (o[0], o[1]) = (a, b);
                 }
-                return;
-            }
-            if $kind == Q4_0 && $vnni && rows == TILE && acts.is_full(tile) {
-                for (row, o) in w_rows {
-                    *o = q4_0_row_tile_lanes(row, acts, tile);
+                if n % 2 == 1 {
+                    [out[n - 1]] = lanes_kernel!(1, [&w[(n - 1) * row_bytes..n * row_bytes]]);
                 }
                 return;
             }
