@@ -147,10 +147,13 @@ pub const Q8_0: u8 = 0;
 pub const Q4_1: u8 = 1;
 pub const Q4_0: u8 = 2;
 
-/// One weight row (of kind `KIND`: [`Q8_0`], [`Q4_1`] or [`Q4_0`]) against the first `2 * P`
-/// rows of one tile of activation rows: `out[i]` for the tile's row `i` (the rest left zero).
+/// `R` weight rows (of kind `KIND`: [`Q8_0`], [`Q4_1`] or [`Q4_0`]) against the first `2 * P`
+/// rows of one tile of activation rows: `out[r][i]` for weight row `r` and the tile's row `i`
+/// (the rest left zero). The weight rows share each load of the tile's blocks, as in
+/// [`q4_1_rows_tile_lanes`].
 #[inline(always)]
-unsafe fn row_tile<const KIND: u8, const VNNI: bool, const P: usize>(w: &[u8], acts: &PairedActs, tile: usize) -> [f32; TILE] {
+#[allow(clippy::needless_range_loop)] // `p` and `r` index several arrays at once
+unsafe fn row_tile<const KIND: u8, const VNNI: bool, const P: usize, const R: usize>(w: [&[u8]; R], acts: &PairedActs, tile: usize) -> [[f32; TILE]; R] {
     const PAIRS: usize = TILE / 2;
     let nb = acts.nb;
     let bb = match KIND {
@@ -158,55 +161,63 @@ unsafe fn row_tile<const KIND: u8, const VNNI: bool, const P: usize>(w: &[u8], a
         Q4_0 => 18,
         _ => 34,
     };
-    debug_assert_eq!(w.len(), nb * bb);
-    let wp = w.as_ptr();
     let qs = acts.qs.as_ptr().add(tile * nb * PAIRS);
     let ds = acts.d.as_ptr().add(tile * nb * PAIRS);
-    let mut acc = [_mm512_setzero_ps(); P];
-    let mut summs = _mm512_setzero_ps();
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    let mut summs = [_mm512_setzero_ps(); R];
     for b in 0..nb {
-        let blk = wp.add(b * bb);
-        // The rows of a task are read one after another: one stream, prefetched far ahead.
-        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        let dx = _mm512_set1_ps(f16_at(blk));
-        let at = b * PAIRS;
-        if KIND == Q4_1 {
-            summs = _mm512_add_ps(summs, _mm512_mul_ps(_mm512_set1_ps(f16_at(blk.add(2))), *acts.s.as_ptr().add(tile * nb + b)));
-            let raw = _mm_loadu_si128(blk.add(4).cast());
-            let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
-            let wx = _mm512_broadcast_i64x4(lohi);
-            for (p, a) in acc.iter_mut().enumerate() {
-                let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(wx, *qs.add(at + p)));
-                *a = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, *a);
-            }
-        } else {
-            let wx = if KIND == Q4_0 {
+        // Each weight row's block unpacked to signed or unsigned bytes (in both halves), with
+        // its scale.
+        let mut wx = [_mm512_setzero_si512(); R];
+        let mut dx = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            debug_assert_eq!(w[r].len(), nb * bb);
+            let blk = w[r].as_ptr().add(b * bb);
+            // The rows of a task are read one after another: one stream, prefetched far ahead.
+            _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+            dx[r] = _mm512_set1_ps(f16_at(blk));
+            wx[r] = match KIND {
+                Q4_1 => {
+                    summs[r] = _mm512_add_ps(summs[r], _mm512_mul_ps(_mm512_set1_ps(f16_at(blk.add(2))), *acts.s.as_ptr().add(tile * nb + b)));
+                    _mm512_broadcast_i64x4(nibbles_32(blk.add(4)))
+                }
                 // ggml's bytes_from_nibbles_32: low nibbles, then high nibbles, each minus 8.
-                let raw = _mm_loadu_si128(blk.add(2).cast());
-                let lohi = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
-                _mm512_broadcast_i64x4(_mm256_sub_epi8(lohi, _mm256_set1_epi8(8)))
-            } else {
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast()))
+                Q4_0 => _mm512_broadcast_i64x4(_mm256_sub_epi8(nibbles_32(blk.add(2)), _mm256_set1_epi8(8))),
+                _ => _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast())),
             };
-            // Signed weights (both kinds): |w| as the unsigned operand, the sign moved onto y.
-            let neg = _mm512_movepi8_mask(wx);
-            let ax = _mm512_abs_epi8(wx);
-            for (p, a) in acc.iter_mut().enumerate() {
-                let y = *qs.add(at + p);
-                let sy = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);
-                let x = _mm512_cvtepi32_ps(dot_u8i8::<VNNI>(ax, sy));
-                *a = _mm512_fmadd_ps(_mm512_mul_ps(dx, *ds.add(at + p)), x, *a);
+        }
+        let at = b * PAIRS;
+        for p in 0..P {
+            let (y, dy) = (*qs.add(at + p), *ds.add(at + p));
+            for r in 0..R {
+                let x = if KIND == Q4_1 {
+                    dot_u8i8::<VNNI>(wx[r], y)
+                } else {
+                    // Signed weights: |w| as the unsigned operand, the sign moved onto y.
+                    let sy = _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(wx[r]), _mm512_setzero_si512(), y);
+                    dot_u8i8::<VNNI>(_mm512_abs_epi8(wx[r]), sy)
+                };
+                acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dx[r], dy), _mm512_cvtepi32_ps(x), acc[r][p]);
             }
         }
     }
-    let mut s = [0f32; TILE];
-    _mm512_storeu_ps(s.as_mut_ptr(), summs);
-    let mut out = [0f32; TILE];
-    for p in 0..P {
-        out[2 * p] = hsum8(_mm512_castps512_ps256(acc[p])) + s[2 * p];
-        out[2 * p + 1] = hsum8(_mm512_extractf32x8_ps::<1>(acc[p])) + s[2 * p + 1];
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        let mut s = [0f32; TILE];
+        _mm512_storeu_ps(s.as_mut_ptr(), summs[r]);
+        for p in 0..P {
+            out[r][2 * p] = hsum8(_mm512_castps512_ps256(acc[r][p])) + s[2 * p];
+            out[r][2 * p + 1] = hsum8(_mm512_extractf32x8_ps::<1>(acc[r][p])) + s[2 * p + 1];
+        }
     }
     out
+}
+
+/// The 32 nibbles of a 16-byte block as bytes: the low nibbles, then the high ones.
+#[inline(always)]
+unsafe fn nibbles_32(qs: *const u8) -> __m256i {
+    let raw = _mm_loadu_si128(qs.cast());
+    _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F))
 }
 
 /// `R` Q4_1 weight rows against a full tile of sixteen Q8_1 activation rows, lane-major: each
@@ -363,10 +374,9 @@ macro_rules! row_tile_fn {
         #[target_feature(enable = $features)]
         pub unsafe fn $name(w: &[u8], row_bytes: usize, acts: &PairedActs, tile: usize, rows: usize, out: &mut [[f32; TILE]]) {
             assert!(w.len() >= out.len() * row_bytes, "weight rows for every output");
-            let w_rows = w.chunks_exact(row_bytes).zip(out.iter_mut());
             if rows == TILE && acts.is_full(tile) && ($kind == Q4_1 || $vnni) {
                 // Lane-major, two weight rows at a time (see `q4_1_rows_tile_lanes`), then
-                // the odd one. (Macros, not closures: a closure's intrinsics would be calls.)
+                // the odd one.
                 macro_rules! lanes_kernel {
                     ($r:literal, $rows:expr) => {
                         match $kind {
@@ -386,11 +396,24 @@ macro_rules! row_tile_fn {
                 }
                 return;
             }
+            // Two weight rows at a time, then the odd one, with pairs enough for `rows`.
+            macro_rules! pairs_kernel {
+                ($p:literal) => {{
+                    let n = out.len();
+                    for (pair, o) in w.chunks_exact(2 * row_bytes).zip(out.chunks_exact_mut(2)) {
+                        let [a, b] = row_tile::<$kind, $vnni, $p, 2>([&pair[..row_bytes], &pair[row_bytes..]], acts, tile);
+                        (o[0], o[1]) = (a, b);
+                    }
+                    if n % 2 == 1 {
+                        [out[n - 1]] = row_tile::<$kind, $vnni, $p, 1>([&w[(n - 1) * row_bytes..n * row_bytes]], acts, tile);
+                    }
+                }};
+            }
             match rows.div_ceil(2) {
-                0 | 1 => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 1>(row, acts, tile)),
-                2 => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 2>(row, acts, tile)),
-                3 | 4 => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 4>(row, acts, tile)),
-                _ => w_rows.for_each(|(row, o)| *o = row_tile::<$kind, $vnni, 8>(row, acts, tile)),
+                0 | 1 => pairs_kernel!(1),
+                2 => pairs_kernel!(2),
+                3 | 4 => pairs_kernel!(4),
+                _ => pairs_kernel!(8),
             }
         }
     };
