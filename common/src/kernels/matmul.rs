@@ -95,16 +95,24 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         tasks.into_par_iter().for_each(|(i, rows)| paired_rows(&ws[i], x.n_rows, &acts, rows, outs[i]));
         return;
     }
-    tasks.into_par_iter().for_each(|(i, rows)| plain_rows(&ws[i], x, rows, outs[i]));
+    #[cfg(target_arch = "x86_64")]
+    if x.n_rows >= super::matmul_avx512::TILE && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| w.ty == GgmlType::Q4K) {
+        let nb = x.cols / GgmlType::Q4K.block_size();
+        // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
+        let acts = unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) };
+        tasks.into_par_iter().for_each(|(i, rows)| k_tile_rows(&ws[i], x, &acts, rows, outs[i]));
+        return;
+    }
+    tasks.into_par_iter().for_each(|(i, rows)| plain_rows(&ws[i], x, 0, rows, outs[i]));
 }
 
-/// Rows `rows` of `w` against every activation row, into `out` (`[t][w.rows]`).
-fn plain_rows(w: &QMatrix<'_>, x: &QuantizedActs, rows: Range<usize>, out: SyncPtr) {
+/// Rows `rows` of `w` against the activation rows from `t0` on, into `out` (`[t][w.rows]`).
+fn plain_rows(w: &QMatrix<'_>, x: &QuantizedActs, t0: usize, rows: Range<usize>, out: SyncPtr) {
     // SAFETY (every write): each task writes only its own rows `r` of every batch row `t`,
     // so the indices `t * w.rows + r` of different tasks never overlap; in bounds by the
     // size assertions of `matmul_many`.
     let write = |t: usize, r: usize, v: f32| unsafe { *out.get().add(t * w.rows + r) = v };
-    let mut t = 0;
+    let mut t = t0;
     // Four batch rows at a time: same bits as one at a time, weight blocks unpacked once.
     while t + 4 <= x.n_rows {
         let a = [x.row(t), x.row(t + 1), x.row(t + 2), x.row(t + 3)];
@@ -187,6 +195,29 @@ fn paired_tiles(
             }
         }
     }
+}
+
+/// [`plain_rows`] with the AVX-512 Q4_K tile kernel for the whole tiles of activation rows
+/// (`acts`, results via a buffer as in [`paired_rows`]), plain dot products for the rest.
+#[cfg(target_arch = "x86_64")]
+fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512::KTileActs, rows: Range<usize>, out: SyncPtr) {
+    use super::matmul_avx512::TILE;
+    use super::matmul_k_avx512 as k;
+    let kernel = if super::has_vnni() { k::q4k_rows_tile_vnni } else { k::q4k_rows_tile };
+    let rb = w.ty.row_bytes(w.cols);
+    let mut buf = vec![[0f32; TILE]; rows.len()];
+    for tile in 0..acts.n_tiles() {
+        // SAFETY: the kernel's CPU features were detected; the rows have the acts' blocks.
+        unsafe { kernel(&w.data[rows.start * rb..rows.end * rb], rb, acts, tile, &mut buf) };
+        for i in 0..TILE {
+            // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((tile * TILE + i) * w.rows + rows.start), rows.len()) };
+            for (d, b) in dst.iter_mut().zip(buf.iter()) {
+                *d = b[i];
+            }
+        }
+    }
+    plain_rows(w, x, acts.n_tiles() * TILE, rows, out);
 }
 
 #[derive(Clone, Copy)]

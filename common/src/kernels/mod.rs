@@ -11,6 +11,7 @@ pub mod blockdot_avx512;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 pub mod matmul_avx512;
+pub mod matmul_k_avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod matvec_avx512;
 pub mod ops;

@@ -1,0 +1,176 @@
+//! AVX-512 matrix products of Q4_K weights (most published GGUF models) with tiles of sixteen
+//! Q8_K activation rows (prefill, batched decode), bit-identical to one `vec_dot` per (weight
+//! row, activation row): the scalar twin's per-block integers and float epilogue, with the
+//! sixteen activation rows in the sixteen lanes of every register.
+//!
+//! The activations are laid out lane-major once per product: for every block, sub-block of 32
+//! and ggml lane of four quants, one register holding those four quants of all sixteen rows
+//! (row `t` in bytes `4t..4t + 4`). A weight block's four quants of a lane are broadcast by a
+//! load and multiplied with it by `vpdpbusd` (or `maddubs` + `madd`): each of the register's
+//! lanes adds one row's four products, so a sub-block's dot product for the whole tile takes
+//! eight instructions. Integers are the same in any order; the epilogue is the twin's.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::matmul_avx512::TILE;
+use super::matvec_avx512::dot_u8i8;
+use super::quant::{scale_min_k4, BlockQ8K, ByteBlock};
+
+/// Sub-blocks of 32 quants per Q4_K / Q8_K block.
+const SUBS: usize = 8;
+
+/// The full tiles of sixteen Q8_K activation rows of one product, lane-major.
+#[derive(Debug, Default)]
+pub struct KTileActs {
+    /// Blocks per row.
+    nb: usize,
+    /// Per tile, block, sub-block and lane `l` (0–7): quants `4l..4l + 4` of the sub-block of
+    /// every row of the tile, row `t` in bytes `4t..4t + 4`.
+    q: Vec<__m512i>,
+    /// Per tile, block and sub-block: each row's sum of the sub-block's quants (ggml's two
+    /// `bsums` of 16 added), one i32 per row.
+    bsum: Vec<__m512i>,
+    /// Per tile and block: each row's scale `d`, one lane per row.
+    d: Vec<__m512>,
+}
+
+// SAFETY: plain vectors of numbers.
+unsafe impl Send for KTileActs {}
+unsafe impl Sync for KTileActs {}
+
+impl KTileActs {
+    /// Regroups the first `n_rows / TILE` whole tiles of `n_rows` Q8_K activation rows of
+    /// `nb` blocks each (from `data`); the rows past the last whole tile are left out.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/DQ. Panics if `data` is not `n_rows` rows of `nb` Q8_K blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    pub unsafe fn new(data: &[u8], n_rows: usize, nb: usize) -> KTileActs {
+        let blocks = BlockQ8K::slice(data).expect("whole Q8_K blocks");
+        assert_eq!(blocks.len(), n_rows * nb, "activation rows");
+        let tiles = n_rows / TILE;
+        let mut q = vec![_mm512_setzero_si512(); tiles * nb * SUBS * 8];
+        let mut bsum = vec![_mm512_setzero_si512(); tiles * nb * SUBS];
+        let mut d = vec![_mm512_setzero_ps(); tiles * nb];
+        for tile in 0..tiles {
+            for b in 0..nb {
+                let mut dl = [0f32; TILE];
+                let mut sums = [[0i32; TILE]; SUBS];
+                let at = (tile * nb + b) * SUBS;
+                // SAFETY: the registers of this block are plain bytes, SUBS × 8 × 64 of them.
+                let bytes = std::slice::from_raw_parts_mut(q.as_mut_ptr().add(at * 8).cast::<u8>(), SUBS * 8 * 64);
+                for t in 0..TILE {
+                    let y = &blocks[(tile * TILE + t) * nb + b];
+                    dl[t] = y.scale();
+                    for (s, sum) in sums.iter_mut().enumerate() {
+                        sum[t] = y.bsum(2 * s) + y.bsum(2 * s + 1);
+                        for l in 0..8 {
+                            let at = (s * 8 + l) * 64 + 4 * t;
+                            bytes[at..at + 4].copy_from_slice(&y.qs[32 * s + 4 * l..32 * s + 4 * l + 4]);
+                        }
+                    }
+                }
+                d[tile * nb + b] = _mm512_loadu_ps(dl.as_ptr());
+                for (s, sum) in sums.iter().enumerate() {
+                    bsum[at + s] = _mm512_loadu_si512(sum.as_ptr().cast());
+                }
+            }
+        }
+        KTileActs { nb, q, bsum, d }
+    }
+
+    /// Whole tiles held.
+    pub fn n_tiles(&self) -> usize {
+        self.d.len() / self.nb.max(1)
+    }
+}
+
+/// One Q4_K weight row against tile `tile`: lane `t` of the result is its product with the
+/// tile's row `t`, as the twin computes it — per block `yd · (d · Σ_j sc_j · dot_j) −
+/// yd · dmin · Σ_j m_j · bsum_j`, the blocks summed in order from −0 (the twin's `sum()`).
+#[inline(always)]
+unsafe fn q4k_row_tile<const VNNI: bool>(w: &[u8], acts: &KTileActs, tile: usize) -> [f32; TILE] {
+    let nb = acts.nb;
+    debug_assert_eq!(w.len(), nb * 144);
+    let q = acts.q.as_ptr().add(tile * nb * SUBS * 8);
+    let bsum = acts.bsum.as_ptr().add(tile * nb * SUBS);
+    let yd = acts.d.as_ptr().add(tile * nb);
+    let nibbles = _mm512_set1_epi8(0x0F);
+    let mut total = _mm512_set1_ps(-0.0);
+    for b in 0..nb {
+        let blk = w.as_ptr().add(b * 144);
+        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        let scales: &[u8; 12] = &*blk.add(4).cast();
+        let qs = blk.add(16);
+        let (qb, sb) = (q.add(b * SUBS * 8), bsum.add(b * SUBS));
+        let mut sum_sc = _mm512_setzero_si512();
+        let mut sum_m = _mm512_setzero_si512();
+        for i in 0..4 {
+            // Chunk i of 32 bytes: sub-block 2i in the low nibbles, 2i + 1 in the high ones.
+            let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for l in 0..8 {
+                let x = _mm512_set1_epi32((qs.add(32 * i + 4 * l) as *const i32).read_unaligned());
+                lo = dot_add::<VNNI>(lo, _mm512_and_si512(x, nibbles), *qb.add(2 * i * 8 + l));
+                hi = dot_add::<VNNI>(hi, _mm512_and_si512(_mm512_srli_epi32::<4>(x), nibbles), *qb.add((2 * i + 1) * 8 + l));
+            }
+            for (j, dot) in [(2 * i, lo), (2 * i + 1, hi)] {
+                let (sc, m) = scale_min_k4(j, scales);
+                sum_sc = _mm512_add_epi32(sum_sc, _mm512_mullo_epi32(dot, _mm512_set1_epi32(sc as i32)));
+                sum_m = _mm512_add_epi32(sum_m, _mm512_mullo_epi32(*sb.add(j), _mm512_set1_epi32(m as i32)));
+            }
+        }
+        let d = f16_at(blk);
+        let dmin = f16_at(blk.add(2));
+        let y = *yd.add(b);
+        let a = _mm512_mul_ps(y, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sum_sc)));
+        let m = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(dmin)), _mm512_cvtepi32_ps(sum_m));
+        total = _mm512_add_ps(total, _mm512_sub_ps(a, m));
+    }
+    let mut out = [0f32; TILE];
+    _mm512_storeu_ps(out.as_mut_ptr(), total);
+    out
+}
+
+/// `acc` plus each i32 lane's four products of unsigned `u` and signed `s` bytes.
+#[inline(always)]
+unsafe fn dot_add<const VNNI: bool>(acc: __m512i, u: __m512i, s: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpbusd_epi32(acc, u, s)
+    } else {
+        _mm512_add_epi32(acc, dot_u8i8::<false>(u, s))
+    }
+}
+
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+}
+
+/// The signature of the tile kernels below (weight rows, row bytes, acts, tile, one result
+/// vector per weight row).
+pub type KTileKernel = unsafe fn(&[u8], usize, &KTileActs, usize, &mut [[f32; TILE]]);
+
+macro_rules! k_tile_fn {
+    ($name:ident, $vnni:expr, $features:literal, $doc:literal) => {
+        #[doc = $doc]
+        /// `w` holds `out.len()` weight rows of `row_bytes` each; `out[r]` gets row `r`'s
+        /// products with the sixteen rows of tile `tile`.
+        ///
+        /// # Safety
+        /// The CPU features named in `target_feature`; every weight row has `acts`' block
+        /// count, `tile < acts.n_tiles()`. Panics if `w` is shorter than `out` needs.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name(w: &[u8], row_bytes: usize, acts: &KTileActs, tile: usize, out: &mut [[f32; TILE]]) {
+            assert!(w.len() >= out.len() * row_bytes, "weight rows for every output");
+            assert!(tile < acts.n_tiles(), "tile {tile} of {}", acts.n_tiles());
+            for (row, o) in w.chunks_exact(row_bytes).zip(out.iter_mut()) {
+                *o = q4k_row_tile::<$vnni>(row, acts, tile);
+            }
+        }
+    };
+}
+
+k_tile_fn!(q4k_rows_tile, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows.");
+k_tile_fn!(q4k_rows_tile_vnni, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
