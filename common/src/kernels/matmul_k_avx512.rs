@@ -87,49 +87,63 @@ impl KTileActs {
     }
 }
 
-/// One Q4_K weight row against tile `tile`: lane `t` of the result is its product with the
-/// tile's row `t`, as the twin computes it — per block `yd · (d · Σ_j sc_j · dot_j) −
+/// `R` Q4_K weight rows against tile `tile`: lane `t` of row `r`'s result is its product with
+/// the tile's row `t`, as the twin computes it — per block `yd · (d · Σ_j sc_j · dot_j) −
 /// yd · dmin · Σ_j m_j · bsum_j`, the blocks summed in order from −0 (the twin's `sum()`).
+/// Two weight rows share each load of the tile (64 KiB a row at 4096 columns: L2, not L1)
+/// and give the `vpdpbusd` chains twice the independent work.
 #[inline(always)]
-unsafe fn q4k_row_tile<const VNNI: bool>(w: &[u8], acts: &KTileActs, tile: usize) -> [f32; TILE] {
+#[allow(clippy::needless_range_loop)] // `r` indexes several arrays at once
+unsafe fn rows_tile<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &KTileActs, tile: usize) -> [[f32; TILE]; R] {
     let nb = acts.nb;
-    debug_assert_eq!(w.len(), nb * 144);
     let q = acts.q.as_ptr().add(tile * nb * SUBS * 8);
     let bsum = acts.bsum.as_ptr().add(tile * nb * SUBS);
     let yd = acts.d.as_ptr().add(tile * nb);
     let nibbles = _mm512_set1_epi8(0x0F);
-    let mut total = _mm512_set1_ps(-0.0);
+    let mut total = [_mm512_set1_ps(-0.0); R];
     for b in 0..nb {
-        let blk = w.as_ptr().add(b * 144);
-        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
-        let scales: &[u8; 12] = &*blk.add(4).cast();
-        let qs = blk.add(16);
+        let mut blk = [std::ptr::null::<u8>(); R];
+        for r in 0..R {
+            debug_assert_eq!(w[r].len(), nb * 144);
+            blk[r] = w[r].as_ptr().add(b * 144);
+            _mm_prefetch::<_MM_HINT_T0>(blk[r].wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        }
         let (qb, sb) = (q.add(b * SUBS * 8), bsum.add(b * SUBS));
-        let mut sum_sc = _mm512_setzero_si512();
-        let mut sum_m = _mm512_setzero_si512();
+        let mut sum_sc = [_mm512_setzero_si512(); R];
+        let mut sum_m = [_mm512_setzero_si512(); R];
         for i in 0..4 {
             // Chunk i of 32 bytes: sub-block 2i in the low nibbles, 2i + 1 in the high ones.
-            let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            let mut lo = [_mm512_setzero_si512(); R];
+            let mut hi = [_mm512_setzero_si512(); R];
             for l in 0..8 {
-                let x = _mm512_set1_epi32((qs.add(32 * i + 4 * l) as *const i32).read_unaligned());
-                lo = dot_add::<VNNI>(lo, _mm512_and_si512(x, nibbles), *qb.add(2 * i * 8 + l));
-                hi = dot_add::<VNNI>(hi, _mm512_and_si512(_mm512_srli_epi32::<4>(x), nibbles), *qb.add((2 * i + 1) * 8 + l));
+                let (a_lo, a_hi) = (*qb.add(2 * i * 8 + l), *qb.add((2 * i + 1) * 8 + l));
+                for r in 0..R {
+                    let x = _mm512_set1_epi32((blk[r].add(16 + 32 * i + 4 * l) as *const i32).read_unaligned());
+                    lo[r] = dot_add::<VNNI>(lo[r], _mm512_and_si512(x, nibbles), a_lo);
+                    hi[r] = dot_add::<VNNI>(hi[r], _mm512_and_si512(_mm512_srli_epi32::<4>(x), nibbles), a_hi);
+                }
             }
-            for (j, dot) in [(2 * i, lo), (2 * i + 1, hi)] {
-                let (sc, m) = scale_min_k4(j, scales);
-                sum_sc = _mm512_add_epi32(sum_sc, _mm512_mullo_epi32(dot, _mm512_set1_epi32(sc as i32)));
-                sum_m = _mm512_add_epi32(sum_m, _mm512_mullo_epi32(*sb.add(j), _mm512_set1_epi32(m as i32)));
+            for r in 0..R {
+                let scales: &[u8; 12] = &*blk[r].add(4).cast();
+                for (j, dot) in [(2 * i, lo[r]), (2 * i + 1, hi[r])] {
+                    let (sc, m) = scale_min_k4(j, scales);
+                    sum_sc[r] = _mm512_add_epi32(sum_sc[r], _mm512_mullo_epi32(dot, _mm512_set1_epi32(sc as i32)));
+                    sum_m[r] = _mm512_add_epi32(sum_m[r], _mm512_mullo_epi32(*sb.add(j), _mm512_set1_epi32(m as i32)));
+                }
             }
         }
-        let d = f16_at(blk);
-        let dmin = f16_at(blk.add(2));
         let y = *yd.add(b);
-        let a = _mm512_mul_ps(y, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sum_sc)));
-        let m = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(dmin)), _mm512_cvtepi32_ps(sum_m));
-        total = _mm512_add_ps(total, _mm512_sub_ps(a, m));
+        for r in 0..R {
+            let (d, dmin) = (f16_at(blk[r]), f16_at(blk[r].add(2)));
+            let a = _mm512_mul_ps(y, _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(sum_sc[r])));
+            let m = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_set1_ps(dmin)), _mm512_cvtepi32_ps(sum_m[r]));
+            total[r] = _mm512_add_ps(total[r], _mm512_sub_ps(a, m));
+        }
     }
-    let mut out = [0f32; TILE];
-    _mm512_storeu_ps(out.as_mut_ptr(), total);
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), total[r]);
+    }
     out
 }
 
@@ -165,8 +179,14 @@ macro_rules! k_tile_fn {
         pub unsafe fn $name(w: &[u8], row_bytes: usize, acts: &KTileActs, tile: usize, out: &mut [[f32; TILE]]) {
             assert!(w.len() >= out.len() * row_bytes, "weight rows for every output");
             assert!(tile < acts.n_tiles(), "tile {tile} of {}", acts.n_tiles());
-            for (row, o) in w.chunks_exact(row_bytes).zip(out.iter_mut()) {
-                *o = q4k_row_tile::<$vnni>(row, acts, tile);
+            // Two weight rows at a time, then the odd one.
+            let n = out.len();
+            for (pair, o) in w.chunks_exact(2 * row_bytes).zip(out.chunks_exact_mut(2)) {
+                let [a, b] = rows_tile::<$vnni, 2>([&pair[..row_bytes], &pair[row_bytes..]], acts, tile);
+                (o[0], o[1]) = (a, b);
+            }
+            if n % 2 == 1 {
+                [out[n - 1]] = rows_tile::<$vnni, 1>([&w[(n - 1) * row_bytes..n * row_bytes]], acts, tile);
             }
         }
     };
