@@ -785,11 +785,11 @@ fn tile_kernels_equal_vec_dot_bit_for_bit() {
     }
 }
 
-/// The AVX-512 Q4_K tile kernel, with and without VNNI (whichever this CPU runs), against
+/// The AVX-512 Q4_K and Q6_K tile kernels, with and without VNNI (whichever this CPU runs), against
 /// `vec_dot`, bit for bit: one and three blocks per row, one and two whole tiles, a weight
 /// row whose blocks are each −0.
 #[test]
-fn q4k_tile_kernel_equals_vec_dot_bit_for_bit() {
+fn k_quant_tile_kernels_equal_vec_dot_bit_for_bit() {
     #[cfg(target_arch = "x86_64")]
     {
         use duet_common::kernels::matmul_avx512::TILE;
@@ -799,35 +799,42 @@ fn q4k_tile_kernel_equals_vec_dot_bit_for_bit() {
             return;
         }
         let mut rng = StdRng::seed_from_u64(0x5eed_0012);
-        let ty = GgmlType::Q4K;
-        for cols in [256usize, 768] {
-            for batch in [16usize, 35] {
-                let mut w: Vec<u8> = (0..3).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
-                // Row 2 all zero but a negative scale: each block's value is −0, and the row's
-                // sum −0 only if the blocks are summed from −0 as the twin's `sum()` does.
-                let rb = w.len() / 3;
-                w[2 * rb..].fill(0);
-                for blk in w[2 * rb..].chunks_exact_mut(144) {
-                    blk[..2].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
-                }
-                let x = random_acts(&mut rng, cols * batch);
-                let acts = QuantizedActs::new(ty, &x, cols);
-                // SAFETY: AVX-512 was detected; the data is `batch` rows of `cols / 256` blocks.
-                let tiles = unsafe { KTileActs::new(&acts.data, batch, cols / 256) };
-                assert_eq!(tiles.n_tiles(), batch / TILE);
-                let mut kernels_here: Vec<(&str, k::KTileKernel)> = vec![("plain", k::q4k_rows_tile)];
-                if kernels::has_vnni() {
-                    kernels_here.push(("vnni", k::q4k_rows_tile_vnni));
-                }
-                for (name, kernel) in kernels_here {
-                    for tile in 0..tiles.n_tiles() {
-                        let mut got = [[0f32; TILE]; 3];
-                        // SAFETY: as above; `w` is three rows of the acts' block count.
-                        unsafe { kernel(&w, rb, &tiles, tile, &mut got) };
-                        for (r, got_r) in got.iter().enumerate() {
-                            for (i, g) in got_r.iter().enumerate() {
-                                let want = kernels::vec_dot(ty, cols, &w[r * rb..(r + 1) * rb], acts.row(tile * TILE + i));
-                                assert_eq!(g.to_bits(), want.to_bits(), "{name} cols {cols} batch {batch} weight row {r} row {}: {g:e} vs {want:e}", tile * TILE + i);
+        for (ty, d_at) in [(GgmlType::Q4K, 0), (GgmlType::Q6K, 208)] {
+            for cols in [256usize, 768] {
+                for batch in [16usize, 35] {
+                    let mut w: Vec<u8> = (0..3).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
+                    // Row 2 all zero but a negative scale: each block's value is −0, and the row's
+                    // sum −0 only if the blocks are summed from −0 as the twin's `sum()` does.
+                    let rb = w.len() / 3;
+                    w[2 * rb..].fill(0);
+                    for blk in w[2 * rb..].chunks_exact_mut(ty.block_bytes()) {
+                        blk[d_at..d_at + 2].copy_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+                    }
+                    let x = random_acts(&mut rng, cols * batch);
+                    let acts = QuantizedActs::new(ty, &x, cols);
+                    // SAFETY: AVX-512 was detected; the data is `batch` rows of `cols / 256` blocks.
+                    let tiles = unsafe { KTileActs::new(&acts.data, batch, cols / 256) };
+                    assert_eq!(tiles.n_tiles(), batch / TILE);
+                    let mut kernels_here: Vec<(&str, k::KTileKernel)> = match ty {
+                        GgmlType::Q4K => vec![("q4_k plain", k::q4k_rows_tile)],
+                        _ => vec![("q6_k plain", k::q6k_rows_tile)],
+                    };
+                    if kernels::has_vnni() {
+                        kernels_here.push(match ty {
+                            GgmlType::Q4K => ("q4_k vnni", k::q4k_rows_tile_vnni),
+                            _ => ("q6_k vnni", k::q6k_rows_tile_vnni),
+                        });
+                    }
+                    for (name, kernel) in kernels_here {
+                        for tile in 0..tiles.n_tiles() {
+                            let mut got = [[0f32; TILE]; 3];
+                            // SAFETY: as above; `w` is three rows of the acts' block count.
+                            unsafe { kernel(&w, rb, &tiles, tile, &mut got) };
+                            for (r, got_r) in got.iter().enumerate() {
+                                for (i, g) in got_r.iter().enumerate() {
+                                    let want = kernels::vec_dot(ty, cols, &w[r * rb..(r + 1) * rb], acts.row(tile * TILE + i));
+                                    assert_eq!(g.to_bits(), want.to_bits(), "{name} cols {cols} batch {batch} weight row {r} row {}: {g:e} vs {want:e}", tile * TILE + i);
+                                }
                             }
                         }
                     }

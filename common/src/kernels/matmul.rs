@@ -96,8 +96,8 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= super::matmul_avx512::TILE && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| w.ty == GgmlType::Q4K) {
-        let nb = x.cols / GgmlType::Q4K.block_size();
+    if x.n_rows >= super::matmul_avx512::TILE && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
+        let nb = x.cols / GgmlType::Q8K.block_size();
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
         let acts = unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) };
         tasks.into_par_iter().for_each(|(i, rows)| k_tile_rows(&ws[i], x, &acts, rows, outs[i]));
@@ -197,13 +197,18 @@ fn paired_tiles(
     }
 }
 
-/// [`plain_rows`] with the AVX-512 Q4_K tile kernel for the whole tiles of activation rows
+/// [`plain_rows`] with the AVX-512 Q4_K / Q6_K tile kernels for the whole tiles of activation rows
 /// (`acts`, results via a buffer as in [`paired_rows`]), plain dot products for the rest.
 #[cfg(target_arch = "x86_64")]
 fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512::KTileActs, rows: Range<usize>, out: SyncPtr) {
     use super::matmul_avx512::TILE;
     use super::matmul_k_avx512 as k;
-    let kernel = if super::has_vnni() { k::q4k_rows_tile_vnni } else { k::q4k_rows_tile };
+    let kernel: k::KTileKernel = match (w.ty, super::has_vnni()) {
+        (GgmlType::Q6K, true) => k::q6k_rows_tile_vnni,
+        (GgmlType::Q6K, false) => k::q6k_rows_tile,
+        (_, true) => k::q4k_rows_tile_vnni,
+        (_, false) => k::q4k_rows_tile,
+    };
     let rb = w.ty.row_bytes(w.cols);
     let mut buf = vec![[0f32; TILE]; rows.len()];
     for tile in 0..acts.n_tiles() {

@@ -1,5 +1,5 @@
-//! AVX-512 matrix products of Q4_K weights (most published GGUF models) with tiles of sixteen
-//! Q8_K activation rows (prefill, batched decode), bit-identical to one `vec_dot` per (weight
+//! AVX-512 matrix products of Q4_K and Q6_K weights (most published GGUF models: Q4_K_M mixes
+//! the two) with tiles of sixteen Q8_K activation rows (prefill, batched decode), bit-identical to one `vec_dot` per (weight
 //! row, activation row): the scalar twin's per-block integers and float epilogue, with the
 //! sixteen activation rows in the sixteen lanes of every register.
 //!
@@ -32,6 +32,9 @@ pub struct KTileActs {
     /// Per tile, block and sub-block: each row's sum of the sub-block's quants (ggml's two
     /// `bsums` of 16 added), one i32 per row.
     bsum: Vec<__m512i>,
+    /// Per tile, block and sub-block of 16: −32 × each row's sum of the sub-block's quants
+    /// (ggml's `bsums`), one i32 per row — for Q6_K, whose quants enter `vpdpbusd` plus 32.
+    corr6: Vec<__m512i>,
     /// Per tile and block: each row's scale `d`, one lane per row.
     d: Vec<__m512>,
 }
@@ -53,17 +56,22 @@ impl KTileActs {
         let tiles = n_rows / TILE;
         let mut q = vec![_mm512_setzero_si512(); tiles * nb * SUBS * 8];
         let mut bsum = vec![_mm512_setzero_si512(); tiles * nb * SUBS];
+        let mut corr6 = vec![_mm512_setzero_si512(); tiles * nb * 2 * SUBS];
         let mut d = vec![_mm512_setzero_ps(); tiles * nb];
         for tile in 0..tiles {
             for b in 0..nb {
                 let mut dl = [0f32; TILE];
                 let mut sums = [[0i32; TILE]; SUBS];
+                let mut corr = [[0i32; TILE]; 2 * SUBS];
                 let at = (tile * nb + b) * SUBS;
                 // SAFETY: the registers of this block are plain bytes, SUBS × 8 × 64 of them.
                 let bytes = std::slice::from_raw_parts_mut(q.as_mut_ptr().add(at * 8).cast::<u8>(), SUBS * 8 * 64);
                 for t in 0..TILE {
                     let y = &blocks[(tile * TILE + t) * nb + b];
                     dl[t] = y.scale();
+                    for (j, c) in corr.iter_mut().enumerate() {
+                        c[t] = -32 * y.bsum(j);
+                    }
                     for (s, sum) in sums.iter_mut().enumerate() {
                         sum[t] = y.bsum(2 * s) + y.bsum(2 * s + 1);
                         for l in 0..8 {
@@ -76,9 +84,12 @@ impl KTileActs {
                 for (s, sum) in sums.iter().enumerate() {
                     bsum[at + s] = _mm512_loadu_si512(sum.as_ptr().cast());
                 }
+                for (j, c) in corr.iter().enumerate() {
+                    corr6[2 * at + j] = _mm512_loadu_si512(c.as_ptr().cast());
+                }
             }
         }
-        KTileActs { nb, q, bsum, d }
+        KTileActs { nb, q, bsum, corr6, d }
     }
 
     /// Whole tiles held.
@@ -94,7 +105,7 @@ impl KTileActs {
 /// and give the `vpdpbusd` chains twice the independent work.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // `r` indexes several arrays at once
-unsafe fn rows_tile<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &KTileActs, tile: usize) -> [[f32; TILE]; R] {
+unsafe fn q4k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &KTileActs, tile: usize) -> [[f32; TILE]; R] {
     let nb = acts.nb;
     let q = acts.q.as_ptr().add(tile * nb * SUBS * 8);
     let bsum = acts.bsum.as_ptr().add(tile * nb * SUBS);
@@ -147,6 +158,72 @@ unsafe fn rows_tile<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &KTil
     out
 }
 
+/// `R` Q6_K weight rows against tile `tile`, as the twin computes them — per block
+/// `(d · yd) · Σ_j sc_j · dot_j` over its sixteen sub-blocks of 16, the blocks summed in order
+/// from −0. Each lane's four quants enter `vpdpbusd` plus 32 (0–63: the low four bits from
+/// `ql`, the top two from `qh`), the chain of a sub-block starting at −32 × its activation sum.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // `r` indexes several arrays at once
+unsafe fn q6k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &KTileActs, tile: usize) -> [[f32; TILE]; R] {
+    let nb = acts.nb;
+    let q = acts.q.as_ptr().add(tile * nb * SUBS * 8);
+    let corr = acts.corr6.as_ptr().add(tile * nb * 2 * SUBS);
+    let yd = acts.d.as_ptr().add(tile * nb);
+    let (low4, top2) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    let mut total = [_mm512_set1_ps(-0.0); R];
+    for b in 0..nb {
+        let mut blk = [std::ptr::null::<u8>(); R];
+        for r in 0..R {
+            debug_assert_eq!(w[r].len(), nb * 210);
+            blk[r] = w[r].as_ptr().add(b * 210);
+            _mm_prefetch::<_MM_HINT_T0>(blk[r].wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+            _mm_prefetch::<_MM_HINT_T0>(blk[r].wrapping_add(super::matvec_avx512::LINEAR_AHEAD + 64).cast());
+        }
+        let (qb, cb) = (q.add(b * SUBS * 8), corr.add(b * 2 * SUBS));
+        let mut sumi = [_mm512_setzero_si512(); R];
+        // Sub-block of 32 `s` = 4n + g: quants from ql[64n + 32 (g % 2)..] (low nibbles for
+        // g < 2, high ones after) and bits 2g, 2g + 1 of qh[32n..].
+        for s in 0..SUBS {
+            let (n, g) = (s / 4, s % 4);
+            for half in 0..2 {
+                let j = 2 * s + half;
+                let mut dot = [*cb.add(j); R];
+                for k in 4 * half..4 * half + 4 {
+                    let a = *qb.add(s * 8 + k);
+                    for r in 0..R {
+                        let ql = _mm512_set1_epi32((blk[r].add(64 * n + 32 * (g % 2) + 4 * k) as *const i32).read_unaligned());
+                        let qh = _mm512_set1_epi32((blk[r].add(128 + 32 * n + 4 * k) as *const i32).read_unaligned());
+                        let lo = if g < 2 { ql } else { _mm512_srli_epi32::<4>(ql) };
+                        // Bits 2g, 2g + 1 of each qh byte moved to bits 4, 5.
+                        let hi = match g {
+                            0 => _mm512_slli_epi32::<4>(qh),
+                            1 => _mm512_slli_epi32::<2>(qh),
+                            2 => qh,
+                            _ => _mm512_srli_epi32::<2>(qh),
+                        };
+                        let u = _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_and_si512(hi, top2));
+                        dot[r] = dot_add::<VNNI>(dot[r], u, a);
+                    }
+                }
+                for r in 0..R {
+                    let sc = _mm512_set1_epi32(*blk[r].add(192 + j) as i8 as i32);
+                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dot[r], sc));
+                }
+            }
+        }
+        let y = *yd.add(b);
+        for r in 0..R {
+            let dy = _mm512_mul_ps(_mm512_set1_ps(f16_at(blk[r].add(208))), y);
+            total[r] = _mm512_add_ps(total[r], _mm512_mul_ps(dy, _mm512_cvtepi32_ps(sumi[r])));
+        }
+    }
+    let mut out = [[0f32; TILE]; R];
+    for r in 0..R {
+        _mm512_storeu_ps(out[r].as_mut_ptr(), total[r]);
+    }
+    out
+}
+
 /// `acc` plus each i32 lane's four products of unsigned `u` and signed `s` bytes.
 #[inline(always)]
 unsafe fn dot_add<const VNNI: bool>(acc: __m512i, u: __m512i, s: __m512i) -> __m512i {
@@ -167,7 +244,7 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 pub type KTileKernel = unsafe fn(&[u8], usize, &KTileActs, usize, &mut [[f32; TILE]]);
 
 macro_rules! k_tile_fn {
-    ($name:ident, $vnni:expr, $features:literal, $doc:literal) => {
+    ($name:ident, $kernel:ident, $vnni:expr, $features:literal, $doc:literal) => {
         #[doc = $doc]
         /// `w` holds `out.len()` weight rows of `row_bytes` each; `out[r]` gets row `r`'s
         /// products with the sixteen rows of tile `tile`.
@@ -182,15 +259,17 @@ macro_rules! k_tile_fn {
             // Two weight rows at a time, then the odd one.
             let n = out.len();
             for (pair, o) in w.chunks_exact(2 * row_bytes).zip(out.chunks_exact_mut(2)) {
-                let [a, b] = rows_tile::<$vnni, 2>([&pair[..row_bytes], &pair[row_bytes..]], acts, tile);
+                let [a, b] = $kernel::<$vnni, 2>([&pair[..row_bytes], &pair[row_bytes..]], acts, tile);
                 (o[0], o[1]) = (a, b);
             }
             if n % 2 == 1 {
-                [out[n - 1]] = rows_tile::<$vnni, 1>([&w[(n - 1) * row_bytes..n * row_bytes]], acts, tile);
+                [out[n - 1]] = $kernel::<$vnni, 1>([&w[(n - 1) * row_bytes..n * row_bytes]], acts, tile);
             }
         }
     };
 }
 
-k_tile_fn!(q4k_rows_tile, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows.");
-k_tile_fn!(q4k_rows_tile_vnni, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
+k_tile_fn!(q4k_rows_tile, q4k_rows_tile_r, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows.");
+k_tile_fn!(q4k_rows_tile_vnni, q4k_rows_tile_r, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
+k_tile_fn!(q6k_rows_tile, q6k_rows_tile_r, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q6_K weight rows · a tile of Q8_K rows.");
+k_tile_fn!(q6k_rows_tile_vnni, q6k_rows_tile_r, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q6_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
