@@ -785,7 +785,7 @@ fn tile_kernels_equal_vec_dot_bit_for_bit() {
     }
 }
 
-/// The AVX-512 Q4_K and Q6_K tile kernels, with and without VNNI (whichever this CPU runs), against
+/// The AVX-512 Q4_K, Q5_K and Q6_K tile kernels, with and without VNNI (whichever this CPU runs), against
 /// `vec_dot`, bit for bit: one and three blocks per row, one and two whole tiles, a weight
 /// row whose blocks are each −0.
 #[test]
@@ -799,7 +799,7 @@ fn k_quant_tile_kernels_equal_vec_dot_bit_for_bit() {
             return;
         }
         let mut rng = StdRng::seed_from_u64(0x5eed_0012);
-        for (ty, d_at) in [(GgmlType::Q4K, 0), (GgmlType::Q6K, 208)] {
+        for (ty, d_at) in [(GgmlType::Q4K, 0), (GgmlType::Q5K, 0), (GgmlType::Q6K, 208)] {
             for cols in [256usize, 768] {
                 for batch in [16usize, 35] {
                     let mut w: Vec<u8> = (0..3).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
@@ -817,11 +817,13 @@ fn k_quant_tile_kernels_equal_vec_dot_bit_for_bit() {
                     assert_eq!(tiles.n_tiles(), batch / TILE);
                     let mut kernels_here: Vec<(&str, k::KTileKernel)> = match ty {
                         GgmlType::Q4K => vec![("q4_k plain", k::q4k_rows_tile)],
+                        GgmlType::Q5K => vec![("q5_k plain", k::q5k_rows_tile)],
                         _ => vec![("q6_k plain", k::q6k_rows_tile)],
                     };
                     if kernels::has_vnni() {
                         kernels_here.push(match ty {
                             GgmlType::Q4K => ("q4_k vnni", k::q4k_rows_tile_vnni),
+                            GgmlType::Q5K => ("q5_k vnni", k::q5k_rows_tile_vnni),
                             _ => ("q6_k vnni", k::q6k_rows_tile_vnni),
                         });
                     }

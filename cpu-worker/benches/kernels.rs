@@ -218,8 +218,8 @@ fn main() {
     // SmolLM2's width, and a 7–8B model's (where a tile's activations outgrow L1).
     for cols in [576usize, 4096] {
         for batch in [8usize, 16] {
-            // Q4_K and Q6_K (blocks of 256) at the wide shape only.
-            let k_quants = if cols % 256 == 0 { vec![GgmlType::Q4K, GgmlType::Q6K] } else { vec![] };
+            // The k-quants (blocks of 256) at the wide shape only.
+            let k_quants = if cols % 256 == 0 { vec![GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] } else { vec![] };
             for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0].into_iter().chain(k_quants) {
                 if wanted(&format!("matrix × {batch} rows {ty}")) {
                     macs.push((format!("matrix × {batch} rows {ty}"), format!("64 MiB, {cols} columns"), matmul_rows(ty, cols, batch, &mut rng)));

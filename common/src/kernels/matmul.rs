@@ -96,7 +96,7 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= super::matmul_avx512::TILE && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
+    if x.n_rows >= super::matmul_avx512::TILE && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)) {
         let nb = x.cols / GgmlType::Q8K.block_size();
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
         let acts = unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) };
@@ -197,7 +197,7 @@ fn paired_tiles(
     }
 }
 
-/// [`plain_rows`] with the AVX-512 Q4_K / Q6_K tile kernels for the whole tiles of activation rows
+/// [`plain_rows`] with the AVX-512 Q4_K / Q5_K / Q6_K tile kernels for the whole tiles of activation rows
 /// (`acts`, results via a buffer as in [`paired_rows`]), plain dot products for the rest.
 #[cfg(target_arch = "x86_64")]
 fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512::KTileActs, rows: Range<usize>, out: SyncPtr) {
@@ -206,6 +206,8 @@ fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512
     let kernel: k::KTileKernel = match (w.ty, super::has_vnni()) {
         (GgmlType::Q6K, true) => k::q6k_rows_tile_vnni,
         (GgmlType::Q6K, false) => k::q6k_rows_tile,
+        (GgmlType::Q5K, true) => k::q5k_rows_tile_vnni,
+        (GgmlType::Q5K, false) => k::q5k_rows_tile,
         (_, true) => k::q4k_rows_tile_vnni,
         (_, false) => k::q4k_rows_tile,
     };

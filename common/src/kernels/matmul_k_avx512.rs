@@ -1,5 +1,5 @@
-//! AVX-512 matrix products of Q4_K and Q6_K weights (most published GGUF models: Q4_K_M mixes
-//! the two) with tiles of sixteen Q8_K activation rows (prefill, batched decode), bit-identical to one `vec_dot` per (weight
+//! AVX-512 matrix products of Q4_K, Q5_K and Q6_K weights (most published GGUF models: Q4_K_M
+//! mixes Q4_K and Q6_K, Q5_K_M Q5_K and Q6_K) with tiles of sixteen Q8_K activation rows (prefill, batched decode), bit-identical to one `vec_dot` per (weight
 //! row, activation row): the scalar twin's per-block integers and float epilogue, with the
 //! sixteen activation rows in the sixteen lanes of every register.
 //!
@@ -98,15 +98,19 @@ impl KTileActs {
     }
 }
 
-/// `R` Q4_K weight rows against tile `tile`: lane `t` of row `r`'s result is its product with
+/// `R` Q4_K weight rows (Q5_K with `FIVE`: a fifth bit per quant, bit `j` of `qh[l]` for
+/// sub-block `j`) against tile `tile`: lane `t` of row `r`'s result is its product with
 /// the tile's row `t`, as the twin computes it — per block `yd · (d · Σ_j sc_j · dot_j) −
 /// yd · dmin · Σ_j m_j · bsum_j`, the blocks summed in order from −0 (the twin's `sum()`).
 /// Two weight rows share each load of the tile (64 KiB a row at 4096 columns: L2, not L1)
 /// and give the `vpdpbusd` chains twice the independent work.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)] // `r` indexes several arrays at once
-unsafe fn q4k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts: &KTileActs, tile: usize) -> [[f32; TILE]; R] {
+unsafe fn q4k_rows_tile_r<const VNNI: bool, const FIVE: bool, const R: usize>(w: [&[u8]; R], acts: &KTileActs, tile: usize) -> [[f32; TILE]; R] {
     let nb = acts.nb;
+    // Block bytes and where the quants start (Q5_K has qh before them).
+    let (bb, qs_at) = if FIVE { (176, 48) } else { (144, 16) };
+    let bit4 = _mm512_set1_epi8(0x10);
     let q = acts.q.as_ptr().add(tile * nb * SUBS * 8);
     let bsum = acts.bsum.as_ptr().add(tile * nb * SUBS);
     let yd = acts.d.as_ptr().add(tile * nb);
@@ -115,8 +119,8 @@ unsafe fn q4k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts:
     for b in 0..nb {
         let mut blk = [std::ptr::null::<u8>(); R];
         for r in 0..R {
-            debug_assert_eq!(w[r].len(), nb * 144);
-            blk[r] = w[r].as_ptr().add(b * 144);
+            debug_assert_eq!(w[r].len(), nb * bb);
+            blk[r] = w[r].as_ptr().add(b * bb);
             _mm_prefetch::<_MM_HINT_T0>(blk[r].wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
         }
         let (qb, sb) = (q.add(b * SUBS * 8), bsum.add(b * SUBS));
@@ -129,9 +133,16 @@ unsafe fn q4k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts:
             for l in 0..8 {
                 let (a_lo, a_hi) = (*qb.add(2 * i * 8 + l), *qb.add((2 * i + 1) * 8 + l));
                 for r in 0..R {
-                    let x = _mm512_set1_epi32((blk[r].add(16 + 32 * i + 4 * l) as *const i32).read_unaligned());
-                    lo[r] = dot_add::<VNNI>(lo[r], _mm512_and_si512(x, nibbles), a_lo);
-                    hi[r] = dot_add::<VNNI>(hi[r], _mm512_and_si512(_mm512_srli_epi32::<4>(x), nibbles), a_hi);
+                    let x = _mm512_set1_epi32((blk[r].add(qs_at + 32 * i + 4 * l) as *const i32).read_unaligned());
+                    let (mut u_lo, mut u_hi) = (_mm512_and_si512(x, nibbles), _mm512_and_si512(_mm512_srli_epi32::<4>(x), nibbles));
+                    if FIVE {
+                        // Bits 2i and 2i + 1 of qh[4l..4l + 4] moved to bit 4 of each byte.
+                        let h = _mm512_set1_epi32((blk[r].add(16 + 4 * l) as *const i32).read_unaligned());
+                        u_lo = _mm512_or_si512(u_lo, bit_to_4(h, 2 * i, bit4));
+                        u_hi = _mm512_or_si512(u_hi, bit_to_4(h, 2 * i + 1, bit4));
+                    }
+                    lo[r] = dot_add::<VNNI>(lo[r], u_lo, a_lo);
+                    hi[r] = dot_add::<VNNI>(hi[r], u_hi, a_hi);
                 }
             }
             for r in 0..R {
@@ -224,6 +235,14 @@ unsafe fn q6k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts:
     out
 }
 
+/// Bit `k` (0–7) of every byte of `h` moved to bit 4 (`bit4`: 0x10 in every byte), the other
+/// bits cleared.
+#[inline(always)]
+unsafe fn bit_to_4(h: __m512i, k: usize, bit4: __m512i) -> __m512i {
+    let moved = if k <= 4 { _mm512_sllv_epi32(h, _mm512_set1_epi32(4 - k as i32)) } else { _mm512_srlv_epi32(h, _mm512_set1_epi32(k as i32 - 4)) };
+    _mm512_and_si512(moved, bit4)
+}
+
 /// `acc` plus each i32 lane's four products of unsigned `u` and signed `s` bytes.
 #[inline(always)]
 unsafe fn dot_add<const VNNI: bool>(acc: __m512i, u: __m512i, s: __m512i) -> __m512i {
@@ -244,7 +263,7 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 pub type KTileKernel = unsafe fn(&[u8], usize, &KTileActs, usize, &mut [[f32; TILE]]);
 
 macro_rules! k_tile_fn {
-    ($name:ident, $kernel:ident, $vnni:expr, $features:literal, $doc:literal) => {
+    ($name:ident, $kernel:ident::<$($g:tt),*>, $features:literal, $doc:literal) => {
         #[doc = $doc]
         /// `w` holds `out.len()` weight rows of `row_bytes` each; `out[r]` gets row `r`'s
         /// products with the sixteen rows of tile `tile`.
@@ -259,17 +278,19 @@ macro_rules! k_tile_fn {
             // Two weight rows at a time, then the odd one.
             let n = out.len();
             for (pair, o) in w.chunks_exact(2 * row_bytes).zip(out.chunks_exact_mut(2)) {
-                let [a, b] = $kernel::<$vnni, 2>([&pair[..row_bytes], &pair[row_bytes..]], acts, tile);
+                let [a, b] = $kernel::<$($g,)* 2>([&pair[..row_bytes], &pair[row_bytes..]], acts, tile);
                 (o[0], o[1]) = (a, b);
             }
             if n % 2 == 1 {
-                [out[n - 1]] = $kernel::<$vnni, 1>([&w[(n - 1) * row_bytes..n * row_bytes]], acts, tile);
+                [out[n - 1]] = $kernel::<$($g,)* 1>([&w[(n - 1) * row_bytes..n * row_bytes]], acts, tile);
             }
         }
     };
 }
 
-k_tile_fn!(q4k_rows_tile, q4k_rows_tile_r, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows.");
-k_tile_fn!(q4k_rows_tile_vnni, q4k_rows_tile_r, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
-k_tile_fn!(q6k_rows_tile, q6k_rows_tile_r, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q6_K weight rows · a tile of Q8_K rows.");
-k_tile_fn!(q6k_rows_tile_vnni, q6k_rows_tile_r, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q6_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
+k_tile_fn!(q4k_rows_tile, q4k_rows_tile_r::<false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows.");
+k_tile_fn!(q4k_rows_tile_vnni, q4k_rows_tile_r::<true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q4_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
+k_tile_fn!(q6k_rows_tile, q6k_rows_tile_r::<false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q6_K weight rows · a tile of Q8_K rows.");
+k_tile_fn!(q6k_rows_tile_vnni, q6k_rows_tile_r::<true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q6_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
+k_tile_fn!(q5k_rows_tile, q4k_rows_tile_r::<false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c", "Q5_K weight rows · a tile of Q8_K rows.");
+k_tile_fn!(q5k_rows_tile_vnni, q4k_rows_tile_r::<true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c", "Q5_K weight rows · a tile of Q8_K rows, with `vpdpbusd`.");
