@@ -96,7 +96,10 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= super::matmul_avx512::TILE && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)) {
+    if x.n_rows >= super::matmul_k_avx512::MIN_PARTIAL
+        && super::isa() == super::Isa::Avx512
+        && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K))
+    {
         let nb = x.cols / GgmlType::Q8K.block_size();
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
         let acts = unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) };
@@ -197,8 +200,9 @@ fn paired_tiles(
     }
 }
 
-/// [`plain_rows`] with the AVX-512 Q4_K / Q5_K / Q6_K tile kernels for the whole tiles of activation rows
-/// (`acts`, results via a buffer as in [`paired_rows`]), plain dot products for the rest.
+/// [`plain_rows`] with the AVX-512 Q4_K / Q5_K / Q6_K tile kernels for the tiles of
+/// activation rows (`acts`, the last one maybe padded; results via a buffer as in
+/// [`paired_rows`]), plain dot products for the rows no tile holds.
 #[cfg(target_arch = "x86_64")]
 fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512::KTileActs, rows: Range<usize>, out: SyncPtr) {
     use super::matmul_avx512::TILE;
@@ -216,7 +220,8 @@ fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512
     for tile in 0..acts.n_tiles() {
         // SAFETY: the kernel's CPU features were detected; the rows have the acts' blocks.
         unsafe { kernel(&w.data[rows.start * rb..rows.end * rb], rb, acts, tile, &mut buf) };
-        for i in 0..TILE {
+        // The last tile may be padded with zero rows: only the real ones are written.
+        for i in 0..(x.n_rows - tile * TILE).min(TILE) {
             // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
             let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((tile * TILE + i) * w.rows + rows.start), rows.len()) };
             for (d, b) in dst.iter_mut().zip(buf.iter()) {
@@ -224,7 +229,7 @@ fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512
             }
         }
     }
-    plain_rows(w, x, acts.n_tiles() * TILE, rows, out);
+    plain_rows(w, x, (acts.n_tiles() * TILE).min(x.n_rows), rows, out);
 }
 
 #[derive(Clone, Copy)]

@@ -18,10 +18,14 @@ use super::matmul_avx512::TILE;
 use super::matvec_avx512::dot_u8i8;
 use super::quant::{scale_min_k4, BlockQ8K, ByteBlock};
 
+/// The fewest rows of a tile padded with zero rows: sixteen lanes' work for this many rows
+/// beats one plain dot product per row at about six.
+pub const MIN_PARTIAL: usize = 6;
+
 /// Sub-blocks of 32 quants per Q4_K / Q8_K block.
 const SUBS: usize = 8;
 
-/// The full tiles of sixteen Q8_K activation rows of one product, lane-major.
+/// The tiles of sixteen Q8_K activation rows of one product, lane-major.
 #[derive(Debug, Default)]
 pub struct KTileActs {
     /// Blocks per row.
@@ -44,8 +48,9 @@ unsafe impl Send for KTileActs {}
 unsafe impl Sync for KTileActs {}
 
 impl KTileActs {
-    /// Regroups the first `n_rows / TILE` whole tiles of `n_rows` Q8_K activation rows of
-    /// `nb` blocks each (from `data`); the rows past the last whole tile are left out.
+    /// Regroups `n_rows` Q8_K activation rows of `nb` blocks each (from `data`) into tiles:
+    /// every whole tile, and the rest as a last tile padded with zero rows if there are at
+    /// least [`MIN_PARTIAL`] of them (fewer are left out: the plain dot products are as fast).
     ///
     /// # Safety
     /// AVX-512 F/BW/VL/DQ. Panics if `data` is not `n_rows` rows of `nb` Q8_K blocks.
@@ -53,7 +58,7 @@ impl KTileActs {
     pub unsafe fn new(data: &[u8], n_rows: usize, nb: usize) -> KTileActs {
         let blocks = BlockQ8K::slice(data).expect("whole Q8_K blocks");
         assert_eq!(blocks.len(), n_rows * nb, "activation rows");
-        let tiles = n_rows / TILE;
+        let tiles = n_rows / TILE + usize::from(n_rows % TILE >= MIN_PARTIAL);
         let mut q = vec![_mm512_setzero_si512(); tiles * nb * SUBS * 8];
         let mut bsum = vec![_mm512_setzero_si512(); tiles * nb * SUBS];
         let mut corr6 = vec![_mm512_setzero_si512(); tiles * nb * 2 * SUBS];
@@ -66,7 +71,7 @@ impl KTileActs {
                 let at = (tile * nb + b) * SUBS;
                 // SAFETY: the registers of this block are plain bytes, SUBS × 8 × 64 of them.
                 let bytes = std::slice::from_raw_parts_mut(q.as_mut_ptr().add(at * 8).cast::<u8>(), SUBS * 8 * 64);
-                for t in 0..TILE {
+                for t in (0..TILE).take_while(|t| tile * TILE + t < n_rows) {
                     let y = &blocks[(tile * TILE + t) * nb + b];
                     dl[t] = y.scale();
                     for (j, c) in corr.iter_mut().enumerate() {
@@ -92,7 +97,7 @@ impl KTileActs {
         KTileActs { nb, q, bsum, corr6, d }
     }
 
-    /// Whole tiles held.
+    /// Tiles held (the last one may be padded).
     pub fn n_tiles(&self) -> usize {
         self.d.len() / self.nb.max(1)
     }
