@@ -151,7 +151,7 @@ fn plain_rows(w: &QMatrix<'_>, x: &QuantizedActs, t0: usize, rows: Range<usize>,
 /// sixteen rows a whole output row apart (for the vocabulary, 192 KiB apart: one cache set).
 #[cfg(target_arch = "x86_64")]
 fn paired_rows(w: &QMatrix<'_>, n_rows: usize, acts: &super::matmul_avx512::PairedActs, rows: Range<usize>, out: SyncPtr) {
-    use super::matmul_avx512::{self as k, TILE};
+    use super::matmul_avx512 as k;
     let kernel: k::RowsTileKernel = match (w.ty, super::has_vnni()) {
         (GgmlType::Q4_1, true) => k::q4_1_rows_tile_vnni,
         (GgmlType::Q4_1, false) => k::q4_1_rows_tile,
@@ -160,16 +160,36 @@ fn paired_rows(w: &QMatrix<'_>, n_rows: usize, acts: &super::matmul_avx512::Pair
         (_, true) => k::q8_0_rows_tile_vnni,
         (_, false) => k::q8_0_rows_tile,
     };
+    with_tile_buf(rows.len(), |buf| paired_tiles(w, n_rows, acts, rows, out, kernel, buf));
+}
+
+/// Runs `f` with this thread's buffer of tile results (one vector per weight row), `len` long;
+/// the kernels write every row of it before it is read.
+#[cfg(target_arch = "x86_64")]
+fn with_tile_buf(len: usize, f: impl FnOnce(&mut [[f32; super::matmul_avx512::TILE]])) {
+    use super::matmul_avx512::TILE;
     thread_local! {
         // Reused by every task on this thread (a fresh buffer per task showed up in profiles:
         // 16 KiB cleared on the stack, or an allocation and a free).
         static TILE_OUT: std::cell::RefCell<Vec<[f32; TILE]>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     TILE_OUT.with_borrow_mut(|buf| {
-        // The kernel writes every row of it before it is read.
-        buf.resize(rows.len(), [0.0; TILE]);
-        paired_tiles(w, n_rows, acts, rows, out, kernel, buf)
+        buf.resize(len, [0.0; TILE]);
+        f(buf)
     });
+}
+
+/// Results `buf` (one vector per weight row of `rows`) of the activation rows `t0..t0 +
+/// in_tile` into `out` (`[t][w_rows]`), each activation row's as one contiguous run.
+#[cfg(target_arch = "x86_64")]
+fn store_tile(out: SyncPtr, w_rows: usize, rows: &Range<usize>, t0: usize, in_tile: usize, buf: &[[f32; super::matmul_avx512::TILE]]) {
+    for i in 0..in_tile {
+        // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t0 + i) * w_rows + rows.start), rows.len()) };
+        for (d, b) in dst.iter_mut().zip(buf.iter()) {
+            *d = b[i];
+        }
+    }
 }
 
 /// Every tile of `acts` for `rows` of `w` through `kernel`, via `buf` (`rows.len()` results).
@@ -190,13 +210,7 @@ fn paired_tiles(
         let in_tile = (n_rows - t0).min(TILE);
         // SAFETY: the kernel's CPU features were detected; the rows have the acts' blocks.
         unsafe { kernel(&w.data[rows.start * rb..rows.end * rb], rb, acts, tile, in_tile, buf) };
-        for i in 0..in_tile {
-            // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((t0 + i) * w.rows + rows.start), rows.len()) };
-            for (d, b) in dst.iter_mut().zip(buf.iter()) {
-                *d = b[i];
-            }
-        }
+        store_tile(out, w.rows, &rows, t0, in_tile, buf);
     }
 }
 
@@ -216,19 +230,14 @@ fn k_tile_rows(w: &QMatrix<'_>, x: &QuantizedActs, acts: &super::matmul_k_avx512
         (_, false) => k::q4k_rows_tile,
     };
     let rb = w.ty.row_bytes(w.cols);
-    let mut buf = vec![[0f32; TILE]; rows.len()];
-    for tile in 0..acts.n_tiles() {
-        // SAFETY: the kernel's CPU features were detected; the rows have the acts' blocks.
-        unsafe { kernel(&w.data[rows.start * rb..rows.end * rb], rb, acts, tile, &mut buf) };
-        // The last tile may be padded with zero rows: only the real ones are written.
-        for i in 0..(x.n_rows - tile * TILE).min(TILE) {
-            // SAFETY: as in `plain_rows` — this task's rows only, in bounds.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out.get().add((tile * TILE + i) * w.rows + rows.start), rows.len()) };
-            for (d, b) in dst.iter_mut().zip(buf.iter()) {
-                *d = b[i];
-            }
+    with_tile_buf(rows.len(), |buf| {
+        for tile in 0..acts.n_tiles() {
+            // SAFETY: the kernel's CPU features were detected; the rows have the acts' blocks.
+            unsafe { kernel(&w.data[rows.start * rb..rows.end * rb], rb, acts, tile, buf) };
+            // The last tile may be padded with zero rows: only the real ones are stored.
+            store_tile(out, w.rows, &rows, tile * TILE, (x.n_rows - tile * TILE).min(TILE), buf);
         }
-    }
+    });
     plain_rows(w, x, (acts.n_tiles() * TILE).min(x.n_rows), rows, out);
 }
 
