@@ -77,7 +77,7 @@ unsafe fn k4_sum_m(mins: u64, y: &BlockQ8K) -> i32 {
 /// byte at a time in memory and reloaded as a whole, they stalled every block on a failed
 /// store-to-load forward.
 #[inline(always)]
-fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
+pub(super) fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
     const LOW6: u32 = 0x3f3f_3f3f;
     const LOW4: u32 = 0x0f0f_0f0f;
     const LOW2: u32 = 0x0303_0303;

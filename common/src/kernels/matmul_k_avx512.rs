@@ -16,7 +16,8 @@ use std::arch::x86_64::*;
 
 use super::matmul_avx512::TILE;
 use super::matvec_avx512::dot_u8i8;
-use super::quant::{scale_min_k4, BlockQ8K, ByteBlock};
+use super::blockdot_avx512::k4_scales_mins;
+use super::quant::{BlockQ8K, ByteBlock};
 
 /// The fewest rows of a tile padded with zero rows: sixteen lanes' work for this many rows
 /// beats one plain dot product per row at about six.
@@ -33,9 +34,10 @@ pub struct KTileActs {
     /// Per tile, block, sub-block and lane `l` (0–7): quants `4l..4l + 4` of the sub-block of
     /// every row of the tile, row `t` in bytes `4t..4t + 4`.
     q: Vec<__m512i>,
-    /// Per tile, block and sub-block: each row's sum of the sub-block's quants (ggml's two
-    /// `bsums` of 16 added), one i32 per row.
-    bsum: Vec<__m512i>,
+    /// Per tile, block and pair `k` (0–3) of sub-blocks: each row's sums of the quants of
+    /// sub-blocks `2k` (low 16 bits) and `2k + 1` (high 16 bits; each ggml's two `bsums` of 16
+    /// added, at most 4096 in magnitude), for `vpdpwssd` against the mins.
+    bsum_pairs: Vec<__m512i>,
     /// Per tile, block and sub-block of 16: −32 × each row's sum of the sub-block's quants
     /// (ggml's `bsums`), one i32 per row — for Q6_K, whose quants enter `vpdpbusd` plus 32.
     corr6: Vec<__m512i>,
@@ -60,13 +62,13 @@ impl KTileActs {
         assert_eq!(blocks.len(), n_rows * nb, "activation rows");
         let tiles = n_rows / TILE + usize::from(n_rows % TILE >= MIN_PARTIAL);
         let mut q = vec![_mm512_setzero_si512(); tiles * nb * SUBS * 8];
-        let mut bsum = vec![_mm512_setzero_si512(); tiles * nb * SUBS];
+        let mut bsum_pairs = vec![_mm512_setzero_si512(); tiles * nb * SUBS / 2];
         let mut corr6 = vec![_mm512_setzero_si512(); tiles * nb * 2 * SUBS];
         let mut d = vec![_mm512_setzero_ps(); tiles * nb];
         for tile in 0..tiles {
             for b in 0..nb {
                 let mut dl = [0f32; TILE];
-                let mut sums = [[0i32; TILE]; SUBS];
+                let mut sums = [[0u32; TILE]; SUBS / 2];
                 let mut corr = [[0i32; TILE]; 2 * SUBS];
                 let at = (tile * nb + b) * SUBS;
                 // SAFETY: the registers of this block are plain bytes, SUBS × 8 × 64 of them.
@@ -77,8 +79,9 @@ impl KTileActs {
                     for (j, c) in corr.iter_mut().enumerate() {
                         c[t] = -32 * y.bsum(j);
                     }
-                    for (s, sum) in sums.iter_mut().enumerate() {
-                        sum[t] = y.bsum(2 * s) + y.bsum(2 * s + 1);
+                    for s in 0..SUBS {
+                        let sum = (y.bsum(2 * s) + y.bsum(2 * s + 1)) as i16 as u16 as u32;
+                        sums[s / 2][t] |= sum << (16 * (s % 2));
                         for l in 0..8 {
                             let at = (s * 8 + l) * 64 + 4 * t;
                             bytes[at..at + 4].copy_from_slice(&y.qs[32 * s + 4 * l..32 * s + 4 * l + 4]);
@@ -86,15 +89,15 @@ impl KTileActs {
                     }
                 }
                 d[tile * nb + b] = _mm512_loadu_ps(dl.as_ptr());
-                for (s, sum) in sums.iter().enumerate() {
-                    bsum[at + s] = _mm512_loadu_si512(sum.as_ptr().cast());
+                for (k, sum) in sums.iter().enumerate() {
+                    bsum_pairs[at / 2 + k] = _mm512_loadu_si512(sum.as_ptr().cast());
                 }
                 for (j, c) in corr.iter().enumerate() {
                     corr6[2 * at + j] = _mm512_loadu_si512(c.as_ptr().cast());
                 }
             }
         }
-        KTileActs { nb, q, bsum, corr6, d }
+        KTileActs { nb, q, bsum_pairs, corr6, d }
     }
 
     /// Tiles held (the last one may be padded).
@@ -117,7 +120,9 @@ unsafe fn q4k_rows_tile_r<const VNNI: bool, const FIVE: bool, const R: usize>(w:
     let (bb, qs_at) = if FIVE { (176, 48) } else { (144, 16) };
     let bit4 = _mm512_set1_epi8(0x10);
     let q = acts.q.as_ptr().add(tile * nb * SUBS * 8);
-    let bsum = acts.bsum.as_ptr().add(tile * nb * SUBS);
+    let bsum_pairs = acts.bsum_pairs.as_ptr().add(tile * nb * SUBS / 2);
+    // Broadcast of 32-bit lane `j` of a register (a scale, or a pair of 16-bit mins).
+    let lane: [__m512i; SUBS] = std::array::from_fn(|j| _mm512_set1_epi32(j as i32));
     let yd = acts.d.as_ptr().add(tile * nb);
     let nibbles = _mm512_set1_epi8(0x0F);
     let mut total = [_mm512_set1_ps(-0.0); R];
@@ -128,9 +133,20 @@ unsafe fn q4k_rows_tile_r<const VNNI: bool, const FIVE: bool, const R: usize>(w:
             blk[r] = w[r].as_ptr().add(b * bb);
             _mm_prefetch::<_MM_HINT_T0>(blk[r].wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
         }
-        let (qb, sb) = (q.add(b * SUBS * 8), bsum.add(b * SUBS));
+        let (qb, sb) = (q.add(b * SUBS * 8), bsum_pairs.add(b * SUBS / 2));
         let mut sum_sc = [_mm512_setzero_si512(); R];
+        // Each row's eight scales (32-bit lanes 0–7) and its mins as 16-bit pairs (lanes 0–3);
+        // Σ_j m_j · bsum_j by four `vpdpwssd` (or `pmaddwd` + add), exact integers.
+        let mut scv = [_mm512_setzero_si512(); R];
         let mut sum_m = [_mm512_setzero_si512(); R];
+        for r in 0..R {
+            let (sc, mins) = k4_scales_mins(&*blk[r].add(4).cast());
+            scv[r] = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64));
+            let mv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64)));
+            for k in 0..SUBS / 2 {
+                sum_m[r] = dot_pairs_add::<VNNI>(sum_m[r], *sb.add(k), _mm512_permutexvar_epi32(lane[k], mv));
+            }
+        }
         for i in 0..4 {
             // Chunk i of 32 bytes: sub-block 2i in the low nibbles, 2i + 1 in the high ones.
             let mut lo = [_mm512_setzero_si512(); R];
@@ -151,11 +167,8 @@ unsafe fn q4k_rows_tile_r<const VNNI: bool, const FIVE: bool, const R: usize>(w:
                 }
             }
             for r in 0..R {
-                let scales: &[u8; 12] = &*blk[r].add(4).cast();
                 for (j, dot) in [(2 * i, lo[r]), (2 * i + 1, hi[r])] {
-                    let (sc, m) = scale_min_k4(j, scales);
-                    sum_sc[r] = _mm512_add_epi32(sum_sc[r], _mm512_mullo_epi32(dot, _mm512_set1_epi32(sc as i32)));
-                    sum_m[r] = _mm512_add_epi32(sum_m[r], _mm512_mullo_epi32(*sb.add(j), _mm512_set1_epi32(m as i32)));
+                    sum_sc[r] = _mm512_add_epi32(sum_sc[r], _mm512_mullo_epi32(dot, _mm512_permutexvar_epi32(lane[j], scv[r])));
                 }
             }
         }
@@ -238,6 +251,16 @@ unsafe fn q6k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts:
         _mm512_storeu_ps(out[r].as_mut_ptr(), total[r]);
     }
     out
+}
+
+/// `acc` plus each i32 lane's two products of signed 16-bit halves of `a` and `b`.
+#[inline(always)]
+unsafe fn dot_pairs_add<const VNNI: bool>(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    if VNNI {
+        _mm512_dpwssd_epi32(acc, a, b)
+    } else {
+        _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+    }
 }
 
 /// Bit `k` (0–7) of every byte of `h` moved to bit 4 (`bit4`: 0x10 in every byte), the other
