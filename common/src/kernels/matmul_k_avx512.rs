@@ -1,7 +1,8 @@
 //! AVX-512 matrix products of Q4_K, Q5_K and Q6_K weights (most published GGUF models: Q4_K_M
-//! mixes Q4_K and Q6_K, Q5_K_M Q5_K and Q6_K) with tiles of sixteen Q8_K activation rows (prefill, batched decode), bit-identical to one `vec_dot` per (weight
-//! row, activation row): the scalar twin's per-block integers and float epilogue, with the
-//! sixteen activation rows in the sixteen lanes of every register.
+//! mixes Q4_K and Q6_K, Q5_K_M Q5_K and Q6_K) with tiles of sixteen Q8_K activation rows
+//! (prefill, batched decode), bit-identical to one `vec_dot` per (weight row, activation row):
+//! the scalar twin's per-block integers and float epilogue, with the sixteen activation rows in
+//! the sixteen lanes of every register.
 //!
 //! The activations are laid out lane-major once per product: for every block, sub-block of 32
 //! and ggml lane of four quants, one register holding those four quants of all sixteen rows
@@ -14,9 +15,9 @@
 
 use std::arch::x86_64::*;
 
+use super::blockdot_avx512::k4_scales_mins;
 use super::matmul_avx512::TILE;
 use super::matvec_avx512::dot_u8i8;
-use super::blockdot_avx512::k4_scales_mins;
 use super::quant::{BlockQ8K, ByteBlock};
 
 /// The fewest rows of a tile padded with zero rows: sixteen lanes' work for this many rows
