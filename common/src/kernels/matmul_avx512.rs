@@ -7,9 +7,9 @@
 //! scales (lanes 0–7 and 8–15). A weight block is unpacked once, put in both halves, and
 //! multiplied with each pair by one `vpdpbusd` (or `maddubs` + `madd`): every lane computes
 //! what a lane of the AVX2 kernel does for that (weight row, activation row). Full tiles of
-//! sixteen rows (Q8_1 for Q4_1 weights; Q8_0 for Q4_0 and Q8_0 weights where the CPU has VNNI) are also
-//! laid out lane-major — one register per ggml lane, one lane per activation row — which saves
-//! the per-pair scale multiply.
+//! sixteen rows (Q8_1 for Q4_1 weights; Q8_0 for Q4_0 and Q8_0 weights where the CPU has VNNI)
+//! are also laid out lane-major — one register per ggml lane, one lane per activation row —
+//! which saves the per-pair scale multiply.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -36,12 +36,12 @@ pub struct PairedActs {
     s: Vec<__m512>,
     /// Per full tile, block and ggml lane `l` (0–7): the four quants `4l..4l + 4` of every
     /// row of the tile, row `t` in bytes `4t..4t + 4` (the lane-major layout of
-    /// `q4_1_row_tile_lanes`, and of `q8_0_row_tile_lanes` with VNNI).
+    /// `q4_1_rows_tile_lanes`, and of `q8_0_rows_tile_lanes` with VNNI).
     lanes: Vec<__m512i>,
-    /// Per full tile, block and lane, for `q8_0_row_tile_lanes`: −128 × the sum of each row's
+    /// Per full tile, block and lane, for `q8_0_rows_tile_lanes`: −128 × the sum of each row's
     /// four quants of the lane, one i32 per row.
     corr: Vec<__m512i>,
-    /// As `corr` for `q4_0_row_tile_lanes`: −8 × the sum (`corr` / 16, exactly).
+    /// As `corr` for `q4_0_rows_tile_lanes`: −8 × the sum (`corr` / 16, exactly).
     corr8: Vec<__m512i>,
     /// Per full tile and block: each row's scale `d`, one lane per row.
     d16: Vec<__m512>,
@@ -71,7 +71,7 @@ impl PairedActs {
         let mut qs = vec![_mm512_setzero_si512(); n_tiles * nb * pairs];
         let mut d = vec![_mm512_setzero_ps(); n_tiles * nb * pairs];
         let mut s = vec![_mm512_setzero_ps(); if has_s { n_tiles * nb } else { 0 }];
-        // Lane-major tiles: Q4_1's, and Q8_0's where the CPU has VNNI (`q8_0_row_tile_lanes`).
+        // Lane-major tiles: Q4_1's, and Q8_0's where the CPU has VNNI (`q8_0_rows_tile_lanes`).
         let q8_0_lanes = !has_s && super::has_vnni();
         let full_tiles = if has_s || q8_0_lanes { n_rows / TILE } else { 0 };
         let mut corr = vec![_mm512_setzero_si512(); if q8_0_lanes { full_tiles * nb * 8 } else { 0 }];
@@ -186,17 +186,15 @@ unsafe fn row_tile<const KIND: u8, const VNNI: bool, const P: usize, const R: us
                 _ => _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2).cast())),
             };
         }
+        // Signed weights (Q4_0, Q8_0): |w| as the unsigned operand, the sign moved onto y.
+        let neg: [__mmask64; R] = std::array::from_fn(|r| _mm512_movepi8_mask(wx[r]));
+        let ux: [__m512i; R] = std::array::from_fn(|r| if KIND == Q4_1 { wx[r] } else { _mm512_abs_epi8(wx[r]) });
         let at = b * PAIRS;
         for p in 0..P {
             let (y, dy) = (*qs.add(at + p), *ds.add(at + p));
             for r in 0..R {
-                let x = if KIND == Q4_1 {
-                    dot_u8i8::<VNNI>(wx[r], y)
-                } else {
-                    // Signed weights: |w| as the unsigned operand, the sign moved onto y.
-                    let sy = _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(wx[r]), _mm512_setzero_si512(), y);
-                    dot_u8i8::<VNNI>(_mm512_abs_epi8(wx[r]), sy)
-                };
+                let sy = if KIND == Q4_1 { y } else { _mm512_mask_sub_epi8(y, neg[r], _mm512_setzero_si512(), y) };
+                let x = dot_u8i8::<VNNI>(ux[r], sy);
                 acc[r][p] = _mm512_fmadd_ps(_mm512_mul_ps(dx[r], dy), _mm512_cvtepi32_ps(x), acc[r][p]);
             }
         }
