@@ -211,33 +211,42 @@ unsafe fn q6k_rows_tile_r<const VNNI: bool, const R: usize>(w: [&[u8]; R], acts:
         }
         let (qb, cb) = (q.add(b * SUBS * 8), corr.add(b * 2 * SUBS));
         let mut sumi = [_mm512_setzero_si512(); R];
+        // Each row's sixteen scales, one per 32-bit lane (a permute broadcasts one).
+        let scv: [__m512i; R] = std::array::from_fn(|r| _mm512_cvtepi8_epi32(_mm_loadu_si128(blk[r].add(192).cast())));
         // Sub-block of 32 `s` = 4n + g: quants from ql[64n + 32 (g % 2)..] (low nibbles for
-        // g < 2, high ones after) and bits 2g, 2g + 1 of qh[32n..].
-        for s in 0..SUBS {
-            let (n, g) = (s / 4, s % 4);
+        // g < 2, high ones after) and bits 2g, 2g + 1 of qh[32n..]. The four g of one (n, k)
+        // share their three broadcast loads.
+        for n in 0..2 {
             for half in 0..2 {
-                let j = 2 * s + half;
-                let mut dot = [*cb.add(j); R];
+                // Sub-block of 16 `j` = 2s + half: lanes k = 4 half..4 half + 4 of sub-block s.
+                let mut dot = [[_mm512_setzero_si512(); R]; 4];
+                for (g, dg) in dot.iter_mut().enumerate() {
+                    *dg = [*cb.add(2 * (4 * n + g) + half); R];
+                }
                 for k in 4 * half..4 * half + 4 {
-                    let a = *qb.add(s * 8 + k);
                     for r in 0..R {
-                        let ql = _mm512_set1_epi32((blk[r].add(64 * n + 32 * (g % 2) + 4 * k) as *const i32).read_unaligned());
-                        let qh = _mm512_set1_epi32((blk[r].add(128 + 32 * n + 4 * k) as *const i32).read_unaligned());
-                        let lo = if g < 2 { ql } else { _mm512_srli_epi32::<4>(ql) };
-                        // Bits 2g, 2g + 1 of each qh byte moved to bits 4, 5.
-                        let hi = match g {
-                            0 => _mm512_slli_epi32::<4>(qh),
-                            1 => _mm512_slli_epi32::<2>(qh),
-                            2 => qh,
-                            _ => _mm512_srli_epi32::<2>(qh),
-                        };
-                        let u = _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_and_si512(hi, top2));
-                        dot[r] = dot_add::<VNNI>(dot[r], u, a);
+                        let (ql0, ql1, qh) = (bcast4(blk[r].add(64 * n + 4 * k)), bcast4(blk[r].add(64 * n + 32 + 4 * k)), bcast4(blk[r].add(128 + 32 * n + 4 * k)));
+                        for (g, dg) in dot.iter_mut().enumerate() {
+                            let ql = if g % 2 == 0 { ql0 } else { ql1 };
+                            let lo = if g < 2 { ql } else { _mm512_srli_epi32::<4>(ql) };
+                            // Bits 2g, 2g + 1 of each qh byte moved to bits 4, 5.
+                            let hi = match g {
+                                0 => _mm512_slli_epi32::<4>(qh),
+                                1 => _mm512_slli_epi32::<2>(qh),
+                                2 => qh,
+                                _ => _mm512_srli_epi32::<2>(qh),
+                            };
+                            let u = _mm512_or_si512(_mm512_and_si512(lo, low4), _mm512_and_si512(hi, top2));
+                            dg[r] = dot_add::<VNNI>(dg[r], u, *qb.add((4 * n + g) * 8 + k));
+                        }
                     }
                 }
-                for r in 0..R {
-                    let sc = _mm512_set1_epi32(*blk[r].add(192 + j) as i8 as i32);
-                    sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dot[r], sc));
+                for (g, dg) in dot.iter().enumerate() {
+                    let j = 2 * (4 * n + g) + half;
+                    for r in 0..R {
+                        let sc = _mm512_permutexvar_epi32(_mm512_set1_epi32(j as i32), scv[r]);
+                        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_mullo_epi32(dg[r], sc));
+                    }
                 }
             }
         }
@@ -280,6 +289,12 @@ unsafe fn dot_add<const VNNI: bool>(acc: __m512i, u: __m512i, s: __m512i) -> __m
     } else {
         _mm512_add_epi32(acc, dot_u8i8::<false>(u, s))
     }
+}
+
+/// The four bytes at `p` in every 32-bit lane.
+#[inline(always)]
+unsafe fn bcast4(p: *const u8) -> __m512i {
+    _mm512_set1_epi32((p as *const i32).read_unaligned())
 }
 
 #[inline(always)]
