@@ -44,7 +44,24 @@ unsafe fn q4k_sum_sc<const VNNI: bool>(x: &BlockQ4K, y: &BlockQ8K, sc: u64) -> i
 #[inline(always)]
 unsafe fn dot_q4k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let (xs, ys) = (BlockQ4K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
-    xs.iter().zip(ys).map(|(x, y)| k4_block(x.d, x.dmin, &x.scales, y, |sc| q4k_sum_sc::<VNNI>(x, y, sc))).sum()
+    xs.iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            prefetch_block(x);
+            k4_block(x.d, x.dmin, &x.scales, y, |sc| q4k_sum_sc::<VNNI>(x, y, sc))
+        })
+        .sum()
+}
+
+/// Prefetches the weight block `LINEAR_AHEAD` bytes past `x` (every line it touches): a
+/// matrix's rows are read one after another, one stream, as the quantised kernels read them.
+#[inline(always)]
+unsafe fn prefetch_block<T>(x: &T) {
+    let p = (x as *const T).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD);
+    for off in (0..std::mem::size_of::<T>()).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
+    }
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(std::mem::size_of::<T>() - 1).cast());
 }
 
 /// One Q4_K/Q5_K block's value as the scalar twin computes it: its 6-bit scales and mins
@@ -114,7 +131,13 @@ unsafe fn q5k_sum_sc<const VNNI: bool>(x: &BlockQ5K, y: &BlockQ8K, sc: u64) -> i
 #[inline(always)]
 unsafe fn dot_q5k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
     let (xs, ys) = (BlockQ5K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
-    xs.iter().zip(ys).map(|(x, y)| k4_block(x.d, x.dmin, &x.scales, y, |sc| q5k_sum_sc::<VNNI>(x, y, sc))).sum()
+    xs.iter()
+        .zip(ys)
+        .map(|(x, y)| {
+            prefetch_block(x);
+            k4_block(x.d, x.dmin, &x.scales, y, |sc| q5k_sum_sc::<VNNI>(x, y, sc))
+        })
+        .sum()
 }
 
 /// The 32 five-bit quants of a Q5_0/Q5_1 block (0..31, `q5_values`' order: low nibbles, then
