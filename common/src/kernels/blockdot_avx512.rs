@@ -43,12 +43,19 @@ unsafe fn q4k_sum_sc<const VNNI: bool>(x: &BlockQ4K, y: &BlockQ8K, sc: u64) -> i
 
 #[inline(always)]
 unsafe fn dot_q4k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
-    let (xs, ys) = (BlockQ4K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    k_blocks_sum(w, a, |x: &BlockQ4K, y| k4_block(x.d, x.dmin, &x.scales, y, |sc| q4k_sum_sc::<VNNI>(x, y, sc)))
+}
+
+/// `Σ block(x, y)` over the weight blocks `x` of `w` and the Q8_K blocks `y` of `a`, in order
+/// (the twin's `sum()`), each weight block prefetched ahead ([`prefetch_block`]).
+#[inline(always)]
+unsafe fn k_blocks_sum<B: ByteBlock>(w: &[u8], a: &[u8], block: impl Fn(&B, &BlockQ8K) -> f32) -> f32 {
+    let (xs, ys) = (B::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
     xs.iter()
         .zip(ys)
         .map(|(x, y)| {
             prefetch_block(x);
-            k4_block(x.d, x.dmin, &x.scales, y, |sc| q4k_sum_sc::<VNNI>(x, y, sc))
+            block(x, y)
         })
         .sum()
 }
@@ -130,14 +137,7 @@ unsafe fn q5k_sum_sc<const VNNI: bool>(x: &BlockQ5K, y: &BlockQ8K, sc: u64) -> i
 
 #[inline(always)]
 unsafe fn dot_q5k_body<const VNNI: bool>(w: &[u8], a: &[u8]) -> f32 {
-    let (xs, ys) = (BlockQ5K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
-    xs.iter()
-        .zip(ys)
-        .map(|(x, y)| {
-            prefetch_block(x);
-            k4_block(x.d, x.dmin, &x.scales, y, |sc| q5k_sum_sc::<VNNI>(x, y, sc))
-        })
-        .sum()
+    k_blocks_sum(w, a, |x: &BlockQ5K, y| k4_block(x.d, x.dmin, &x.scales, y, |sc| q5k_sum_sc::<VNNI>(x, y, sc)))
 }
 
 /// The 32 five-bit quants of a Q5_0/Q5_1 block (0..31, `q5_values`' order: low nibbles, then

@@ -143,9 +143,9 @@ unsafe fn f16_at(p: *const u8) -> f32 {
 }
 
 /// The weight types of the tile kernels (a const parameter of theirs).
-pub const Q8_0: u8 = 0;
-pub const Q4_1: u8 = 1;
-pub const Q4_0: u8 = 2;
+const Q8_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q4_0: u8 = 2;
 
 /// `R` weight rows (of kind `KIND`: [`Q8_0`], [`Q4_1`] or [`Q4_0`]) against the first `2 * P`
 /// rows of one tile of activation rows: `out[r][i]` for weight row `r` and the tile's row `i`
