@@ -1,6 +1,8 @@
 //! Grouped-query causal attention over an f16 KV cache, computed as llama.cpp's CPU path does
 //! (non-flash): Q rounded to f16 and dotted with K in ggml's lane order, softmax with ggml's
-//! `exp` over the KV length padded to 32, weights rounded to f16 and dotted with V.
+//! `exp` over the KV length padded to 32, weights rounded to f16 and dotted with V. Decode over
+//! a context longer than [`DECODE_CHUNK`] runs chunks merged by log-sum-exp, each in one pass
+//! with an online softmax ([`decode_attention_online`]).
 
 use std::ops::Range;
 
@@ -8,7 +10,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::ggml_exact::{dot_f16, reduce16, reduce64, softmax_in_place};
+use super::ggml_exact::{dot_f16, expf, reduce16, reduce64, softmax_in_place};
 use super::paged_attention::{merge_lse, merge_partials};
 use super::{isa, Isa};
 
@@ -116,7 +118,9 @@ pub struct GroupScratch {
 /// The chunks of one KV head can then run on different threads (a batch-1 step of a model with
 /// three KV heads otherwise keeps one of two threads idle a third of the time), and every path
 /// (single process, gpu-worker, cpu-worker) computes the same chunks, so they still agree bit
-/// for bit. Within a chunk the arithmetic is llama.cpp's.
+/// for bit. Within a chunk of a context that fits in one chunk the arithmetic is llama.cpp's;
+/// the chunks of a longer context (whose merge llama.cpp does not do anyway) run in one pass
+/// over K and V with an online softmax ([`decode_attention_online`]).
 pub const DECODE_CHUNK: usize = 2048;
 
 /// The [`DECODE_CHUNK`]-aligned chunks of `range`, in order (none if it is empty).
@@ -187,7 +191,8 @@ pub fn merge_chunk_tasks(tasks: &[ChunkTask], parts: &[(Vec<f32>, Vec<f32>)], n_
 /// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
 /// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
 /// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
-/// [`decode_attention_range`], whose results these are, bit for bit, head by head. The range
+/// [`decode_attention_range`], whose results these are, bit for bit, head by head — or, for a
+/// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s. The range
 /// lies within one [`DECODE_CHUNK`]: callers split longer ones with [`chunk_tasks`] and
 /// merge the parts with [`merge_chunk_tasks`].
 ///
@@ -212,8 +217,14 @@ pub fn decode_group(
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
     assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
+    let online = n_padded > DECODE_CHUNK;
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP {
+        if online {
+            // SAFETY: as below.
+            unsafe { super::attention_avx512::attend_group_online_hd64(runs, n, scale, q, out, lse, &mut scratch.fast) };
+            return;
+        }
         // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
         unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, false, q, out, lse, &mut scratch.fast) };
         return;
@@ -227,7 +238,11 @@ pub fn decode_group(
         at += run.k.len();
     }
     for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
-        *l = decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scale, oh);
+        *l = if online {
+            decode_attention_online(qh, &scratch.k, &scratch.v, n, scale, oh)
+        } else {
+            decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scale, oh)
+        };
     }
 }
 
@@ -287,6 +302,82 @@ pub fn decode_attention_range(
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
     let job = Job { q, k, v, start: range.start, end: range.end, n_padded, hd, scale, tiled: false };
     run(&job, out)
+}
+
+/// Single-token decode attention of one query head over `n` positions in one pass (online
+/// softmax), the arithmetic of every chunk of a context longer than [`DECODE_CHUNK`]: `k` and
+/// `v` hold those positions widened to f32 (`[n][head_dim]`). Scores as
+/// [`decode_attention_range`]'s; then, per block of 16 positions: the running maximum raised
+/// to the block's (the accumulators and the sum scaled by ggml's `exp` of the difference),
+/// the block's weights `exp(score - max)` (f32, not rounded to f16) summed by `reduce16` into
+/// an f32 sum, and each position's V row fused-multiply-added into one f32 accumulator per
+/// dimension, in position order. The output is the accumulators times `1 / sum`; returns
+/// the log-sum-exp. The AVX-512 kernel (`attend_group_online_hd64`) matches it bit for bit.
+pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
+    let hd = out.len();
+    assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
+    #[cfg(target_arch = "x86_64")]
+    if isa() >= Isa::Avx2 {
+        let head64 = (hd == 64).then_some(Head64 { dot: super::simd_x86::dot_f16_64 });
+        // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
+        return unsafe { attend_online_fma(q, k, v, n, scale, out, head64) };
+    }
+    attend_online(q, k, v, n, scale, out, None)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
+    attend_online(q, k, v, n, scale, out, head64)
+}
+
+/// Safety: as [`attend`].
+#[inline(always)]
+fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
+    let hd = out.len();
+    let mut q16 = vec![0f32; hd];
+    round_to_f16(&q[..hd], &mut q16);
+    let mut acc = vec![0f32; hd];
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+    for b in (0..n).step_by(16) {
+        let len = (n - b).min(16);
+        let mut s = [f32::NEG_INFINITY; 16];
+        for (i, si) in s.iter_mut().enumerate().take(len) {
+            let key = &k[(b + i) * hd..(b + i + 1) * hd];
+            *si = if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(&q16[..]), <&[f32; 64]>::try_from(key)) {
+                // SAFETY: see `attend`.
+                unsafe { (h.dot)(q64, k64) }
+            } else {
+                dot_f16(&q16, key)
+            } * scale;
+        }
+        let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        if block_max > max {
+            if max != f32::NEG_INFINITY {
+                let c = expf(max - block_max);
+                for a in acc.iter_mut() {
+                    *a *= c;
+                }
+                sum *= c;
+            }
+            max = block_max;
+        }
+        let mut p = [0f32; 16];
+        for (pi, &si) in p.iter_mut().zip(&s).take(len) {
+            *pi = expf(si - max);
+        }
+        sum += reduce16(&p);
+        for (i, &pi) in p.iter().enumerate().take(len) {
+            for (a, &vv) in acc.iter_mut().zip(&v[(b + i) * hd..(b + i + 1) * hd]) {
+                *a = vv.mul_add(pi, *a);
+            }
+        }
+    }
+    let inv = 1.0 / sum;
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = a * inv;
+    }
+    (max as f64 + (sum as f64).ln()) as f32
 }
 
 /// One query head against positions `start..end` of one KV head (`k`, `v` from `start`).

@@ -1,12 +1,15 @@
 //! AVX-512 decode attention of one KV head's whole query group, straight from f16 K/V rows:
 //! bit for bit [`decode_attention_range`](super::attention::decode_attention_range) run once
-//! per query head over widened rows, in one pass over K and one over V.
+//! per query head over widened rows, in one pass over K and one over V; and, for the chunks
+//! of contexts longer than one `DECODE_CHUNK`, bit for bit
+//! [`decode_attention_online`](super::attention::decode_attention_online), in a single pass.
 //!
 //! What makes it fast while keeping ggml's exact arithmetic:
 //! * each K and V row is loaded and widened once for every query head of the group (GQA);
 //! * Q·K keeps `ggml_vec_dot_f16`'s 64 products and its `reduce64` tree, but the last
 //!   16-lane step (`_mm512_reduce_add_ps`) is done for 16 positions at once by a transposed
-//!   butterfly (the same pairings, so the same sums);
+//!   butterfly (the same pairings, so the same sums), and the tree's first two additions are
+//!   fused into the products (a product of two f16 values is exact in f32);
 //! * the softmax runs `ggml_v_expf` sixteen lanes at a time, as ggml does;
 //! * V·weights accumulate into ggml's 64 position lanes for all heads of the group at once.
 
@@ -102,14 +105,7 @@ unsafe fn group_kernel<const G: usize, const TILED: bool>(
     let stride = n.next_multiple_of(16);
     scratch.scores.resize(G * stride, 0.0);
     let scores = scratch.scores.as_mut_ptr();
-    // Q rounded to f16 (ggml converts it for the f16 dot product).
-    let mut qv = [[_mm512_setzero_ps(); 4]; G];
-    for (g, qg) in qv.iter_mut().enumerate() {
-        for (j, v) in qg.iter_mut().enumerate() {
-            let x = _mm512_loadu_ps(q.as_ptr().add(g * 64 + 16 * j));
-            *v = _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x));
-        }
-    }
+    let qv = rounded_q::<G>(q);
     scratch.rows.fill(runs);
     let max = scores_pass::<G, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
     for (g, l) in lse.iter_mut().enumerate() {
@@ -122,55 +118,177 @@ unsafe fn group_kernel<const G: usize, const TILED: bool>(
     }
 }
 
+/// The group's queries rounded to f16 (ggml converts Q for the f16 dot product), widened.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn rounded_q<const G: usize>(q: &[f32]) -> [[__m512; 4]; G] {
+    let mut qv = [[_mm512_setzero_ps(); 4]; G];
+    for (g, qg) in qv.iter_mut().enumerate() {
+        for (j, v) in qg.iter_mut().enumerate() {
+            let x = _mm512_loadu_ps(q.as_ptr().add(g * 64 + 16 * j));
+            *v = _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x));
+        }
+    }
+    qv
+}
+
+/// One-pass decode attention of a KV head's query group over the `n` positions of `runs`
+/// (rows in position order): bit for bit
+/// [`decode_attention_online`](super::attention::decode_attention_online) run once per query
+/// head. K and V stream together, a block of 16 positions at a time (the block's scores, the
+/// online softmax step, then its V rows), so the reads of the two overlap the arithmetic of
+/// both; `q`/`out` are `[group][64]`, `lse` one per head.
+///
+/// # Safety
+/// As [`attend_group_hd64`]; panics (safely) under the same conditions.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+pub unsafe fn attend_group_online_hd64(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut FastScratch) {
+    let group = lse.len();
+    assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
+    assert!(q.len() == group * 64 && out.len() == group * 64, "query group slice sizes");
+    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
+    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
+    assert!(n > 0, "empty attention range");
+    scratch.rows.fill(runs);
+    let rows = &scratch.rows;
+    match group {
+        1 => online_kernel::<1>(rows, n, scale, q, out, lse),
+        2 => online_kernel::<2>(rows, n, scale, q, out, lse),
+        3 => online_kernel::<3>(rows, n, scale, q, out, lse),
+        4 => online_kernel::<4>(rows, n, scale, q, out, lse),
+        5 => online_kernel::<5>(rows, n, scale, q, out, lse),
+        6 => online_kernel::<6>(rows, n, scale, q, out, lse),
+        7 => online_kernel::<7>(rows, n, scale, q, out, lse),
+        _ => online_kernel::<8>(rows, n, scale, q, out, lse),
+    }
+}
+
+/// [`attend_group_online_hd64`] for a group of `G`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32]) {
+    // Q and the accumulators are each in registers in their phase of a block only (both at
+    // once do not fit for a group of three): `black_box` makes the compiler reload them per
+    // block rather than spill them for the whole loop and reload one per multiply-add.
+    let q_mem = rounded_q::<G>(q);
+    let vscale = _mm512_set1_ps(scale);
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut max = [f32::NEG_INFINITY; G];
+    let mut sum = [0f32; G];
+    let mut acc = [[_mm512_setzero_ps(); 4]; G];
+    for b in (0..n).step_by(16) {
+        let qv = *std::hint::black_box(&q_mem);
+        let len = (n - b).min(16);
+        let keep = if len == 16 { 0xFFFF } else { ((1u32 << len) - 1) as __mmask16 };
+        // The block's scores (as `scores_pass`, no V prefetch: V is read right after).
+        let mut quads = [[_mm512_setzero_ps(); 4]; G];
+        for m in 0..4 {
+            let i = b + 4 * m;
+            let h = [
+                position_partials::<G, false>(rows, i, n, usize::MAX, &qv),
+                position_partials::<G, false>(rows, i + 1, n, usize::MAX, &qv),
+                position_partials::<G, false>(rows, i + 2, n, usize::MAX, &qv),
+                position_partials::<G, false>(rows, i + 3, n, usize::MAX, &qv),
+            ];
+            for (g, quad) in quads.iter_mut().enumerate() {
+                quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
+            }
+        }
+        // The online softmax step of each head: weights `p[g]` of the block's positions.
+        let mut p = [_mm512_setzero_ps(); G];
+        for g in 0..G {
+            let s = _mm512_mask_mul_ps(ninf, keep, finish16(&quads[g]), vscale);
+            let block_max = _mm512_reduce_max_ps(s);
+            if block_max > max[g] {
+                if max[g] != f32::NEG_INFINITY {
+                    let c = _mm512_cvtss_f32(expf16(_mm512_set1_ps(max[g] - block_max)));
+                    let vc = _mm512_set1_ps(c);
+                    for a in acc[g].iter_mut() {
+                        *a = _mm512_mul_ps(*a, vc);
+                    }
+                    sum[g] *= c;
+                }
+                max[g] = block_max;
+            }
+            p[g] = _mm512_maskz_mov_ps(keep, expf16(_mm512_sub_ps(s, _mm512_set1_ps(max[g]))));
+            sum[g] += reduce16(p[g]);
+        }
+        accumulate_block::<G>(rows, b, len, n, &p, &mut acc);
+    }
+    for (g, o) in out.chunks_exact_mut(64).enumerate() {
+        let inv = _mm512_set1_ps(1.0 / sum[g]);
+        for (j, a) in acc[g].iter().enumerate() {
+            _mm512_storeu_ps(o.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv));
+        }
+        lse[g] = (max[g] as f64 + (sum[g] as f64).ln()) as f32;
+    }
+}
+
+/// The V rows of positions `b..b + len` times their weights (lane `i` of `p[g]` for position
+/// `b + i`) into the accumulators, in position order, held in registers for the block.
+#[inline(always)]
+unsafe fn accumulate_block<const G: usize>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[__m512; G], acc: &mut [[__m512; 4]; G]) {
+    let mut a = *std::hint::black_box(&*acc);
+    for i in 0..len {
+        if b + i + V_AHEAD < n {
+            prefetch_row::<_MM_HINT_T0>(rows.v(b + i + V_AHEAD));
+        }
+        let vx = widen_row(rows.v(b + i));
+        let lane = _mm512_set1_epi32(i as i32);
+        for g in 0..G {
+            let w = _mm512_permutexvar_ps(lane, p[g]);
+            for j in 0..4 {
+                a[g][j] = _mm512_fmadd_ps(vx[j], w, a[g][j]);
+            }
+        }
+    }
+    *acc = a;
+}
+
+/// V rows are prefetched this many positions ahead in the one-pass kernel.
+const V_AHEAD: usize = 32;
+
 /// Scaled Q·K scores of every head for the `n` positions, into `scores[g * stride + i]`;
 /// returns each head's largest score (the softmax's maximum, taken here rather than in a
 /// pass of its own). Prefetches K a few rows ahead, and into L2 the V rows of the value
 /// pass's first window during the last [`WINDOW`] positions.
+///
+/// Positions go four at a time: their partial sums are folded at once by the first two
+/// steps of [`reduce16_x16`]'s butterfly ([`fold4`]), so each head keeps four vectors per 16
+/// positions instead of sixteen (the loads and stores of spilled partials bounded the pass).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) -> [f32; G] {
-    let zero = _mm512_setzero_ps();
+    let qv = *qv;
     let scale = _mm512_set1_ps(scale);
     let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); G];
-    // h[g][i]: position i (of 16)'s 16-lane partial sums (`reduce64` before its last step).
-    let mut h = [[zero; 16]; G];
     let v_from = n.saturating_sub(WINDOW);
-    for i in 0..n {
-        if i + K_AHEAD < n {
-            prefetch_row::<_MM_HINT_T0>(rows.k(i + K_AHEAD));
-        }
-        if i >= v_from {
-            prefetch_row::<_MM_HINT_T1>(rows.v(i - v_from));
-        }
-        let kx = widen_row(rows.k(i));
-        for g in 0..G {
-            h[g][i % 16] = if TILED {
-                // tinyBLAS: one fused multiply-add chain per lane over the 16-element chunks.
-                let mut acc = zero;
-                for j in 0..4 {
-                    acc = _mm512_fmadd_ps(qv[g][j], kx[j], acc);
-                }
-                acc
-            } else {
-                let p = |j: usize| _mm512_fmadd_ps(kx[j], qv[g][j], zero);
-                // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]).
-                _mm512_add_ps(_mm512_add_ps(p(0), p(2)), _mm512_add_ps(p(1), p(3)))
-            };
-        }
-        if i % 16 == 15 {
-            for (g, hg) in h.iter().enumerate() {
-                let s = _mm512_mul_ps(reduce16_x16(hg), scale);
-                max[g] = _mm512_max_ps(max[g], s);
-                _mm512_storeu_ps(scores.add(g * stride + i - 15), s);
+    for b in (0..n).step_by(16) {
+        // quads[g][m]: positions b + 4m .. b + 4m + 4 after two butterfly steps.
+        let mut quads = [[_mm512_setzero_ps(); 4]; G];
+        for m in 0..4 {
+            let i = b + 4 * m;
+            let h = [
+                position_partials::<G, TILED>(rows, i, n, v_from, &qv),
+                position_partials::<G, TILED>(rows, i + 1, n, v_from, &qv),
+                position_partials::<G, TILED>(rows, i + 2, n, v_from, &qv),
+                position_partials::<G, TILED>(rows, i + 3, n, v_from, &qv),
+            ];
+            for (g, quad) in quads.iter_mut().enumerate() {
+                quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
             }
         }
-    }
-    if !n.is_multiple_of(16) {
-        let keep = ((1u32 << (n % 16)) - 1) as __mmask16;
-        for (g, hg) in h.iter().enumerate() {
-            let s = _mm512_mul_ps(reduce16_x16(hg), scale);
-            max[g] = _mm512_mask_max_ps(max[g], keep, max[g], s);
-            _mm512_mask_storeu_ps(scores.add(g * stride + n - n % 16), keep, s);
+        for (g, quad) in quads.iter().enumerate() {
+            let s = _mm512_mul_ps(finish16(quad), scale);
+            let at = scores.add(g * stride + b);
+            if b + 16 <= n {
+                max[g] = _mm512_max_ps(max[g], s);
+                _mm512_storeu_ps(at, s);
+            } else {
+                let keep = ((1u32 << (n - b)) - 1) as __mmask16;
+                max[g] = _mm512_mask_max_ps(max[g], keep, max[g], s);
+                _mm512_mask_storeu_ps(at, keep, s);
+            }
         }
     }
     let mut out = [0f32; G];
@@ -178,6 +296,44 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
         *o = _mm512_reduce_max_ps(m);
     }
     out
+}
+
+/// Position `i`'s 16-lane partial sums of every head (`reduce64` before its last step, or
+/// tinyBLAS's fused chain), zero past the range (those lanes are never stored); issues the
+/// pass's prefetches for `i`.
+#[inline(always)]
+unsafe fn position_partials<const G: usize, const TILED: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; 4]; G]) -> [__m512; G] {
+    let zero = _mm512_setzero_ps();
+    if i >= n {
+        return [zero; G];
+    }
+    if i + K_AHEAD < n {
+        prefetch_row::<_MM_HINT_T0>(rows.k(i + K_AHEAD));
+    }
+    if i >= v_from {
+        prefetch_row::<_MM_HINT_T1>(rows.v(i - v_from));
+    }
+    let kx = widen_row(rows.k(i));
+    let mut h = [zero; G];
+    for (hg, q) in h.iter_mut().zip(qv) {
+        *hg = if TILED {
+            // tinyBLAS: one fused multiply-add chain per lane over the 16-element chunks.
+            let mut acc = zero;
+            for j in 0..4 {
+                acc = _mm512_fmadd_ps(q[j], kx[j], acc);
+            }
+            acc
+        } else {
+            // reduce64: h[l] = (p[l] + p[l + 32]) + (p[l + 16] + p[l + 48]), each product p
+            // a fused multiply-add onto +0 as ggml's accumulators take it. A product of two
+            // f16 values (Q is rounded to f16) is exact in f32, so p0 + p2 is the fused
+            // multiply-add of k0·q0 onto p2: the same sum in one instruction fewer.
+            let p2 = _mm512_fmadd_ps(kx[2], q[2], zero);
+            let p3 = _mm512_fmadd_ps(kx[3], q[3], zero);
+            _mm512_add_ps(_mm512_fmadd_ps(kx[0], q[0], p2), _mm512_fmadd_ps(kx[1], q[1], p3))
+        };
+    }
+    h
 }
 
 /// K rows are prefetched this many positions ahead (blocks need not be contiguous).
@@ -221,24 +377,24 @@ impl RowTable {
     }
 }
 
-/// `_mm512_reduce_add_ps` (or tinyBLAS's `reduce16`, the same tree) of each of 16 vectors,
-/// lane `p` of the result being `h[p]`'s sum:
-/// the halves added pairwise (8, 4, then (0+2)+(1+3)) by a butterfly over the vectors.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn reduce16_x16(h: &[__m512; 16]) -> __m512 {
-    // Step 1: t[j] = [h[2j] lo8 + hi8 | h[2j+1] lo8 + hi8].
-    let mut t = [_mm512_setzero_ps(); 8];
-    for j in 0..8 {
-        let (a, b) = (h[2 * j], h[2 * j + 1]);
-        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b0100_0100>(a, b), _mm512_shuffle_f32x4::<0b1110_1110>(a, b));
-    }
-    // Step 2: u[j] quarter k = the 4-lane t4 of position 4j + k.
-    let mut u = [_mm512_setzero_ps(); 4];
-    for j in 0..4 {
-        let (a, b) = (t[2 * j], t[2 * j + 1]);
-        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b1000_1000>(a, b), _mm512_shuffle_f32x4::<0b1101_1101>(a, b));
-    }
+/// The first two steps of `_mm512_reduce_add_ps` (or tinyBLAS's `reduce16`, the same tree)
+/// for four positions' vectors `a`–`d`: quarter `k` of the result holds position `k`'s four
+/// lanes after (lo8 + hi8) then (lo4 + hi4). [`finish16`] takes four of these to the sums.
+#[inline(always)]
+unsafe fn fold4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m512 {
+    // Step 1: [a lo8 + hi8 | b lo8 + hi8], as [a0 a1 b2 b3] + [a2 a3 b0 b1] (quarters; one
+    // shuffle and a blend instead of two shuffles).
+    let t0 = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, a, b), _mm512_shuffle_f32x4::<0b0100_1110>(a, b));
+    let t1 = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, c, d), _mm512_shuffle_f32x4::<0b0100_1110>(c, d));
+    // Step 2: quarter k = the 4-lane lo4 + hi4 of position k.
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0b1000_1000>(t0, t1), _mm512_shuffle_f32x4::<0b1101_1101>(t0, t1))
+}
+
+/// The rest of `_mm512_reduce_add_ps` for 16 positions from their [`fold4`]s (`u[j]` of
+/// positions 4j..4j + 4): lane `p` of the result is position `p`'s sum, the last steps
+/// (0 + 2) + (1 + 3) done by in-lane shuffles.
+#[inline(always)]
+unsafe fn finish16(u: &[__m512; 4]) -> __m512 {
     // Step 3: per quarter [a0 + a2, a1 + a3, b0 + b2, b1 + b3].
     let v0 = _mm512_add_ps(_mm512_shuffle_ps::<0b0100_0100>(u[0], u[1]), _mm512_shuffle_ps::<0b1110_1110>(u[0], u[1]));
     let v1 = _mm512_add_ps(_mm512_shuffle_ps::<0b0100_0100>(u[2], u[3]), _mm512_shuffle_ps::<0b1110_1110>(u[2], u[3]));
