@@ -188,3 +188,38 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
         assert!(first_bad.is_none(), "group {group} x {n_kv} kv heads, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
     }
 }
+
+/// `decode_group` (the one entry every decode path takes) picks the arithmetic by the context:
+/// a context that fits in one `DECODE_CHUNK` gets ggml's two passes, each chunk of a longer
+/// one the one-pass online softmax — on any instruction set (per-head twins here).
+#[test]
+fn decode_group_picks_the_arithmetic_by_context_length() {
+    use duet_common::kernels::attention::{attn_scale, decode_attention_online, decode_attention_range, decode_group, padded_len, GroupScratch, KvRun, DECODE_CHUNK, KV_PADDING};
+    let mut rng = StdRng::seed_from_u64(77);
+    let mut scratch = GroupScratch::default();
+    let group = 3;
+    // (context, range): one chunk; the first and the last chunk of a longer context.
+    for &(n_ctx, start, end) in &[(1500usize, 0usize, 1500usize), (DECODE_CHUNK + 500, 0, DECODE_CHUNK), (DECODE_CHUNK + 500, DECODE_CHUNK, DECODE_CHUNK + 500)] {
+        let n = end - start;
+        let k: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let q: Vec<f32> = (0..group * 64).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let n_padded = padded_len(n_ctx, KV_PADDING);
+        let scale = attn_scale(64);
+        let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
+        decode_group(&[KvRun { k: &k, v: &v }], start..end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
+        let (kw, vw): (Vec<f32>, Vec<f32>) = (k.iter().map(|x| x.to_f32()).collect(), v.iter().map(|x| x.to_f32()).collect());
+        for g in 0..group {
+            let mut twin = vec![0f32; 64];
+            let qh = &q[g * 64..(g + 1) * 64];
+            let twin_lse = if n_ctx > DECODE_CHUNK {
+                decode_attention_online(qh, &kw, &vw, n, scale, &mut twin)
+            } else {
+                decode_attention_range(qh, &kw, &vw, start..end, n_padded, scale, &mut twin)
+            };
+            assert!(out[g * 64..(g + 1) * 64].iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "context {n_ctx} range {start}..{end} head {g}");
+            assert_eq!(lse[g].to_bits(), twin_lse.to_bits(), "context {n_ctx} range {start}..{end} head {g}: lse");
+        }
+    }
+    println!("kernels::isa() = {:?}", kernels::isa());
+}
