@@ -135,9 +135,9 @@ unsafe fn rounded_q<const G: usize>(q: &[f32]) -> [[__m512; 4]; G] {
 /// One-pass decode attention of a KV head's query group over the `n` positions of `runs`
 /// (rows in position order): bit for bit
 /// [`decode_attention_online`](super::attention::decode_attention_online) run once per query
-/// head. K and V stream together, a block of 16 positions at a time (the block's scores, the
-/// online softmax step, then its V rows), so the reads of the two overlap the arithmetic of
-/// both; `q`/`out` are `[group][64]`, `lse` one per head.
+/// head. K and V stream together, a block of 16 positions at a time (the block's scores and
+/// online softmax step, then the block before's V rows, software-pipelined), so the reads of
+/// the two overlap the arithmetic of both; `q`/`out` are `[group][64]`, `lse` one per head.
 ///
 /// # Safety
 /// As [`attend_group_hd64`]; panics (safely) under the same conditions.
@@ -176,6 +176,10 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
     let mut max = [f32::NEG_INFINITY; G];
     let mut sum = [0f32; G];
     let mut acc = [[_mm512_setzero_ps(); 4]; G];
+    // The block whose V rows are still to be accumulated (start, length) and its weights,
+    // stored a block before they are read (broadcast from memory: no shuffle per position).
+    let mut pending: Option<(usize, usize)> = None;
+    let mut weights = [[0f32; 16]; G];
     for b in (0..n).step_by(16) {
         let qv = *std::hint::black_box(&q_mem);
         let len = (n - b).min(16);
@@ -194,26 +198,41 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
                 quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
             }
         }
-        // The online softmax step of each head: weights `p[g]` of the block's positions.
+        // The online softmax step of each head: the block's weights `p[g]`, and the factor
+        // that rescales what is accumulated so far if the block raised the maximum.
         let mut p = [_mm512_setzero_ps(); G];
+        let mut rescale = [None; G];
         for g in 0..G {
             let s = _mm512_mask_mul_ps(ninf, keep, finish16(&quads[g]), vscale);
             let block_max = _mm512_reduce_max_ps(s);
             if block_max > max[g] {
                 if max[g] != f32::NEG_INFINITY {
-                    let c = _mm512_cvtss_f32(expf16(_mm512_set1_ps(max[g] - block_max)));
-                    let vc = _mm512_set1_ps(c);
-                    for a in acc[g].iter_mut() {
-                        *a = _mm512_mul_ps(*a, vc);
-                    }
-                    sum[g] *= c;
+                    rescale[g] = Some(_mm512_cvtss_f32(expf16(_mm512_set1_ps(max[g] - block_max))));
                 }
                 max[g] = block_max;
             }
             p[g] = _mm512_maskz_mov_ps(keep, expf16(_mm512_sub_ps(s, _mm512_set1_ps(max[g]))));
-            sum[g] += reduce16(p[g]);
         }
-        accumulate_block::<G>(rows, b, len, n, &p, &mut acc);
+        // The V rows of the block before (software pipelining: its weights have long been
+        // ready, while this block's still wait on its maximum and exp), then the rescale.
+        if let Some((pb, plen)) = pending {
+            accumulate_block::<G>(rows, pb, plen, n, &weights, &mut acc);
+        }
+        for g in 0..G {
+            if let Some(c) = rescale[g] {
+                let vc = _mm512_set1_ps(c);
+                for a in acc[g].iter_mut() {
+                    *a = _mm512_mul_ps(*a, vc);
+                }
+                sum[g] *= c;
+            }
+            sum[g] += reduce16(p[g]);
+            _mm512_storeu_ps(weights[g].as_mut_ptr(), p[g]);
+        }
+        pending = Some((b, len));
+    }
+    if let Some((pb, plen)) = pending {
+        accumulate_block::<G>(rows, pb, plen, n, &weights, &mut acc);
     }
     for (g, o) in out.chunks_exact_mut(64).enumerate() {
         let inv = _mm512_set1_ps(1.0 / sum[g]);
@@ -224,21 +243,20 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
     }
 }
 
-/// The V rows of positions `b..b + len` times their weights (lane `i` of `p[g]` for position
-/// `b + i`) into the accumulators, in position order, held in registers for the block.
+/// The V rows of positions `b..b + len` times their weights (`p[g][i]` for position `b + i`)
+/// into the accumulators, in position order, held in registers for the block.
 #[inline(always)]
-unsafe fn accumulate_block<const G: usize>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[__m512; G], acc: &mut [[__m512; 4]; G]) {
+unsafe fn accumulate_block<const G: usize>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[[f32; 16]; G], acc: &mut [[__m512; 4]; G]) {
     let mut a = *std::hint::black_box(&*acc);
     for i in 0..len {
         if b + i + V_AHEAD < n {
             prefetch_row::<_MM_HINT_T0>(rows.v(b + i + V_AHEAD));
         }
         let vx = widen_row(rows.v(b + i));
-        let lane = _mm512_set1_epi32(i as i32);
-        for g in 0..G {
-            let w = _mm512_permutexvar_ps(lane, p[g]);
-            for j in 0..4 {
-                a[g][j] = _mm512_fmadd_ps(vx[j], w, a[g][j]);
+        for (a_g, p_g) in a.iter_mut().zip(p) {
+            let w = _mm512_set1_ps(p_g[i]);
+            for (x, &vj) in a_g.iter_mut().zip(&vx) {
+                *x = _mm512_fmadd_ps(vj, w, *x);
             }
         }
     }
