@@ -306,8 +306,9 @@ pub fn decode_attention_range(
 
 /// Single-token decode attention of one query head over `n` positions in one pass (online
 /// softmax), the arithmetic of every chunk of a context longer than [`DECODE_CHUNK`]: `k` and
-/// `v` hold those positions widened to f32 (`[n][head_dim]`). Scores as
-/// [`decode_attention_range`]'s; then, per block of 16 positions: the running maximum raised
+/// `v` hold those positions widened to f32 (`[n][head_dim]`). Q rounded to f16, each score
+/// tinyBLAS's dot product (16 lanes of fused multiply-adds, `reduce16`) times `scale`; then,
+/// per block of 16 positions: the running maximum raised
 /// to the block's (the accumulators and the sum scaled by ggml's `exp` of the difference),
 /// the block's weights `exp(score - max)` (f32, not rounded to f16) summed by `reduce16` into
 /// an f32 sum, and each position's V row fused-multiply-added into one f32 accumulator per
@@ -318,22 +319,20 @@ pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale:
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
-        let head64 = (hd == 64).then_some(Head64 { dot: super::simd_x86::dot_f16_64 });
-        // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        return unsafe { attend_online_fma(q, k, v, n, scale, out, head64) };
+        // SAFETY: AVX2 and FMA were detected by `isa()`.
+        return unsafe { attend_online_fma(q, k, v, n, scale, out) };
     }
-    attend_online(q, k, v, n, scale, out, None)
+    attend_online(q, k, v, n, scale, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
-    attend_online(q, k, v, n, scale, out, head64)
+unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
+    attend_online(q, k, v, n, scale, out)
 }
 
-/// Safety: as [`attend`].
 #[inline(always)]
-fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
+fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
     let hd = out.len();
     let mut q16 = vec![0f32; hd];
     round_to_f16(&q[..hd], &mut q16);
@@ -344,12 +343,9 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mu
         let mut s = [f32::NEG_INFINITY; 16];
         for (i, si) in s.iter_mut().enumerate().take(len) {
             let key = &k[(b + i) * hd..(b + i + 1) * hd];
-            *si = if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(&q16[..]), <&[f32; 64]>::try_from(key)) {
-                // SAFETY: see `attend`.
-                unsafe { (h.dot)(q64, k64) }
-            } else {
-                dot_f16(&q16, key)
-            } * scale;
+            // tinyBLAS's order (llama.cpp's for prompt batches): one fused multiply-add chain
+            // per lane, which the AVX-512 kernel computes with fewer instructions than ggml's.
+            *si = if hd.is_multiple_of(16) { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
         }
         let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         if block_max > max {

@@ -184,20 +184,8 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
         let qv = *std::hint::black_box(&q_mem);
         let len = (n - b).min(16);
         let keep = if len == 16 { 0xFFFF } else { ((1u32 << len) - 1) as __mmask16 };
-        // The block's scores (as `scores_pass`, no V prefetch: V is read right after).
-        let mut quads = [[_mm512_setzero_ps(); 4]; G];
-        for m in 0..4 {
-            let i = b + 4 * m;
-            let h = [
-                position_partials::<G, false>(rows, i, n, usize::MAX, &qv),
-                position_partials::<G, false>(rows, i + 1, n, usize::MAX, &qv),
-                position_partials::<G, false>(rows, i + 2, n, usize::MAX, &qv),
-                position_partials::<G, false>(rows, i + 3, n, usize::MAX, &qv),
-            ];
-            for (g, quad) in quads.iter_mut().enumerate() {
-                quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
-            }
-        }
+        // The block's scores in tinyBLAS's order (no V prefetch: V is read right after).
+        let quads = if len == 16 { block_quads::<G, true, false>(rows, b, n, usize::MAX, &qv) } else { block_quads::<G, true, true>(rows, b, n, usize::MAX, &qv) };
         // The online softmax step of each head: the block's weights `p[g]`, and the factor
         // that rescales what is accumulated so far if the block raised the maximum.
         let mut p = [_mm512_setzero_ps(); G];
@@ -282,20 +270,7 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
     let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); G];
     let v_from = n.saturating_sub(WINDOW);
     for b in (0..n).step_by(16) {
-        // quads[g][m]: positions b + 4m .. b + 4m + 4 after two butterfly steps.
-        let mut quads = [[_mm512_setzero_ps(); 4]; G];
-        for m in 0..4 {
-            let i = b + 4 * m;
-            let h = [
-                position_partials::<G, TILED>(rows, i, n, v_from, &qv),
-                position_partials::<G, TILED>(rows, i + 1, n, v_from, &qv),
-                position_partials::<G, TILED>(rows, i + 2, n, v_from, &qv),
-                position_partials::<G, TILED>(rows, i + 3, n, v_from, &qv),
-            ];
-            for (g, quad) in quads.iter_mut().enumerate() {
-                quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
-            }
-        }
+        let quads = if b + 16 <= n { block_quads::<G, TILED, false>(rows, b, n, v_from, &qv) } else { block_quads::<G, TILED, true>(rows, b, n, v_from, &qv) };
         for (g, quad) in quads.iter().enumerate() {
             let s = _mm512_mul_ps(finish16(quad), scale);
             let at = scores.add(g * stride + b);
@@ -316,13 +291,34 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
     out
 }
 
-/// Position `i`'s 16-lane partial sums of every head (`reduce64` before its last step, or
-/// tinyBLAS's fused chain), zero past the range (those lanes are never stored); issues the
-/// pass's prefetches for `i`.
+/// The 16 positions from `b` of every head folded by [`fold4`]: `quads[g][m]` holds positions
+/// `b + 4m .. b + 4m + 4` after two butterfly steps, ready for [`finish16`]. `PARTIAL`: the
+/// block may reach past `n` (those positions count as zero).
 #[inline(always)]
-unsafe fn position_partials<const G: usize, const TILED: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; 4]; G]) -> [__m512; G] {
+unsafe fn block_quads<const G: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, b: usize, n: usize, v_from: usize, qv: &[[__m512; 4]; G]) -> [[__m512; 4]; G] {
+    let mut quads = [[_mm512_setzero_ps(); 4]; G];
+    for m in 0..4 {
+        let i = b + 4 * m;
+        let h = [
+            position_partials::<G, TILED, PARTIAL>(rows, i, n, v_from, qv),
+            position_partials::<G, TILED, PARTIAL>(rows, i + 1, n, v_from, qv),
+            position_partials::<G, TILED, PARTIAL>(rows, i + 2, n, v_from, qv),
+            position_partials::<G, TILED, PARTIAL>(rows, i + 3, n, v_from, qv),
+        ];
+        for (g, quad) in quads.iter_mut().enumerate() {
+            quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
+        }
+    }
+    quads
+}
+
+/// Position `i`'s 16-lane partial sums of every head (`reduce64` before its last step, or
+/// tinyBLAS's fused chain), zero past the range if `PARTIAL` (those lanes are never stored);
+/// issues the pass's prefetches for `i`.
+#[inline(always)]
+unsafe fn position_partials<const G: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; 4]; G]) -> [__m512; G] {
     let zero = _mm512_setzero_ps();
-    if i >= n {
+    if PARTIAL && i >= n {
         return [zero; G];
     }
     if i + K_AHEAD < n {
