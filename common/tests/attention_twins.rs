@@ -3,10 +3,38 @@
 //! widened twins, the dispatched prefill path against the widened one, and the one-pass
 //! arithmetic against the two-pass one and f64 attention. Inputs are random, the seeds fixed.
 
+use duet_common::kernels::attention::KvRun;
 use duet_common::kernels::{self, Isa};
 use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+/// Runs of 1 to 40 rows covering the `n` rows of 64 of `k` and `v`, as paged blocks give them.
+fn uneven_runs<'a>(k: &'a [f16], v: &'a [f16], n: usize, rng: &mut StdRng) -> Vec<KvRun<'a>> {
+    let mut runs = Vec::new();
+    let mut at = 0;
+    while at < n {
+        let len = rng.random_range(1..=40).min(n - at);
+        runs.push(KvRun { k: &k[at * 64..(at + len) * 64], v: &v[at * 64..(at + len) * 64] });
+        at += len;
+    }
+    runs
+}
+
+fn widened(x: &[f16]) -> Vec<f32> {
+    x.iter().map(|x| x.to_f32()).collect()
+}
+
+/// Each head's output (`[head][64]`) and log-sum-exp against `twin(head, out) -> lse`, bit for bit.
+fn assert_heads_equal(out: &[f32], lse: &[f32], what: &str, mut twin: impl FnMut(usize, &mut [f32]) -> f32) {
+    for (g, &l) in lse.iter().enumerate() {
+        let mut expected = vec![0f32; 64];
+        let expected_lse = twin(g, &mut expected);
+        let fast = &out[g * 64..(g + 1) * 64];
+        assert!(fast.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "{what} head {g}: outputs differ");
+        assert_eq!(l.to_bits(), expected_lse.to_bits(), "{what} head {g}: lse");
+    }
+}
 
 /// The AVX-512 group kernel against `decode_attention_range` run per query head on widened
 /// rows (itself bit-identical to the scalar twins): every group size it is built for,
@@ -15,7 +43,6 @@ use rand::{Rng, SeedableRng};
 #[test]
 fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
     use duet_common::kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
-    use duet_common::kernels::attention::KvRun;
     use duet_common::kernels::attention_avx512::{attend_group_hd64, FastScratch};
     if kernels::isa() < Isa::Avx512 {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the AVX-512 attention kernel is not run");
@@ -45,30 +72,16 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
             let k: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
             let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
             let q: Vec<f32> = (0..group * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
-            // Runs of 1 to 40 rows.
-            let mut runs = Vec::new();
-            let mut at = 0;
-            while at < n {
-                let len = rng.random_range(1..=40).min(n - at);
-                runs.push(KvRun { k: &k[at * 64..(at + len) * 64], v: &v[at * 64..(at + len) * 64] });
-                at += len;
-            }
+            let runs = uneven_runs(&k, &v, n, &mut rng);
             let n_padded = padded_len(n_ctx, KV_PADDING);
             let scale = attn_scale(64);
             let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
             // SAFETY: AVX-512 was detected (checked above).
             unsafe { attend_group_hd64(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
-            let (kw, vw): (Vec<f32>, Vec<f32>) = (k.iter().map(|x| x.to_f32()).collect(), v.iter().map(|x| x.to_f32()).collect());
-            for g in 0..group {
-                let mut twin = vec![0f32; 64];
-                let twin_lse = decode_attention_range(&q[g * 64..(g + 1) * 64], &kw, &vw, start..end, n_padded, scale, &mut twin);
-                let fast = &out[g * 64..(g + 1) * 64];
-                assert!(
-                    fast.iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "n_ctx {n_ctx} range {start}..{end} group {group} head {g}: outputs differ"
-                );
-                assert_eq!(lse[g].to_bits(), twin_lse.to_bits(), "n_ctx {n_ctx} range {start}..{end} group {group} head {g}: lse");
-            }
+            let (kw, vw) = (widened(&k), widened(&v));
+            assert_heads_equal(&out, &lse, &format!("n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
+                decode_attention_range(&q[g * 64..(g + 1) * 64], &kw, &vw, start..end, n_padded, scale, twin)
+            });
         }
     }
 }
@@ -79,7 +92,7 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
 /// along the range (the running maximum raised, and the sums rescaled, in most blocks).
 #[test]
 fn avx512_online_group_attention_equals_twin_bit_for_bit() {
-    use duet_common::kernels::attention::{attn_scale, decode_attention_online, KvRun};
+    use duet_common::kernels::attention::{attn_scale, decode_attention_online};
     use duet_common::kernels::attention_avx512::{attend_group_online_hd64, FastScratch};
     if kernels::isa() < Isa::Avx512 {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the one-pass AVX-512 attention kernel is not run");
@@ -100,25 +113,15 @@ fn avx512_online_group_attention_equals_twin_bit_for_bit() {
                 .collect();
             let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
             let q: Vec<f32> = (0..group * 64).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
-            let mut runs = Vec::new();
-            let mut at = 0;
-            while at < n {
-                let len = rng.random_range(1..=40).min(n - at);
-                runs.push(KvRun { k: &k[at * 64..(at + len) * 64], v: &v[at * 64..(at + len) * 64] });
-                at += len;
-            }
+            let runs = uneven_runs(&k, &v, n, &mut rng);
             let scale = attn_scale(64);
             let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
             // SAFETY: AVX-512 was detected (checked above).
             unsafe { attend_group_online_hd64(&runs, n, scale, &q, &mut out, &mut lse, &mut scratch) };
-            let (kw, vw): (Vec<f32>, Vec<f32>) = (k.iter().map(|x| x.to_f32()).collect(), v.iter().map(|x| x.to_f32()).collect());
-            for g in 0..group {
-                let mut twin = vec![0f32; 64];
-                let twin_lse = decode_attention_online(&q[g * 64..(g + 1) * 64], &kw, &vw, n, scale, &mut twin);
-                let fast = &out[g * 64..(g + 1) * 64];
-                assert!(fast.iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "n {n} group {group} head {g} (rising {rising}): outputs differ");
-                assert_eq!(lse[g].to_bits(), twin_lse.to_bits(), "n {n} group {group} head {g}: lse");
-            }
+            let (kw, vw) = (widened(&k), widened(&v));
+            assert_heads_equal(&out, &lse, &format!("n {n} group {group} (rising {rising})"), |g, twin| {
+                decode_attention_online(&q[g * 64..(g + 1) * 64], &kw, &vw, n, scale, twin)
+            });
         }
     }
 }
@@ -194,7 +197,7 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
 /// one the one-pass online softmax — on any instruction set (per-head twins here).
 #[test]
 fn decode_group_picks_the_arithmetic_by_context_length() {
-    use duet_common::kernels::attention::{attn_scale, decode_attention_online, decode_attention_range, decode_group, padded_len, GroupScratch, KvRun, DECODE_CHUNK, KV_PADDING};
+    use duet_common::kernels::attention::{attn_scale, decode_attention_online, decode_attention_range, decode_group, padded_len, GroupScratch, DECODE_CHUNK, KV_PADDING};
     let mut rng = StdRng::seed_from_u64(77);
     let mut scratch = GroupScratch::default();
     let group = 3;
@@ -208,18 +211,15 @@ fn decode_group_picks_the_arithmetic_by_context_length() {
         let scale = attn_scale(64);
         let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
         decode_group(&[KvRun { k: &k, v: &v }], start..end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
-        let (kw, vw): (Vec<f32>, Vec<f32>) = (k.iter().map(|x| x.to_f32()).collect(), v.iter().map(|x| x.to_f32()).collect());
-        for g in 0..group {
-            let mut twin = vec![0f32; 64];
+        let (kw, vw) = (widened(&k), widened(&v));
+        assert_heads_equal(&out, &lse, &format!("context {n_ctx} range {start}..{end}"), |g, twin| {
             let qh = &q[g * 64..(g + 1) * 64];
-            let twin_lse = if n_ctx > DECODE_CHUNK {
-                decode_attention_online(qh, &kw, &vw, n, scale, &mut twin)
+            if n_ctx > DECODE_CHUNK {
+                decode_attention_online(qh, &kw, &vw, n, scale, twin)
             } else {
-                decode_attention_range(qh, &kw, &vw, start..end, n_padded, scale, &mut twin)
-            };
-            assert!(out[g * 64..(g + 1) * 64].iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "context {n_ctx} range {start}..{end} head {g}");
-            assert_eq!(lse[g].to_bits(), twin_lse.to_bits(), "context {n_ctx} range {start}..{end} head {g}: lse");
-        }
+                decode_attention_range(qh, &kw, &vw, start..end, n_padded, scale, twin)
+            }
+        });
     }
     println!("kernels::isa() = {:?}", kernels::isa());
 }
