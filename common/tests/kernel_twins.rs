@@ -535,11 +535,12 @@ fn four_weight_row_kernels_equal_four_single_rows() {
 }
 
 /// The KV helpers used by decode attention: `dot_f16_64` is bit-identical to
-/// `ggml_exact::dot_f16` (the same products and reduction tree), `widen_f16` to the scalar
+/// `ggml_exact::dot_f16` (the same products and reduction tree), `dot_tiled_64` to
+/// `ggml_exact::dot_tiled`, `widen_f16` to the scalar
 /// widening — on random values, exact zeros of both signs, and magnitudes far apart.
 #[test]
 fn attention_kv_helpers_equal_their_scalar_twins_bit_for_bit() {
-    use duet_common::kernels::ggml_exact::dot_f16;
+    use duet_common::kernels::ggml_exact::{dot_f16, dot_tiled};
     let mut rng = StdRng::seed_from_u64(64);
     for case in 0..2000 {
         let mut x = [0f32; 64];
@@ -557,6 +558,8 @@ fn attention_kv_helpers_equal_their_scalar_twins_bit_for_bit() {
         }
         let (fast, twin) = (kernels::dot_f16_64(&x, &y), dot_f16(&x, &y));
         assert_eq!(fast.to_bits(), twin.to_bits(), "case {case}: {fast} vs {twin}");
+        let (fast, twin) = (kernels::dot_tiled_64(&x, &y), dot_tiled(&x, &y));
+        assert_eq!(fast.to_bits(), twin.to_bits(), "case {case}, tinyBLAS order: {fast} vs {twin}");
     }
     for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
         let src: Vec<f16> = (0..n).map(|_| random_f16(&mut rng)).collect();

@@ -10,7 +10,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
-use super::ggml_exact::{dot_f16, expf, reduce16, reduce64, softmax_in_place};
+use super::ggml_exact::{dot_f16, dot_tiled, expf, reduce16, reduce64, softmax_in_place};
 use super::paged_attention::{merge_lse, merge_partials};
 use super::{isa, Isa};
 
@@ -319,20 +319,22 @@ pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale:
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
-        // SAFETY: AVX2 and FMA were detected by `isa()`.
-        return unsafe { attend_online_fma(q, k, v, n, scale, out) };
+        let head64 = (hd == 64).then_some(Head64 { dot: super::simd_x86::dot_tiled_64 });
+        // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
+        return unsafe { attend_online_fma(q, k, v, n, scale, out, head64) };
     }
-    attend_online(q, k, v, n, scale, out)
+    attend_online(q, k, v, n, scale, out, None)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
-    attend_online(q, k, v, n, scale, out)
+unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
+    attend_online(q, k, v, n, scale, out, head64)
 }
 
+/// Safety: `head64`'s function (tinyBLAS's dot product here) as in [`attend`].
 #[inline(always)]
-fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
+fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
     let hd = out.len();
     let mut q16 = vec![0f32; hd];
     round_to_f16(&q[..hd], &mut q16);
@@ -345,7 +347,14 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mu
             let key = &k[(b + i) * hd..(b + i + 1) * hd];
             // tinyBLAS's order (llama.cpp's for prompt batches): one fused multiply-add chain
             // per lane, which the AVX-512 kernel computes with fewer instructions than ggml's.
-            *si = if hd.is_multiple_of(16) { dot_tiled(&q16, key) } else { dot_f16(&q16, key) } * scale;
+            *si = if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(&q16[..]), <&[f32; 64]>::try_from(key)) {
+                // SAFETY: see `attend`.
+                unsafe { (h.dot)(q64, k64) }
+            } else if hd.is_multiple_of(16) {
+                dot_tiled(&q16, key)
+            } else {
+                dot_f16(&q16, key)
+            } * scale;
         }
         let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         if block_max > max {
@@ -363,9 +372,23 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mu
             *pi = expf(si - max);
         }
         sum += reduce16(&p);
-        for (i, &pi) in p.iter().enumerate().take(len) {
-            for (a, &vv) in acc.iter_mut().zip(&v[(b + i) * hd..(b + i + 1) * hd]) {
-                *a = vv.mul_add(pi, *a);
+        let rows = &v[b * hd..(b + len) * hd];
+        if let Ok(acc64) = <&mut [f32; 64]>::try_from(&mut acc[..]) {
+            // Heads of 64: the accumulators as a local array the compiler keeps in registers
+            // for the block (through memory, each position's multiply-adds would wait on the
+            // previous position's stores).
+            let mut a = *acc64;
+            for (row, &pi) in rows.chunks_exact(64).zip(&p) {
+                for (x, &vv) in a.iter_mut().zip(row) {
+                    *x = vv.mul_add(pi, *x);
+                }
+            }
+            *acc64 = a;
+        } else {
+            for (row, &pi) in rows.chunks_exact(hd).zip(&p) {
+                for (x, &vv) in acc.iter_mut().zip(row) {
+                    *x = vv.mul_add(pi, *x);
+                }
             }
         }
     }
@@ -391,8 +414,8 @@ struct Job<'a> {
     tiled: bool,
 }
 
-/// The register dot product of a head of 64 on AVX2 (bit-identical to `dot_f16`), chosen
-/// once per call rather than per position.
+/// The register dot product of a head of 64 on AVX2 (bit-identical to `dot_f16`, or to
+/// `dot_tiled` for the one-pass arithmetic), chosen once per call rather than per position.
 #[derive(Clone, Copy)]
 struct Head64 {
     dot: unsafe fn(&[f32; 64], &[f32; 64]) -> f32,
@@ -504,14 +527,3 @@ fn round_to_f16(x: &[f32], out: &mut [f32]) {
     buf.convert_to_f32_slice(out);
 }
 
-/// tinyBLAS's dot product: 16 lanes of fused multiply-adds in order, then `reduce16`.
-#[inline(always)]
-fn dot_tiled(x: &[f32], y: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    for (cx, cy) in x.chunks_exact(16).zip(y.chunks_exact(16)) {
-        for l in 0..16 {
-            acc[l] = cx[l].mul_add(cy[l], acc[l]);
-        }
-    }
-    reduce16(&acc)
-}

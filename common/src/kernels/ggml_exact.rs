@@ -57,6 +57,20 @@ pub fn reduce64(acc: &[f32; 64]) -> f32 {
     reduce16(&h)
 }
 
+/// tinyBLAS's (llamafile's) dot product, which llama.cpp runs for batches of query tokens: 16
+/// lanes of fused multiply-adds over the 16-element chunks in order, then `reduce16`. Elements
+/// past the last whole chunk are ignored: callers use it for lengths that are multiples of 16.
+#[inline(always)]
+pub fn dot_tiled(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (cx, cy) in x.chunks_exact(16).zip(y.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = cx[l].mul_add(cy[l], acc[l]);
+        }
+    }
+    reduce16(&acc)
+}
+
 /// `ggml_vec_dot_f16` on values already widened from f16: fused multiply-adds into 64 lanes
 /// for the first `n & !63` elements, the tree reduction, then the rest added in f64.
 #[inline(always)]

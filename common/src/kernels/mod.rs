@@ -105,6 +105,17 @@ pub fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
     ggml_exact::dot_f16(x, y)
 }
 
+/// `ggml_exact::dot_tiled` of two 64-element rows, in registers where AVX2 is present;
+/// bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
+pub fn dot_tiled_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa() >= Isa::Avx2 {
+        // SAFETY: AVX2, FMA and F16C were detected.
+        return unsafe { simd_x86::dot_tiled_64(x, y) };
+    }
+    ggml_exact::dot_tiled(x, y)
+}
+
 /// `dst[i] = src[i]` widened from f16 (exact) for `i < min(len)`, eight lanes at a time
 /// where F16C is present.
 #[inline]

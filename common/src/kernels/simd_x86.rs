@@ -178,3 +178,22 @@ pub unsafe fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
     let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
     _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
 }
+
+/// `ggml_exact::dot_tiled` (tinyBLAS's order) for exactly 64 elements: sixteen lanes of fused
+/// multiply-adds over the four 16-element chunks in order, then `reduce16`'s tree — the same
+/// operations in the same order, so the same bits.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_tiled_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
+    // SAFETY: both arrays hold 64 f32, read as eight 8-lane vectors each.
+    let ld = |v: &[f32; 64], i: usize| _mm256_loadu_ps(v.as_ptr().add(8 * i));
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    for c in 0..4 {
+        lo = _mm256_fmadd_ps(ld(x, 2 * c), ld(y, 2 * c), lo);
+        hi = _mm256_fmadd_ps(ld(x, 2 * c + 1), ld(y, 2 * c + 1), hi);
+    }
+    // reduce16: t8[i] = h[i + 8] + h[i]; t4[i] = t8[i + 4] + t8[i]; (t4[0] + t4[2]) + (t4[1] + t4[3]).
+    let t8 = _mm256_add_ps(hi, lo);
+    let t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
+    let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
+}
