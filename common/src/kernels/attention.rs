@@ -192,9 +192,9 @@ pub fn merge_chunk_tasks(tasks: &[ChunkTask], parts: &[(Vec<f32>, Vec<f32>)], n_
 /// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
 /// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
 /// [`decode_attention_range`], whose results these are, bit for bit, head by head — or, for a
-/// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s. The range
-/// lies within one [`DECODE_CHUNK`]: callers split longer ones with [`chunk_tasks`] and
-/// merge the parts with [`merge_chunk_tasks`].
+/// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s.
+/// The range lies within one [`DECODE_CHUNK`]: callers split longer ones with [`chunk_tasks`]
+/// and merge the parts with [`merge_chunk_tasks`].
 ///
 /// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
 /// (`attention_avx512`); otherwise the rows are widened once and each head runs
@@ -308,12 +308,12 @@ pub fn decode_attention_range(
 /// softmax), the arithmetic of every chunk of a context longer than [`DECODE_CHUNK`]: `k` and
 /// `v` hold those positions widened to f32 (`[n][head_dim]`). Q rounded to f16, each score
 /// tinyBLAS's dot product (16 lanes of fused multiply-adds, `reduce16`) times `scale`; then,
-/// per block of 16 positions: the running maximum raised
-/// to the block's (the accumulators and the sum scaled by ggml's `exp` of the difference),
-/// the block's weights `exp(score - max)` (f32, not rounded to f16) summed by `reduce16` into
-/// an f32 sum, and each position's V row fused-multiply-added into one f32 accumulator per
-/// dimension, in position order. The output is the accumulators times `1 / sum`; returns
-/// the log-sum-exp. The AVX-512 kernel (`attend_group_online_hd64`) matches it bit for bit.
+/// per block of 16 positions: the running maximum raised to the block's (the accumulators and
+/// the sum scaled by ggml's `exp` of the difference), the block's weights `exp(score - max)`
+/// (f32, not rounded to f16) summed by `reduce16` into an f32 sum, and each position's V row
+/// fused-multiply-added into one f32 accumulator per dimension, in position order. The output
+/// is the accumulators times `1 / sum`; returns the log-sum-exp. The AVX-512 kernel
+/// (`attend_group_online_hd64`) matches it bit for bit.
 pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
     let hd = out.len();
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");

@@ -185,7 +185,11 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
         let len = (n - b).min(16);
         let keep = if len == 16 { 0xFFFF } else { ((1u32 << len) - 1) as __mmask16 };
         // The block's scores in tinyBLAS's order (no V prefetch: V is read right after).
-        let quads = if len == 16 { block_quads::<G, true, false>(rows, b, n, usize::MAX, &qv) } else { block_quads::<G, true, true>(rows, b, n, usize::MAX, &qv) };
+        let quads = if len == 16 {
+            block_quads::<G, true, false>(rows, b, n, usize::MAX, &qv)
+        } else {
+            block_quads::<G, true, true>(rows, b, n, usize::MAX, &qv)
+        };
         // The online softmax step of each head: the block's weights `p[g]`, and the factor
         // that rescales what is accumulated so far if the block raised the maximum.
         let mut p = [_mm512_setzero_ps(); G];
@@ -270,7 +274,11 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
     let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); G];
     let v_from = n.saturating_sub(WINDOW);
     for b in (0..n).step_by(16) {
-        let quads = if b + 16 <= n { block_quads::<G, TILED, false>(rows, b, n, v_from, &qv) } else { block_quads::<G, TILED, true>(rows, b, n, v_from, &qv) };
+        let quads = if b + 16 <= n {
+            block_quads::<G, TILED, false>(rows, b, n, v_from, &qv)
+        } else {
+            block_quads::<G, TILED, true>(rows, b, n, v_from, &qv)
+        };
         for (g, quad) in quads.iter().enumerate() {
             let s = _mm512_mul_ps(finish16(quad), scale);
             let at = scores.add(g * stride + b);
