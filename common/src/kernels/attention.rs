@@ -319,9 +319,8 @@ pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale:
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
-        let head64 = (hd == 64).then_some(Head64 { dot: super::simd_x86::dot_tiled_64 });
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        return unsafe { attend_online_fma(q, k, v, n, scale, out, head64) };
+        return unsafe { attend_online_fma(q, k, v, n, scale, out, Head64::of(hd, true)) };
     }
     attend_online(q, k, v, n, scale, out, None)
 }
@@ -344,17 +343,9 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mu
         let len = (n - b).min(16);
         let mut s = [f32::NEG_INFINITY; 16];
         for (i, si) in s.iter_mut().enumerate().take(len) {
-            let key = &k[(b + i) * hd..(b + i + 1) * hd];
             // tinyBLAS's order (llama.cpp's for prompt batches): one fused multiply-add chain
             // per lane, which the AVX-512 kernel computes with fewer instructions than ggml's.
-            *si = if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(&q16[..]), <&[f32; 64]>::try_from(key)) {
-                // SAFETY: see `attend`.
-                unsafe { (h.dot)(q64, k64) }
-            } else if hd.is_multiple_of(16) {
-                dot_tiled(&q16, key)
-            } else {
-                dot_f16(&q16, key)
-            } * scale;
+            *si = score(&q16, &k[(b + i) * hd..(b + i + 1) * hd], true, head64) * scale;
         }
         let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         if block_max > max {
@@ -415,10 +406,36 @@ struct Job<'a> {
 }
 
 /// The register dot product of a head of 64 on AVX2 (bit-identical to `dot_f16`, or to
-/// `dot_tiled` for the one-pass arithmetic), chosen once per call rather than per position.
+/// `dot_tiled` in tinyBLAS's order), chosen once per call rather than per position.
 #[derive(Clone, Copy)]
 struct Head64 {
     dot: unsafe fn(&[f32; 64], &[f32; 64]) -> f32,
+}
+
+impl Head64 {
+    /// The register dot product in `ggml_vec_dot_f16`'s order, or tinyBLAS's if `tiled`, for
+    /// heads of 64. Only for callers that checked AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    fn of(hd: usize, tiled: bool) -> Option<Head64> {
+        let dot = if tiled { super::simd_x86::dot_tiled_64 } else { super::simd_x86::dot_f16_64 };
+        (hd == 64).then_some(Head64 { dot })
+    }
+}
+
+/// One Q·K product: in tinyBLAS's order if `tiled` (which needs the length to be a multiple of
+/// 16; otherwise llama.cpp falls back to `ggml_vec_dot_f16`), else in `ggml_vec_dot_f16`'s;
+/// in registers where `head64` (made by [`Head64::of`] with the same `tiled`) is given.
+/// Safety: as [`attend`].
+#[inline(always)]
+fn score(q16: &[f32], key: &[f32], tiled: bool, head64: Option<Head64>) -> f32 {
+    if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(q16), <&[f32; 64]>::try_from(key)) {
+        // SAFETY: see `attend`.
+        unsafe { (h.dot)(q64, k64) }
+    } else if tiled && q16.len().is_multiple_of(16) {
+        dot_tiled(q16, key)
+    } else {
+        dot_f16(q16, key)
+    }
 }
 
 /// Runs `attend` on the fastest instruction set of this machine; returns the log-sum-exp.
@@ -426,9 +443,8 @@ struct Head64 {
 fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
-        let head64 = (job.hd == 64).then_some(Head64 { dot: super::simd_x86::dot_f16_64 });
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        return unsafe { attend_fma(job, out, head64) };
+        return unsafe { attend_fma(job, out, Head64::of(job.hd, job.tiled)) };
     }
     attend(job, out, None)
 }
@@ -450,17 +466,7 @@ fn attend(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
     // w[i] is position start + i.
     let mut w = vec![0f32; n];
     for (i, s) in w.iter_mut().enumerate() {
-        let key = &k[i * hd..(i + 1) * hd];
-        // tinyBLAS needs the inner length to be a multiple of 16; otherwise llama.cpp falls
-        // back to `ggml_vec_dot_f16` for Q·K (V·weights runs over the KV length, padded to 32).
-        *s = if tiled && hd % 16 == 0 {
-            dot_tiled(&q16, key)
-        } else if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(&q16[..]), <&[f32; 64]>::try_from(key)) {
-            // SAFETY: see `attend`.
-            unsafe { (h.dot)(q64, k64) }
-        } else {
-            dot_f16(&q16, key)
-        } * scale;
+        *s = score(&q16, &k[i * hd..(i + 1) * hd], tiled, head64) * scale;
     }
     let lse = softmax_in_place(&mut w);
     let probs = w.clone();

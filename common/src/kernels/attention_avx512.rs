@@ -59,13 +59,7 @@ pub unsafe fn attend_group_hd64(
     lse: &mut [f32],
     scratch: &mut FastScratch,
 ) {
-    let group = lse.len();
-    let n = end - start;
-    assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
-    assert!(q.len() == group * 64 && out.len() == group * 64, "query group slice sizes");
-    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
-    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
-    assert!(n > 0, "empty attention range");
+    let group = checked_group(runs, end - start, q, out, lse);
     macro_rules! by_group {
         ($t:literal) => {
             match group {
@@ -85,6 +79,19 @@ pub unsafe fn attend_group_hd64(
     } else {
         by_group!(false)
     }
+}
+
+/// The checks of both group kernels' arguments (panicking): a group of 1 to [`MAX_GROUP`]
+/// heads of 64, whose size `q` and `out` agree with, and runs of K and V rows covering `n > 0`
+/// positions. Returns the group's size.
+fn checked_group(runs: &[KvRun<'_>], n: usize, q: &[f32], out: &[f32], lse: &[f32]) -> usize {
+    let group = lse.len();
+    assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
+    assert!(q.len() == group * 64 && out.len() == group * 64, "query group slice sizes");
+    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
+    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
+    assert!(n > 0, "empty attention range");
+    group
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -143,12 +150,7 @@ unsafe fn rounded_q<const G: usize>(q: &[f32]) -> [[__m512; 4]; G] {
 /// As [`attend_group_hd64`]; panics (safely) under the same conditions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub unsafe fn attend_group_online_hd64(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut FastScratch) {
-    let group = lse.len();
-    assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
-    assert!(q.len() == group * 64 && out.len() == group * 64, "query group slice sizes");
-    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
-    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
-    assert!(n > 0, "empty attention range");
+    let group = checked_group(runs, n, q, out, lse);
     scratch.rows.fill(runs);
     let rows = &scratch.rows;
     match group {
