@@ -2,8 +2,9 @@
 //! context, and split into ranges merged by log-sum-exp within a stated tolerance of the
 //! unsplit result and of a float64 reference, for real and odd shapes.
 
-use duet_common::kernels::attention::{causal_attention, AttnShape, GroupScratch, KvHead, KV_PADDING};
-use duet_common::kernels::paged_attention::{attend_group, merge_lse, merge_partials, PagedRange};
+use duet_common::kernels::attention::{attn_scale, causal_attention, decode_group, padded_len, AttnShape, GroupScratch, KvHead, KvRun, KV_PADDING};
+use duet_common::kernels::decode_batch::{merge_lse, merge_partials};
+use duet_common::kv::paged::{rows, PagedRange};
 use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
 use half::f16;
 use rand::rngs::StdRng;
@@ -20,6 +21,14 @@ const F64_TOL: f64 = U * 1.01;
 /// Split-and-merged against unsplit: each side's own weight rounding, 2u (measured: 4.2e-4
 /// over 17 positions, whose weights are large; 0.5e-4 to 1.2e-4 over 64 to 1000).
 const SPLIT_TOL: f64 = 2.0 * U * 1.01;
+
+/// Decode attention of `kv_head`'s query group over the paged range `r`: its rows read in
+/// place from the arena (as a cpu-worker reads them), then the kernel.
+#[allow(clippy::too_many_arguments)] // the arena, the range and the group's three slices
+fn attend_group(arena: &[f16], layout: &ArenaLayout, r: &PagedRange<'_>, kv_head: u32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut GroupScratch) {
+    let runs: Vec<KvRun<'_>> = rows(arena, layout, r, kv_head).into_iter().map(|(k, v)| KvRun { k, v }).collect();
+    decode_group(&runs, r.start..r.end, padded_len(r.n_ctx, r.kv_padding), attn_scale(layout.head_dim as usize), q, out, lse, scratch);
+}
 
 /// One sequence's K/V written into a paged arena and kept contiguous for the reference.
 struct Fixture {

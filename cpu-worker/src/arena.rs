@@ -4,7 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use duet_common::kernels::paged_attention::ArenaRows;
+use duet_common::kv::paged::ArenaRows;
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::Segment;
 use half::f16;

@@ -4,10 +4,11 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use duet_common::kv::KvShape;
 use duet_common::rpc::Address;
 use duet_common::topology::parse_cpu_list;
 
-use crate::{Config, KvSize, ModelShape, WorkerError};
+use crate::{kv_shape_of, Config, KvSize, WorkerError};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -77,8 +78,8 @@ impl Args {
     /// The configuration these flags describe (reads the model's metadata for its shape).
     pub fn into_config(self) -> Result<Config, WorkerError> {
         let shape = match (self.n_layer, self.n_kv_head, self.head_dim, &self.model) {
-            (Some(n_layer), Some(n_kv_head), Some(head_dim), _) => ModelShape { n_layer, n_kv_head, head_dim },
-            (None, None, None, Some(model)) => ModelShape::from_gguf(model)?,
+            (Some(n_layer), Some(n_kv_head), Some(head_dim), _) => KvShape { n_layer, n_kv_head, head_dim },
+            (None, None, None, Some(model)) => kv_shape_of(model)?,
             (None, None, None, None) => {
                 return Err(WorkerError::Config("give --model, or --n-layer, --n-kv-head and --head-dim".into()))
             }
@@ -150,7 +151,7 @@ mod tests {
     #[test]
     fn flags_to_config() {
         let c = args(&["--kv-blocks", "10", "--cpus", "0-1", "--numa-node", "1"]).into_config().unwrap();
-        assert_eq!(c.shape, ModelShape { n_layer: 2, n_kv_head: 1, head_dim: 8 });
+        assert_eq!(c.shape, KvShape { n_layer: 2, n_kv_head: 1, head_dim: 8 });
         assert_eq!((c.kv_size, c.cpus.clone(), c.worker), (KvSize::Blocks(10), Some(vec![0, 1]), 1));
         assert_eq!(c.layout().unwrap().n_blocks, 10);
         let c = args(&["--kv-bytes", "1M", "--worker", "3"]).into_config().unwrap();

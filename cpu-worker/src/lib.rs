@@ -20,7 +20,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use duet_common::kv::{ArenaLayout, KvDtype, KvError};
+use duet_common::kv::{ArenaLayout, KvDtype, KvError, KvShape};
 use duet_common::model::config::LlamaConfig;
 use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb::CpuInfoResponse;
@@ -69,29 +69,11 @@ pub fn ring_name(instance: &str, worker: u32) -> String {
     format!("duet-{instance}-xchg-{worker}")
 }
 
-/// The KV shape of the model: what the arena layout needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ModelShape {
-    pub n_layer: u32,
-    pub n_kv_head: u32,
-    pub head_dim: u32,
-}
-
-impl ModelShape {
-    /// Reads the shape from a GGUF model's metadata.
-    pub fn from_gguf(path: &Path) -> Result<ModelShape, WorkerError> {
-        let model_err = |source| WorkerError::Model { path: path.to_path_buf(), source };
-        let gguf = GgufFile::open(path).map_err(|e| model_err(e.into()))?;
-        let cfg = LlamaConfig::from_gguf(&gguf).map_err(model_err)?;
-        let field = |name: &str, v: usize| {
-            u32::try_from(v).map_err(|_| WorkerError::Config(format!("model {name} {v} does not fit 32 bits")))
-        };
-        Ok(ModelShape {
-            n_layer: field("n_layer", cfg.n_layer)?,
-            n_kv_head: field("n_kv_head", cfg.n_kv_head)?,
-            head_dim: field("head_dim", cfg.head_dim)?,
-        })
-    }
+/// The model's KV shape read from a GGUF file's metadata (what the arena layout needs).
+pub fn kv_shape_of(path: &Path) -> Result<KvShape, WorkerError> {
+    let model_err = |source| WorkerError::Model { path: path.to_path_buf(), source };
+    let gguf = GgufFile::open(path).map_err(|e| model_err(e.into()))?;
+    LlamaConfig::from_gguf(&gguf).and_then(|c| c.kv_shape()).map_err(model_err)
 }
 
 /// How large the arena is.
@@ -110,7 +92,7 @@ pub struct Config {
     pub instance: String,
     /// This worker's index in the segment names.
     pub worker: u32,
-    pub shape: ModelShape,
+    pub shape: KvShape,
     /// Tokens per KV block.
     pub block_size: u32,
     pub kv_size: KvSize,
@@ -138,7 +120,7 @@ impl Config {
 
     /// The arena layout this configuration gives (f16 KV).
     pub fn layout(&self) -> Result<ArenaLayout, WorkerError> {
-        let ModelShape { n_layer, n_kv_head, head_dim } = self.shape;
+        let KvShape { n_layer, n_kv_head, head_dim } = self.shape;
         let mut layout =
             ArenaLayout { n_layer, n_kv_head, head_dim, block_size: self.block_size, dtype: KvDtype::F16, n_blocks: 1 };
         layout.n_blocks = match self.kv_size {

@@ -6,12 +6,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{chunk_tasks, merge_chunk_tasks, ChunkTask, GroupScratch};
-use duet_common::kernels::paged_attention::{attend_group, ArenaRows, PagedRange};
+use duet_common::kernels::attention::{AttnShape, KvRun};
+use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
+use duet_common::kv::paged::{rows, ArenaRows, PagedRange};
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
 use duet_common::shm::{Consumer, ShmError};
-use rayon::prelude::*;
 
 use crate::arena::Arena;
 use crate::WorkerError;
@@ -94,27 +94,17 @@ pub fn answer<A: ArenaRows + ?Sized>(slot: &mut [u8], arena: &A, layout: &ArenaL
 /// Jobs attending fewer (position, KV head) pairs than this run on one thread.
 pub const PARALLEL_MIN_POSITIONS: usize = 8192;
 
-/// Paged attention of every (sequence, KV head) of a validated job, in parallel, long
-/// contexts as several tasks (one per `DECODE_CHUNK` of positions, merged as `decode_group`
-/// merges them); each task reads its KV head's rows once for the query group.
+/// Paged attention of every (sequence, KV head) of a validated job, in parallel (the decode
+/// fan-out every device uses, `decode_batch`: long contexts as one task per `DECODE_CHUNK`,
+/// merged), each task reading its KV head's rows in place, once for the query group.
 pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &ArenaLayout) -> Vec<SeqResult> {
-    let (n_kv, hd) = (job.n_kv_head as usize, job.head_dim as usize);
-    let group = job.n_head as usize / n_kv;
-    let tasks = chunk_tasks(job.seqs.iter().map(|s| s.start as usize..s.end as usize), n_kv);
-    // A small job runs on the calling thread: waking the pool costs more than it saves.
-    let positions: usize = job.seqs.iter().map(|s| (s.end - s.start) as usize).sum::<usize>() * n_kv;
-    let min_len = if positions < PARALLEL_MIN_POSITIONS { tasks.len().max(1) } else { 1 };
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
-        .par_iter()
-        .with_min_len(min_len)
-        .map_init(GroupScratch::default, |scratch, ChunkTask { item: s, kv_head: h, chunk }| {
-            let seq = &job.seqs[*s];
-            let r = PagedRange { start: chunk.start, end: chunk.end, ..seq.paged_range(job.layer, job.kv_padding) };
-            let q = &seq.q[h * group * hd..(h + 1) * group * hd];
-            let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
-            attend_group(arena, layout, &r, *h as u32, q, &mut out, &mut lse, scratch);
-            (out, lse)
-        })
-        .collect();
-    merge_chunk_tasks(&tasks, &parts, job.seqs.len(), n_kv, group, hd).into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()
+    let shape = AttnShape { n_head: job.n_head as usize, n_kv_head: job.n_kv_head as usize, head_dim: job.head_dim as usize };
+    let queries: Vec<DecodeQuery<'_>> =
+        job.seqs.iter().map(|s| DecodeQuery { q: &s.q, range: s.start as usize..s.end as usize, n_ctx: s.n_ctx as usize }).collect();
+    let runs = |s: usize, h: usize, chunk: std::ops::Range<usize>| {
+        let r = PagedRange { start: chunk.start, end: chunk.end, ..job.seqs[s].paged_range(job.layer, job.kv_padding) };
+        Ok::<_, std::convert::Infallible>(rows(arena, layout, &r, h as u32).into_iter().map(|(k, v)| KvRun { k, v }).collect())
+    };
+    let Ok(parts) = decode_batch(&queries, shape, job.kv_padding as usize, PARALLEL_MIN_POSITIONS, runs);
+    parts.into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()
 }

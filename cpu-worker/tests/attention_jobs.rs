@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use duet_common::kernels::attention::{causal_attention, KvHead, KV_PADDING};
-use duet_common::kernels::paged_attention::{merge_lse, merge_partials};
+use duet_common::kernels::decode_batch::{merge_lse, merge_partials};
 use duet_common::kv::{ArenaLayout, BlockId};
 use duet_common::shm::job::{encode_job, read_results, AttnJob, JobError, SeqJob, SeqResult};
 use duet_common::shm::{Producer, Segment, ShmError, SHM_DIR};

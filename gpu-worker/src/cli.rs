@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use duet_common::model::chat::ChatMessage;
 use serde_json::json;
 
+use crate::device::{Device, DeviceChoice};
 use crate::runner::{Engine, GenerateRequest};
 use crate::sampler::SamplingParams;
 
@@ -17,6 +18,10 @@ pub struct Cli {
     /// Worker threads for the CPU device (default: all cores).
     #[arg(long, global = true, env = "DUET_THREADS")]
     pub threads: Option<usize>,
+    /// The device the model runs on: auto (CUDA where usable, else the CPU, saying why), cpu
+    /// or cuda (fails if it cannot be used).
+    #[arg(long, global = true, env = "DUET_DEVICE", value_enum, default_value_t = DeviceChoice::Auto)]
+    pub device: DeviceChoice,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -120,18 +125,19 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
     }
+    let device = cli.device;
     match cli.command {
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => serve(args, device),
         // Inside the pool (see `worker::service`): forward passes' parallel loops are cheap there.
-        Command::Run(args) => rayon::scope(move |_| run_generate(args)),
+        Command::Run(args) => rayon::scope(move |_| run_generate(args, device)),
         Command::Tokenize(args) => {
-            let engine = load(&args.model)?;
+            let engine = load(&args.model, device)?;
             let ids = engine.tokenizer.encode_prompt(&args.text, args.special)?;
             println!("{}", json!({ "ids": ids }));
             Ok(())
         }
         Command::Perplexity(args) => {
-            let engine = load(&args.model)?;
+            let engine = load(&args.model, device)?;
             let text = std::fs::read_to_string(&args.file).map_err(|e| anyhow::anyhow!("reading {}: {e}", args.file.display()))?;
             let tokens = engine.tokenizer.encode_prompt(&text, false)?;
             let start = std::time::Instant::now();
@@ -149,12 +155,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Worker mode: load the model, serve until SIGTERM or Ctrl-C.
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
+fn serve(args: ServeArgs, device: DeviceChoice) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
-    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, timeout)
+    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout)
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.model.model.display()))?;
-    tracing::info!(model = %args.model.model.display(), ms = start.elapsed().as_millis() as u64, "model loaded");
+    tracing::info!(model = %args.model.model.display(), device = %service.device(), ms = start.elapsed().as_millis() as u64, "model loaded");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async {
         let listener = duet_common::rpc::Listener::bind(&args.listen)
@@ -184,14 +190,14 @@ async fn shutdown_signal() {
     }
 }
 
-fn load(model: &ModelArg) -> anyhow::Result<Engine> {
+fn load(model: &ModelArg, device: DeviceChoice) -> anyhow::Result<Engine> {
     let start = std::time::Instant::now();
-    let engine = Engine::load(&model.model).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
-    tracing::info!(model = %model.model.display(), ms = start.elapsed().as_millis() as u64, "model loaded");
+    let engine = Engine::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
+    tracing::info!(model = %model.model.display(), device = %engine.device.describe(), ms = start.elapsed().as_millis() as u64, "model loaded");
     Ok(engine)
 }
 
-fn run_generate(args: RunArgs) -> anyhow::Result<()> {
+fn run_generate(args: RunArgs, device: DeviceChoice) -> anyhow::Result<()> {
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -202,7 +208,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     };
     // Reject bad flags before spending time on loading the model.
     sampling.validate()?;
-    let engine = load(&args.model)?;
+    let engine = load(&args.model, device)?;
     let prompt_ids = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) if args.chat => {

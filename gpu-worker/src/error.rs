@@ -10,8 +10,10 @@ pub enum WorkerError {
     PromptTooLong { prompt: usize, context: usize },
     #[error("context full: {needed} positions needed, the KV cache holds {capacity}")]
     ContextFull { needed: usize, capacity: usize },
-    #[error("step: {0}")]
-    Step(String),
+    #[error("KV: {0}")]
+    Kv(#[from] crate::device::KvAccessError),
+    #[error("the {device} device cannot be used: {why}")]
+    DeviceUnavailable { device: &'static str, why: String },
 }
 
 impl From<duet_common::model::gguf::GgufError> for WorkerError {

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod device;
 pub mod error;
+pub mod forward;
 pub mod runner;
 pub mod sampler;
 pub mod worker;

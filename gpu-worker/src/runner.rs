@@ -1,5 +1,7 @@
-//! The single-process runner: loads a model, generates from a prompt (prefill, then one token
-//! per step), and scores text for perplexity exactly as llama.cpp's llama-perplexity does.
+//! The single-process runner: loads a model onto a device, generates from a prompt (prefill,
+//! then one token per step), and scores text for perplexity exactly as llama.cpp's
+//! llama-perplexity does. Its KV is a plain in-process cache ([`KvCache`]); its forward pass
+//! is the layer loop every device runs (`crate::forward`).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,18 +12,30 @@ use duet_common::model::chat::ChatTemplate;
 use duet_common::model::gguf::GgufFile;
 use duet_common::model::tokenizer::{StreamDecoder, Tokenizer};
 
-use crate::device::cpu::{CpuModel, KvCache, Logits};
+use duet_common::kernels::attention::KvRun;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::device::cpu::CpuDevice;
+use crate::device::{DecodeItem, Device, DeviceChoice, KvAccessError, KvSink, KvSource, PrefillItem, Qkv};
 use crate::error::{Result, WorkerError};
+use crate::forward::{run_layers, LayerAttention};
 use crate::sampler::{Sampler, SamplingParams};
 
-/// Longest prompt slice run through one forward pass.
-pub const PREFILL_CHUNK: usize = 512;
-
-/// A loaded model with its tokenizer and (if the file has one) chat template.
-pub struct Engine {
-    pub model: CpuModel,
+/// A model loaded onto a device, with its tokenizer and (if the file has one) chat template.
+pub struct Engine<D: Device = CpuDevice> {
+    pub device: D,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
+}
+
+/// Which positions of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token (generation).
+    Last,
+    /// Tokens `from..` of the batch (perplexity scoring).
+    From(usize),
 }
 
 /// Why generation stopped.
@@ -63,10 +77,23 @@ pub struct Perplexity {
     pub chunks: usize,
 }
 
-impl Engine {
-    /// Loads a GGUF model; its tokenizer comes from a `tokenizer.json` beside the file when
-    /// there is one, else from the GGUF's own metadata.
+impl Engine<CpuDevice> {
+    /// Loads a GGUF model onto the CPU device (see [`Engine::load_with`]).
     pub fn load(path: &Path) -> Result<Self> {
+        Engine::load_on(path, DeviceChoice::Cpu)
+    }
+
+    /// Loads a GGUF model onto the device `choice` names.
+    pub fn load_on(path: &Path, choice: DeviceChoice) -> Result<Self> {
+        Engine::load_with(path, |file| crate::device::open(choice, file))
+    }
+}
+
+impl<D: Device> Engine<D> {
+    /// Loads a GGUF model with `open` putting its weights on a device; the tokenizer comes
+    /// from a `tokenizer.json` beside the file when there is one, else from the GGUF's own
+    /// metadata.
+    pub fn load_with(path: &Path, open: impl FnOnce(Arc<GgufFile>) -> Result<D>) -> Result<Self> {
         let file = Arc::new(GgufFile::open(path)?);
         let tokenizer = match path.parent().map(|dir| dir.join("tokenizer.json")).filter(|p| p.exists()) {
             Some(json) => {
@@ -82,15 +109,37 @@ impl Engine {
                 None
             }
         };
-        let model = CpuModel::load(file)?;
-        if tokenizer.vocab_size() != model.config.n_vocab {
+        let device = open(file)?;
+        if tokenizer.vocab_size() != device.config().n_vocab {
             return Err(WorkerError::InvalidRequest(format!(
                 "tokenizer has {} tokens but the model's vocabulary is {}",
                 tokenizer.vocab_size(),
-                model.config.n_vocab
+                device.config().n_vocab
             )));
         }
-        Ok(Engine { model, tokenizer, chat_template })
+        Ok(Engine { device, tokenizer, chat_template })
+    }
+
+    /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
+    /// cache, and returns the logits asked for (`[row][vocab]`).
+    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        let pos0 = kv.len;
+        if n == 0 {
+            return Err(WorkerError::InvalidRequest("empty batch".into()));
+        }
+        if pos0 + n > kv.capacity {
+            return Err(WorkerError::ContextFull { needed: pos0 + n, capacity: kv.capacity });
+        }
+        let positions: Vec<usize> = (pos0..pos0 + n).collect();
+        let rows: Vec<usize> = match logits {
+            Logits::Last => vec![n - 1],
+            Logits::From(i) => (i.min(n - 1)..n).collect(),
+        };
+        let mut batch = [self.device.start_batch(tokens, &positions, &rows)?];
+        run_layers(&self.device, &mut batch, &mut CacheAttention { kv: &mut *kv, pos0, n })?;
+        kv.len = pos0 + n;
+        self.device.logits(&batch[0])
     }
 
     /// Generates up to `max_tokens` after the prompt; `on_text` receives text as it completes.
@@ -103,20 +152,20 @@ impl Engine {
             return Err(WorkerError::InvalidRequest("max_tokens must be at least 1".into()));
         }
         self.tokenizer.check_ids(&req.prompt_ids)?;
-        let n_ctx = self.model.config.n_ctx_train;
+        let n_ctx = self.device.config().n_ctx_train;
         if req.prompt_ids.len() >= n_ctx {
             return Err(WorkerError::PromptTooLong { prompt: req.prompt_ids.len(), context: n_ctx });
         }
         let capacity = (req.prompt_ids.len() + req.max_tokens).min(n_ctx);
-        let mut kv = KvCache::new(&self.model.config, capacity);
+        let mut kv = KvCache::new(self.device.config(), capacity);
         self.generate_in(&mut kv, req, sampler, &mut on_text)
     }
 
     fn generate_in(&self, kv: &mut KvCache, req: &GenerateRequest, mut sampler: Sampler, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
         let start = Instant::now();
         let mut logits = Vec::new();
-        for chunk in req.prompt_ids.chunks(PREFILL_CHUNK) {
-            logits = self.model.forward(chunk, kv, Logits::Last)?;
+        for chunk in req.prompt_ids.chunks(self.device.prefill_chunk()) {
+            logits = self.forward(chunk, kv, Logits::Last)?;
         }
         let prefill_time = start.elapsed();
         let decode_start = Instant::now();
@@ -151,7 +200,7 @@ impl Engine {
                 out.stop = StopReason::ContextFull;
                 break;
             }
-            logits = self.model.forward(&[token], kv, Logits::Last)?;
+            logits = self.forward(&[token], kv, Logits::Last)?;
         }
         let tail = stream.finish();
         on_text(&tail);
@@ -163,8 +212,9 @@ impl Engine {
     /// llama-perplexity's method: `floor(n / n_ctx)` chunks, each from an empty cache, scoring
     /// the second half (logits at `n_ctx/2 .. n_ctx-2` predict the next token); NLL in f64.
     pub fn perplexity(&self, tokens: &[u32], n_ctx: usize, mut progress: impl FnMut(usize, usize, f64)) -> Result<Perplexity> {
-        if n_ctx < 4 || n_ctx > self.model.config.n_ctx_train {
-            return Err(WorkerError::InvalidRequest(format!("ctx must be in 4..={}, got {n_ctx}", self.model.config.n_ctx_train)));
+        let n_ctx_train = self.device.config().n_ctx_train;
+        if n_ctx < 4 || n_ctx > n_ctx_train {
+            return Err(WorkerError::InvalidRequest(format!("ctx must be in 4..={n_ctx_train}, got {n_ctx}")));
         }
         self.tokenizer.check_ids(tokens)?;
         let chunks = tokens.len() / n_ctx;
@@ -172,7 +222,8 @@ impl Engine {
             return Err(WorkerError::InvalidRequest(format!("{} tokens are fewer than one chunk of {n_ctx}", tokens.len())));
         }
         let first = n_ctx / 2;
-        let mut kv = KvCache::new(&self.model.config, n_ctx);
+        let mut kv = KvCache::new(self.device.config(), n_ctx);
+        let prefill_chunk = self.device.prefill_chunk();
         let (mut nll, mut scored) = (0f64, 0usize);
         for c in 0..chunks {
             let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
@@ -181,17 +232,17 @@ impl Engine {
             }
             kv.clear();
             let mut logits = Vec::new();
-            for (i, part) in chunk.chunks(PREFILL_CHUNK).enumerate() {
-                let start = i * PREFILL_CHUNK;
+            for (i, part) in chunk.chunks(prefill_chunk).enumerate() {
+                let start = i * prefill_chunk;
                 let end = start + part.len();
                 // Only rows from `first` on are scored: skip the LM head before them.
                 let from = first.saturating_sub(start);
-                let rows = self.model.forward(part, &mut kv, Logits::From(from.min(part.len() - 1)))?;
+                let rows = self.forward(part, &mut kv, Logits::From(from.min(part.len() - 1)))?;
                 if end > first {
                     logits.extend(rows);
                 }
             }
-            let n_vocab = self.model.config.n_vocab;
+            let n_vocab = self.device.config().n_vocab;
             for (i, row) in logits.chunks_exact(n_vocab).enumerate() {
                 let pos = first + i;
                 if pos + 1 >= n_ctx {
@@ -215,4 +266,103 @@ pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f64)> {
     idx.truncate(n);
     idx.sort_by(|&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));
     idx.into_iter().map(|i| (i, lp[i as usize])).collect()
+}
+
+/// One sequence's KV cache in this process: per layer and KV head, `[position][head_dim]` in
+/// f16.
+#[derive(Debug)]
+pub struct KvCache {
+    /// `k[layer][kv_head]`, `capacity * head_dim` each.
+    k: Vec<Vec<Vec<f16>>>,
+    v: Vec<Vec<Vec<f16>>>,
+    head_dim: usize,
+    capacity: usize,
+    len: usize,
+}
+
+impl KvCache {
+    pub fn new(config: &duet_common::model::config::LlamaConfig, capacity: usize) -> Self {
+        let make = || vec![vec![vec![f16::ZERO; capacity * config.head_dim]; config.n_kv_head]; config.n_layer];
+        KvCache { k: make(), v: make(), head_dim: config.head_dim, capacity, len: 0 }
+    }
+
+    /// Positions already cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets every position (the memory is reused).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// The runner's attention: a batch of `n` rows continuing the cache at `pos0` — one decode
+/// token over the whole context, or a prefill chunk — all on the device.
+struct CacheAttention<'a> {
+    kv: &'a mut KvCache,
+    pos0: usize,
+    n: usize,
+}
+
+/// The batch's rows go to positions `pos0..` of the cache.
+struct CacheRows<'a> {
+    kv: &'a mut KvCache,
+    pos0: usize,
+}
+
+impl KvSink for CacheRows<'_> {
+    fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
+        let (hd, p) = (self.kv.head_dim, self.pos0 + row);
+        if p >= self.kv.capacity {
+            return Err(KvAccessError::NoBlock { position: p });
+        }
+        for (src, dst) in [(k, &mut self.kv.k[layer]), (v, &mut self.kv.v[layer])] {
+            for (h, head) in src.chunks_exact(hd).enumerate() {
+                dst[h][p * hd..(p + 1) * hd].convert_from_f32_slice(head);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The cache holds one sequence (index 0), each KV head contiguous: one run.
+impl KvSource for KvCache {
+    fn runs(&self, _seq: usize, layer: usize, kv_head: usize, range: std::ops::Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
+        let hd = self.head_dim;
+        if range.end > self.capacity {
+            return Err(KvAccessError::NoBlock { position: self.capacity });
+        }
+        let (k, v) = (&self.k[layer][kv_head], &self.v[layer][kv_head]);
+        Ok(vec![KvRun { k: &k[range.start * hd..range.end * hd], v: &v[range.start * hd..range.end * hd] }])
+    }
+}
+
+impl<D: Device> LayerAttention<D> for CacheAttention<'_> {
+    type Begun = ();
+    type Error = WorkerError;
+
+    fn begin(&mut self, device: &D, _sub: usize, layer: usize, qkv: &Qkv) -> Result<()> {
+        device.store_kv(layer, qkv, &mut CacheRows { kv: &mut *self.kv, pos0: self.pos0 })
+    }
+
+    fn finish(&mut self, device: &D, _sub: usize, layer: usize, _: (), qkv: &Qkv, out: &mut [f32]) -> Result<()> {
+        let n_ctx = self.pos0 + self.n;
+        if self.n == 1 {
+            let item = DecodeItem { seq: 0, row: 0, range: 0..n_ctx, n_ctx };
+            let mut parts = device.decode_attention(layer, &qkv.q, &[item], &*self.kv)?;
+            out.copy_from_slice(&parts.remove(0).0);
+            return Ok(());
+        }
+        let item = PrefillItem { seq: 0, row0: 0, n: self.n, start: self.pos0 };
+        device.prefill_attention(layer, &qkv.q, &[item], &*self.kv, out)
+    }
 }

@@ -33,7 +33,8 @@ use std::path::PathBuf;
 use duet_common::kernels::ops::llama3_freq_factors;
 use duet_common::model::config::RopeScaling;
 use duet_common::testutil::workspace_root;
-use duet_gpu_worker::device::cpu::{KvCache, Logits};
+use duet_gpu_worker::device::Device;
+use duet_gpu_worker::runner::{KvCache, Logits};
 use duet_gpu_worker::runner::Engine;
 use serde_json::Value;
 
@@ -95,8 +96,8 @@ fn check(name: &str, tol_paths: f64) {
     let rounded = read_f32(&format!("{name}.rounded.bin"));
     assert_eq!(rounded.len(), r.logits.len());
     let engine = Engine::load(&dir().join(format!("{name}.gguf"))).unwrap();
-    let model = &engine.model;
-    let c = &model.config;
+    let model = &engine;
+    let c = engine.device.config();
     let m = &r.meta;
     let n = r.tokens.len();
     let f = |key: &str| m[key].as_f64().unwrap_or_else(|| panic!("{name}: {key} missing"));

@@ -11,7 +11,8 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::ggml_exact::{dot_f16, dot_tiled, expf, reduce16, reduce64, softmax_in_place};
-use super::paged_attention::{merge_lse, merge_partials};
+pub use super::decode_batch::DECODE_CHUNK;
+use super::decode_batch::{decode_batch, DecodeQuery};
 use super::{isa, Isa};
 
 /// llama.cpp (without flash attention) pads the attended KV length to a multiple of this,
@@ -41,18 +42,12 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
     if n_tok == 1 {
         // Decode: each KV head's query group in one pass over its rows, chunk by chunk, the
         // (head, chunk) pairs in parallel.
-        let tasks = chunk_tasks(std::iter::once(0..n_ctx), n_kv_head);
-        let parts: Vec<(Vec<f32>, Vec<f32>)> = tasks
-            .par_iter()
-            .map_init(GroupScratch::default, |scratch, ChunkTask { kv_head: h, chunk: c, .. }| {
-                let run = KvRun { k: &kv[*h].k[c.start * hd..c.end * hd], v: &kv[*h].v[c.start * hd..c.end * hd] };
-                let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
-                decode_group(&[run], c.clone(), n_padded, scale, &q[h * group * hd..(h + 1) * group * hd], &mut o, &mut l, scratch);
-                (o, l)
-            })
-            .collect();
-        let (merged, _) = merge_chunk_tasks(&tasks, &parts, 1, n_kv_head, group, hd).remove(0);
-        out.copy_from_slice(&merged);
+        let query = DecodeQuery { q, range: 0..n_ctx, n_ctx };
+        let rows = |_, h: usize, c: Range<usize>| {
+            Ok::<_, std::convert::Infallible>(vec![KvRun { k: &kv[h].k[c.start * hd..c.end * hd], v: &kv[h].v[c.start * hd..c.end * hd] }])
+        };
+        let Ok(mut parts) = decode_batch(&[query], shape, KV_PADDING, 0, rows);
+        out.copy_from_slice(&parts.remove(0).0);
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -113,88 +108,13 @@ pub struct GroupScratch {
     fast: super::attention_avx512::FastScratch,
 }
 
-/// Decode attention over a long context is computed in chunks of this many positions,
-/// aligned to multiples of it, and the chunks merged by log-sum-exp ([`merge_chunk_tasks`]).
-/// The chunks of one KV head can then run on different threads (a batch-1 step of a model with
-/// three KV heads otherwise keeps one of two threads idle a third of the time), and every path
-/// (single process, gpu-worker, cpu-worker) computes the same chunks, so they still agree bit
-/// for bit. Within a chunk of a context that fits in one chunk the arithmetic is llama.cpp's;
-/// the chunks of a longer context (whose merge llama.cpp does not do anyway) run in one pass
-/// over K and V with an online softmax ([`decode_attention_online`]).
-pub const DECODE_CHUNK: usize = 2048;
-
-/// The [`DECODE_CHUNK`]-aligned chunks of `range`, in order (none if it is empty).
-fn decode_chunks(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
-    let mut at = range.start;
-    std::iter::from_fn(move || {
-        if at >= range.end {
-            return None;
-        }
-        let end = ((at / DECODE_CHUNK + 1) * DECODE_CHUNK).min(range.end);
-        let chunk = at..end;
-        at = end;
-        Some(chunk)
-    })
-}
-
-/// Merges one query group's results over consecutive chunks (`(out, lse)` each, in position
-/// order) into `out` and `lse`, head by head: one chunk is copied unchanged.
-fn merge_chunks(parts: &[(Vec<f32>, Vec<f32>)], out: &mut [f32], lse: &mut [f32]) {
-    let group = lse.len();
-    let hd = out.len() / group;
-    for (h, (oh, lh)) in out.chunks_exact_mut(hd).zip(lse.iter_mut()).enumerate() {
-        let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(o, l)| (&o[h * hd..(h + 1) * hd], l[h])).collect();
-        oh.copy_from_slice(&merge_partials(&head_parts));
-        *lh = merge_lse(&head_parts.iter().map(|p| p.1).collect::<Vec<_>>());
-    }
-}
-
-/// One decode task of [`chunk_tasks`]: a chunk of item (sequence) `item`'s range, for one KV
-/// head's query group.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkTask {
-    pub item: usize,
-    pub kv_head: usize,
-    pub chunk: Range<usize>,
-}
-
-/// The decode tasks of `ranges` (one per item), every KV head of each: items and heads in
-/// order, each (item, head)'s chunks (aligned to [`DECODE_CHUNK`]) consecutive and in
-/// position order — the order [`merge_chunk_tasks`] merges them in.
-pub fn chunk_tasks(ranges: impl IntoIterator<Item = Range<usize>>, n_kv_head: usize) -> Vec<ChunkTask> {
-    let mut tasks = Vec::new();
-    for (item, range) in ranges.into_iter().enumerate() {
-        for kv_head in 0..n_kv_head {
-            tasks.extend(decode_chunks(range.clone()).map(|chunk| ChunkTask { item, kv_head, chunk }));
-        }
-    }
-    tasks
-}
-
-/// Merges the results `parts` of `tasks` (from [`chunk_tasks`], one part each) into one output
-/// (`[head][head_dim]`, `n_kv_head * group` heads) and one log-sum-exp per query head for each
-/// of `n_items` items. Heads without a task stay zero.
-pub fn merge_chunk_tasks(tasks: &[ChunkTask], parts: &[(Vec<f32>, Vec<f32>)], n_items: usize, n_kv_head: usize, group: usize, hd: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
-    assert_eq!(tasks.len(), parts.len(), "one part per task");
-    let mut results: Vec<(Vec<f32>, Vec<f32>)> = (0..n_items).map(|_| (vec![0f32; n_kv_head * group * hd], vec![0f32; n_kv_head * group])).collect();
-    let mut at = 0;
-    while at < tasks.len() {
-        let (i, h) = (tasks[at].item, tasks[at].kv_head);
-        let n = tasks[at..].iter().take_while(|t| (t.item, t.kv_head) == (i, h)).count();
-        let (o, l) = &mut results[i];
-        merge_chunks(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], &mut l[h * group..(h + 1) * group]);
-        at += n;
-    }
-    results
-}
-
 /// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
 /// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
 /// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
 /// [`decode_attention_range`], whose results these are, bit for bit, head by head — or, for a
 /// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s.
-/// The range lies within one [`DECODE_CHUNK`]: callers split longer ones with [`chunk_tasks`]
-/// and merge the parts with [`merge_chunk_tasks`].
+/// The range lies within one [`DECODE_CHUNK`]: [`decode_batch`] splits longer ones and merges
+/// the parts.
 ///
 /// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
 /// (`attention_avx512`); otherwise the rows are widened once and each head runs

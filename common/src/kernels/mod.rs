@@ -4,6 +4,7 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub mod attention_avx512;
+pub mod decode_batch;
 pub mod dot;
 pub mod ggml_exact;
 #[cfg(target_arch = "x86_64")]
@@ -15,7 +16,6 @@ pub mod matmul_k_avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod matvec_avx512;
 pub mod ops;
-pub mod paged_attention;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
 pub mod quantize_avx512;

@@ -95,6 +95,16 @@ impl KvDtype {
     }
 }
 
+/// The KV shape of a model — layers, KV heads and their dimension — defined once here: an
+/// arena's layout must have it, and every process derives it from the model
+/// (`LlamaConfig::kv_shape`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvShape {
+    pub n_layer: u32,
+    pub n_kv_head: u32,
+    pub head_dim: u32,
+}
+
 /// The shape of one cpu-worker's KV arena (see the module documentation for the bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ArenaLayout {
@@ -120,6 +130,11 @@ const OFF_BLOCK_BYTES: usize = 40;
 const OFF_TOTAL_BYTES: usize = 48;
 
 impl ArenaLayout {
+    /// The model KV shape this arena holds.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape { n_layer: self.n_layer, n_kv_head: self.n_kv_head, head_dim: self.head_dim }
+    }
+
     /// Bytes before block 0.
     pub fn header_bytes(&self) -> usize {
         HEADER_BYTES

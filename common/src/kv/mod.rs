@@ -1,17 +1,19 @@
 //! KV-cache bookkeeping, apart from the memory it describes: the byte layout of a
-//! cpu-worker's KV arena ([`layout`]) and which blocks of which worker hold which
-//! sequence's tokens ([`blocks`]).
+//! cpu-worker's KV arena ([`layout`]), which blocks of which worker hold which
+//! sequence's tokens ([`blocks`]) and where a sequence's range lies in an arena ([`paged`]).
 //!
-//! Both halves are pure (no shared memory, no I/O, no async) so that every rule is asserted
+//! All three are pure (no shared memory, no I/O, no async) so that every rule is asserted
 //! and unit-tested on its own, as llama.cpp keeps `llama-kv-cells.h` and vLLM keeps
-//! `KVCacheBlocks` apart from the tensors. The shared-memory segments and the attention
-//! kernels use these types; they never recompute an offset or a slot themselves.
+//! `KVCacheBlocks` apart from the tensors. The shared-memory segments and the workers use
+//! these types and never recompute an offset or a slot themselves; the attention kernels
+//! take the rows as slices and know nothing of them.
 
 pub mod blocks;
 pub mod layout;
+pub mod paged;
 
 pub use blocks::{BlockId, BlockTable, KvPool, Placement, TokenSlot, WorkerId};
-pub use layout::{ArenaLayout, KvDtype};
+pub use layout::{ArenaLayout, KvDtype, KvShape};
 
 /// Everything that can go wrong in KV bookkeeping: a bad arena header or layout, or a
 /// request for more blocks than a worker has free.

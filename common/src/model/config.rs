@@ -3,6 +3,7 @@
 use super::gguf::{GgufError, GgufFile, Value};
 use super::names::{ArchKey, GeneralKey, TensorName};
 use crate::error::Error;
+use crate::kv::KvShape;
 
 /// How rotary frequencies are scaled.
 #[derive(Debug, Clone, PartialEq)]
@@ -131,5 +132,11 @@ impl LlamaConfig {
     /// Width of the Q projection output.
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim
+    }
+
+    /// The model's KV shape, in the arena layout's 32-bit fields.
+    pub fn kv_shape(&self) -> Result<KvShape, Error> {
+        let field = |name: &str, v: usize| u32::try_from(v).map_err(|_| Error::UnsupportedModel(format!("{name} {v} does not fit 32 bits")));
+        Ok(KvShape { n_layer: field("n_layer", self.n_layer)?, n_kv_head: field("n_kv_head", self.n_kv_head)?, head_dim: field("head_dim", self.head_dim)? })
     }
 }

@@ -46,7 +46,7 @@
 //! Results start at the request bytes rounded up to 64: per sequence, in order, the outputs
 //! (f32 × n_head × head_dim, `[head][head_dim]`) then the log-sum-exps (f32 × n_head).
 
-use crate::kernels::paged_attention::PagedRange;
+use crate::kv::paged::PagedRange;
 use crate::kv::{ArenaLayout, BlockId, KvDtype};
 
 /// Magic bytes of a job.

@@ -1,9 +1,12 @@
 //! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file,
-//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon.
+//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon. Its
+//! attention reads the KV in place: decode through the one fan-out of the kernels
+//! (`decode_batch`), prefill through `causal_attention`.
 
 use std::sync::Arc;
 
-use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead};
+use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead, KV_PADDING};
+use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_common::kernels::dot::vec_dot_type;
 use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
 use duet_common::kernels::ops::{llama3_freq_factors, rms_norm, silu_mul, Rope};
@@ -11,10 +14,11 @@ use duet_common::kernels::quant::{dequantize, GgmlType};
 use duet_common::model::config::{LlamaConfig, RopeScaling};
 use duet_common::model::gguf::GgufFile;
 use duet_common::model::names::TensorName;
+use duet_common::rpc::pb;
 use half::f16;
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
+use super::{Device, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::{Result, WorkerError};
 
 /// A weight matrix: the tensor's name in the file and its checked shape.
@@ -39,17 +43,8 @@ struct Layer {
     down: Weight,
 }
 
-/// Which positions of a forward pass need logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Logits {
-    /// Only the last token (generation).
-    Last,
-    /// Tokens `from..` of the batch (perplexity scoring).
-    From(usize),
-}
-
-/// The model's weights on the CPU device, borrowed from the memory-mapped file.
-pub struct CpuModel {
+/// The CPU device: the model's weights, borrowed from the memory-mapped file.
+pub struct CpuDevice {
     file: Arc<GgufFile>,
     pub config: LlamaConfig,
     token_embd: Weight,
@@ -59,9 +54,9 @@ pub struct CpuModel {
     rope: Rope,
 }
 
-impl std::fmt::Debug for CpuModel {
+impl std::fmt::Debug for CpuDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuModel").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("CpuDevice").field("config", &self.config).finish_non_exhaustive()
     }
 }
 
@@ -91,7 +86,7 @@ fn vector(file: &GgufFile, name: TensorName, n: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-impl CpuModel {
+impl CpuDevice {
     /// Checks every tensor the forward pass needs against the hyper-parameters.
     pub fn load(file: Arc<GgufFile>) -> Result<Self> {
         let config = LlamaConfig::from_gguf(&file)?;
@@ -130,7 +125,7 @@ impl CpuModel {
         let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
         super::warm::warm_weights(f);
-        Ok(CpuModel { config, token_embd, output, output_norm, layers, rope, file })
+        Ok(CpuDevice { config, token_embd, output, output_norm, layers, rope, file })
     }
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
@@ -162,51 +157,43 @@ impl CpuModel {
         outs
     }
 
-    /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
-    /// cache, and returns the logits asked for (`[row][vocab]`).
-    pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
-        let n = tokens.len();
-        let pos0 = kv.len;
-        if n == 0 {
-            return Err(WorkerError::InvalidRequest("empty batch".into()));
-        }
-        if pos0 + n > kv.capacity {
-            return Err(WorkerError::ContextFull { needed: pos0 + n, capacity: kv.capacity });
-        }
-        let positions: Vec<usize> = (pos0..pos0 + n).collect();
-        let rows: Vec<usize> = match logits {
-            Logits::Last => vec![n - 1],
-            Logits::From(i) => (i.min(n - 1)..n).collect(),
-        };
-        let out = self.forward_rows(tokens, &positions, &mut KvCacheAttention { kv: &mut *kv, pos0 }, &rows)?;
-        kv.len = pos0 + n;
-        Ok(out)
+    fn attn_shape(&self) -> AttnShape {
+        super::attn_shape(&self.config)
+    }
+}
+
+/// The longest prompt slice of one forward pass on the CPU device.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// A batch on its way through the CPU device's layers: the hidden rows, a scratch of their
+/// size, the rows' RoPE tables and the rows whose logits are wanted.
+pub struct CpuBatch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    tables: Vec<Vec<(f32, f32)>>,
+    logit_rows: Vec<usize>,
+}
+
+impl Device for CpuDevice {
+    type Batch = CpuBatch;
+
+    fn kind(&self) -> pb::DeviceKind {
+        pb::DeviceKind::Cpu
     }
 
-    /// Runs a batch of rows through the model: `tokens[i]` at position `positions[i]`, with
-    /// attention (and the K/V it stores) left to `attention`; returns the logits of
-    /// `logit_rows` (`[row][vocab]`). Every row is computed on its own in the linear layers
-    /// (quantised per row), so a row's result does not depend on the batch it rides in.
-    pub fn forward_rows(
-        &self,
-        tokens: &[u32],
-        positions: &[usize],
-        attention: &mut dyn Attention,
-        logit_rows: &[usize],
-    ) -> Result<Vec<f32>> {
-        let mut batch = self.start_batch(tokens, positions, logit_rows)?;
-        for l in 0..self.config.n_layer {
-            let (q, k, v) = self.attention_inputs(l, &mut batch);
-            let mut attn = vec![0f32; tokens.len() * self.config.q_dim()];
-            attention.attend(l, &q, &k, &v, &mut attn)?;
-            self.finish_layer(l, &mut batch, &attn);
-        }
-        Ok(self.logits(&batch, logit_rows))
+    fn describe(&self) -> String {
+        format!("cpu ({:?})", duet_common::kernels::isa()).to_lowercase()
     }
 
-    /// Checks a batch and embeds its tokens: the state [`Self::attention_inputs`] and
-    /// [`Self::finish_layer`] carry through the layers.
-    pub fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Batch> {
+    fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
+
+    fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CpuBatch> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 || positions.len() != n {
@@ -225,12 +212,10 @@ impl CpuModel {
             dequantize(embd.ty, embd.row(t as usize), row).expect("embedding row");
         });
         let tables = positions.iter().map(|&p| self.rope.table(p)).collect();
-        Ok(Batch { x, xn: vec![0f32; n * d], tables })
+        Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, logit_rows: logit_rows.to_vec() })
     }
 
-    /// Layer `l` up to attention: the rows' queries, keys and values, RoPE applied
-    /// (`[row][head][head_dim]`).
-    pub fn attention_inputs(&self, l: usize, b: &mut Batch) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn qkv(&self, l: usize, b: &mut CpuBatch) -> Result<Qkv> {
         let c = &self.config;
         let (layer, hd, n_rot) = (&self.layers[l], c.head_dim, c.n_rot);
         norm_rows(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn);
@@ -241,12 +226,60 @@ impl CpuModel {
         k.par_chunks_mut(c.kv_dim()).zip(&b.tables).for_each(|(row, t)| {
             row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
         });
-        (q, k, v)
+        Ok(Qkv { q, k, v })
     }
 
-    /// Layer `l` after attention (`attn`, `[row][head][head_dim]`): output projection,
-    /// residual, MLP, residual.
-    pub fn finish_layer(&self, l: usize, b: &mut Batch, attn: &[f32]) {
+    fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+        let kv_dim = self.config.kv_dim();
+        for (row, (k, v)) in qkv.k.chunks_exact(kv_dim).zip(qkv.v.chunks_exact(kv_dim)).enumerate() {
+            kv.write(layer, row, k, v)?;
+        }
+        Ok(())
+    }
+
+    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+        let shape = self.attn_shape();
+        let q_dim = self.config.q_dim();
+        let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+        for it in items {
+            let n_ctx = it.start + it.n;
+            // Each KV head's context as one slice: in place when it is one run, else gathered.
+            let mut heads: Vec<(Vec<f16>, Vec<f16>)> = Vec::new();
+            let mut runs_of = Vec::with_capacity(shape.n_kv_head);
+            for h in 0..shape.n_kv_head {
+                runs_of.push(kv.runs(it.seq, layer, h, 0..n_ctx)?);
+            }
+            if runs_of.iter().any(|r| r.len() > 1) {
+                for runs in &runs_of {
+                    kbuf.clear();
+                    vbuf.clear();
+                    for r in runs {
+                        kbuf.extend_from_slice(r.k);
+                        vbuf.extend_from_slice(r.v);
+                    }
+                    heads.push((std::mem::take(&mut kbuf), std::mem::take(&mut vbuf)));
+                }
+            }
+            let views: Vec<KvHead<'_>> = if heads.is_empty() {
+                runs_of.iter().map(|r| r.first().map_or(KvHead { k: &[], v: &[] }, |r| KvHead { k: r.k, v: r.v })).collect()
+            } else {
+                heads.iter().map(|(k, v)| KvHead { k, v }).collect()
+            };
+            let rows = it.row0 * q_dim..(it.row0 + it.n) * q_dim;
+            causal_attention(&q[rows.clone()], &views, shape, it.start, &mut out[rows]);
+        }
+        Ok(())
+    }
+
+    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+        let q_dim = self.config.q_dim();
+        let queries: Vec<DecodeQuery<'_>> =
+            items.iter().map(|it| DecodeQuery { q: &q[it.row * q_dim..(it.row + 1) * q_dim], range: it.range.clone(), n_ctx: it.n_ctx }).collect();
+        let rows = |i: usize, h: usize, chunk| kv.runs(items[i].seq, layer, h, chunk);
+        Ok(decode_batch::<KvAccessError>(&queries, self.attn_shape(), KV_PADDING, 0, rows)?)
+    }
+
+    fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32]) -> Result<()> {
         let c = &self.config;
         let layer = &self.layers[l];
         let o = self.linear(&layer.wo, attn);
@@ -256,50 +289,15 @@ impl CpuModel {
         g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| silu_mul(g, u));
         let down = self.linear(&layer.down, &g);
         add(&mut b.x, &down);
+        Ok(())
     }
 
-    /// The logits of `rows` of a batch that went through every layer (`[row][vocab]`).
-    pub fn logits(&self, b: &Batch, rows: &[usize]) -> Vec<f32> {
+    fn logits(&self, b: &CpuBatch) -> Result<Vec<f32>> {
         let d = self.config.n_embd;
-        let picked: Vec<f32> = rows.iter().flat_map(|&r| b.x[r * d..(r + 1) * d].iter().copied()).collect();
+        let picked: Vec<f32> = b.logit_rows.iter().flat_map(|&r| b.x[r * d..(r + 1) * d].iter().copied()).collect();
         let mut normed = vec![0f32; picked.len()];
         norm_rows(&picked, &self.output_norm, self.config.rms_eps, &mut normed);
-        self.linear(&self.output, &normed)
-    }
-
-    /// The shape of one attention call of this model.
-    pub fn attn_shape(&self) -> AttnShape {
-        AttnShape { n_head: self.config.n_head, n_kv_head: self.config.n_kv_head, head_dim: self.config.head_dim }
-    }
-}
-
-/// A batch on its way through the layers: the hidden rows, a scratch of their size, and
-/// the rows' RoPE tables.
-pub struct Batch {
-    x: Vec<f32>,
-    xn: Vec<f32>,
-    tables: Vec<Vec<(f32, f32)>>,
-}
-
-/// Where a forward pass's attention happens: stores the batch's new K/V rows and computes
-/// attention for every row. `q` and `out` are `[row][n_head][head_dim]`, `k` and `v`
-/// `[row][n_kv_head][head_dim]`.
-pub trait Attention {
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()>;
-}
-
-/// Single-process attention: one sequence whose batch continues its [`KvCache`] at `pos0`.
-struct KvCacheAttention<'a> {
-    kv: &'a mut KvCache,
-    pos0: usize,
-}
-
-impl Attention for KvCacheAttention<'_> {
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
-        self.kv.write(layer, self.pos0, k, v);
-        let shape = AttnShape { n_head: self.kv.n_head, n_kv_head: self.kv.k[layer].len(), head_dim: self.kv.head_dim };
-        causal_attention(q, &self.kv.heads(layer), shape, self.pos0, out);
-        Ok(())
+        Ok(self.linear(&self.output, &normed))
     }
 }
 
@@ -310,59 +308,4 @@ fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
-}
-
-/// One sequence's KV cache: per layer and KV head, `[position][head_dim]` in f16.
-#[derive(Debug)]
-pub struct KvCache {
-    /// `k[layer][kv_head]`, `capacity * head_dim` each.
-    k: Vec<Vec<Vec<f16>>>,
-    v: Vec<Vec<Vec<f16>>>,
-    head_dim: usize,
-    n_head: usize,
-    capacity: usize,
-    len: usize,
-}
-
-impl KvCache {
-    pub fn new(config: &LlamaConfig, capacity: usize) -> Self {
-        let make = || vec![vec![vec![f16::ZERO; capacity * config.head_dim]; config.n_kv_head]; config.n_layer];
-        KvCache { k: make(), v: make(), head_dim: config.head_dim, n_head: config.n_head, capacity, len: 0 }
-    }
-
-    /// Positions already cached.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
-    /// Forgets every position (the memory is reused).
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Stores rows `[token][kv_head][head_dim]` of K and V at positions `pos0..`.
-    fn write(&mut self, layer: usize, pos0: usize, k: &[f32], v: &[f32]) {
-        let hd = self.head_dim;
-        let n_kv = self.k[layer].len();
-        for (src, dst) in [(k, &mut self.k[layer]), (v, &mut self.v[layer])] {
-            for (t, row) in src.chunks_exact(n_kv * hd).enumerate() {
-                for (h, head) in row.chunks_exact(hd).enumerate() {
-                    let p = pos0 + t;
-                    dst[h][p * hd..(p + 1) * hd].convert_from_f32_slice(head);
-                }
-            }
-        }
-    }
-
-    fn heads(&self, layer: usize) -> Vec<KvHead<'_>> {
-        self.k[layer].iter().zip(&self.v[layer]).map(|(k, v)| KvHead { k, v }).collect()
-    }
 }

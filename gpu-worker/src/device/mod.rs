@@ -1,4 +1,171 @@
-//! Devices the model runs on. The CPU device runs everywhere; the CUDA device joins it later.
+//! The devices a model runs on, behind one interface. [`Device`] is everything the executor
+//! (worker mode) and the runner (single process) ask of a device, per batch and layer:
+//!
+//! 1. [`Device::start_batch`] embeds the batch's tokens (the hidden rows stay on the device);
+//! 2. per layer, [`Device::qkv`] gives the rows' queries, keys and values (RoPE applied),
+//!    [`Device::store_kv`] writes the new K/V rows into the KV slots the caller names (the
+//!    cpu-workers' arenas, or the runner's own cache), [`Device::prefill_attention`] and
+//!    [`Device::decode_attention`] compute the device's own share of attention over the KV
+//!    the caller hands in (prefill chunks, and decode ranges whose partial results the
+//!    caller merges by log-sum-exp with the cpu-workers'), and [`Device::finish_layer`]
+//!    takes the merged attention output through the output projection and the MLP;
+//! 3. [`Device::logits`] gives the logits of the rows that need them.
+//!
+//! Posting attention jobs to the cpu-workers, waiting for them and merging stay outside the
+//! device (`worker::step_attention`); one layer loop (`crate::forward`) drives any device,
+//! for the plain step and for two sub-batches whose layers interleave.
+//!
+//! A new device is a module here implementing [`Device`], plus a branch in [`open`]. The CPU
+//! device ([`cpu`]) runs everywhere; the CUDA device is not part of this build yet, so
+//! `--device cuda` fails with that reason and `--device auto` picks the CPU.
 
 pub mod cpu;
-pub mod warm;
+mod warm;
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use duet_common::kernels::attention::{AttnShape, KvRun};
+pub use duet_common::kernels::decode_batch::Partial;
+use duet_common::model::config::LlamaConfig;
+use duet_common::model::gguf::GgufFile;
+use duet_common::rpc::pb;
+
+use crate::error::{Result, WorkerError};
+
+/// The device a `--device` flag asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceChoice {
+    /// CUDA where a usable GPU is found, else the CPU (saying why in the log).
+    #[default]
+    Auto,
+    /// The CPU device (every machine).
+    Cpu,
+    /// The CUDA device; fails if it cannot be used.
+    Cuda,
+}
+
+impl std::fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceChoice::Auto => "auto",
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Cuda => "cuda",
+        })
+    }
+}
+
+/// Why the CUDA device cannot be used in this build.
+pub const CUDA_UNAVAILABLE: &str = "the CUDA device is not part of this build yet (see issue 'The CUDA device'); use --device cpu or auto";
+
+/// Loads the model's weights onto the device `choice` names: the CPU device for `cpu`, and for
+/// `auto` until the CUDA device exists (one log line says why); `cuda` fails with the reason.
+pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<cpu::CpuDevice> {
+    match choice {
+        DeviceChoice::Cuda => Err(WorkerError::DeviceUnavailable { device: "cuda", why: CUDA_UNAVAILABLE.into() }),
+        DeviceChoice::Auto => {
+            tracing::info!("device auto: the CPU device ({CUDA_UNAVAILABLE})");
+            cpu::CpuDevice::load(file)
+        }
+        DeviceChoice::Cpu => cpu::CpuDevice::load(file),
+    }
+}
+
+/// The attention heads of a model: the rows of Q and of the attention output are
+/// `n_head · head_dim` wide, those of K and V `n_kv_head · head_dim`.
+pub fn attn_shape(c: &LlamaConfig) -> AttnShape {
+    AttnShape { n_head: c.n_head, n_kv_head: c.n_kv_head, head_dim: c.head_dim }
+}
+
+/// A batch's queries, keys and values for one layer, RoPE applied, on the host:
+/// `q` is `[row][n_head][head_dim]`, `k` and `v` are `[row][n_kv_head][head_dim]`.
+#[derive(Debug, Clone, Default)]
+pub struct Qkv {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Where a batch's new K/V rows go (the slots the gateway allocated in the cpu-workers'
+/// arenas, or the runner's own cache), addressed by layer and batch row.
+pub trait KvSink {
+    /// Stores one row's K and V (`[n_kv_head][head_dim]` each, rounded to the cache's f16).
+    fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError>;
+}
+
+/// The KV a device attends over, addressed by the caller's sequence index.
+pub trait KvSource {
+    /// The f16 K/V rows of positions `range` of sequence `seq`'s context for one KV head of
+    /// `layer`, in place, in position order (one run per block of a paged cache).
+    fn runs(&self, seq: usize, layer: usize, kv_head: usize, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError>;
+}
+
+/// Why KV rows could not be reached.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvAccessError {
+    #[error("position {position} has no KV block")]
+    NoBlock { position: usize },
+    #[error("cpu-worker {0} is not attached")]
+    WorkerNotAttached(u32),
+}
+
+/// Prefill attention of one sequence's rows `row0..row0 + n` (positions `start..start + n`),
+/// each over its causal prefix of the sequence's context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillItem {
+    pub seq: usize,
+    pub row0: usize,
+    pub n: usize,
+    pub start: usize,
+}
+
+/// Decode attention of one batch row (a sequence's single new token) over positions `range`
+/// of its context of `n_ctx` positions: the whole context, or the device's share of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodeItem {
+    pub seq: usize,
+    pub row: usize,
+    pub range: Range<usize>,
+    pub n_ctx: usize,
+}
+
+/// What a device must do to run a Llama-family forward pass (see the module documentation
+/// for the order of the calls). Rows are the batch's tokens in the order given to
+/// [`Device::start_batch`]; every row is computed on its own in the linear layers, so a row's
+/// result does not depend on the batch it rides in.
+pub trait Device: Send + Sync {
+    /// A batch on its way through the layers: its hidden rows and whatever else the device
+    /// keeps per batch, where the device computes.
+    type Batch: Send;
+
+    /// The kind of device, as `Info` reports it.
+    fn kind(&self) -> pb::DeviceKind;
+    /// One line for logs and `Info`, e.g. "cpu (avx512)".
+    fn describe(&self) -> String;
+    /// The model's hyper-parameters.
+    fn config(&self) -> &LlamaConfig;
+    /// The longest prompt slice one forward pass takes: the runner chunks prompts by it and
+    /// the gateway (told by `Info`) schedules prefill chunks of it, so both compute the same.
+    fn prefill_chunk(&self) -> usize;
+
+    /// Checks a batch — `tokens[i]` at position `positions[i]` — and embeds its tokens;
+    /// [`Device::logits`] will give the logits of `logit_rows`.
+    fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch>;
+    /// Layer `layer` up to attention: the rows' queries, keys and values.
+    fn qkv(&self, layer: usize, batch: &mut Self::Batch) -> Result<Qkv>;
+    /// Stores the rows' new keys and values of `layer` (from `qkv`) where `kv` says.
+    fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()>;
+    /// Prefill attention of `items` over their contexts in `kv` (their new rows stored
+    /// already): writes their rows of `out` (`[row][n_head][head_dim]`, like `q`).
+    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()>;
+    /// Decode attention of `items`, one row each, over their ranges in `kv`: each item's
+    /// output (`[n_head][head_dim]`) and per-head log-sum-exp, for the caller to use whole or
+    /// merge with other devices' partial results.
+    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>>;
+    /// Layer `layer` after attention (`attn`, `[row][n_head][head_dim]`, merged): output
+    /// projection, residual, MLP, residual.
+    fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32]) -> Result<()>;
+    /// The logits of the batch's logit rows after the last layer, `[row][vocab]`.
+    fn logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
+}

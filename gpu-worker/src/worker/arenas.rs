@@ -5,12 +5,13 @@
 use std::ops::Range;
 
 use duet_common::kernels::attention::KvRun;
-use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
+use duet_common::kv::{ArenaLayout, BlockId, KvDtype, KvShape};
 use duet_common::shm::{Producer, Ring, Segment};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::StepError;
+use crate::device::KvAccessError;
 
 /// One attached cpu-worker.
 #[derive(Debug)]
@@ -28,14 +29,6 @@ impl AttachedWorker {
         // SAFETY: kill with signal 0 only checks that the process exists.
         self.pid.is_none_or(|pid| unsafe { libc::kill(pid as libc::pid_t, 0) } == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
     }
-}
-
-/// The KV shape every arena must have: the model's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvShape {
-    pub n_layer: u32,
-    pub n_kv_head: u32,
-    pub head_dim: u32,
 }
 
 /// The attached cpu-workers, by index.
@@ -66,7 +59,7 @@ impl KvArenas {
             return Err(attach_err(format!("arena of {} bytes, its layout needs {need}", arena.len())));
         }
         let KvShape { n_layer, n_kv_head, head_dim } = self.shape;
-        if (layout.n_layer, layout.n_kv_head, layout.head_dim) != (n_layer, n_kv_head, head_dim) || layout.dtype != KvDtype::F16 {
+        if layout.kv_shape() != self.shape || layout.dtype != KvDtype::F16 {
             return Err(attach_err(format!(
                 "arena layout {layout:?} does not fit the model ({n_layer} layers, {n_kv_head} KV heads of {head_dim}, f16)"
             )));
@@ -99,12 +92,12 @@ impl KvArenas {
         self.workers.iter().flatten().next().map(|w| w.layout.block_size as usize)
     }
 
-    pub fn worker(&self, worker: u32) -> Result<&AttachedWorker, StepError> {
-        self.workers.get(worker as usize).and_then(Option::as_ref).ok_or(StepError::WorkerNotAttached(worker))
+    pub fn worker(&self, worker: u32) -> Result<&AttachedWorker, KvAccessError> {
+        self.workers.get(worker as usize).and_then(Option::as_ref).ok_or(KvAccessError::WorkerNotAttached(worker))
     }
 
-    pub fn worker_mut(&mut self, worker: u32) -> Result<&mut AttachedWorker, StepError> {
-        self.workers.get_mut(worker as usize).and_then(Option::as_mut).ok_or(StepError::WorkerNotAttached(worker))
+    pub fn worker_mut(&mut self, worker: u32) -> Result<&mut AttachedWorker, KvAccessError> {
+        self.workers.get_mut(worker as usize).and_then(Option::as_mut).ok_or(KvAccessError::WorkerNotAttached(worker))
     }
 
     /// Checks that `block` of `worker` exists.
@@ -118,7 +111,7 @@ impl KvArenas {
 
     /// Stores one token's K and V rows (`[kv_head][head_dim]` each, rounded to f16) of
     /// `layer` in `slot` of `block` on `worker`. The block must have been checked.
-    pub fn write_token(&self, worker: u32, block: BlockId, slot: usize, layer: u32, k: &[f32], v: &[f32]) -> Result<(), StepError> {
+    pub fn write_token(&self, worker: u32, block: BlockId, slot: usize, layer: u32, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
         let w = self.worker(worker)?;
         let hd = w.layout.head_dim as usize;
         for (h, (kh, vh)) in k.chunks_exact(hd).zip(v.chunks_exact(hd)).enumerate() {
@@ -137,15 +130,13 @@ impl KvArenas {
 
     /// The K/V rows of positions `range` of one KV head of `layer`, in place in the arenas:
     /// one run per block, in position order (`blocks[i]` holds positions `i * block_size..`).
-    pub fn runs(&self, blocks: &[(u32, BlockId)], layer: u32, kv_head: u32, range: Range<usize>) -> Result<Vec<KvRun<'_>>, StepError> {
-        let bs = self.block_size().ok_or(StepError::WorkerNotAttached(0))?;
+    pub fn runs(&self, blocks: &[(u32, BlockId)], layer: u32, kv_head: u32, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
+        let bs = self.block_size().ok_or(KvAccessError::WorkerNotAttached(0))?;
         let hd = self.shape.head_dim as usize;
         let mut runs = Vec::with_capacity(range.len().div_ceil(bs) + 1);
         let mut pos = range.start;
         while pos < range.end {
-            let (worker, block) = *blocks
-                .get(pos / bs)
-                .ok_or_else(|| StepError::Invalid(format!("position {pos} has no KV block")))?;
+            let (worker, block) = *blocks.get(pos / bs).ok_or(KvAccessError::NoBlock { position: pos })?;
             let w = self.worker(worker)?;
             let slot = pos % bs;
             let n = (bs - slot).min(range.end - pos);
@@ -161,25 +152,5 @@ impl KvArenas {
             pos += n;
         }
         Ok(runs)
-    }
-
-    /// Copies positions `range` of one KV head of `layer` out of the arenas into `k` and `v`
-    /// (`[position - range.start][head_dim]`): `blocks[i]` holds positions `i * block_size..`.
-    pub fn gather(
-        &self,
-        blocks: &[(u32, BlockId)],
-        layer: u32,
-        kv_head: u32,
-        range: Range<usize>,
-        k: &mut Vec<f16>,
-        v: &mut Vec<f16>,
-    ) -> Result<(), StepError> {
-        k.clear();
-        v.clear();
-        for run in self.runs(blocks, layer, kv_head, range)? {
-            k.extend_from_slice(run.k);
-            v.extend_from_slice(run.v);
-        }
-        Ok(())
     }
 }

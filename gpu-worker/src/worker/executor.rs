@@ -16,10 +16,11 @@ use duet_common::kernels::ops::log_softmax;
 use duet_common::kv::BlockId;
 use duet_common::rpc::pb;
 
-use super::arenas::{KvArenas, KvShape};
-use super::step_attention::{StepAttention, WholeBatch};
+use super::arenas::KvArenas;
+use super::step_attention::StepAttention;
 use super::StepError;
-use crate::device::cpu::CpuModel;
+use crate::device::Device;
+use crate::forward::run_layers;
 use crate::runner::top_n;
 use crate::sampler::{Sampler, SamplingParams};
 
@@ -61,39 +62,6 @@ impl SubBatch {
     }
 }
 
-/// Two sub-batches through the model with their layers interleaved: while the cpu-workers
-/// attend one sub-batch's layer, the gpu-worker runs the other's linear layers (and its
-/// own attention share). Per layer l: begin A(l); finish B(l-1) and its MLP; begin B(l);
-/// finish A(l) and its MLP. Each row computes exactly what it would in one batch.
-fn run_overlapped(model: &CpuModel, attention: &mut StepAttention<'_>, subs: &[SubBatch; 2]) -> Result<[Vec<f32>; 2], StepError> {
-    let [a, b] = subs;
-    let (rows_a, rows_b) = (a.logit_rows(), b.logit_rows());
-    let mut xa = model.start_batch(&a.tokens, &a.positions, &rows_a)?;
-    let mut xb = model.start_batch(&b.tokens, &b.positions, &rows_b)?;
-    let q_dim = model.config.q_dim();
-    let mut pending_b: Option<(usize, super::step_attention::Begun, Vec<f32>)> = None;
-    for l in 0..model.config.n_layer {
-        let (qa, ka, va) = model.attention_inputs(l, &mut xa);
-        let begun_a = attention.begin(&a.plan, l as u32, &qa, &ka, &va)?;
-        if let Some((lb, begun_b, qb)) = pending_b.take() {
-            let mut out = vec![0f32; b.tokens.len() * q_dim];
-            attention.finish(&b.plan, begun_b, &qb, &mut out)?;
-            model.finish_layer(lb, &mut xb, &out);
-        }
-        let (qb, kb, vb) = model.attention_inputs(l, &mut xb);
-        pending_b = Some((l, attention.begin(&b.plan, l as u32, &qb, &kb, &vb)?, qb));
-        let mut out = vec![0f32; a.tokens.len() * q_dim];
-        attention.finish(&a.plan, begun_a, &qa, &mut out)?;
-        model.finish_layer(l, &mut xa, &out);
-    }
-    if let Some((lb, begun_b, qb)) = pending_b {
-        let mut out = vec![0f32; b.tokens.len() * q_dim];
-        attention.finish(&b.plan, begun_b, &qb, &mut out)?;
-        model.finish_layer(lb, &mut xb, &out);
-    }
-    Ok([model.logits(&xa, &rows_a), model.logits(&xb, &rows_b)])
-}
-
 /// A sequence's part of the running step.
 #[derive(Debug)]
 pub(super) struct Planned {
@@ -116,23 +84,22 @@ impl Planned {
     }
 }
 
-/// The model, the attached arenas and the sequences in flight.
-pub struct Executor {
-    model: CpuModel,
+/// The device with the model, the attached arenas and the sequences in flight.
+pub struct Executor<D: Device = crate::device::cpu::CpuDevice> {
+    device: D,
     arenas: KvArenas,
     seqs: HashMap<u64, Sequence>,
     job_timeout: Duration,
 }
 
-impl Executor {
-    pub fn new(model: CpuModel, job_timeout: Duration) -> Self {
-        let c = &model.config;
-        let shape = KvShape { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32 };
-        Executor { model, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout }
+impl<D: Device> Executor<D> {
+    pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
+        let shape = device.config().kv_shape().map_err(crate::error::WorkerError::Model)?;
+        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout })
     }
 
-    pub fn model(&self) -> &CpuModel {
-        &self.model
+    pub fn device(&self) -> &D {
+        &self.device
     }
 
     /// Maps a cpu-worker's arena and ring; returns its block count.
@@ -199,28 +166,29 @@ impl Executor {
                 timings.decode_tokens += p.n as u32;
             }
         }
+        // The non-empty sub-batches, each started on the device; two interleave their layers.
+        let used: Vec<usize> = (0..2).filter(|&k| !subs[k].plan.is_empty()).collect();
+        let mut batches = Vec::with_capacity(used.len());
+        for &k in &used {
+            batches.push(self.device.start_batch(&subs[k].tokens, &subs[k].positions, &subs[k].logit_rows())?);
+        }
+        timings.sub_batches = used.len() as u32;
         let mut attention = StepAttention {
+            plans: used.iter().map(|&k| subs[k].plan.as_slice()).collect(),
             arenas: &mut self.arenas,
             block_size: bs,
-            shape: self.model.attn_shape(),
+            shape: crate::device::attn_shape(self.device.config()),
             job_timeout: self.job_timeout,
             timings: &mut timings,
         };
-        let logits: [Vec<f32>; 2] = if subs.iter().all(|s| !s.plan.is_empty()) {
-            attention.timings.sub_batches = 2;
-            run_overlapped(&self.model, &mut attention, &subs)?
-        } else {
-            attention.timings.sub_batches = 1;
-            let sub = if subs[0].plan.is_empty() { 1 } else { 0 };
-            let s = &subs[sub];
-            let mut whole = WholeBatch { attention: &mut attention, plan: &s.plan };
-            let mut out: [Vec<f32>; 2] = Default::default();
-            out[sub] = self.model.forward_rows(&s.tokens, &s.positions, &mut whole, &s.logit_rows())?;
-            out
-        };
+        run_layers(&self.device, &mut batches, &mut attention)?;
+        let mut logits: [Vec<f32>; 2] = Default::default();
+        for (batch, &k) in batches.iter().zip(&used) {
+            logits[k] = self.device.logits(batch)?;
+        }
 
         let t_sample = Instant::now();
-        let n_vocab = self.model.config.n_vocab;
+        let n_vocab = self.device.config().n_vocab;
         // Each sampled sequence's logits row, in request order.
         let mut next_row = [0usize; 2];
         let rows: Vec<(&Planned, &[f32])> = order
@@ -279,7 +247,7 @@ impl Executor {
         if n == 0 {
             return invalid("no input tokens".into());
         }
-        let n_ctx_max = self.model.config.n_ctx_train;
+        let n_ctx_max = self.device.config().n_ctx_train;
         if start + n > n_ctx_max {
             return invalid(format!("{} positions exceed the context of {n_ctx_max}", start + n));
         }

@@ -20,8 +20,8 @@ pub enum StepError {
     UnknownSequence(u64),
     #[error("out of order: {0}")]
     Order(String),
-    #[error("cpu-worker {0} is not attached")]
-    WorkerNotAttached(u32),
+    #[error(transparent)]
+    Kv(#[from] crate::device::KvAccessError),
     #[error("attaching cpu-worker {worker}: {what}")]
     Attach { worker: u32, what: String },
     #[error("cpu-worker {worker} failed: {what}")]

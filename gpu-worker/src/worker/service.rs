@@ -17,12 +17,13 @@ use tonic::{Request, Response, Status};
 use super::executor::Executor;
 use super::order::Ordered;
 use super::StepError;
-use crate::device::cpu::CpuModel;
+use crate::device::cpu::CpuDevice;
+use crate::device::{Device, DeviceChoice, KvAccessError};
 use crate::error::WorkerError;
 
 /// The service state.
-pub struct GpuWorkerService {
-    executor: Arc<Ordered<Executor>>,
+pub struct GpuWorkerService<D: Device> {
+    executor: Arc<Ordered<Executor<D>>>,
     info: pb::GpuInfoResponse,
 }
 
@@ -30,17 +31,24 @@ pub struct GpuWorkerService {
 /// or arriving; longer means it was lost).
 const ORDER_WAIT: Duration = Duration::from_secs(60);
 
-impl GpuWorkerService {
-    /// Loads the model at `path` onto the (CPU) device.
-    pub fn load(path: &Path, job_timeout: Duration) -> Result<Self, WorkerError> {
-        let file = Arc::new(GgufFile::open(path)?);
+impl GpuWorkerService<CpuDevice> {
+    /// Loads the model at `path` onto the device `choice` names.
+    pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration) -> Result<Self, StepError> {
+        let file = Arc::new(GgufFile::open(path).map_err(WorkerError::from)?);
         let name = file
             .get(GeneralKey::Name.key())
             .and_then(|v| v.as_str())
             .map(str::to_string)
             .unwrap_or_else(|| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
-        let model = CpuModel::load(file)?;
-        let c = &model.config;
+        let device = crate::device::open(choice, file)?;
+        GpuWorkerService::new(device, name, job_timeout)
+    }
+}
+
+impl<D: Device + 'static> GpuWorkerService<D> {
+    /// Serves `device`, with the model named `name`.
+    pub fn new(device: D, name: String, job_timeout: Duration) -> Result<Self, StepError> {
+        let c = device.config();
         let info = pb::GpuInfoResponse {
             model: name,
             n_layer: c.n_layer as u32,
@@ -49,10 +57,17 @@ impl GpuWorkerService {
             head_dim: c.head_dim as u32,
             n_vocab: c.n_vocab as u32,
             context_length: c.n_ctx_train as u32,
-            device: format!("cpu ({:?})", duet_common::kernels::isa()).to_lowercase(),
+            device: device.describe(),
             pid: std::process::id(),
+            device_kind: device.kind() as i32,
+            prefill_chunk_tokens: u32::try_from(device.prefill_chunk()).unwrap_or(u32::MAX),
         };
-        Ok(GpuWorkerService { executor: Arc::new(Ordered::new(Executor::new(model, job_timeout))), info })
+        Ok(GpuWorkerService { executor: Arc::new(Ordered::new(Executor::new(device, job_timeout)?)), info })
+    }
+
+    /// The device in words (as `Info` reports it).
+    pub fn device(&self) -> &str {
+        &self.info.device
     }
 
     /// Runs `f` on the executor on a blocking thread: as step `step` once step `after` has
@@ -61,7 +76,7 @@ impl GpuWorkerService {
         &self,
         after: u64,
         step: Option<u64>,
-        f: impl FnOnce(&mut Executor) -> Result<T, StepError> + Send + 'static,
+        f: impl FnOnce(&mut Executor<D>) -> Result<T, StepError> + Send + 'static,
     ) -> Result<T, Status> {
         let executor = self.executor.clone();
         // Set when this call's future is dropped: the gateway went away (or gave up on it).
@@ -97,14 +112,17 @@ pub fn status(e: StepError) -> Status {
         StepError::Invalid(_) | StepError::Model(WorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
         StepError::Model(WorkerError::Model(duet_common::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
         StepError::UnknownSequence(_) | StepError::Attach { .. } | StepError::Order(_) => Status::failed_precondition(msg),
-        StepError::WorkerNotAttached(_) | StepError::CpuWorker { .. } => Status::unavailable(msg),
-        StepError::Model(WorkerError::Step(_)) => Status::unavailable(msg),
+        StepError::Kv(KvAccessError::WorkerNotAttached(_))
+        | StepError::Model(WorkerError::Kv(KvAccessError::WorkerNotAttached(_)))
+        | StepError::CpuWorker { .. } => Status::unavailable(msg),
+        StepError::Kv(KvAccessError::NoBlock { .. }) | StepError::Model(WorkerError::Kv(KvAccessError::NoBlock { .. })) => Status::invalid_argument(msg),
+        StepError::Model(WorkerError::DeviceUnavailable { .. }) => Status::unavailable(msg),
         StepError::Model(_) => Status::internal(msg),
     }
 }
 
 #[tonic::async_trait]
-impl GpuWorker for GpuWorkerService {
+impl<D: Device + 'static> GpuWorker for GpuWorkerService<D> {
     async fn info(&self, _: Request<pb::GpuInfoRequest>) -> Result<Response<pb::GpuInfoResponse>, Status> {
         Ok(Response::new(self.info.clone()))
     }
@@ -126,13 +144,13 @@ impl GpuWorker for GpuWorkerService {
 }
 
 /// Serves `service` on `listener` (with gRPC health) until `shutdown` resolves.
-pub async fn serve(
-    service: GpuWorkerService,
+pub async fn serve<D: Device + 'static>(
+    service: GpuWorkerService<D>,
     listener: Listener,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<GpuWorkerServer<GpuWorkerService>>().await;
+    reporter.set_serving::<GpuWorkerServer<GpuWorkerService<D>>>().await;
     let router = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(GpuWorkerServer::new(service).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20));

@@ -1,31 +1,23 @@
-//! The attention of a step on the gpu-worker: per layer, the batch's new K/V rows go into
-//! the arena slots the gateway allocated, each cpu-worker with shares gets one job, the
-//! gpu-worker computes prefill attention and its own decode shares meanwhile, and the
-//! partial results are merged by log-sum-exp. Split into begin (write, post) and finish
-//! (own part, wait, merge) so that two sub-batches' layers can interleave.
+//! The attention of a step on the gpu-worker: per layer, the device stores the batch's new
+//! K/V rows into the arena slots the gateway allocated, each cpu-worker with shares gets one
+//! job, the device computes prefill attention and its own decode shares meanwhile, and the
+//! partial results are merged by log-sum-exp. Split into begin (store, post) and finish (own
+//! part, wait, merge) so that the layer loop (`crate::forward`) can interleave two
+//! sub-batches' layers.
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{
-    attn_scale, causal_attention, chunk_tasks, decode_group, merge_chunk_tasks, padded_len, AttnShape, ChunkTask, GroupScratch, KvHead, KV_PADDING,
-};
-use duet_common::kernels::paged_attention::merge_partials;
+use duet_common::kernels::attention::{AttnShape, KvRun, KV_PADDING};
+use duet_common::kernels::decode_batch::merge_partials;
 use duet_common::rpc::pb;
 use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
-use rayon::prelude::*;
 
 use super::arenas::KvArenas;
 use super::executor::{ns, Planned};
 use super::StepError;
-use crate::device::cpu::Attention;
-use crate::error::WorkerError;
-
-/// A partial attention result: the output (`[head][head_dim]`) and each head's log-sum-exp.
-type Partial = (Vec<f32>, Vec<f32>);
-
-/// Decode work read in place: (plan index, the share or `None` for a whole context, positions).
-type InPlace = (usize, Option<usize>, Range<usize>);
+use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use crate::forward::LayerAttention;
 
 /// How often a wait for a cpu-worker's answer checks that the worker is still alive.
 const LIVENESS_CHECK: Duration = Duration::from_millis(50);
@@ -49,11 +41,12 @@ fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration
     }
 }
 
-/// The attention of one step, layer by layer, for one batch (`plan`) or two sub-batches
-/// whose layers interleave: [`Self::begin`] writes a layer's new K/V rows and posts the
-/// cpu-workers' jobs, [`Self::finish`] computes the gpu-worker's own part, waits for the
-/// jobs and merges.
+/// The attention of one step, layer by layer, for one batch or two sub-batches whose layers
+/// interleave (`plans[sub]`): [`LayerAttention::begin`] stores a layer's new K/V rows and
+/// posts the cpu-workers' jobs, [`LayerAttention::finish`] computes the device's own part,
+/// waits for the jobs and merges.
 pub(super) struct StepAttention<'a> {
+    pub plans: Vec<&'a [Planned]>,
     pub arenas: &'a mut KvArenas,
     pub block_size: usize,
     /// The model's attention heads: the rows of q, k, v and out are `n_head · head_dim`
@@ -79,98 +72,88 @@ struct Posted {
     positions: u64,
 }
 
-/// One batch's attention through the model's [`Attention`] interface, layer after layer.
-pub(super) struct WholeBatch<'s, 'a> {
-    pub attention: &'s mut StepAttention<'a>,
-    pub plan: &'s [Planned],
+/// The arena slots of a (sub-)batch's rows: row `r` is position `start + (r - row0)` of the
+/// plan entry holding it.
+struct PlanSlots<'s> {
+    arenas: &'s KvArenas,
+    plan: &'s [Planned],
+    block_size: usize,
 }
 
-impl Attention for WholeBatch<'_, '_> {
-    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<(), WorkerError> {
-        let begun = self.attention.begin(self.plan, layer as u32, q, k, v).map_err(to_worker_error)?;
-        self.attention.finish(self.plan, begun, q, out).map_err(to_worker_error)
+impl KvSink for PlanSlots<'_> {
+    fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
+        let p = &self.plan[self.plan.partition_point(|p| p.row0 + p.n <= row)];
+        let pos = p.start + (row - p.row0);
+        let (w, b) = *p.blocks.get(pos / self.block_size).ok_or(KvAccessError::NoBlock { position: pos })?;
+        self.arenas.write_token(w, b, pos % self.block_size, layer as u32, k, v)
     }
 }
 
-pub(super) fn to_worker_error(e: StepError) -> WorkerError {
-    match e {
-        StepError::Model(m) => m,
-        other => WorkerError::Step(other.to_string()),
+/// The KV of a (sub-)batch's sequences, by plan index, read in place from the arenas.
+impl KvSource for PlanSlots<'_> {
+    fn runs(&self, seq: usize, layer: usize, kv_head: usize, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
+        self.arenas.runs(&self.plan[seq].blocks, layer as u32, kv_head as u32, range)
     }
 }
 
-impl StepAttention<'_> {
-    /// Writes layer `layer`'s new K/V rows of `plan` into the arenas and posts one job per
-    /// cpu-worker with shares.
-    pub fn begin(&mut self, plan: &[Planned], layer: u32, q: &[f32], k: &[f32], v: &[f32]) -> Result<Begun, StepError> {
-        let bs = self.block_size;
-        let kv_dim = self.shape.n_kv_head * self.shape.head_dim;
+impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
+    type Begun = Begun;
+    type Error = StepError;
+
+    /// Writes layer `layer`'s new K/V rows of sub-batch `sub` into the arenas and posts one
+    /// job per cpu-worker with shares.
+    fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Begun, StepError> {
+        let plan = self.plans[sub];
         let t = Instant::now();
-        for p in plan {
-            for i in 0..p.n {
-                let (pos, row) = (p.start + i, p.row0 + i);
-                let (w, b) = p.blocks[pos / bs];
-                self.arenas.write_token(w, b, pos % bs, layer, &k[row * kv_dim..(row + 1) * kv_dim], &v[row * kv_dim..(row + 1) * kv_dim])?;
-            }
-        }
+        device.store_kv(layer, qkv, &mut PlanSlots { arenas: self.arenas, plan, block_size: self.block_size })?;
         self.timings.kv_write_ns += ns(t.elapsed());
-        let posted = self.post_jobs(plan, layer, q)?;
-        Ok(Begun { layer, posted })
+        let posted = self.post_jobs(plan, layer as u32, &qkv.q)?;
+        Ok(Begun { layer: layer as u32, posted })
     }
 
-    /// The gpu-worker's own part of a begun layer (prefill chunks, unsplit decode tokens,
-    /// its decode shares), then the cpu-workers' results, merged by log-sum-exp into `out`.
-    pub fn finish(&mut self, plan: &[Planned], begun: Begun, q: &[f32], out: &mut [f32]) -> Result<(), StepError> {
+    /// The device's own part of a begun layer (prefill chunks, unsplit decode tokens, its
+    /// decode shares), then the cpu-workers' results, merged by log-sum-exp into `out`.
+    fn finish(&mut self, device: &D, sub: usize, _layer: usize, begun: Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), StepError> {
+        let plan = self.plans[sub];
         let Begun { layer, posted } = begun;
-        let shape = self.shape;
-        let (hd, n_kv) = (shape.head_dim, shape.n_kv_head);
-        let q_dim = shape.n_head * hd;
-        // The gpu-worker's own part: prefill chunks (and unsplit decode tokens) over the
-        // whole context, and its decode shares.
+        let hd = self.shape.head_dim;
+        let q_dim = self.shape.n_head * hd;
         let t = Instant::now();
         let mut partials: Vec<Vec<Partial>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
-        // Decode work read in place, all of it in one parallel loop: unsplit tokens over their
-        // whole context (`None`) and the gpu-worker's shares (`Some(share)`).
-        let mut in_place: Vec<InPlace> = Vec::new();
-        let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+        // The device's own part: prefill chunks over their whole context, and decode read in
+        // place — unsplit tokens over their whole context (`None`) and the device's shares.
+        let (mut prefill, mut decode, mut decode_of) = (Vec::new(), Vec::new(), Vec::new());
         for (pi, p) in plan.iter().enumerate() {
-            if p.shares.is_empty() && p.n == 1 {
-                if layer == 0 {
-                    self.timings.gpu_attention_positions += p.n_ctx() as u64;
-                }
-                in_place.push((pi, None, 0..p.n_ctx()));
+            if p.shares.is_empty() && p.n > 1 {
+                prefill.push(PrefillItem { seq: pi, row0: p.row0, n: p.n, start: p.start });
                 continue;
             }
             if p.shares.is_empty() {
-                let mut heads = Vec::with_capacity(n_kv);
-                for h in 0..n_kv {
-                    self.arenas.gather(&p.blocks, layer, h as u32, 0..p.n_ctx(), &mut kbuf, &mut vbuf)?;
-                    heads.push((std::mem::take(&mut kbuf), std::mem::take(&mut vbuf)));
+                if layer == 0 {
+                    self.timings.gpu_attention_positions += p.n_ctx() as u64;
                 }
-                let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
-                let rows = p.row0 * q_dim..(p.row0 + p.n) * q_dim;
-                causal_attention(&q[rows.clone()], &views, shape, p.start, &mut out[rows]);
+                decode.push(DecodeItem { seq: pi, row: p.row0, range: 0..p.n_ctx(), n_ctx: p.n_ctx() });
+                decode_of.push((pi, None));
                 continue;
             }
-            for (si, sh) in p.shares.iter().enumerate() {
-                if sh.cpu_worker.is_some() {
-                    continue;
-                }
+            for (si, sh) in p.shares.iter().enumerate().filter(|(_, sh)| sh.cpu_worker.is_none()) {
                 if layer == 0 {
                     self.timings.gpu_attention_positions += sh.range.len() as u64;
                 }
-                in_place.push((pi, Some(si), sh.range.clone()));
+                decode.push(DecodeItem { seq: pi, row: p.row0, range: sh.range.clone(), n_ctx: p.n_ctx() });
+                decode_of.push((pi, Some(si)));
             }
         }
-        let results = self.attend_in_place(plan, layer, &in_place, q)?;
-        for ((pi, share, _), (o, l)) in in_place.into_iter().zip(results) {
+        let kv = PlanSlots { arenas: self.arenas, plan, block_size: self.block_size };
+        device.prefill_attention(layer as usize, &qkv.q, &prefill, &kv, out)?;
+        let results = device.decode_attention(layer as usize, &qkv.q, &decode, &kv)?;
+        for ((pi, share), (o, l)) in decode_of.into_iter().zip(results) {
             match share {
                 Some(si) => partials[pi][si] = (o, l),
                 None => out[plan[pi].row0 * q_dim..(plan[pi].row0 + 1) * q_dim].copy_from_slice(&o),
             }
         }
         self.timings.attention_gpu_ns += ns(t.elapsed());
-
         let t = Instant::now();
         for job in posted {
             let worker = job.worker;
@@ -221,7 +204,9 @@ impl StepAttention<'_> {
         self.timings.merge_ns += ns(t.elapsed());
         Ok(())
     }
+}
 
+impl StepAttention<'_> {
     /// Posts one attention job per cpu-worker that has shares in this step.
     fn post_jobs(&mut self, plan: &[Planned], layer: u32, q: &[f32]) -> Result<Vec<Posted>, StepError> {
         let AttnShape { n_head, n_kv_head, head_dim } = self.shape;
@@ -277,33 +262,5 @@ impl StepAttention<'_> {
             posted.push(Posted { worker, seqno, members, positions });
         }
         Ok(posted)
-    }
-
-    /// Decode attention of one token per item `(plan index, _, range)` over `range` of its
-    /// context, straight from the arenas: every (item, KV head, chunk of the range) in one
-    /// parallel loop, each KV head's query group in one pass over its rows, the chunks merged
-    /// as `decode_group` merges them. Returns each item's output (`[head][head_dim]`) and the
-    /// log-sum-exp of every query head.
-    fn attend_in_place(&self, plan: &[Planned], layer: u32, items: &[InPlace], q: &[f32]) -> Result<Vec<Partial>, StepError> {
-        let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = self.shape;
-        let group = n_head / n_kv;
-        let scale = attn_scale(hd);
-        let tasks = chunk_tasks(items.iter().map(|(_, _, range)| range.clone()), n_kv);
-        let runs = tasks
-            .iter()
-            .map(|t| self.arenas.runs(&plan[items[t.item].0].blocks, layer, t.kv_head as u32, t.chunk.clone()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let parts: Vec<Partial> = tasks
-            .par_iter()
-            .zip(&runs)
-            .map_init(GroupScratch::default, |scratch, (ChunkTask { item, kv_head: h, chunk }, runs)| {
-                let p = &plan[items[*item].0];
-                let q = &q[(p.row0 * n_head + h * group) * hd..(p.row0 * n_head + (h + 1) * group) * hd];
-                let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
-                decode_group(runs, chunk.clone(), padded_len(p.n_ctx(), KV_PADDING), scale, q, &mut o, &mut l, scratch);
-                (o, l)
-            })
-            .collect();
-        Ok(merge_chunk_tasks(&tasks, &parts, items.len(), n_kv, group, hd))
     }
 }

@@ -1,0 +1,213 @@
+//! Decode attention of a batch of query tokens — the one fan-out every caller uses (the
+//! single-process runner, the gpu-worker's own share, the cpu-workers' jobs): each token's
+//! range split into [`DECODE_CHUNK`]-aligned chunks, every (token, KV head, chunk) a task on
+//! rayon's pool running [`decode_group`] over K/V rows the caller hands in as slices, the
+//! chunks merged by log-sum-exp ([`merge_partials`], which also merges partial results of
+//! different devices).
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::attention::{attn_scale, decode_group, padded_len, AttnShape, GroupScratch, KvRun};
+
+/// One decode token of [`decode_batch`]: its queries (`[n_head][head_dim]`) attending
+/// positions `range` of its context of `n_ctx` positions (the whole context, or the share of
+/// it computed here).
+#[derive(Debug, Clone)]
+pub struct DecodeQuery<'a> {
+    pub q: &'a [f32],
+    pub range: Range<usize>,
+    pub n_ctx: usize,
+}
+
+/// A partial attention result of one token: the output (`[n_head][head_dim]`) and each query
+/// head's log-sum-exp.
+pub type Partial = (Vec<f32>, Vec<f32>);
+
+/// Decode attention of every query of `queries` over its range, with the KV padding unit
+/// `kv_padding` (llama.cpp's [`KV_PADDING`](super::attention::KV_PADDING)): returns each
+/// query's output and log-sum-exps. `rows(query, kv_head, chunk)` gives the K/V rows of
+/// positions `chunk` of a query's context for one KV head, in position order (one run per
+/// block of a paged cache, or one slice); it is called for every task before any runs, so a
+/// failure stops the batch before it computes anything. Each KV head's query group reads its
+/// rows once. Jobs of fewer than `serial_below` (position, KV head) pairs run on the calling
+/// thread: waking the pool costs more than it saves there (0: always in parallel).
+///
+/// Bit for bit what [`decode_group`] gives over a range within one chunk; a range covering a
+/// token's whole context gives what `causal_attention` gives for it.
+pub fn decode_batch<'k, E>(
+    queries: &[DecodeQuery<'_>],
+    shape: AttnShape,
+    kv_padding: usize,
+    serial_below: usize,
+    mut rows: impl FnMut(usize, usize, Range<usize>) -> Result<Vec<KvRun<'k>>, E>,
+) -> Result<Vec<Partial>, E> {
+    let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = shape;
+    let group = n_head / n_kv;
+    let scale = attn_scale(hd);
+    let tasks = chunk_tasks(queries.iter().map(|q| q.range.clone()), n_kv);
+    let runs = tasks.iter().map(|t| rows(t.item, t.kv_head, t.chunk.clone())).collect::<Result<Vec<_>, E>>()?;
+    let positions: usize = queries.iter().map(|q| q.range.len()).sum::<usize>() * n_kv;
+    let min_len = if positions < serial_below { tasks.len().max(1) } else { 1 };
+    let parts: Vec<Partial> = tasks
+        .par_iter()
+        .zip(&runs)
+        .with_min_len(min_len)
+        .map_init(GroupScratch::default, |scratch, (ChunkTask { item, kv_head: h, chunk }, runs)| {
+            let query = &queries[*item];
+            let q = &query.q[h * group * hd..(h + 1) * group * hd];
+            let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
+            decode_group(runs, chunk.clone(), padded_len(query.n_ctx, kv_padding), scale, q, &mut o, &mut l, scratch);
+            (o, l)
+        })
+        .collect();
+    Ok(merge_chunk_tasks(&tasks, &parts, queries.len(), n_kv, group, hd))
+}
+
+/// Decode attention over a long context is computed in chunks of this many positions,
+/// aligned to multiples of it, and the chunks merged by log-sum-exp ([`decode_batch`] does both).
+/// The chunks of one KV head can then run on different threads (a batch-1 step of a model with
+/// three KV heads otherwise keeps one of two threads idle a third of the time), and every path
+/// (single process, gpu-worker, cpu-worker) computes the same chunks, so they still agree bit
+/// for bit. Within a chunk of a context that fits in one chunk the arithmetic is llama.cpp's;
+/// the chunks of a longer context (whose merge llama.cpp does not do anyway) run in one pass
+/// over K and V with an online softmax ([`decode_attention_online`](super::attention::decode_attention_online)).
+pub const DECODE_CHUNK: usize = 2048;
+
+/// The [`DECODE_CHUNK`]-aligned chunks of `range`, in order (none if it is empty).
+fn decode_chunks(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    let mut at = range.start;
+    std::iter::from_fn(move || {
+        if at >= range.end {
+            return None;
+        }
+        let end = ((at / DECODE_CHUNK + 1) * DECODE_CHUNK).min(range.end);
+        let chunk = at..end;
+        at = end;
+        Some(chunk)
+    })
+}
+
+/// Merges one query group's results over consecutive chunks (`(out, lse)` each, in position
+/// order) into `out` and `lse`, head by head: one chunk is copied unchanged.
+fn merge_chunks(parts: &[Partial], out: &mut [f32], lse: &mut [f32]) {
+    let group = lse.len();
+    let hd = out.len() / group;
+    for (h, (oh, lh)) in out.chunks_exact_mut(hd).zip(lse.iter_mut()).enumerate() {
+        let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(o, l)| (&o[h * hd..(h + 1) * hd], l[h])).collect();
+        oh.copy_from_slice(&merge_partials(&head_parts));
+        *lh = merge_lse(&head_parts.iter().map(|p| p.1).collect::<Vec<_>>());
+    }
+}
+
+/// One decode task of [`chunk_tasks`]: a chunk of item (sequence) `item`'s range, for one KV
+/// head's query group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ChunkTask {
+    item: usize,
+    kv_head: usize,
+    chunk: Range<usize>,
+}
+
+/// The decode tasks of `ranges` (one per item), every KV head of each: items and heads in
+/// order, each (item, head)'s chunks (aligned to [`DECODE_CHUNK`]) consecutive and in
+/// position order — the order [`merge_chunk_tasks`] merges them in.
+fn chunk_tasks(ranges: impl IntoIterator<Item = Range<usize>>, n_kv_head: usize) -> Vec<ChunkTask> {
+    let mut tasks = Vec::new();
+    for (item, range) in ranges.into_iter().enumerate() {
+        for kv_head in 0..n_kv_head {
+            tasks.extend(decode_chunks(range.clone()).map(|chunk| ChunkTask { item, kv_head, chunk }));
+        }
+    }
+    tasks
+}
+
+/// Merges the results `parts` of `tasks` (from [`chunk_tasks`], one part each) into one output
+/// (`[head][head_dim]`, `n_kv_head * group` heads) and one log-sum-exp per query head for each
+/// of `n_items` items. Heads without a task stay zero.
+fn merge_chunk_tasks(tasks: &[ChunkTask], parts: &[Partial], n_items: usize, n_kv_head: usize, group: usize, hd: usize) -> Vec<Partial> {
+    assert_eq!(tasks.len(), parts.len(), "one part per task");
+    let mut results: Vec<Partial> = (0..n_items).map(|_| (vec![0f32; n_kv_head * group * hd], vec![0f32; n_kv_head * group])).collect();
+    let mut at = 0;
+    while at < tasks.len() {
+        let (i, h) = (tasks[at].item, tasks[at].kv_head);
+        let n = tasks[at..].iter().take_while(|t| (t.item, t.kv_head) == (i, h)).count();
+        let (o, l) = &mut results[i];
+        merge_chunks(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], &mut l[h * group..(h + 1) * group]);
+        at += n;
+    }
+    results
+}
+
+/// Merges partial attention outputs of one query head over disjoint position ranges, each
+/// given with its log-sum-exp: `o = Σ o_i · exp(lse_i − L)` with `L = ln Σ exp(lse_i)`,
+/// in f64. A single part is returned unchanged, bit for bit; parts whose log-sum-exp is
+/// −∞ (empty ranges) weigh nothing, and if all are, the output is zero. Panics if `parts`
+/// is empty or the outputs differ in length.
+pub fn merge_partials(parts: &[(&[f32], f32)]) -> Vec<f32> {
+    assert!(!parts.is_empty(), "merge of no partial results");
+    let dim = parts[0].0.len();
+    assert!(parts.iter().all(|(o, _)| o.len() == dim), "partial outputs differ in length");
+    if let [(o, _)] = parts {
+        return o.to_vec();
+    }
+    let total = merge_lse_f64(parts.iter().map(|p| p.1));
+    if total == f64::NEG_INFINITY {
+        return vec![0.0; dim];
+    }
+    let mut acc = vec![0f64; dim];
+    for (o, l) in parts {
+        let w = (*l as f64 - total).exp();
+        if w == 0.0 {
+            continue;
+        }
+        for (a, &x) in acc.iter_mut().zip(o.iter()) {
+            *a += x as f64 * w;
+        }
+    }
+    acc.into_iter().map(|a| a as f32).collect()
+}
+
+/// The log-sum-exp of merged parts: `ln Σ exp(lse_i)` (a single part unchanged), so that
+/// merges compose.
+pub fn merge_lse(lses: &[f32]) -> f32 {
+    match lses {
+        [l] => *l,
+        _ => merge_lse_f64(lses.iter().copied()) as f32,
+    }
+}
+
+fn merge_lse_f64(lses: impl Iterator<Item = f32> + Clone) -> f64 {
+    let max = lses.clone().fold(f32::NEG_INFINITY, f32::max) as f64;
+    if max == f64::NEG_INFINITY || !max.is_finite() {
+        return max;
+    }
+    max + lses.map(|l| (l as f64 - max).exp()).sum::<f64>().ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_of_one_part_is_the_part() {
+        let o = [1.0f32, -2.5, f32::MIN_POSITIVE, 3.0e-38];
+        assert_eq!(merge_partials(&[(&o, 7.25)]), o.to_vec());
+        assert_eq!(merge_lse(&[7.25]), 7.25);
+    }
+
+    #[test]
+    fn merge_weights_parts_by_their_mass() {
+        // Two parts of equal mass average; an empty part weighs nothing.
+        let (a, b) = ([1.0f32, 0.0], [0.0f32, 1.0]);
+        assert_eq!(merge_partials(&[(&a, 2.0), (&b, 2.0)]), vec![0.5, 0.5]);
+        assert!((merge_lse(&[2.0, 2.0]) - (2.0 + 2f32.ln())).abs() < 1e-6);
+        assert_eq!(merge_partials(&[(&a, 2.0), (&b, f32::NEG_INFINITY)]), vec![1.0, 0.0]);
+        assert_eq!(merge_partials(&[(&a, f32::NEG_INFINITY), (&b, f32::NEG_INFINITY)]), vec![0.0, 0.0]);
+        // Huge log-sum-exps do not overflow.
+        let m = merge_partials(&[(&a, 1000.0), (&b, 1001.0)]);
+        let wb = 1.0 / (1.0 + (-1f32).exp());
+        assert!((m[0] - (1.0 - wb)).abs() < 1e-6 && (m[1] - wb).abs() < 1e-6, "{m:?}");
+    }
+}

@@ -1,0 +1,59 @@
+//! The one layer loop over any [`Device`]: one batch layer by layer (the runner, a plain
+//! step), or several sub-batches whose layers interleave so that the device runs one
+//! sub-batch's linear layers while the cpu-workers attend another's (an overlapped step).
+//! Where attention happens — K/V stored, jobs posted, the device's own share, the merge — is
+//! the caller's [`LayerAttention`].
+
+use std::collections::VecDeque;
+
+use crate::device::{Device, Qkv};
+use crate::error::WorkerError;
+
+/// A layer's attention for one (sub-)batch, in two halves so that sub-batches interleave:
+/// [`LayerAttention::begin`] stores the new K/V rows and starts whatever others compute,
+/// [`LayerAttention::finish`] computes the device's own share and merges everything into
+/// `out` (`[row][n_head][head_dim]`).
+pub trait LayerAttention<D: Device + ?Sized> {
+    /// A begun layer, to be finished.
+    type Begun;
+    type Error: From<WorkerError>;
+
+    fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Self::Begun, Self::Error>;
+    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), Self::Error>;
+}
+
+/// Runs `batches` (sub-batch `i` is `batches[i]`) through every layer of `device`. With one
+/// batch each layer is begun and finished in turn; with two, per layer l: begin A(l), finish
+/// B(l-1), begin B(l), finish A(l) — each sub-batch's layer finished before its next begins,
+/// and each row computing exactly what it would alone.
+pub fn run_layers<D: Device + ?Sized, A: LayerAttention<D>>(device: &D, batches: &mut [D::Batch], attention: &mut A) -> Result<(), A::Error> {
+    let k = batches.len();
+    let mut begun: VecDeque<(usize, usize, A::Begun, Qkv)> = VecDeque::with_capacity(k);
+    for layer in 0..device.config().n_layer {
+        for sub in 0..k {
+            let qkv = device.qkv(layer, &mut batches[sub])?;
+            let b = attention.begin(device, sub, layer, &qkv)?;
+            begun.push_back((sub, layer, b, qkv));
+            while begun.len() >= k {
+                finish_oldest(device, batches, attention, &mut begun)?;
+            }
+        }
+    }
+    while !begun.is_empty() {
+        finish_oldest(device, batches, attention, &mut begun)?;
+    }
+    Ok(())
+}
+
+fn finish_oldest<D: Device + ?Sized, A: LayerAttention<D>>(
+    device: &D,
+    batches: &mut [D::Batch],
+    attention: &mut A,
+    begun: &mut VecDeque<(usize, usize, A::Begun, Qkv)>,
+) -> Result<(), A::Error> {
+    let Some((sub, layer, b, qkv)) = begun.pop_front() else { return Ok(()) };
+    let mut out = vec![0f32; qkv.q.len()];
+    attention.finish(device, sub, layer, b, &qkv, &mut out)?;
+    device.finish_layer(layer, &mut batches[sub], &out)?;
+    Ok(())
+}
