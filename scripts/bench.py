@@ -25,7 +25,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release")
+# DUET_BENCH_BIN: another build's binaries (e.g. a copy of the last commit's, for before/after pairs).
+BIN = os.environ.get("DUET_BENCH_BIN") or os.path.join(ROOT, "target", "release")
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DECODE_TOKENS = 64
 

@@ -46,12 +46,32 @@ async fn wait_info(gw: &Gateway, what: &str, timeout: Duration, ok: impl Fn(&pb:
     }
 }
 
+/// `serve --device cuda` in a build without the CUDA device stops at once, passing on the
+/// gpu-worker's reason, and leaves no worker behind.
+#[test]
+fn serve_with_an_unusable_device_fails_with_the_reason() {
+    let instance = format!("device-test-{}", std::process::id());
+    let out = std::process::Command::new(duet_tests::bin("duet-gateway"))
+        .args(["serve", "--device", "cuda", "--cpu-workers", "1", "--kv-bytes", "64M", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+        .args(["--instance", &instance, "--model"])
+        .arg(duet_common::testutil::model_path())
+        .env_remove("DUET_DEVICE")
+        .output()
+        .expect("starting duet-gateway");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "serve --device cuda started: {err}");
+    assert!(err.contains("the cuda device cannot be used") && err.contains("exited before it was ready"), "{err}");
+    assert!(pids_with(&[&instance]).is_empty(), "workers of {instance} left running");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_behaves_as_a_client_expects() {
     let mut gw = Gateway::start(&["--cpu-workers", "1"]);
     let i = info(&gw).await;
     assert_eq!((i.context_length, i.vocab_size, i.cpu_workers.len()), (8192, 49152, 1));
     assert!(i.kv_capacity_tokens > 1000 && i.kv_free_tokens == i.kv_capacity_tokens, "{i:?}");
+    // The default `--device auto` runs the gpu-worker's CPU device (no CUDA in this build).
+    assert!(i.gpu_device.starts_with("cpu ("), "{i:?}");
     let ids = tokenize(&gw, "Hello world").await;
     let text = gw.client().detokenize(pb::DetokenizeRequest { ids: ids.clone() }).await.unwrap().into_inner().text;
     assert_eq!(text, "Hello world");

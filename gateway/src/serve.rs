@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use duet_common::model::chat::ChatTemplate;
 use duet_common::model::gguf::GgufFile;
 use duet_common::model::tokenizer::Tokenizer;
-use duet_common::rpc::Listener;
+use duet_common::rpc::{pb, Listener};
 use tokio::sync::{oneshot, watch};
 
 use crate::api::auth::ApiKey;
@@ -55,6 +55,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             runtime_dir: args.runtime_dir.clone().unwrap_or_else(|| supervisor::default_runtime_dir(&instance)),
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,
+            device: args.device.clone(),
         };
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
         let mut children = supervisor::spawn_local(&cfg)?;
@@ -79,9 +80,19 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if workers.cpu_infos.iter().any(|i| i.block_size as usize != block_size) {
         anyhow::bail!("the cpu-workers use different KV block sizes");
     }
+    // Prefill chunks of the gpu-worker's own size, so that it computes what its
+    // single-process runner computes.
+    let prefill_chunk = g.prefill_chunk_tokens as usize;
+    if prefill_chunk == 0 {
+        anyhow::bail!("the gpu-worker reports no prefill chunk size (is it an older version than the gateway?)");
+    }
+    let device_kind = pb::DeviceKind::try_from(g.device_kind).unwrap_or(pb::DeviceKind::Unspecified);
+    if device_kind == pb::DeviceKind::Unspecified {
+        anyhow::bail!("the gpu-worker reports no device kind (is it an older version than the gateway?)");
+    }
     let cfg = SchedulerConfig {
-        max_step_tokens: args.max_step_tokens.max(gpu_worker_prefill_chunk()),
-        prefill_chunk: gpu_worker_prefill_chunk(),
+        max_step_tokens: args.max_step_tokens.max(prefill_chunk),
+        prefill_chunk,
         max_running: args.max_running.max(1),
         policy: args.policy,
         overlap: args.overlap,
@@ -93,7 +104,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         vocab_size: g.n_vocab,
         gpu_device: g.device.clone(),
         // Local workers share the machine's cores; a gpu-worker on the CPU competes for them.
-        shared_cores: local && g.device.starts_with("cpu"),
+        shared_cores: local && device_kind == pb::DeviceKind::Cpu,
     };
     if text.tokenizer.vocab_size() != g.n_vocab as usize {
         anyhow::bail!("the tokenizer has {} tokens, the gpu-worker's model {}", text.tokenizer.vocab_size(), g.n_vocab);
@@ -157,11 +168,6 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     tracing::info!("duet-gateway stopped");
     Ok(served?)
-}
-
-/// The prompt chunk of the single-process runner, so that prefill matches it.
-fn gpu_worker_prefill_chunk() -> usize {
-    512
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

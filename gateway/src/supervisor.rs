@@ -33,6 +33,8 @@ pub struct LocalWorkers {
     pub runtime_dir: PathBuf,
     /// Threads of the gpu-worker's CPU device (default: all cores).
     pub gpu_threads: Option<usize>,
+    /// The gpu-worker's `--device` (auto, cpu or cuda).
+    pub device: String,
 }
 
 /// One worker the gateway talks to.
@@ -120,6 +122,7 @@ impl LocalWorkers {
     fn spawn_gpu(&self) -> std::io::Result<Child> {
         let mut cmd = Process::new(worker_binary("duet-gpu-worker"));
         cmd.arg("serve").arg("--model").arg(&self.model).arg("--listen").arg(self.gpu_address().to_string());
+        cmd.arg("--device").arg(&self.device);
         if let Some(t) = self.gpu_threads {
             cmd.arg("--threads").arg(t.to_string());
         }

@@ -19,6 +19,8 @@ fn worker(args: &[&str]) -> Output {
         .args(args)
         .env_remove("DUET_MODEL")
         .env_remove("DUET_THREADS")
+        .env_remove("DUET_DEVICE")
+        .env_remove("RUST_LOG")
         .output()
         .expect("starting duet-gpu-worker")
 }
@@ -208,4 +210,20 @@ fn a_prompt_longer_than_the_context_is_rejected() {
     let prompt = csv(&vec![504; 9000]);
     let err = fails_with(&["run", "--model", &model_arg(), "--prompt-ids", &prompt, "--max-tokens", "1"], &["context"]);
     assert!(err.contains(&N_CTX.to_string()), "the message should give the context size: {err}");
+}
+
+#[test]
+fn device_cuda_fails_with_the_reason_and_auto_picks_the_cpu_saying_why() {
+    let model = model_arg();
+    // No CUDA device in this build: `cuda` is refused before anything runs, with the reason.
+    fails_with(&["--device", "cuda", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1"], &["cuda device cannot be used", "not part of this build"]);
+    fails_with(&["--device", "tpu", "tokenize", "--model", &model, "Hi"], &["invalid value 'tpu'", "auto, cpu, cuda"]);
+    // `auto` (the default) runs on the CPU and says so in one log line.
+    let out = worker(&["run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let log = stderr(&out);
+    assert_eq!(log.matches("device auto: the CPU device").count(), 1, "{log}");
+    assert!(log.contains("not part of this build"), "{log}");
+    let out = worker(&["--device", "cpu", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
+    assert!(out.status.success() && !stderr(&out).contains("device auto"), "{}", stderr(&out));
 }

@@ -145,8 +145,10 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
             }
         }
         let kv = PlanSlots { arenas: self.arenas, plan, block_size: self.block_size };
-        device.prefill_attention(layer as usize, &qkv.q, &prefill, &kv, out)?;
-        let results = device.decode_attention(layer as usize, &qkv.q, &decode, &kv)?;
+        if !prefill.is_empty() {
+            device.prefill_attention(layer as usize, &qkv.q, &prefill, &kv, out)?;
+        }
+        let results = if decode.is_empty() { Vec::new() } else { device.decode_attention(layer as usize, &qkv.q, &decode, &kv)? };
         for ((pi, share), (o, l)) in decode_of.into_iter().zip(results) {
             match share {
                 Some(si) => partials[pi][si] = (o, l),

@@ -1,0 +1,220 @@
+//! The runner and the executor reach the device only through the `Device` trait: a test
+//! device wrapping the CPU device counts every call, and what the runner and the executor
+//! compute through it — plain and overlapped steps, prefill and decode — is bit for bit what
+//! the runner computes on the CPU device itself.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use duet_common::kv::{ArenaLayout, KvDtype};
+use duet_common::model::config::LlamaConfig;
+use duet_common::model::gguf::GgufFile;
+use duet_common::rpc::pb;
+use duet_common::shm::{Ring, Segment};
+use duet_common::testutil::model_path;
+use duet_gpu_worker::device::cpu::CpuDevice;
+use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use duet_gpu_worker::error::Result;
+use duet_gpu_worker::runner::{Engine, GenerateRequest};
+use duet_gpu_worker::sampler::SamplingParams;
+use duet_gpu_worker::worker::executor::Executor;
+
+/// Calls of each device operation (attention counted per call and per item).
+#[derive(Debug, Default)]
+struct Calls {
+    start_batch: AtomicUsize,
+    qkv: AtomicUsize,
+    store_kv: AtomicUsize,
+    prefill_attention: AtomicUsize,
+    prefill_items: AtomicUsize,
+    decode_attention: AtomicUsize,
+    decode_items: AtomicUsize,
+    finish_layer: AtomicUsize,
+    logits: AtomicUsize,
+}
+
+impl Calls {
+    fn snapshot(&self) -> [usize; 9] {
+        [
+            &self.start_batch,
+            &self.qkv,
+            &self.store_kv,
+            &self.prefill_attention,
+            &self.prefill_items,
+            &self.decode_attention,
+            &self.decode_items,
+            &self.finish_layer,
+            &self.logits,
+        ]
+        .map(|c| c.load(Ordering::Relaxed))
+    }
+}
+
+fn bump(c: &AtomicUsize, by: usize) {
+    c.fetch_add(by, Ordering::Relaxed);
+}
+
+/// The CPU device, counting its calls.
+struct Counting {
+    inner: CpuDevice,
+    calls: Arc<Calls>,
+}
+
+impl Device for Counting {
+    type Batch = <CpuDevice as Device>::Batch;
+
+    fn kind(&self) -> pb::DeviceKind {
+        self.inner.kind()
+    }
+    fn describe(&self) -> String {
+        format!("counting {}", self.inner.describe())
+    }
+    fn config(&self) -> &LlamaConfig {
+        self.inner.config()
+    }
+    fn prefill_chunk(&self) -> usize {
+        self.inner.prefill_chunk()
+    }
+    fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch> {
+        bump(&self.calls.start_batch, 1);
+        self.inner.start_batch(tokens, positions, logit_rows)
+    }
+    fn qkv(&self, layer: usize, batch: &mut Self::Batch) -> Result<Qkv> {
+        bump(&self.calls.qkv, 1);
+        self.inner.qkv(layer, batch)
+    }
+    fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+        bump(&self.calls.store_kv, 1);
+        self.inner.store_kv(layer, qkv, kv)
+    }
+    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+        bump(&self.calls.prefill_attention, 1);
+        bump(&self.calls.prefill_items, items.len());
+        self.inner.prefill_attention(layer, q, items, kv, out)
+    }
+    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+        bump(&self.calls.decode_attention, 1);
+        bump(&self.calls.decode_items, items.len());
+        self.inner.decode_attention(layer, q, items, kv)
+    }
+    fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32]) -> Result<()> {
+        bump(&self.calls.finish_layer, 1);
+        self.inner.finish_layer(layer, batch, attn)
+    }
+    fn logits(&self, batch: &Self::Batch) -> Result<Vec<f32>> {
+        bump(&self.calls.logits, 1);
+        self.inner.logits(batch)
+    }
+}
+
+fn counting(calls: &Arc<Calls>) -> impl FnOnce(Arc<GgufFile>) -> Result<Counting> + '_ {
+    move |file| Ok(Counting { inner: CpuDevice::load(file)?, calls: calls.clone() })
+}
+
+const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
+const GENERATED: usize = 5;
+
+/// The runner's greedy generation on the plain CPU device: ids and their log-probabilities.
+fn reference() -> Vec<(u32, f64)> {
+    let engine = Engine::load(&model_path()).unwrap();
+    generate(&engine)
+}
+
+fn generate<D: Device>(engine: &Engine<D>) -> Vec<(u32, f64)> {
+    let req = GenerateRequest { prompt_ids: PROMPT.to_vec(), max_tokens: GENERATED, sampling: SamplingParams::default(), top_n: 1 };
+    let g = engine.generate(&req, |_| {}).unwrap();
+    g.generated_ids.iter().zip(&g.top).map(|(&id, top)| (id, top.iter().find(|t| t.0 == id).unwrap().1)).collect()
+}
+
+/// The expected [`Calls::snapshot`] — `[start_batch, qkv, store_kv, prefill_attention,
+/// prefill items, decode_attention, decode items, finish_layer, logits]` — after `batches`
+/// batches went through every layer, with `prefill_calls` / `decode_calls` attention calls
+/// of `prefill_items` / `decode_items` items in all, per layer.
+fn expected(n_layer: usize, batches: usize, prefill_calls: usize, prefill_items: usize, decode_calls: usize, decode_items: usize) -> [usize; 9] {
+    let l = n_layer;
+    [batches, batches * l, batches * l, prefill_calls * l, prefill_items * l, decode_calls * l, decode_items * l, batches * l, batches]
+}
+
+#[test]
+fn the_runner_reaches_the_device_only_through_the_trait() {
+    let want = reference();
+    let calls = Arc::new(Calls::default());
+    let engine = Engine::load_with(&model_path(), counting(&calls)).unwrap();
+    let n_layer = engine.device.config().n_layer;
+    assert_eq!(calls.snapshot(), [0; 9], "loading computes nothing");
+    let got = generate(&engine);
+    assert_eq!(got.iter().map(|g| (g.0, g.1.to_bits())).collect::<Vec<_>>(), want.iter().map(|g| (g.0, g.1.to_bits())).collect::<Vec<_>>());
+    // One prefill chunk, then one decode batch per generated token but the last.
+    let decodes = GENERATED - 1;
+    assert_eq!(calls.snapshot(), expected(n_layer, 1 + decodes, 1, 1, decodes, decodes));
+}
+
+/// An executor on `device` with one attached arena of 64 blocks of 16 positions (segments
+/// named after this process and `tag`, removed when the returned guards drop).
+fn executor<D: Device>(device: D, tag: &str) -> (Executor<D>, (Segment, Ring)) {
+    let c = device.config();
+    let layout =
+        ArenaLayout { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32, block_size: 16, dtype: KvDtype::F16, n_blocks: 64 };
+    let (arena_name, ring_name) = (format!("duet-seam-{tag}-{}-arena", std::process::id()), format!("duet-seam-{tag}-{}-ring", std::process::id()));
+    let arena = Segment::create(&arena_name, layout.total_bytes().unwrap()).unwrap();
+    let header = layout.encode_header().unwrap();
+    // SAFETY: the segment was just created here; nothing else maps it yet.
+    unsafe { arena.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
+    let ring = Ring::create(Segment::create(&ring_name, Ring::bytes_needed(4, 4096).unwrap()).unwrap(), 4, 4096).unwrap();
+    let mut ex = Executor::new(device, Duration::from_secs(5)).unwrap();
+    ex.attach(0, &arena_name, &ring_name, None).unwrap();
+    (ex, (arena, ring))
+}
+
+/// A sequence's part of a step: `tokens` at `start` (none: fed its last sample), in
+/// sub-batch `sub`, all its attention on the gpu-worker.
+fn part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: u32) -> pb::SequenceStep {
+    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1 };
+    pb::SequenceStep {
+        seq_id,
+        start_pos: start as u32,
+        tokens: tokens.to_vec(),
+        new_blocks: new_blocks.map(|block| pb::KvBlockRef { worker: 0, block }).collect(),
+        sampler: (start == 0).then_some(greedy),
+        sample: true,
+        attention: Vec::new(),
+        sub_batch: sub,
+        feed_sampled: tokens.is_empty(),
+    }
+}
+
+#[test]
+fn the_executor_reaches_the_device_only_through_the_trait() {
+    let want = reference();
+    let calls = Arc::new(Calls::default());
+    let device = counting(&calls)(Arc::new(GgufFile::open(model_path()).unwrap())).unwrap();
+    let n_layer = device.config().n_layer;
+    let (mut ex, _segments) = executor(device, "count");
+    let mut sampled: Vec<Vec<(u32, f32)>> = vec![Vec::new(), Vec::new()];
+    let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| {
+        let resp = ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap();
+        for s in resp.sampled {
+            let t = s.token.unwrap();
+            sampled[s.seq_id as usize - 1].push((t.id, t.logprob));
+        }
+    };
+    // Overlapped steps: sequence 1 in sub-batch 0, sequence 2 in sub-batch 1 — a prefill
+    // step, then decode steps feeding each its own last sample.
+    run(1, vec![part(1, 0, &PROMPT, 0..1, 0), part(2, 0, &PROMPT, 1..2, 1)]);
+    for i in 0..GENERATED - 2 {
+        let at = PROMPT.len() + i;
+        run(2 + i as u64, vec![part(1, at, &[], 0..0, 0), part(2, at, &[], 0..0, 1)]);
+    }
+    let overlapped = GENERATED - 1;
+    assert_eq!(calls.snapshot(), expected(n_layer, 2 * overlapped, 2, 2, 2 * (overlapped - 1), 2 * (overlapped - 1)), "overlapped steps");
+    // A plain step: sequence 1 alone.
+    run(GENERATED as u64, vec![part(1, PROMPT.len() + GENERATED - 2, &[], 0..0, 0)]);
+    assert_eq!(calls.snapshot(), expected(n_layer, 2 * overlapped + 1, 2, 2, 2 * (overlapped - 1) + 1, 2 * (overlapped - 1) + 1), "then a plain step");
+    // Both sequences sampled what the runner samples on the CPU device, bit for bit.
+    let want: Vec<(u32, u32)> = want.iter().map(|&(id, lp)| (id, (lp as f32).to_bits())).collect();
+    let bits = |s: &[(u32, f32)]| s.iter().map(|&(id, lp)| (id, lp.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&sampled[0]), want);
+    assert_eq!(bits(&sampled[1]), want[..GENERATED - 1]);
+}
