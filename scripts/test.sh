@@ -3,11 +3,23 @@
 # then the Python tests in tests/python that drive the real service with off-the-shelf clients
 # (openai, grpcio, prometheus_client; `python3 -m pip install -r tests/python/requirements.txt`),
 # then the deployment check (systemd units, install script; needs systemd-analyze).
-# Fetches the default model first if it is missing, and builds the binaries first: the
-# multi-process tests start the real duet-gateway / duet-gpu-worker / duet-cpu-worker, which
-# `cargo test` alone does not build for another package's tests.
+# Does its own set-up on a fresh machine: installs the Python clients (pip) and, as root on
+# Debian, systemd (for systemd-analyze); fetches the default model if it is missing; builds
+# the binaries first: the multi-process tests start the real duet-gateway / duet-gpu-worker /
+# duet-cpu-worker, which `cargo test` alone does not build for another package's tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "== Python test clients (tests/python/requirements.txt)"
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -r tests/python/requirements.txt
+if ! command -v systemd-analyze >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing systemd (systemd-analyze verifies the units in deploy/)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
+  else
+    echo "systemd-analyze is missing: install systemd (tests/deploy.sh verifies the units with it)" >&2
+    exit 1
+  fi
+fi
 ./scripts/fetch-model.sh >/dev/null
 cargo build --workspace --locked --bins
 cargo test --workspace --locked "$@"

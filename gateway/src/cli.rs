@@ -185,8 +185,8 @@ pub struct ServeArgs {
     #[arg(long, env = "DUET_GPU_THREADS")]
     pub gpu_threads: Option<usize>,
     /// The spawned gpu-worker's device: auto (CUDA where usable, else the CPU, saying why),
-    /// cpu, or cuda (fails if it cannot be used).
-    #[arg(long, env = "DUET_DEVICE", default_value = "auto", value_parser = ["auto", "cpu", "cuda"])]
+    /// cpu, or cuda (fails if it cannot be used). The gpu-worker's own `--device` values.
+    #[arg(long, env = "DUET_DEVICE", default_value = "auto", value_parser = ["auto", "cpu", "cuda"], conflicts_with = "gpu_worker")]
     pub device: String,
     /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
     #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]

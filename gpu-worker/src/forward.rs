@@ -19,7 +19,8 @@ pub trait LayerAttention<D: Device + ?Sized> {
     type Error: From<WorkerError>;
 
     fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Self::Begun, Self::Error>;
-    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), Self::Error>;
+    /// `q` is the layer's queries of the sub-batch (`Qkv::q` of [`LayerAttention::begin`]).
+    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, q: &[f32], out: &mut [f32]) -> Result<(), Self::Error>;
 }
 
 /// Runs `batches` (sub-batch `i` is `batches[i]`) through every layer of `device`. With one
@@ -28,12 +29,13 @@ pub trait LayerAttention<D: Device + ?Sized> {
 /// and each row computing exactly what it would alone.
 pub fn run_layers<D: Device + ?Sized, A: LayerAttention<D>>(device: &D, batches: &mut [D::Batch], attention: &mut A) -> Result<(), A::Error> {
     let k = batches.len();
-    let mut begun: VecDeque<(usize, usize, A::Begun, Qkv)> = VecDeque::with_capacity(k);
+    // Begun layers, oldest first, with their queries (K and V are stored by then).
+    let mut begun: VecDeque<(usize, usize, A::Begun, Vec<f32>)> = VecDeque::with_capacity(k);
     for layer in 0..device.config().n_layer {
         for sub in 0..k {
             let qkv = device.qkv(layer, &mut batches[sub])?;
             let b = attention.begin(device, sub, layer, &qkv)?;
-            begun.push_back((sub, layer, b, qkv));
+            begun.push_back((sub, layer, b, qkv.q));
             while begun.len() >= k {
                 finish_oldest(device, batches, attention, &mut begun)?;
             }
@@ -49,11 +51,11 @@ fn finish_oldest<D: Device + ?Sized, A: LayerAttention<D>>(
     device: &D,
     batches: &mut [D::Batch],
     attention: &mut A,
-    begun: &mut VecDeque<(usize, usize, A::Begun, Qkv)>,
+    begun: &mut VecDeque<(usize, usize, A::Begun, Vec<f32>)>,
 ) -> Result<(), A::Error> {
-    let Some((sub, layer, b, qkv)) = begun.pop_front() else { return Ok(()) };
-    let mut out = vec![0f32; qkv.q.len()];
-    attention.finish(device, sub, layer, b, &qkv, &mut out)?;
+    let Some((sub, layer, b, q)) = begun.pop_front() else { return Ok(()) };
+    let mut out = vec![0f32; q.len()];
+    attention.finish(device, sub, layer, b, &q, &mut out)?;
     device.finish_layer(layer, &mut batches[sub], &out)?;
     Ok(())
 }

@@ -66,11 +66,13 @@ impl PagedRange<'_> {
 }
 
 /// The K/V rows of `kv_head` for `r`'s positions, in place in `arena`: one `(k, v)` pair of
-/// `[rows][head_dim]` slices per block, in position order. Panics unless `r.fits(layout)` and
-/// `kv_head < layout.n_kv_head`.
+/// `[rows][head_dim]` slices per block, in position order. Callers check `r.fits(layout)`
+/// once per range (job decoding does), not once per call: this runs per task of every job.
+/// Panics if it does not fit (the arena's `f16s` checks every slice) or `kv_head` is out of
+/// range.
 pub fn rows<'a, A: ArenaRows + ?Sized>(arena: &'a A, layout: &ArenaLayout, r: &PagedRange<'_>, kv_head: u32) -> Vec<(&'a [f16], &'a [f16])> {
-    assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
-    assert!(kv_head < layout.n_kv_head, "kv head {kv_head} of {}", layout.n_kv_head);
+    debug_assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
+    assert!(kv_head < layout.n_kv_head && r.start < r.end && r.first_pos <= r.start, "kv head {kv_head} of {}, range {r:?}", layout.n_kv_head);
     let hd = layout.head_dim as usize;
     block_runs(layout, r)
         .map(|(block, lo, n)| {

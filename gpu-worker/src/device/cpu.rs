@@ -1,7 +1,8 @@
 //! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file,
-//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon. Its
-//! attention reads the KV in place: decode through the one fan-out of the kernels
-//! (`decode_batch`), prefill through `causal_attention`.
+//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon. Decode
+//! attention reads the KV in place through the one fan-out of the kernels (`decode_batch`);
+//! prefill attention (`causal_attention`) reads each KV head's context in place when it is one
+//! run, else gathered into one slice per head.
 
 use std::sync::Arc;
 
@@ -240,7 +241,7 @@ impl Device for CpuDevice {
     fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
         let shape = self.attn_shape();
         let q_dim = self.config.q_dim();
-        let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
+        let hd = self.config.head_dim;
         for it in items {
             let n_ctx = it.start + it.n;
             // Each KV head's context as one slice: in place when it is one run, else gathered.
@@ -251,13 +252,12 @@ impl Device for CpuDevice {
             }
             if runs_of.iter().any(|r| r.len() > 1) {
                 for runs in &runs_of {
-                    kbuf.clear();
-                    vbuf.clear();
+                    let (mut k, mut v) = (Vec::with_capacity(n_ctx * hd), Vec::with_capacity(n_ctx * hd));
                     for r in runs {
-                        kbuf.extend_from_slice(r.k);
-                        vbuf.extend_from_slice(r.v);
+                        k.extend_from_slice(r.k);
+                        v.extend_from_slice(r.v);
                     }
-                    heads.push((std::mem::take(&mut kbuf), std::mem::take(&mut vbuf)));
+                    heads.push((k, v));
                 }
             }
             let views: Vec<KvHead<'_>> = if heads.is_empty() {

@@ -15,9 +15,12 @@
 //! device (`worker::step_attention`); one layer loop (`crate::forward`) drives any device,
 //! for the plain step and for two sub-batches whose layers interleave.
 //!
-//! A new device is a module here implementing [`Device`], plus a branch in [`open`]. The CPU
-//! device ([`cpu`]) runs everywhere; the CUDA device is not part of this build yet, so
-//! `--device cuda` fails with that reason and `--device auto` picks the CPU.
+//! Loading the weights is each device's own constructor (`CpuDevice::load`), called by
+//! [`open`] for the device `--device` picks. A new device is a module here implementing
+//! [`Device`] plus its branch in [`open`] (which then returns an enum of the devices, each
+//! handed to the generic runner, executor and service). The CPU device ([`cpu`]) runs
+//! everywhere; the CUDA device is not part of this build yet, so `--device cuda` fails with
+//! that reason and `--device auto` picks the CPU, saying so in one log line.
 
 pub mod cpu;
 mod warm;
@@ -34,8 +37,7 @@ use duet_common::rpc::pb;
 use crate::error::{Result, WorkerError};
 
 /// The device a `--device` flag asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DeviceChoice {
     /// CUDA where a usable GPU is found, else the CPU (saying why in the log).
     #[default]
@@ -57,13 +59,13 @@ impl std::fmt::Display for DeviceChoice {
 }
 
 /// Why the CUDA device cannot be used in this build.
-pub const CUDA_UNAVAILABLE: &str = "the CUDA device is not part of this build yet (see issue 'The CUDA device'); use --device cpu or auto";
+pub const CUDA_UNAVAILABLE: &str = "the CUDA device is not part of this build yet";
 
 /// Loads the model's weights onto the device `choice` names: the CPU device for `cpu`, and for
 /// `auto` until the CUDA device exists (one log line says why); `cuda` fails with the reason.
 pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<cpu::CpuDevice> {
     match choice {
-        DeviceChoice::Cuda => Err(WorkerError::DeviceUnavailable { device: "cuda", why: CUDA_UNAVAILABLE.into() }),
+        DeviceChoice::Cuda => Err(WorkerError::DeviceUnavailable { device: "cuda", why: format!("{CUDA_UNAVAILABLE}; use --device cpu or auto") }),
         DeviceChoice::Auto => {
             tracing::info!("device auto: the CPU device ({CUDA_UNAVAILABLE})");
             cpu::CpuDevice::load(file)
@@ -108,6 +110,8 @@ pub enum KvAccessError {
     NoBlock { position: usize },
     #[error("cpu-worker {0} is not attached")]
     WorkerNotAttached(u32),
+    #[error("batch row {row} belongs to no sequence of the step")]
+    NoRow { row: usize },
 }
 
 /// Prefill attention of one sequence's rows `row0..row0 + n` (positions `start..start + n`),

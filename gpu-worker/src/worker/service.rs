@@ -116,6 +116,7 @@ pub fn status(e: StepError) -> Status {
         | StepError::Model(WorkerError::Kv(KvAccessError::WorkerNotAttached(_)))
         | StepError::CpuWorker { .. } => Status::unavailable(msg),
         StepError::Kv(KvAccessError::NoBlock { .. }) | StepError::Model(WorkerError::Kv(KvAccessError::NoBlock { .. })) => Status::invalid_argument(msg),
+        StepError::Kv(KvAccessError::NoRow { .. }) => Status::internal(msg),
         StepError::Model(WorkerError::DeviceUnavailable { .. }) => Status::unavailable(msg),
         StepError::Model(_) => Status::internal(msg),
     }

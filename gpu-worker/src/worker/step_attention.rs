@@ -58,7 +58,6 @@ pub(super) struct StepAttention<'a> {
 
 /// Jobs posted for one layer of one (sub-)batch, to be finished.
 pub(super) struct Begun {
-    layer: u32,
     posted: Vec<Posted>,
 }
 
@@ -82,7 +81,8 @@ struct PlanSlots<'s> {
 
 impl KvSink for PlanSlots<'_> {
     fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
-        let p = &self.plan[self.plan.partition_point(|p| p.row0 + p.n <= row)];
+        let p = self.plan.get(self.plan.partition_point(|p| p.row0 + p.n <= row)).filter(|p| p.row0 <= row);
+        let p = p.ok_or(KvAccessError::NoRow { row })?;
         let pos = p.start + (row - p.row0);
         let (w, b) = *p.blocks.get(pos / self.block_size).ok_or(KvAccessError::NoBlock { position: pos })?;
         self.arenas.write_token(w, b, pos % self.block_size, layer as u32, k, v)
@@ -108,14 +108,15 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         device.store_kv(layer, qkv, &mut PlanSlots { arenas: self.arenas, plan, block_size: self.block_size })?;
         self.timings.kv_write_ns += ns(t.elapsed());
         let posted = self.post_jobs(plan, layer as u32, &qkv.q)?;
-        Ok(Begun { layer: layer as u32, posted })
+        Ok(Begun { posted })
     }
 
     /// The device's own part of a begun layer (prefill chunks, unsplit decode tokens, its
     /// decode shares), then the cpu-workers' results, merged by log-sum-exp into `out`.
-    fn finish(&mut self, device: &D, sub: usize, _layer: usize, begun: Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), StepError> {
+    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Begun, q: &[f32], out: &mut [f32]) -> Result<(), StepError> {
         let plan = self.plans[sub];
-        let Begun { layer, posted } = begun;
+        let Begun { posted } = begun;
+        let layer = layer as u32;
         let hd = self.shape.head_dim;
         let q_dim = self.shape.n_head * hd;
         let t = Instant::now();
@@ -146,9 +147,9 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         }
         let kv = PlanSlots { arenas: self.arenas, plan, block_size: self.block_size };
         if !prefill.is_empty() {
-            device.prefill_attention(layer as usize, &qkv.q, &prefill, &kv, out)?;
+            device.prefill_attention(layer as usize, q, &prefill, &kv, out)?;
         }
-        let results = if decode.is_empty() { Vec::new() } else { device.decode_attention(layer as usize, &qkv.q, &decode, &kv)? };
+        let results = if decode.is_empty() { Vec::new() } else { device.decode_attention(layer as usize, q, &decode, &kv)? };
         for ((pi, share), (o, l)) in decode_of.into_iter().zip(results) {
             match share {
                 Some(si) => partials[pi][si] = (o, l),
