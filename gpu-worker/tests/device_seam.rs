@@ -6,20 +6,18 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use duet_common::kv::{ArenaLayout, KvDtype};
 use duet_common::model::config::LlamaConfig;
 use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb;
-use duet_common::shm::{Ring, Segment};
 use duet_common::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use duet_gpu_worker::error::Result;
 use duet_gpu_worker::runner::{Engine, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
-use duet_gpu_worker::worker::executor::Executor;
+
+mod support;
 
 /// Calls of each device operation (attention counted per call and per item).
 #[derive(Debug, Default)]
@@ -151,23 +149,6 @@ fn the_runner_reaches_the_device_only_through_the_trait() {
     assert_eq!(calls.snapshot(), expected(n_layer, 1 + decodes, 1, 1, decodes, decodes));
 }
 
-/// An executor on `device` with one attached arena of 64 blocks of 16 positions (segments
-/// named after this process and `tag`, removed when the returned guards drop).
-fn executor<D: Device>(device: D, tag: &str) -> (Executor<D>, (Segment, Ring)) {
-    let c = device.config();
-    let layout =
-        ArenaLayout { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32, block_size: 16, dtype: KvDtype::F16, n_blocks: 64 };
-    let (arena_name, ring_name) = (format!("duet-seam-{tag}-{}-arena", std::process::id()), format!("duet-seam-{tag}-{}-ring", std::process::id()));
-    let arena = Segment::create(&arena_name, layout.total_bytes().unwrap()).unwrap();
-    let header = layout.encode_header().unwrap();
-    // SAFETY: the segment was just created here; nothing else maps it yet.
-    unsafe { arena.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
-    let ring = Ring::create(Segment::create(&ring_name, Ring::bytes_needed(4, 4096).unwrap()).unwrap(), 4, 4096).unwrap();
-    let mut ex = Executor::new(device, Duration::from_secs(5)).unwrap();
-    ex.attach(0, &arena_name, &ring_name, None).unwrap();
-    (ex, (arena, ring))
-}
-
 /// A sequence's part of a step: `tokens` at `start` (none: fed its last sample), in
 /// sub-batch `sub`, all its attention on the gpu-worker.
 fn part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: u32) -> pb::SequenceStep {
@@ -191,7 +172,7 @@ fn the_executor_reaches_the_device_only_through_the_trait() {
     let calls = Arc::new(Calls::default());
     let device = counting(&calls)(Arc::new(GgufFile::open(model_path()).unwrap())).unwrap();
     let n_layer = device.config().n_layer;
-    let (mut ex, _segments) = executor(device, "count");
+    let (mut ex, _segments) = support::executor_with_arena(device, "seam");
     let mut sampled: Vec<Vec<(u32, f32)>> = vec![Vec::new(), Vec::new()];
     let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| {
         let resp = ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap();

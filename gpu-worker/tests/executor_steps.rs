@@ -4,9 +4,7 @@
 //! the failure took and serves the ones that joined it.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use duet_common::kv::{ArenaLayout, KvDtype};
 use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb;
 use duet_common::shm::{Ring, Segment};
@@ -14,23 +12,12 @@ use duet_common::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::worker::executor::Executor;
 
+mod support;
+
 /// An executor with one attached arena of 64 blocks of 16 positions (segments named after
 /// this process, removed when the returned guards drop).
 fn executor() -> (Executor, (Segment, Ring)) {
-    let model = CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap())).unwrap();
-    let c = &model.config;
-    let layout =
-        ArenaLayout { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32, block_size: 16, dtype: KvDtype::F16, n_blocks: 64 };
-    let (arena_name, ring_name) = (format!("duet-exec-test-{}-arena", std::process::id()), format!("duet-exec-test-{}-ring", std::process::id()));
-    let arena = Segment::create(&arena_name, layout.total_bytes().unwrap()).unwrap();
-    let header = layout.encode_header().unwrap();
-    // SAFETY: the segment was just created here; nothing else maps it yet.
-    unsafe { arena.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
-    let ring_seg = Segment::create(&ring_name, Ring::bytes_needed(4, 4096).unwrap()).unwrap();
-    let ring = Ring::create(ring_seg, 4, 4096).unwrap();
-    let mut ex = Executor::new(model, Duration::from_secs(5)).unwrap();
-    ex.attach(0, &arena_name, &ring_name, None).unwrap();
-    (ex, (arena, ring))
+    support::executor_with_arena(CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap())).unwrap(), "exec")
 }
 
 fn greedy() -> pb::SamplerConfig {
