@@ -26,7 +26,7 @@ const SPLIT_TOL: f64 = 2.0 * U * 1.01;
 /// place from the arena (as a cpu-worker reads them), then the kernel.
 #[allow(clippy::too_many_arguments)] // the arena, the range and the group's three slices
 fn attend_group(arena: &[f16], layout: &ArenaLayout, r: &PagedRange<'_>, kv_head: u32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut GroupScratch) {
-    let runs: Vec<KvRun<'_>> = rows(arena, layout, r, kv_head).into_iter().map(|(k, v)| KvRun { k, v }).collect();
+    let runs: Vec<KvRun<'_>> = rows(arena, layout, r, kv_head).map(|(k, v)| KvRun { k, v }).collect();
     decode_group(&runs, r.start..r.end, padded_len(r.n_ctx, r.kv_padding), attn_scale(layout.head_dim as usize), q, out, lse, scratch);
 }
 

@@ -314,12 +314,7 @@ struct CacheAttention<'a> {
 }
 
 /// The batch's rows go to positions `pos0..` of the cache.
-struct CacheRows<'a> {
-    kv: &'a mut KvCache,
-    pos0: usize,
-}
-
-impl KvSink for CacheRows<'_> {
+impl KvSink for CacheAttention<'_> {
     fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
         let (hd, p) = (self.kv.head_dim, self.pos0 + row);
         if p >= self.kv.capacity {
@@ -351,7 +346,7 @@ impl<D: Device> LayerAttention<D> for CacheAttention<'_> {
     type Error = WorkerError;
 
     fn begin(&mut self, device: &D, _sub: usize, layer: usize, qkv: &Qkv) -> Result<()> {
-        device.store_kv(layer, qkv, &mut CacheRows { kv: &mut *self.kv, pos0: self.pos0 })
+        device.store_kv(layer, qkv, self)
     }
 
     fn finish(&mut self, device: &D, _sub: usize, layer: usize, _: (), q: &[f32], out: &mut [f32]) -> Result<()> {

@@ -66,22 +66,26 @@ impl PagedRange<'_> {
 }
 
 /// The K/V rows of `kv_head` for `r`'s positions, in place in `arena`: one `(k, v)` pair of
-/// `[rows][head_dim]` slices per block, in position order. Callers check `r.fits(layout)`
+/// `[rows][head_dim]` slices per block, in position order (an iterator: callers collect them
+/// into the kernels' run type). Callers check `r.fits(layout)`
 /// once per range (job decoding does), not once per call: this runs per task of every job.
 /// Panics if it does not fit (the arena's `f16s` checks every slice) or `kv_head` is out of
 /// range.
-pub fn rows<'a, A: ArenaRows + ?Sized>(arena: &'a A, layout: &ArenaLayout, r: &PagedRange<'_>, kv_head: u32) -> Vec<(&'a [f16], &'a [f16])> {
+pub fn rows<'a, 'r, 'b, A: ArenaRows + ?Sized>(
+    arena: &'a A,
+    layout: &'r ArenaLayout,
+    r: &'r PagedRange<'b>,
+    kv_head: u32,
+) -> impl Iterator<Item = (&'a [f16], &'a [f16])> + use<'a, 'r, 'b, A> {
     debug_assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
     assert!(kv_head < layout.n_kv_head && r.start < r.end && r.first_pos <= r.start, "kv head {kv_head} of {}, range {r:?}", layout.n_kv_head);
     let hd = layout.head_dim as usize;
-    block_runs(layout, r)
-        .map(|(block, lo, n)| {
-            (
-                arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, n * hd),
-                arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, n * hd),
-            )
-        })
-        .collect()
+    block_runs(layout, r).map(move |(block, lo, n)| {
+        (
+            arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, n * hd),
+            arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, n * hd),
+        )
+    })
 }
 
 /// The blocks of `r` in position order, each with the first slot attended in it and the

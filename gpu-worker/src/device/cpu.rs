@@ -4,6 +4,7 @@
 //! prefill attention (`causal_attention`) reads each KV head's context in place when it is one
 //! run, else gathered into one slice per head.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead, KV_PADDING};
@@ -241,30 +242,17 @@ impl Device for CpuDevice {
     fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
         let shape = self.attn_shape();
         let q_dim = self.config.q_dim();
-        let hd = self.config.head_dim;
         for it in items {
-            let n_ctx = it.start + it.n;
             // Each KV head's context as one slice: in place when it is one run, else gathered.
-            let mut heads: Vec<(Vec<f16>, Vec<f16>)> = Vec::new();
-            let mut runs_of = Vec::with_capacity(shape.n_kv_head);
-            for h in 0..shape.n_kv_head {
-                runs_of.push(kv.runs(it.seq, layer, h, 0..n_ctx)?);
-            }
-            if runs_of.iter().any(|r| r.len() > 1) {
-                for runs in &runs_of {
-                    let (mut k, mut v) = (Vec::with_capacity(n_ctx * hd), Vec::with_capacity(n_ctx * hd));
-                    for r in runs {
-                        k.extend_from_slice(r.k);
-                        v.extend_from_slice(r.v);
-                    }
-                    heads.push((k, v));
-                }
-            }
-            let views: Vec<KvHead<'_>> = if heads.is_empty() {
-                runs_of.iter().map(|r| r.first().map_or(KvHead { k: &[], v: &[] }, |r| KvHead { k: r.k, v: r.v })).collect()
-            } else {
-                heads.iter().map(|(k, v)| KvHead { k, v }).collect()
-            };
+            let heads = (0..shape.n_kv_head)
+                .map(|h| {
+                    Ok(match kv.runs(it.seq, layer, h, 0..it.start + it.n)?.as_slice() {
+                        [one] => (Cow::Borrowed(one.k), Cow::Borrowed(one.v)),
+                        runs => (Cow::Owned(runs.iter().map(|r| r.k).collect::<Vec<_>>().concat()), Cow::Owned(runs.iter().map(|r| r.v).collect::<Vec<_>>().concat())),
+                    })
+                })
+                .collect::<Result<Vec<(Cow<'_, [f16]>, Cow<'_, [f16]>)>, KvAccessError>>()?;
+            let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
             let rows = it.row0 * q_dim..(it.row0 + it.n) * q_dim;
             causal_attention(&q[rows.clone()], &views, shape, it.start, &mut out[rows]);
         }

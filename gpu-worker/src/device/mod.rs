@@ -48,16 +48,6 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-impl std::fmt::Display for DeviceChoice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            DeviceChoice::Auto => "auto",
-            DeviceChoice::Cpu => "cpu",
-            DeviceChoice::Cuda => "cuda",
-        })
-    }
-}
-
 /// Why the CUDA device cannot be used in this build.
 pub const CUDA_UNAVAILABLE: &str = "the CUDA device is not part of this build yet";
 
