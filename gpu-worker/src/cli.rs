@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use duet_common::model::chat::ChatMessage;
 use serde_json::json;
 
-use crate::device::{Device, DeviceChoice};
+use crate::device::{AnyDevice, Device, DeviceChoice};
 use crate::runner::{Engine, GenerateRequest};
 use crate::sampler::SamplingParams;
 
@@ -190,7 +190,7 @@ async fn shutdown_signal() {
     }
 }
 
-fn load(model: &ModelArg, device: DeviceChoice) -> anyhow::Result<Engine> {
+fn load(model: &ModelArg, device: DeviceChoice) -> anyhow::Result<Engine<AnyDevice>> {
     let start = std::time::Instant::now();
     let engine = Engine::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
     tracing::info!(model = %model.model.display(), device = %engine.device.describe(), ms = start.elapsed().as_millis() as u64, "model loaded");

@@ -12,6 +12,8 @@ pub enum WorkerError {
     ContextFull { needed: usize, capacity: usize },
     #[error("KV: {0}")]
     Kv(#[from] crate::device::KvAccessError),
+    #[error("GPU: {0}")]
+    Cuda(#[from] crate::device::cuda::CudaError),
     #[error("the {device} device cannot be used: {why}")]
     DeviceUnavailable { device: &'static str, why: String },
 }

@@ -17,7 +17,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::device::cpu::CpuDevice;
-use crate::device::{DecodeItem, Device, DeviceChoice, KvAccessError, KvSink, KvSource, PrefillItem, Qkv};
+use crate::device::{AnyDevice, DecodeItem, Device, DeviceChoice, KvAccessError, KvSink, KvSource, PrefillItem, Qkv};
 use crate::error::{Result, WorkerError};
 use crate::forward::{run_layers, LayerAttention};
 use crate::sampler::{Sampler, SamplingParams};
@@ -80,9 +80,11 @@ pub struct Perplexity {
 impl Engine<CpuDevice> {
     /// Loads a GGUF model onto the CPU device (see [`Engine::load_with`]).
     pub fn load(path: &Path) -> Result<Self> {
-        Engine::load_on(path, DeviceChoice::Cpu)
+        Engine::load_with(path, CpuDevice::load)
     }
+}
 
+impl Engine<AnyDevice> {
     /// Loads a GGUF model onto the device `choice` names.
     pub fn load_on(path: &Path, choice: DeviceChoice) -> Result<Self> {
         Engine::load_with(path, |file| crate::device::open(choice, file))

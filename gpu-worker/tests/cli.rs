@@ -213,17 +213,30 @@ fn a_prompt_longer_than_the_context_is_rejected() {
 }
 
 #[test]
-fn device_cuda_fails_with_the_reason_and_auto_picks_the_cpu_saying_why() {
+fn device_cuda_fails_with_the_probes_reason_and_auto_picks_the_cpu_saying_why() {
     let model = model_arg();
-    // No CUDA device in this build: `cuda` is refused before anything runs, with the reason.
-    fails_with(&["--device", "cuda", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1"], &["cuda device cannot be used", "not part of this build"]);
     fails_with(&["--device", "tpu", "tokenize", "--model", &model, "Hi"], &["invalid value 'tpu'", "auto, cpu, cuda"]);
-    // `auto` (the default) runs on the CPU and says so in one log line.
+    let why = match duet_gpu_worker::device::cuda::probe(0) {
+        Ok(gpu) => {
+            // A GPU machine: `cuda` runs, and `auto` picks it, saying so.
+            eprintln!("a usable GPU ({}): checking that auto and cuda run on it", gpu.name);
+            drop(gpu);
+            let out = worker(&["--device", "cuda", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
+            assert!(out.status.success(), "{}", stderr(&out));
+            let out = worker(&["run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
+            assert_eq!(stderr(&out).matches("device auto: the CUDA device").count(), 1, "{}", stderr(&out));
+            return;
+        }
+        Err(why) => why,
+    };
+    // No usable GPU: `cuda` is refused before anything runs, with the probe's reason.
+    fails_with(&["--device", "cuda", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1"], &["cuda device cannot be used", &why]);
+    // `auto` (the default) runs on the CPU and says so, and why, in one log line.
     let out = worker(&["run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let log = stderr(&out);
     assert_eq!(log.matches("device auto: the CPU device").count(), 1, "{log}");
-    assert!(log.contains("not part of this build"), "{log}");
+    assert!(log.contains(&why), "{log}");
     let out = worker(&["--device", "cpu", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
     assert!(out.status.success() && !stderr(&out).contains("device auto"), "{}", stderr(&out));
 }

@@ -1,133 +1,40 @@
 //! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file,
-//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon. Decode
-//! attention reads the KV in place through the one fan-out of the kernels (`decode_batch`);
-//! prefill attention (`causal_attention`) reads each KV head's context in place when it is one
-//! run, else gathered into one slice per head.
+//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon;
+//! attention on the host kernels (`host_attention`).
 
-use std::borrow::Cow;
 use std::sync::Arc;
 
-use duet_common::kernels::attention::{causal_attention, AttnShape, KvHead, KV_PADDING};
-use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_common::kernels::dot::vec_dot_type;
 use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
-use duet_common::kernels::ops::{llama3_freq_factors, rms_norm, silu_mul, Rope};
-use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::model::config::{LlamaConfig, RopeScaling};
+use duet_common::kernels::ops::{rms_norm, silu_mul, Rope};
+use duet_common::kernels::quant::dequantize;
+use duet_common::model::config::LlamaConfig;
 use duet_common::model::gguf::GgufFile;
-use duet_common::model::names::TensorName;
 use duet_common::rpc::pb;
-use half::f16;
 use rayon::prelude::*;
 
-use super::{Device, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
-use crate::error::{Result, WorkerError};
-
-/// A weight matrix: the tensor's name in the file and its checked shape.
-#[derive(Debug, Clone)]
-struct Weight {
-    name: String,
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-}
-
-#[derive(Debug)]
-struct Layer {
-    attn_norm: Vec<f32>,
-    wq: Weight,
-    wk: Weight,
-    wv: Weight,
-    wo: Weight,
-    ffn_norm: Vec<f32>,
-    gate: Weight,
-    up: Weight,
-    down: Weight,
-}
+use super::model::{check_batch, ModelTensors, Weight};
+use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use crate::error::Result;
 
 /// The CPU device: the model's weights, borrowed from the memory-mapped file.
 pub struct CpuDevice {
     file: Arc<GgufFile>,
-    pub config: LlamaConfig,
-    token_embd: Weight,
-    output: Weight,
-    output_norm: Vec<f32>,
-    layers: Vec<Layer>,
-    rope: Rope,
+    m: ModelTensors,
 }
 
 impl std::fmt::Debug for CpuDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CpuDevice").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("CpuDevice").field("config", &self.m.config).finish_non_exhaustive()
     }
-}
-
-fn shape_err(name: &str, expected: String, found: String) -> WorkerError {
-    WorkerError::Model(duet_common::Error::TensorShape { name: name.to_string(), expected, found })
-}
-
-/// Looks a matrix up and checks it is `cols` wide (ggml dim 0) and `rows` tall.
-fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result<Weight> {
-    let name = name.name();
-    let info = file.tensor_info(&name).ok_or_else(|| WorkerError::Model(duet_common::model::gguf::GgufError::MissingTensor(name.clone()).into()))?;
-    if info.dims != [cols as u64, rows as u64] {
-        return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
-    }
-    Ok(Weight { name, ty: info.ty, rows, cols })
-}
-
-/// A 1-D tensor of `n` elements, dequantised to f32.
-fn vector(file: &GgufFile, name: TensorName, n: usize) -> Result<Vec<f32>> {
-    let name = name.name();
-    let view = file.tensor(&name).map_err(|e| WorkerError::Model(e.into()))?;
-    if view.info.dims != [n as u64] {
-        return Err(shape_err(&name, format!("[{n}]"), format!("{:?}", view.info.dims)));
-    }
-    let mut out = vec![0f32; n];
-    dequantize(view.info.ty, view.data, &mut out).map_err(|e| shape_err(&name, "a dequantisable vector".into(), e.to_string()))?;
-    Ok(out)
 }
 
 impl CpuDevice {
-    /// Checks every tensor the forward pass needs against the hyper-parameters.
+    /// Checks every tensor the forward pass needs and faults the mapped weights in.
     pub fn load(file: Arc<GgufFile>) -> Result<Self> {
-        let config = LlamaConfig::from_gguf(&file)?;
-        let c = &config;
-        let f = &*file;
-        let token_embd = weight(f, TensorName::TokenEmbd, c.n_embd, c.n_vocab)?;
-        let output = if f.tensor_info(&TensorName::Output.name()).is_some() {
-            weight(f, TensorName::Output, c.n_embd, c.n_vocab)?
-        } else {
-            token_embd.clone()
-        };
-        let layers = (0..c.n_layer)
-            .map(|l| {
-                Ok(Layer {
-                    attn_norm: vector(f, TensorName::AttnNorm(l), c.n_embd)?,
-                    wq: weight(f, TensorName::AttnQ(l), c.n_embd, c.q_dim())?,
-                    wk: weight(f, TensorName::AttnK(l), c.n_embd, c.kv_dim())?,
-                    wv: weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
-                    wo: weight(f, TensorName::AttnOutput(l), c.q_dim(), c.n_embd)?,
-                    ffn_norm: vector(f, TensorName::FfnNorm(l), c.n_embd)?,
-                    gate: weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?,
-                    up: weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?,
-                    down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let (freq_scale, factors) = match c.rope_scaling {
-            RopeScaling::None => (1.0, None),
-            RopeScaling::Linear { factor } => (1.0 / factor, None),
-            RopeScaling::FreqFactors => (1.0, Some(vector(f, TensorName::RopeFreqs, c.n_rot / 2)?)),
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => (
-                1.0,
-                Some(llama3_freq_factors(c.n_rot, c.rope_freq_base, factor, low_freq_factor, high_freq_factor, original_context)),
-            ),
-        };
-        let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
-        let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
-        super::warm::warm_weights(f);
-        Ok(CpuDevice { config, token_embd, output, output_norm, layers, rope, file })
+        let m = ModelTensors::load(&file)?;
+        super::warm::warm_weights(&file);
+        Ok(CpuDevice { file, m })
     }
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
@@ -158,10 +65,6 @@ impl CpuDevice {
         matmul_many(&mats, &acts, &mut views);
         outs
     }
-
-    fn attn_shape(&self) -> AttnShape {
-        super::attn_shape(&self.config)
-    }
 }
 
 /// The longest prompt slice of one forward pass on the CPU device.
@@ -188,7 +91,7 @@ impl Device for CpuDevice {
     }
 
     fn config(&self) -> &LlamaConfig {
-        &self.config
+        &self.m.config
     }
 
     fn prefill_chunk(&self) -> usize {
@@ -196,30 +99,22 @@ impl Device for CpuDevice {
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CpuBatch> {
-        let c = &self.config;
+        let c = &self.m.config;
+        check_batch(c, tokens, positions, logit_rows)?;
         let n = tokens.len();
-        if n == 0 || positions.len() != n {
-            return Err(WorkerError::InvalidRequest(format!("a batch of {n} tokens with {} positions", positions.len())));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-            return Err(WorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: c.n_vocab }));
-        }
-        if let Some(&bad) = logit_rows.iter().find(|&&r| r >= n) {
-            return Err(WorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
-        }
         let d = c.n_embd;
         let mut x = vec![0f32; n * d];
-        let embd = self.mat(&self.token_embd);
+        let embd = self.mat(&self.m.token_embd);
         x.par_chunks_mut(d).zip(tokens).for_each(|(row, &t)| {
             dequantize(embd.ty, embd.row(t as usize), row).expect("embedding row");
         });
-        let tables = positions.iter().map(|&p| self.rope.table(p)).collect();
+        let tables = positions.iter().map(|&p| self.m.rope.table(p)).collect();
         Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, logit_rows: logit_rows.to_vec() })
     }
 
     fn qkv(&self, l: usize, b: &mut CpuBatch) -> Result<Qkv> {
-        let c = &self.config;
-        let (layer, hd, n_rot) = (&self.layers[l], c.head_dim, c.n_rot);
+        let c = &self.m.config;
+        let (layer, hd, n_rot) = (&self.m.layers[l], c.head_dim, c.n_rot);
         norm_rows(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn);
         let [mut q, mut k, v] = self.linear_many([&layer.wq, &layer.wk, &layer.wv], &b.xn);
         q.par_chunks_mut(c.q_dim()).zip(&b.tables).for_each(|(row, t)| {
@@ -232,7 +127,7 @@ impl Device for CpuDevice {
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
-        let kv_dim = self.config.kv_dim();
+        let kv_dim = self.m.config.kv_dim();
         for (row, (k, v)) in qkv.k.chunks_exact(kv_dim).zip(qkv.v.chunks_exact(kv_dim)).enumerate() {
             kv.write(layer, row, k, v)?;
         }
@@ -240,36 +135,16 @@ impl Device for CpuDevice {
     }
 
     fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
-        let shape = self.attn_shape();
-        let q_dim = self.config.q_dim();
-        for it in items {
-            // Each KV head's context as one slice: in place when it is one run, else gathered.
-            let heads = (0..shape.n_kv_head)
-                .map(|h| {
-                    Ok(match kv.runs(it.seq, layer, h, 0..it.start + it.n)?.as_slice() {
-                        [one] => (Cow::Borrowed(one.k), Cow::Borrowed(one.v)),
-                        runs => (Cow::Owned(runs.iter().map(|r| r.k).collect::<Vec<_>>().concat()), Cow::Owned(runs.iter().map(|r| r.v).collect::<Vec<_>>().concat())),
-                    })
-                })
-                .collect::<Result<Vec<(Cow<'_, [f16]>, Cow<'_, [f16]>)>, KvAccessError>>()?;
-            let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
-            let rows = it.row0 * q_dim..(it.row0 + it.n) * q_dim;
-            causal_attention(&q[rows.clone()], &views, shape, it.start, &mut out[rows]);
-        }
-        Ok(())
+        host_attention::prefill(&self.m.config, layer, q, items, kv, out)
     }
 
     fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
-        let q_dim = self.config.q_dim();
-        let queries: Vec<DecodeQuery<'_>> =
-            items.iter().map(|it| DecodeQuery { q: &q[it.row * q_dim..(it.row + 1) * q_dim], range: it.range.clone(), n_ctx: it.n_ctx }).collect();
-        let rows = |i: usize, h: usize, chunk| kv.runs(items[i].seq, layer, h, chunk);
-        Ok(decode_batch::<KvAccessError>(&queries, self.attn_shape(), KV_PADDING, 0, rows)?)
+        host_attention::decode(&self.m.config, layer, q, items, kv)
     }
 
     fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32]) -> Result<()> {
-        let c = &self.config;
-        let layer = &self.layers[l];
+        let c = &self.m.config;
+        let layer = &self.m.layers[l];
         let o = self.linear(&layer.wo, attn);
         add(&mut b.x, &o);
         norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
@@ -281,11 +156,11 @@ impl Device for CpuDevice {
     }
 
     fn logits(&self, b: &CpuBatch) -> Result<Vec<f32>> {
-        let d = self.config.n_embd;
+        let d = self.m.config.n_embd;
         let picked: Vec<f32> = b.logit_rows.iter().flat_map(|&r| b.x[r * d..(r + 1) * d].iter().copied()).collect();
         let mut normed = vec![0f32; picked.len()];
-        norm_rows(&picked, &self.output_norm, self.config.rms_eps, &mut normed);
-        Ok(self.linear(&self.output, &normed))
+        norm_rows(&picked, &self.m.output_norm, self.m.config.rms_eps, &mut normed);
+        Ok(self.linear(&self.m.output, &normed))
     }
 }
 

@@ -15,15 +15,22 @@
 //! device (`worker::step_attention`); one layer loop (`crate::forward`) drives any device,
 //! for the plain step and for two sub-batches whose layers interleave.
 //!
-//! Loading the weights is each device's own constructor (`CpuDevice::load`), called by
-//! [`open`] for the device `--device` picks. A new device is a module here implementing
-//! [`Device`] plus its branch in [`open`] (which then returns an enum of the devices, each
-//! handed to the generic runner, executor and service). The CPU device ([`cpu`]) runs
-//! everywhere; the CUDA device is not part of this build yet, so `--device cuda` fails with
-//! that reason and `--device auto` picks the CPU, saying so in one log line.
+//! Loading the weights is each device's own constructor (`CpuDevice::load`,
+//! `CudaDevice::load`, both over the checked tensors of [`model`]), called by [`open`] for
+//! the device `--device` picks; [`AnyDevice`] holds either, so the runner, executor and
+//! service are built once. The CPU device ([`cpu`]) runs everywhere; the CUDA device
+//! ([`cuda`]) wherever its probe finds a usable GPU (the binary itself needs no CUDA to
+//! build or start). `--device auto` picks CUDA when it can and says in one log line which
+//! device it chose and why; `--device cuda` fails with the probe's reason.
 
+mod any;
 pub mod cpu;
+pub mod cuda;
+mod host_attention;
+pub mod model;
 mod warm;
+
+pub use any::{AnyBatch, AnyDevice};
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -48,19 +55,37 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// Why the CUDA device cannot be used in this build.
-pub const CUDA_UNAVAILABLE: &str = "the CUDA device is not part of this build yet";
-
-/// Loads the model's weights onto the device `choice` names: the CPU device for `cpu`, and for
-/// `auto` until the CUDA device exists (one log line says why); `cuda` fails with the reason.
-pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<cpu::CpuDevice> {
+/// Loads the model's weights onto the device `choice` names. `auto` takes the GPU when the
+/// probe finds one and the model loads onto it, else the CPU, logging which and why; a model
+/// that cannot load at all fails either way.
+pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<AnyDevice> {
+    let cpu = |file| Ok(AnyDevice::Cpu(cpu::CpuDevice::load(file)?));
     match choice {
-        DeviceChoice::Cuda => Err(WorkerError::DeviceUnavailable { device: "cuda", why: format!("{CUDA_UNAVAILABLE}; use --device cpu or auto") }),
-        DeviceChoice::Auto => {
-            tracing::info!("device auto: the CPU device ({CUDA_UNAVAILABLE})");
-            cpu::CpuDevice::load(file)
+        DeviceChoice::Cpu => cpu(file),
+        DeviceChoice::Cuda => {
+            let gpu = cuda::probe(0).map_err(|why| WorkerError::DeviceUnavailable { device: "cuda", why: format!("{why}; use --device cpu or auto") })?;
+            Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file)?))
         }
-        DeviceChoice::Cpu => cpu::CpuDevice::load(file),
+        DeviceChoice::Auto => match cuda::probe(0) {
+            Err(why) => {
+                tracing::info!("device auto: the CPU device ({why})");
+                cpu(file)
+            }
+            Ok(gpu) => {
+                let name = gpu.name.clone();
+                match cuda::CudaDevice::load(gpu, file.clone()) {
+                    Ok(d) => {
+                        tracing::info!("device auto: the CUDA device on {name}");
+                        Ok(AnyDevice::Cuda(d))
+                    }
+                    Err(WorkerError::Cuda(e)) => {
+                        tracing::warn!("device auto: the CPU device (the model did not load onto {name}: {e})");
+                        cpu(file)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        },
     }
 }
 

@@ -17,8 +17,7 @@ use tonic::{Request, Response, Status};
 use super::executor::Executor;
 use super::order::Ordered;
 use super::StepError;
-use crate::device::cpu::CpuDevice;
-use crate::device::{Device, DeviceChoice, KvAccessError};
+use crate::device::{AnyDevice, Device, DeviceChoice, KvAccessError};
 use crate::error::WorkerError;
 
 /// The service state.
@@ -31,7 +30,7 @@ pub struct GpuWorkerService<D: Device> {
 /// or arriving; longer means it was lost).
 const ORDER_WAIT: Duration = Duration::from_secs(60);
 
-impl GpuWorkerService<CpuDevice> {
+impl GpuWorkerService<AnyDevice> {
     /// Loads the model at `path` onto the device `choice` names.
     pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration) -> Result<Self, StepError> {
         let file = Arc::new(GgufFile::open(path).map_err(WorkerError::from)?);

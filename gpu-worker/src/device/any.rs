@@ -1,0 +1,101 @@
+//! The device `--device` picked, as one type: each [`Device`] call goes to the CPU or the
+//! CUDA device (candle's `Storage` enum is the model), so the runner, the executor and the
+//! service are built once, over [`AnyDevice`].
+
+use duet_common::model::config::LlamaConfig;
+use duet_common::rpc::pb;
+
+use super::cpu::{CpuBatch, CpuDevice};
+use super::cuda::{CudaBatch, CudaDevice};
+use super::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use crate::error::{Result, WorkerError};
+
+/// The CPU or the CUDA device.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // one per process: its size does not matter
+pub enum AnyDevice {
+    Cpu(CpuDevice),
+    Cuda(CudaDevice),
+}
+
+/// A batch of whichever device started it.
+pub enum AnyBatch {
+    Cpu(CpuBatch),
+    Cuda(CudaBatch),
+}
+
+fn foreign_batch() -> WorkerError {
+    WorkerError::InvalidRequest("a batch started on another device".into())
+}
+
+/// Forwards a per-batch call to the device that owns the batch.
+macro_rules! on_batch {
+    ($self:ident, $batch:expr, $d:ident, $b:ident => $call:expr) => {
+        match ($self, $batch) {
+            (AnyDevice::Cpu($d), AnyBatch::Cpu($b)) => $call,
+            (AnyDevice::Cuda($d), AnyBatch::Cuda($b)) => $call,
+            _ => Err(foreign_batch()),
+        }
+    };
+}
+
+/// Forwards a call that involves no batch.
+macro_rules! on_device {
+    ($self:ident, $d:ident => $call:expr) => {
+        match $self {
+            AnyDevice::Cpu($d) => $call,
+            AnyDevice::Cuda($d) => $call,
+        }
+    };
+}
+
+impl Device for AnyDevice {
+    type Batch = AnyBatch;
+
+    fn kind(&self) -> pb::DeviceKind {
+        on_device!(self, d => d.kind())
+    }
+
+    fn describe(&self) -> String {
+        on_device!(self, d => d.describe())
+    }
+
+    fn config(&self) -> &LlamaConfig {
+        on_device!(self, d => d.config())
+    }
+
+    fn prefill_chunk(&self) -> usize {
+        on_device!(self, d => d.prefill_chunk())
+    }
+
+    fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {
+        match self {
+            AnyDevice::Cpu(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cpu),
+            AnyDevice::Cuda(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cuda),
+        }
+    }
+
+    fn qkv(&self, layer: usize, batch: &mut AnyBatch) -> Result<Qkv> {
+        on_batch!(self, batch, d, b => d.qkv(layer, b))
+    }
+
+    fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+        on_device!(self, d => d.store_kv(layer, qkv, kv))
+    }
+
+    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+        on_device!(self, d => d.prefill_attention(layer, q, items, kv, out))
+    }
+
+    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+        on_device!(self, d => d.decode_attention(layer, q, items, kv))
+    }
+
+    fn finish_layer(&self, layer: usize, batch: &mut AnyBatch, attn: &[f32]) -> Result<()> {
+        on_batch!(self, batch, d, b => d.finish_layer(layer, b, attn))
+    }
+
+    fn logits(&self, batch: &AnyBatch) -> Result<Vec<f32>> {
+        on_batch!(self, batch, d, b => d.logits(b))
+    }
+}

@@ -1,0 +1,68 @@
+// Duet CUDA kernels: the element-wise and row-wise steps of a Llama layer, on f32 rows.
+
+#define NORM_THREADS 256
+
+// out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w, one block of NORM_THREADS per row.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int cols, float eps) {
+    __shared__ float partial[NORM_THREADS / WARP];
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    float* orow = out + (size_t)blockIdx.x * cols;
+    float sum = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += NORM_THREADS) sum += xr[c] * xr[c];
+    sum = warp_sum(sum);
+    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (lane == 0) partial[wid] = sum;
+    __syncthreads();
+    sum = lane < NORM_THREADS / WARP ? partial[lane] : 0.0f;
+    sum = warp_sum(sum);
+    float scale = 1.0f / sqrtf(sum / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += NORM_THREADS) orow[c] = (xr[c] * scale) * w[c];
+}
+
+// Normal (non-NeoX) RoPE in place: pairs (2i, 2i+1), i < n_rot / 2, of every head of every
+// row, rotated by the row's table ([row][n_rot / 2] of (cos, sin), computed on the host as
+// the CPU device computes it). One thread per pair.
+extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ tables, int n_rows, int n_heads, int head_dim,
+                                int n_rot) {
+    int half = n_rot / 2;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n_rows * n_heads * half) return;
+    int p = (int)(i % half);
+    size_t rh = i / half;
+    size_t row = rh / n_heads;
+    float c = tables[(row * half + p) * 2], s = tables[(row * half + p) * 2 + 1];
+    float* h = x + rh * head_dim + 2 * p;
+    float x0 = h[0], x1 = h[1];
+    h[0] = x0 * c - x1 * s;
+    h[1] = x0 * s + x1 * c;
+}
+
+// g = silu(g) * u, element-wise.
+extern "C" __global__ void silu_mul(float* __restrict__ g, const float* __restrict__ u, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = g[i];
+    g[i] = v / (1.0f + expf(-v)) * u[i];
+}
+
+// x += y, element-wise.
+extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// f32 -> f16 (round to nearest even), element-wise: activations for cuBLAS.
+extern "C" __global__ void to_f16(const float* __restrict__ x, u16* __restrict__ out, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f32_to_f16(x[i]);
+}
+
+// out[j] = x[rows[j]] for j < n: the rows whose logits are wanted.
+extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* __restrict__ rows, int n, int cols,
+                                       float* __restrict__ out) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * cols) return;
+    size_t j = i / cols, c = i % cols;
+    out[i] = x[(size_t)rows[j] * cols + c];
+}

@@ -1,0 +1,307 @@
+//! The CUDA device's arithmetic: weights uploaded as the GGUF file stores them, and one
+//! method per kernel launch. Linear layers pick their kernel by batch size: up to
+//! [`MV_MAX_TOK`] rows run the quantised matrix-vector kernels on the weights as they are
+//! (activations quantised to Q8_1 once per input); larger batches dequantise the weight to
+//! f16, a bounded slice of rows at a time, and multiply with cuBLAS (f32 accumulation).
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use duet_common::kernels::quant::GgmlType;
+
+use super::kernels::{quant_suffix, Kernels};
+use super::CudaError;
+use crate::device::model::Weight;
+
+/// The most activation rows one matrix-vector launch takes (`MV_MAX_TOK` in matvec.cu).
+pub const MV_MAX_TOK: usize = 8;
+/// Warps per block of the matrix-vector and quantisation kernels (`MV_WARPS` in matvec.cu).
+const MV_WARPS: u32 = 4;
+/// Threads per row of `rms_norm` (`NORM_THREADS` in ops.cu).
+const NORM_THREADS: u32 = 256;
+/// Bytes of one Q8_1 activation unit (`BlockQ8_1` in quants.cuh: d, s, 32 quants).
+const Q8_1_BYTES: usize = 40;
+/// Elements of the f16 workspace a weight is dequantised into for cuBLAS (128 MiB).
+pub const WORKSPACE_ELEMS: usize = 64 << 20;
+
+/// A weight matrix on the GPU, its bytes as the file stores them.
+pub struct GpuWeight {
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    data: CudaSlice<u8>,
+}
+
+impl GpuWeight {
+    /// Uploads `bytes`, the data of `w`, after checking the device has kernels for its type.
+    pub fn upload(stream: &Arc<CudaStream>, w: &Weight, bytes: &[u8]) -> Result<GpuWeight, CudaError> {
+        let supported = quant_suffix(w.ty).is_some() || matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if !supported {
+            return Err(CudaError::UnsupportedType { tensor: w.name.clone(), ty: w.ty });
+        }
+        Ok(GpuWeight { ty: w.ty, rows: w.rows, cols: w.cols, data: stream.clone_htod(bytes)? })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// A batch of activation rows on the GPU, with the forms linear layers need made once each.
+pub struct Acts<'a> {
+    pub x: &'a CudaSlice<f32>,
+    pub n: usize,
+    pub cols: usize,
+    q8: Option<CudaSlice<u8>>,
+    h: Option<CudaSlice<u16>>,
+}
+
+impl<'a> Acts<'a> {
+    pub fn new(x: &'a CudaSlice<f32>, n: usize, cols: usize) -> Self {
+        Acts { x, n, cols, q8: None, h: None }
+    }
+}
+
+/// The stream, the kernels, cuBLAS and the dequantisation workspace.
+pub struct Launcher {
+    pub stream: Arc<CudaStream>,
+    kernels: Kernels,
+    blas: CudaBlas,
+    /// f16 rows of the weight being multiplied by cuBLAS; locked from the dequantisation to
+    /// the multiplication that reads it.
+    workspace: Mutex<CudaSlice<u16>>,
+}
+
+fn grid_1d(n: usize) -> LaunchConfig {
+    LaunchConfig::for_num_elems(n as u32)
+}
+
+fn mv_config(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((rows as u32).div_ceil(MV_WARPS), 1, 1), block_dim: (32, MV_WARPS, 1), shared_mem_bytes: 0 }
+}
+
+impl Launcher {
+    pub fn new(stream: Arc<CudaStream>, kernels: Kernels, workspace_elems: usize) -> Result<Self, CudaError> {
+        let blas = CudaBlas::new(stream.clone())?;
+        let workspace = Mutex::new(stream.alloc_zeros::<u16>(workspace_elems.max(1))?);
+        Ok(Launcher { stream, kernels, blas, workspace })
+    }
+
+    fn f(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+        self.kernels.get(name)
+    }
+
+    /// A new buffer of `n` f32 (contents undefined until written).
+    pub fn alloc(&self, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        // SAFETY: every caller writes the buffer whole before reading it.
+        Ok(unsafe { self.stream.alloc::<f32>(n.max(1)) }?)
+    }
+
+    /// `acts` times `w`: `acts.n` rows of `w.rows`.
+    pub fn linear(&self, w: &GpuWeight, acts: &mut Acts<'_>) -> Result<CudaSlice<f32>, CudaError> {
+        debug_assert_eq!(acts.cols, w.cols);
+        let mut y = self.alloc(acts.n * w.rows)?;
+        let (rows, n) = (w.rows as i32, acts.n as i32);
+        if acts.n <= MV_MAX_TOK {
+            if let Some(suffix) = quant_suffix(w.ty) {
+                let q8 = self.q8(acts)?;
+                let units = (w.cols / 32) as i32;
+                let f = self.f(&format!("mmvq_{suffix}"))?;
+                let mut b = self.stream.launch_builder(f);
+                b.arg(&w.data).arg(&rows).arg(&units).arg(q8).arg(&n).arg(&mut y);
+                // SAFETY: the arguments match mmvq's signature; sizes were checked at upload.
+                unsafe { b.launch(mv_config(w.rows)) }?;
+            } else {
+                let name = match w.ty {
+                    GgmlType::F32 => "mv_f32",
+                    GgmlType::F16 => "mv_f16",
+                    _ => "mv_bf16",
+                };
+                let cols = w.cols as i32;
+                let mut b = self.stream.launch_builder(self.f(name)?);
+                b.arg(&w.data).arg(&rows).arg(&cols).arg(acts.x).arg(&n).arg(&mut y);
+                // SAFETY: as above, for mv_float.
+                unsafe { b.launch(mv_config(w.rows)) }?;
+            }
+            return Ok(y);
+        }
+        self.gemm(w, acts, &mut y)?;
+        Ok(y)
+    }
+
+    /// The activations as Q8_1 units, made on first use.
+    fn q8<'b>(&self, acts: &'b mut Acts<'_>) -> Result<&'b CudaSlice<u8>, CudaError> {
+        if acts.q8.is_none() {
+            let units = acts.n * acts.cols / 32;
+            // SAFETY: quantize_q8_1 writes every unit.
+            let mut q8 = unsafe { self.stream.alloc::<u8>(units * Q8_1_BYTES) }?;
+            let units_i = units as i32;
+            let mut b = self.stream.launch_builder(self.f("quantize_q8_1")?);
+            b.arg(acts.x).arg(&mut q8).arg(&units_i);
+            let cfg = LaunchConfig { grid_dim: ((units as u32).div_ceil(MV_WARPS), 1, 1), block_dim: (32, MV_WARPS, 1), shared_mem_bytes: 0 };
+            // SAFETY: x holds `units` units of 32 f32; q8 has room for as many BlockQ8_1.
+            unsafe { b.launch(cfg) }?;
+            acts.q8 = Some(q8);
+        }
+        Ok(acts.q8.as_ref().expect("made above"))
+    }
+
+    /// `acts` times `w` through cuBLAS: the weight dequantised to f16 in slices of rows that
+    /// fit the workspace, each multiplied into its columns of `y`.
+    fn gemm(&self, w: &GpuWeight, acts: &mut Acts<'_>, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        if acts.h.is_none() {
+            let n = acts.n * acts.cols;
+            // SAFETY: to_f16 writes all n.
+            let mut h = unsafe { self.stream.alloc::<u16>(n) }?;
+            let mut b = self.stream.launch_builder(self.f("to_f16")?);
+            b.arg(acts.x).arg(&mut h).arg(&n);
+            // SAFETY: x and h hold n elements.
+            unsafe { b.launch(grid_1d(n)) }?;
+            acts.h = Some(h);
+        }
+        let h = acts.h.as_ref().expect("made above");
+        let mut ws = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
+        let chunk = (ws.len() / w.cols).clamp(1, w.rows);
+        let mut row0 = 0;
+        while row0 < w.rows {
+            let rows = chunk.min(w.rows - row0);
+            self.dequant_f16(w, row0, rows, &mut ws)?;
+            let (m, n, k) = (rows as i32, acts.n as i32, w.cols as i32);
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let (wp, _g1) = ws.device_ptr(&self.stream);
+            let (hp, _g2) = h.device_ptr(&self.stream);
+            let (yp, _g3) = y.device_ptr_mut(&self.stream);
+            // Column-major: y^T[rows_total x n] slice at row0 = W_slice (k x m, transposed) * h^T (k x n).
+            // SAFETY: the pointers hold m*k, k*n and rows_total*n elements of the named types.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n,
+                    k,
+                    (&alpha) as *const f32 as *const _,
+                    wp as *const _,
+                    blas_sys::cudaDataType_t::CUDA_R_16F,
+                    k,
+                    hp as *const _,
+                    blas_sys::cudaDataType_t::CUDA_R_16F,
+                    k,
+                    (&beta) as *const f32 as *const _,
+                    (yp + (row0 * 4) as u64) as *mut _,
+                    blas_sys::cudaDataType_t::CUDA_R_32F,
+                    w.rows as i32,
+                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }?;
+            row0 += rows;
+        }
+        Ok(())
+    }
+
+    /// Rows `row0..row0 + rows` of `w` as f16 into the front of `out`.
+    pub fn dequant_f16(&self, w: &GpuWeight, row0: usize, rows: usize, out: &mut CudaSlice<u16>) -> Result<(), CudaError> {
+        let (row0_i, rows_i) = (row0 as i32, rows as i32);
+        match quant_suffix(w.ty) {
+            Some(suffix) => {
+                let units = w.cols / 32;
+                let units_i = units as i32;
+                let mut b = self.stream.launch_builder(self.f(&format!("dequant_f16_{suffix}"))?);
+                b.arg(&w.data).arg(&row0_i).arg(&rows_i).arg(&units_i).arg(out);
+                // SAFETY: `out` holds rows*cols f16 (the callers' chunking); the rows exist.
+                unsafe { b.launch(grid_1d(rows * units)) }?;
+            }
+            None => {
+                let (ty, cols) = (w.ty.id() as i32, w.cols as i32);
+                let mut b = self.stream.launch_builder(self.f("dequant_f16_float")?);
+                b.arg(&ty).arg(&w.data).arg(&row0_i).arg(&rows_i).arg(&cols).arg(out);
+                // SAFETY: as above.
+                unsafe { b.launch(grid_1d(rows * w.cols)) }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The embedding rows of `tokens` as f32, `[token][w.cols]`.
+    pub fn get_rows(&self, w: &GpuWeight, tokens: &CudaSlice<u32>, n: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.alloc(n * w.cols)?;
+        let n_i = n as i32;
+        match quant_suffix(w.ty) {
+            Some(suffix) => {
+                let units = w.cols / 32;
+                let units_i = units as i32;
+                let mut b = self.stream.launch_builder(self.f(&format!("get_rows_{suffix}"))?);
+                b.arg(&w.data).arg(&units_i).arg(tokens).arg(&n_i).arg(&mut out);
+                // SAFETY: tokens were checked against the vocabulary (the weight's rows).
+                unsafe { b.launch(grid_1d(n * units)) }?;
+            }
+            None => {
+                let (ty, cols) = (w.ty.id() as i32, w.cols as i32);
+                let mut b = self.stream.launch_builder(self.f("get_rows_float")?);
+                b.arg(&ty).arg(&w.data).arg(&cols).arg(tokens).arg(&n_i).arg(&mut out);
+                // SAFETY: as above.
+                unsafe { b.launch(grid_1d(n * w.cols)) }?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// RMS norm of each of `x`'s rows of `weight.len()`, times `weight`.
+    pub fn rms_norm(&self, x: &CudaSlice<f32>, weight: &CudaSlice<f32>, n_rows: usize, eps: f32) -> Result<CudaSlice<f32>, CudaError> {
+        let cols = weight.len();
+        let mut out = self.alloc(n_rows * cols)?;
+        let cols_i = cols as i32;
+        let mut b = self.stream.launch_builder(self.f("rms_norm")?);
+        b.arg(x).arg(weight).arg(&mut out).arg(&cols_i).arg(&eps);
+        let cfg = LaunchConfig { grid_dim: (n_rows as u32, 1, 1), block_dim: (NORM_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x and out hold n_rows rows of cols.
+        unsafe { b.launch(cfg) }?;
+        Ok(out)
+    }
+
+    /// RoPE in place on `x` (`[row][n_heads][head_dim]`) with the rows' (cos, sin) tables.
+    pub fn rope(&self, x: &mut CudaSlice<f32>, tables: &CudaSlice<f32>, n_rows: usize, n_heads: usize, head_dim: usize, n_rot: usize) -> Result<(), CudaError> {
+        let (r, h, d, nr) = (n_rows as i32, n_heads as i32, head_dim as i32, n_rot as i32);
+        let mut b = self.stream.launch_builder(self.f("rope")?);
+        b.arg(x).arg(tables).arg(&r).arg(&h).arg(&d).arg(&nr);
+        // SAFETY: x holds n_rows * n_heads * head_dim; tables n_rows * n_rot pairs' halves.
+        unsafe { b.launch(grid_1d(n_rows * n_heads * (n_rot / 2))) }?;
+        Ok(())
+    }
+
+    /// `g = silu(g) * u`.
+    pub fn silu_mul(&self, g: &mut CudaSlice<f32>, u: &CudaSlice<f32>) -> Result<(), CudaError> {
+        let n = g.len();
+        let mut b = self.stream.launch_builder(self.f("silu_mul")?);
+        b.arg(g).arg(u).arg(&n);
+        // SAFETY: g and u have the same length.
+        unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
+    /// `x += y`.
+    pub fn add_assign(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<(), CudaError> {
+        let n = x.len().min(y.len());
+        let mut b = self.stream.launch_builder(self.f("add_assign")?);
+        b.arg(x).arg(y).arg(&n);
+        // SAFETY: both hold n elements.
+        unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
+    /// Rows `rows` of `x` (rows of `cols`), in that order.
+    pub fn gather_rows(&self, x: &CudaSlice<f32>, rows: &[usize], cols: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.stream.clone_htod(&idx)?;
+        let mut out = self.alloc(rows.len() * cols)?;
+        let (n, c) = (rows.len() as i32, cols as i32);
+        let mut b = self.stream.launch_builder(self.f("gather_rows")?);
+        b.arg(x).arg(&idx).arg(&n).arg(&c).arg(&mut out);
+        // SAFETY: the rows were checked against the batch when it started.
+        unsafe { b.launch(grid_1d(rows.len() * cols)) }?;
+        Ok(out)
+    }
+}

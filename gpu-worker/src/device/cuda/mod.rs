@@ -1,0 +1,248 @@
+//! The CUDA device (stage A): embeddings, norms, RoPE, every linear layer and the LM head run
+//! on the GPU; each layer's Q/K/V come to the host, where the caller stores K/V into the
+//! cpu-workers' arenas (or its own cache) and attention runs on the host kernels, and the
+//! attention output goes back up for the rest of the layer. Weights stay on the GPU in their
+//! GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32).
+//!
+//! Built with cudarc's dynamic loading: nothing CUDA is needed to build, and [`probe`]
+//! finds out, without panicking, whether this machine can run it. Kernels are CUDA C
+//! compiled by NVRTC at load (`kernels`), launched through `launch`.
+//!
+//! Numerics: activations are quantised to Q8_1 for the matrix-vector kernels (the CPU uses
+//! Q8_0/Q8_K as ggml does) and to f16 for cuBLAS, and sums run in another order, so logits
+//! match the CPU device's within a tolerance, not bit for bit; dequantisation is exact.
+
+mod kernels;
+mod launch;
+mod probe;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use duet_common::kernels::quant::GgmlType;
+use duet_common::model::config::LlamaConfig;
+use duet_common::model::gguf::GgufFile;
+use duet_common::rpc::pb;
+
+pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FILES as KERNEL_FILES};
+pub use probe::{probe, Gpu};
+
+use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
+use super::model::{check_batch, ModelTensors};
+use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use crate::error::{Result, WorkerError};
+
+/// What went wrong on the GPU side.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("cuBLAS: {0:?}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error("NVRTC could not compile {file}: {log}")]
+    Compile { file: &'static str, log: String },
+    #[error("NVRTC version unknown ({0})")]
+    NvrtcVersion(String),
+    #[error("no kernel named {0} was loaded")]
+    NoKernel(String),
+    #[error("tensor {tensor} is {ty:?}, a type the CUDA device has no kernels for")]
+    UnsupportedType { tensor: String, ty: GgmlType },
+    #[error("the weights need {need} bytes of GPU memory; {gpu} has {free} free")]
+    OutOfMemory { need: usize, free: usize, gpu: String },
+}
+
+/// The longest prompt slice of one forward pass on the CUDA device (as the CPU's: the
+/// gateway's scheduling and the runner's chunks stay the same across devices).
+pub const PREFILL_CHUNK: usize = 512;
+
+struct GpuLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: GpuWeight,
+    wk: GpuWeight,
+    wv: GpuWeight,
+    wo: GpuWeight,
+    ffn_norm: CudaSlice<f32>,
+    gate: GpuWeight,
+    up: GpuWeight,
+    down: GpuWeight,
+}
+
+/// The CUDA device: the model's weights on one GPU.
+pub struct CudaDevice {
+    gpu: Gpu,
+    k: Launcher,
+    m: ModelTensors,
+    token_embd: GpuWeight,
+    /// The LM head; `None` when the file ties it to the embedding.
+    output: Option<GpuWeight>,
+    output_norm: CudaSlice<f32>,
+    layers: Vec<GpuLayer>,
+    weight_bytes: usize,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("gpu", &self.gpu.name).field("config", &self.m.config).finish_non_exhaustive()
+    }
+}
+
+impl CudaDevice {
+    /// Checks the model, compiles the kernels and uploads the weights to `gpu`.
+    pub fn load(gpu: Gpu, file: Arc<GgufFile>) -> Result<Self> {
+        let m = ModelTensors::load(&file)?;
+        let need: usize = m.weights().map(|w| file.tensor(&w.name).map(|t| t.data.len()).unwrap_or(0)).sum();
+        let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
+        if need + WORKSPACE_ELEMS * 2 > free {
+            return Err(CudaError::OutOfMemory { need: need + WORKSPACE_ELEMS * 2, free, gpu: gpu.name.clone() }.into());
+        }
+        // One stream does all the work, so cudarc's per-buffer events are not needed.
+        // SAFETY: no other stream of this context touches the device's buffers.
+        unsafe { gpu.ctx.disable_event_tracking() };
+        let stream = gpu.ctx.default_stream();
+        let started = std::time::Instant::now();
+        let k = Launcher::new(stream.clone(), kernels::Kernels::load(&gpu.ctx, gpu.arch)?, WORKSPACE_ELEMS)?;
+        tracing::info!(ms = started.elapsed().as_millis() as u64, arch = gpu.arch, "CUDA kernels ready");
+        let up = |w: &super::model::Weight| -> Result<GpuWeight> {
+            let t = file.tensor(&w.name).map_err(|e| WorkerError::Model(e.into()))?;
+            Ok(GpuWeight::upload(&stream, w, t.data)?)
+        };
+        let vec_up = |v: &[f32]| -> Result<CudaSlice<f32>> { Ok(stream.clone_htod(v).map_err(CudaError::from)?) };
+        let token_embd = up(&m.token_embd)?;
+        let output = if m.output.name == m.token_embd.name { None } else { Some(up(&m.output)?) };
+        let n_layer = m.layers.len();
+        let mut layers = Vec::with_capacity(n_layer);
+        for (i, l) in m.layers.iter().enumerate() {
+            layers.push(GpuLayer {
+                attn_norm: vec_up(&l.attn_norm)?,
+                wq: up(&l.wq)?,
+                wk: up(&l.wk)?,
+                wv: up(&l.wv)?,
+                wo: up(&l.wo)?,
+                ffn_norm: vec_up(&l.ffn_norm)?,
+                gate: up(&l.gate)?,
+                up: up(&l.up)?,
+                down: up(&l.down)?,
+            });
+            if (i + 1) % n_layer.div_ceil(4).max(1) == 0 {
+                tracing::info!("uploading weights: layer {}/{n_layer}", i + 1);
+            }
+        }
+        let output_norm = vec_up(&m.output_norm)?;
+        stream.synchronize().map_err(CudaError::from)?;
+        let weight_bytes = token_embd.bytes() + output.as_ref().map_or(0, GpuWeight::bytes)
+            + layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>()).sum::<usize>();
+        tracing::info!(gpu = %gpu.name, mib = weight_bytes >> 20, ms = started.elapsed().as_millis() as u64, "weights on the GPU");
+        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, weight_bytes })
+    }
+
+    /// Bytes of GPU memory the weights take.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.k.stream
+    }
+
+    fn download(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
+        let v = self.stream().clone_dtoh(x).map_err(CudaError::from)?;
+        self.stream().synchronize().map_err(CudaError::from)?;
+        Ok(v)
+    }
+}
+
+/// A batch on its way through the CUDA device's layers: the hidden rows and the rows' RoPE
+/// tables on the GPU, and the rows whose logits are wanted.
+pub struct CudaBatch {
+    n: usize,
+    x: CudaSlice<f32>,
+    tables: CudaSlice<f32>,
+    logit_rows: Vec<usize>,
+}
+
+impl Device for CudaDevice {
+    type Batch = CudaBatch;
+
+    fn kind(&self) -> pb::DeviceKind {
+        pb::DeviceKind::Cuda
+    }
+
+    fn describe(&self) -> String {
+        format!("cuda ({}, sm_{}, {} MiB of weights)", self.gpu.name, self.gpu.arch, self.weight_bytes >> 20)
+    }
+
+    fn config(&self) -> &LlamaConfig {
+        &self.m.config
+    }
+
+    fn prefill_chunk(&self) -> usize {
+        PREFILL_CHUNK
+    }
+
+    fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
+        check_batch(&self.m.config, tokens, positions, logit_rows)?;
+        let n = tokens.len();
+        let ids = self.stream().clone_htod(tokens).map_err(CudaError::from)?;
+        let x = self.k.get_rows(&self.token_embd, &ids, n)?;
+        let tables: Vec<f32> = positions.iter().flat_map(|&p| self.m.rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
+        let tables = self.stream().clone_htod(&tables).map_err(CudaError::from)?;
+        Ok(CudaBatch { n, x, tables, logit_rows: logit_rows.to_vec() })
+    }
+
+    fn qkv(&self, l: usize, b: &mut CudaBatch) -> Result<Qkv> {
+        let c = &self.m.config;
+        let layer = &self.layers[l];
+        let xn = self.k.rms_norm(&b.x, &layer.attn_norm, b.n, c.rms_eps)?;
+        let mut acts = Acts::new(&xn, b.n, c.n_embd);
+        let mut q = self.k.linear(&layer.wq, &mut acts)?;
+        let mut k = self.k.linear(&layer.wk, &mut acts)?;
+        let v = self.k.linear(&layer.wv, &mut acts)?;
+        self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot)?;
+        self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot)?;
+        Ok(Qkv { q: self.download(&q)?, k: self.download(&k)?, v: self.download(&v)? })
+    }
+
+    fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+        let kv_dim = self.m.config.kv_dim();
+        for (row, (k, v)) in qkv.k.chunks_exact(kv_dim).zip(qkv.v.chunks_exact(kv_dim)).enumerate() {
+            kv.write(layer, row, k, v)?;
+        }
+        Ok(())
+    }
+
+    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+        host_attention::prefill(&self.m.config, layer, q, items, kv, out)
+    }
+
+    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+        host_attention::decode(&self.m.config, layer, q, items, kv)
+    }
+
+    fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32]) -> Result<()> {
+        let c = &self.m.config;
+        let layer = &self.layers[l];
+        let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;
+        let o = self.k.linear(&layer.wo, &mut Acts::new(&a, b.n, c.q_dim()))?;
+        self.k.add_assign(&mut b.x, &o)?;
+        let xn = self.k.rms_norm(&b.x, &layer.ffn_norm, b.n, c.rms_eps)?;
+        let mut acts = Acts::new(&xn, b.n, c.n_embd);
+        let mut g = self.k.linear(&layer.gate, &mut acts)?;
+        let u = self.k.linear(&layer.up, &mut acts)?;
+        self.k.silu_mul(&mut g, &u)?;
+        let down = self.k.linear(&layer.down, &mut Acts::new(&g, b.n, c.n_ff))?;
+        self.k.add_assign(&mut b.x, &down)?;
+        Ok(())
+    }
+
+    fn logits(&self, b: &CudaBatch) -> Result<Vec<f32>> {
+        let c = &self.m.config;
+        if b.logit_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let picked = self.k.gather_rows(&b.x, &b.logit_rows, c.n_embd)?;
+        let normed = self.k.rms_norm(&picked, &self.output_norm, b.logit_rows.len(), c.rms_eps)?;
+        let head = self.output.as_ref().unwrap_or(&self.token_embd);
+        let logits = self.k.linear(head, &mut Acts::new(&normed, b.logit_rows.len(), c.n_embd))?;
+        self.download(&logits)
+    }
+}

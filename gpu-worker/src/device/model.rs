@@ -1,0 +1,139 @@
+//! The tensors of a Llama-family GGUF model, looked up once and checked against the
+//! hyper-parameters, for every device: weight matrices by name, type and shape (each device
+//! reads or uploads their bytes itself), norm vectors dequantised to f32, and the RoPE
+//! frequencies. Also the checks every device makes on a batch before it starts.
+
+use duet_common::kernels::ops::{llama3_freq_factors, Rope};
+use duet_common::kernels::quant::{dequantize, GgmlType};
+use duet_common::model::config::{LlamaConfig, RopeScaling};
+use duet_common::model::gguf::{GgufError, GgufFile};
+use duet_common::model::names::TensorName;
+
+use crate::error::{Result, WorkerError};
+
+/// A weight matrix: the tensor's name in the file and its checked shape (`rows` outputs of
+/// `cols` inputs each).
+#[derive(Debug, Clone)]
+pub struct Weight {
+    pub name: String,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One transformer block's tensors.
+#[derive(Debug)]
+pub struct LayerTensors {
+    pub attn_norm: Vec<f32>,
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+    pub ffn_norm: Vec<f32>,
+    pub gate: Weight,
+    pub up: Weight,
+    pub down: Weight,
+}
+
+/// Every tensor of the forward pass, checked.
+#[derive(Debug)]
+pub struct ModelTensors {
+    pub config: LlamaConfig,
+    pub token_embd: Weight,
+    /// The LM head: `output.weight`, or the token embedding when the file ties them.
+    pub output: Weight,
+    pub output_norm: Vec<f32>,
+    pub layers: Vec<LayerTensors>,
+    pub rope: Rope,
+}
+
+fn shape_err(name: &str, expected: String, found: String) -> WorkerError {
+    WorkerError::Model(duet_common::Error::TensorShape { name: name.to_string(), expected, found })
+}
+
+/// Looks a matrix up and checks it is `cols` wide (ggml dim 0) and `rows` tall.
+fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result<Weight> {
+    let name = name.name();
+    let info = file.tensor_info(&name).ok_or_else(|| WorkerError::from(GgufError::MissingTensor(name.clone())))?;
+    if info.dims != [cols as u64, rows as u64] {
+        return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
+    }
+    Ok(Weight { name, ty: info.ty, rows, cols })
+}
+
+/// A 1-D tensor of `n` elements, dequantised to f32.
+fn vector(file: &GgufFile, name: TensorName, n: usize) -> Result<Vec<f32>> {
+    let name = name.name();
+    let view = file.tensor(&name).map_err(|e| WorkerError::Model(e.into()))?;
+    if view.info.dims != [n as u64] {
+        return Err(shape_err(&name, format!("[{n}]"), format!("{:?}", view.info.dims)));
+    }
+    let mut out = vec![0f32; n];
+    dequantize(view.info.ty, view.data, &mut out).map_err(|e| shape_err(&name, "a dequantisable vector".into(), e.to_string()))?;
+    Ok(out)
+}
+
+impl ModelTensors {
+    /// Reads the hyper-parameters and checks every tensor the forward pass needs.
+    pub fn load(f: &GgufFile) -> Result<Self> {
+        let config = LlamaConfig::from_gguf(f)?;
+        let c = &config;
+        let token_embd = weight(f, TensorName::TokenEmbd, c.n_embd, c.n_vocab)?;
+        let output = if f.tensor_info(&TensorName::Output.name()).is_some() {
+            weight(f, TensorName::Output, c.n_embd, c.n_vocab)?
+        } else {
+            token_embd.clone()
+        };
+        let layers = (0..c.n_layer)
+            .map(|l| {
+                Ok(LayerTensors {
+                    attn_norm: vector(f, TensorName::AttnNorm(l), c.n_embd)?,
+                    wq: weight(f, TensorName::AttnQ(l), c.n_embd, c.q_dim())?,
+                    wk: weight(f, TensorName::AttnK(l), c.n_embd, c.kv_dim())?,
+                    wv: weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
+                    wo: weight(f, TensorName::AttnOutput(l), c.q_dim(), c.n_embd)?,
+                    ffn_norm: vector(f, TensorName::FfnNorm(l), c.n_embd)?,
+                    gate: weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?,
+                    up: weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?,
+                    down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let (freq_scale, factors) = match c.rope_scaling {
+            RopeScaling::None => (1.0, None),
+            RopeScaling::Linear { factor } => (1.0 / factor, None),
+            RopeScaling::FreqFactors => (1.0, Some(vector(f, TensorName::RopeFreqs, c.n_rot / 2)?)),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_context } => (
+                1.0,
+                Some(llama3_freq_factors(c.n_rot, c.rope_freq_base, factor, low_freq_factor, high_freq_factor, original_context)),
+            ),
+        };
+        let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
+        let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
+        Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope })
+    }
+
+    /// Every weight matrix, each once (a tied LM head is the embedding).
+    pub fn weights(&self) -> impl Iterator<Item = &Weight> {
+        let tied = self.output.name == self.token_embd.name;
+        std::iter::once(&self.token_embd)
+            .chain((!tied).then_some(&self.output))
+            .chain(self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]))
+    }
+}
+
+/// Checks a batch — `tokens[i]` at position `positions[i]`, logits of `logit_rows` — as
+/// every device must before starting it.
+pub fn check_batch(config: &LlamaConfig, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<()> {
+    let n = tokens.len();
+    if n == 0 || positions.len() != n {
+        return Err(WorkerError::InvalidRequest(format!("a batch of {n} tokens with {} positions", positions.len())));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= config.n_vocab) {
+        return Err(WorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: config.n_vocab }));
+    }
+    if let Some(&bad) = logit_rows.iter().find(|&&r| r >= n) {
+        return Err(WorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
+    }
+    Ok(())
+}
