@@ -3,7 +3,8 @@
 # then the Python tests in tests/python that drive the real service with off-the-shelf clients
 # (openai, grpcio, prometheus_client; `python3 -m pip install -r tests/python/requirements.txt`),
 # then the deployment check (systemd units, install script; needs systemd-analyze).
-# Does its own set-up on a fresh machine: installs the Python clients (pip) and, as root on
+# Does its own set-up on a fresh machine: installs the Python clients (pip), NVRTC (PyPI's
+# nvidia-cuda-nvrtc: the CUDA kernels are compiled by it in the tests, no GPU needed) and, as root on
 # Debian, systemd (for systemd-analyze); fetches the default model if it is missing; builds
 # the binaries first: the multi-process tests start the real duet-gateway / duet-gpu-worker /
 # duet-cpu-worker, which `cargo test` alone does not build for another package's tests.
@@ -11,6 +12,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== Python test clients (tests/python/requirements.txt)"
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -r tests/python/requirements.txt
+echo "== NVRTC for the CUDA kernel compile checks (nvidia-cuda-nvrtc 13.0)"
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore 'nvidia-cuda-nvrtc==13.0.*'
+nvrtc_files=$(python3 -m pip show -f nvidia-cuda-nvrtc)
+nvrtc_lib="$(awk '/^Location:/ {print $2}' <<<"$nvrtc_files")/$(grep -m1 -o '[^ ]*libnvrtc\.so\.13$' <<<"$nvrtc_files")"
+[ -f "$nvrtc_lib" ] || { echo "libnvrtc.so.13 not found after installing nvidia-cuda-nvrtc" >&2; exit 1; }
+export LD_LIBRARY_PATH="$(dirname "$nvrtc_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export DUET_REQUIRE_NVRTC=1
 if ! command -v systemd-analyze >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "== installing systemd (systemd-analyze verifies the units in deploy/)"

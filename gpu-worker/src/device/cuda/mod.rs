@@ -15,6 +15,8 @@
 mod kernels;
 mod launch;
 mod probe;
+#[cfg(test)]
+mod twins;
 
 use std::sync::Arc;
 
