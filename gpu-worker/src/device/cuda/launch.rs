@@ -2,7 +2,8 @@
 //! method per kernel launch. Linear layers pick their kernel by batch size: up to
 //! [`MV_MAX_TOK`] rows run the quantised matrix-vector kernels on the weights as they are
 //! (activations quantised to Q8_1 once per input); larger batches dequantise the weight to
-//! f16, a bounded slice of rows at a time, and multiply with cuBLAS (f32 accumulation).
+//! f16, a bounded slice of rows at a time, and multiply with cuBLAS (f32 accumulation; F32
+//! weights go to cuBLAS as they are).
 
 use std::sync::{Arc, Mutex};
 
@@ -46,6 +47,18 @@ impl GpuWeight {
     pub fn bytes(&self) -> usize {
         self.data.len()
     }
+}
+
+/// One cuBLAS product's device pointers and shape (see [`Launcher::gemm_raw`]).
+struct Gemm {
+    w: u64,
+    x: u64,
+    y: u64,
+    rows: usize,
+    n: usize,
+    k: usize,
+    ldy: usize,
+    f16: bool,
 }
 
 /// A batch of activation rows on the GPU, with the forms linear layers need made once each.
@@ -147,9 +160,17 @@ impl Launcher {
         Ok(acts.q8.as_ref().expect("made above"))
     }
 
-    /// `acts` times `w` through cuBLAS: the weight dequantised to f16 in slices of rows that
-    /// fit the workspace, each multiplied into its columns of `y`.
+    /// `acts` times `w` through cuBLAS: F32 weights as they are (SGEMM on the f32
+    /// activations); others dequantised to f16 in slices of rows that fit the workspace, each
+    /// multiplied with the f16 activations into its columns of `y` (f32 accumulation).
     fn gemm(&self, w: &GpuWeight, acts: &mut Acts<'_>, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        if w.ty == GgmlType::F32 {
+            let (wp, _g1) = w.data.device_ptr(&self.stream);
+            let (xp, _g2) = acts.x.device_ptr(&self.stream);
+            let (yp, _g3) = y.device_ptr_mut(&self.stream);
+            // SAFETY: the weight holds rows*cols f32, x n*cols, y n*rows.
+            return unsafe { self.gemm_raw(Gemm { w: wp, x: xp, y: yp, rows: w.rows, n: acts.n, k: w.cols, ldy: w.rows, f16: false }) };
+        }
         if acts.h.is_none() {
             let n = acts.n * acts.cols;
             // SAFETY: to_f16 writes all n.
@@ -167,38 +188,47 @@ impl Launcher {
         while row0 < w.rows {
             let rows = chunk.min(w.rows - row0);
             self.dequant_f16(w, row0, rows, &mut ws)?;
-            let (m, n, k) = (rows as i32, acts.n as i32, w.cols as i32);
-            let (alpha, beta) = (1.0f32, 0.0f32);
             let (wp, _g1) = ws.device_ptr(&self.stream);
             let (hp, _g2) = h.device_ptr(&self.stream);
             let (yp, _g3) = y.device_ptr_mut(&self.stream);
-            // Column-major: y^T[rows_total x n] slice at row0 = W_slice (k x m, transposed) * h^T (k x n).
-            // SAFETY: the pointers hold m*k, k*n and rows_total*n elements of the named types.
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *self.blas.handle(),
-                    blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                    blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                    m,
-                    n,
-                    k,
-                    (&alpha) as *const f32 as *const _,
-                    wp as *const _,
-                    blas_sys::cudaDataType_t::CUDA_R_16F,
-                    k,
-                    hp as *const _,
-                    blas_sys::cudaDataType_t::CUDA_R_16F,
-                    k,
-                    (&beta) as *const f32 as *const _,
-                    (yp + (row0 * 4) as u64) as *mut _,
-                    blas_sys::cudaDataType_t::CUDA_R_32F,
-                    w.rows as i32,
-                    blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }?;
+            // SAFETY: the workspace holds rows*cols f16, h n*cols, y n*w.rows f32 (this slice
+            // writes its columns row0..row0 + rows of each of y's rows).
+            unsafe { self.gemm_raw(Gemm { w: wp, x: hp, y: yp + (row0 * 4) as u64, rows, n: acts.n, k: w.cols, ldy: w.rows, f16: true }) }?;
             row0 += rows;
         }
+        Ok(())
+    }
+
+    /// `y[t][r] = sum_c w[r][c] * x[t][c]` for `rows` weight rows and `n` activation rows, `y`'s
+    /// rows `ldy` apart. In cuBLAS's column-major terms: y^T (rows x n) = W^T' (w is k x rows,
+    /// transposed) * x^T (k x n).
+    ///
+    /// # Safety
+    /// The pointers must hold what `g` says, of f16 (`g.f16`) or f32.
+    unsafe fn gemm_raw(&self, g: Gemm) -> Result<(), CudaError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ty = if g.f16 { blas_sys::cudaDataType_t::CUDA_R_16F } else { blas_sys::cudaDataType_t::CUDA_R_32F };
+        cudarc::cublas::result::gemm_ex(
+            *self.blas.handle(),
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            g.rows as i32,
+            g.n as i32,
+            g.k as i32,
+            (&alpha) as *const f32 as *const _,
+            g.w as *const _,
+            ty,
+            g.k as i32,
+            g.x as *const _,
+            ty,
+            g.k as i32,
+            (&beta) as *const f32 as *const _,
+            g.y as *mut _,
+            blas_sys::cudaDataType_t::CUDA_R_32F,
+            g.ldy as i32,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )?;
         Ok(())
     }
 

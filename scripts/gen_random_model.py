@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Random-weight GGUF models in the shape of real ones, for benchmarks and device checks.
+
+Timings on these files are real (same shapes, same tensor types, same bytes to read); the
+text they generate is noise. Needs only numpy (the GGUF is written by hand, so the script
+runs on the GPU machine too, which has no gguf-py and no network).
+
+    python3 scripts/gen_random_model.py --shape llama-3.2-1b --type q4_k_m -o models/llama-1b-q4_k_m.gguf
+
+Shapes: llama-3.2-1b (16 layers, width 2048, FFN 8192, 32/8 heads, vocabulary 128256, tied
+embedding) and llama-3.1-8b (32 layers, 4096, 14336, 32/8 heads, 128256, untied), both with
+Llama 3's RoPE scaling. Types:
+
+* q4_k_m: llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head (the embedding when tied)
+  and for attn_v / ffn_down in the layers llama.cpp gives more bits (the first and last
+  eighth, and every third between);
+* q4_0, q8_0: every matrix of that type, the LM head Q6_K for q4_0 as llama.cpp does;
+* f16.
+
+Quantised blocks are random bytes with their f16 scale fields set to values that give
+weights of a typical spread (about 0.02), so activations stay finite through the layers.
+The tokenizer is a byte-level BPE vocabulary (the 256 byte characters, filler tokens and
+Llama 3's special tokens; no merges).
+"""
+
+import argparse
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {
+    "llama-3.2-1b": dict(n_layer=16, d=2048, ff=8192, heads=32, kv_heads=8, vocab=128256, tied=True, rope_factor=32.0, ctx=131072),
+    "llama-3.1-8b": dict(n_layer=32, d=4096, ff=14336, heads=32, kv_heads=8, vocab=128256, tied=False, rope_factor=8.0, ctx=131072),
+}
+
+# ggml type id, bytes per block, elements per block, f16 scale fields (byte offset, value).
+F32, F16, Q4_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 8, 12, 14
+BLOCKS = {
+    Q4_0: (18, 32, [(0, 0.02 / 4.6)]),
+    Q8_0: (34, 32, [(0, 0.02 / 74)]),
+    Q4_K: (144, 256, [(0, 0.02 / (31 * 4.6)), (2, 0.02 / (31 * 4.6))]),
+    Q6_K: (210, 256, [(208, 0.02 / (74 * 18.5))]),
+}
+
+
+def quantised(rng: np.random.Generator, ty: int, rows: int, cols: int) -> bytes:
+    size, elems, fields = BLOCKS[ty]
+    n = rows * cols // elems
+    blocks = np.frombuffer(rng.bytes(n * size), dtype=np.uint8).reshape(n, size).copy()
+    for off, scale in fields:
+        d = (scale * rng.uniform(0.5, 1.5, n)).astype(np.float16)
+        blocks[:, off : off + 2] = d.view(np.uint8).reshape(n, 2)
+    return blocks.tobytes()
+
+
+def tensor_bytes(rng: np.random.Generator, ty: int, rows: int, cols: int) -> bytes:
+    if ty == F16:
+        return rng.normal(0, 0.02, rows * cols).astype(np.float16).tobytes()
+    if ty == F32:
+        return rng.normal(0, 0.02, rows * cols).astype(np.float32).tobytes()
+    return quantised(rng, ty, rows, cols)
+
+
+def more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the layers Q4_K_M gives Q6_K attn_v / ffn_down."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_types(shape: dict, kind: str) -> dict:
+    base = {"q4_k_m": Q4_K, "q4_0": Q4_0, "q8_0": Q8_0, "f16": F16}[kind]
+    head = {"q4_k_m": Q6_K, "q4_0": Q6_K, "q8_0": Q8_0, "f16": F16}[kind]
+    types = {"token_embd.weight": head if shape["tied"] else base}
+    if not shape["tied"]:
+        types["output.weight"] = head
+    for i in range(shape["n_layer"]):
+        bump = kind == "q4_k_m" and more_bits(i, shape["n_layer"])
+        for name in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"]:
+            types[f"blk.{i}.{name}.weight"] = base
+        for name in ["attn_v", "ffn_down"]:
+            types[f"blk.{i}.{name}.weight"] = Q6_K if bump else base
+    return types
+
+
+def byte_chars() -> list:
+    """GPT-2's printable stand-ins for the 256 bytes."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+class Writer:
+    """A GGUF v3 file: metadata, tensor infos, 32-byte aligned data."""
+
+    def __init__(self):
+        self.kv = []
+        self.tensors = []
+
+    def add(self, key: str, kind: str, value):
+        self.kv.append((key, kind, value))
+
+    def tensor(self, name: str, dims: list, ty: int, data: bytes):
+        self.tensors.append((name, dims, ty, data))
+
+    @staticmethod
+    def _str(s: str) -> bytes:
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    def _value(self, kind: str, v) -> bytes:
+        if kind == "u32":
+            return struct.pack("<II", 4, v)
+        if kind == "f32":
+            return struct.pack("<If", 6, v)
+        if kind == "bool":
+            return struct.pack("<IB", 7, int(v))
+        if kind == "str":
+            return struct.pack("<I", 8) + self._str(v)
+        if kind == "strs":
+            return struct.pack("<IIQ", 9, 8, len(v)) + b"".join(self._str(s) for s in v)
+        if kind == "i32s":
+            return struct.pack("<IIQ", 9, 5, len(v)) + np.asarray(v, dtype="<i4").tobytes()
+        raise ValueError(kind)
+
+    def write(self, path: Path):
+        with open(path, "wb") as f:
+            f.write(struct.pack("<4sIQQ", b"GGUF", 3, len(self.tensors), len(self.kv)))
+            for key, kind, v in self.kv:
+                f.write(self._str(key) + self._value(kind, v))
+            offset = 0
+            for name, dims, ty, data in self.tensors:
+                f.write(self._str(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", ty, offset))
+                offset += (len(data) + 31) // 32 * 32
+            f.write(b"\0" * (-f.tell() % 32))
+            for i, (name, _, _, data) in enumerate(self.tensors):
+                f.write(data)
+                f.write(b"\0" * (-len(data) % 32))
+                if (i + 1) % 20 == 0:
+                    print(f"  {i + 1}/{len(self.tensors)} tensors written", file=sys.stderr)
+
+
+def build(shape_name: str, kind: str, seed: int) -> Writer:
+    s = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    d, ff, hd = s["d"], s["ff"], s["d"] // s["heads"]
+    w = Writer()
+    w.add("general.architecture", "str", "llama")
+    w.add("general.name", "str", f"random {shape_name} {kind}")
+    w.add("llama.context_length", "u32", s["ctx"])
+    w.add("llama.embedding_length", "u32", d)
+    w.add("llama.block_count", "u32", s["n_layer"])
+    w.add("llama.feed_forward_length", "u32", ff)
+    w.add("llama.attention.head_count", "u32", s["heads"])
+    w.add("llama.attention.head_count_kv", "u32", s["kv_heads"])
+    w.add("llama.rope.dimension_count", "u32", hd)
+    w.add("llama.rope.freq_base", "f32", 500000.0)
+    w.add("llama.attention.layer_norm_rms_epsilon", "f32", 1e-5)
+    w.add("llama.vocab_size", "u32", s["vocab"])
+    w.add("llama.rope.scaling.type", "str", "llama3")
+    w.add("llama.rope.scaling.factor", "f32", s["rope_factor"])
+    w.add("llama.rope.scaling.low_freq_factor", "f32", 1.0)
+    w.add("llama.rope.scaling.high_freq_factor", "f32", 4.0)
+    w.add("llama.rope.scaling.original_context_length", "u32", 8192)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(256)]
+    specials[9] = "<|eot_id|>"
+    n_special = len(specials)
+    filler = [f"tok{i}" for i in range(s["vocab"] - 256 - n_special)]
+    tokens = byte_chars() + filler + specials
+    types = [1] * (s["vocab"] - n_special) + [3] * n_special
+    w.add("tokenizer.ggml.model", "str", "gpt2")
+    w.add("tokenizer.ggml.pre", "str", "llama-bpe")
+    w.add("tokenizer.ggml.tokens", "strs", tokens)
+    w.add("tokenizer.ggml.token_type", "i32s", types)
+    w.add("tokenizer.ggml.merges", "strs", [])
+    w.add("tokenizer.ggml.bos_token_id", "u32", s["vocab"] - n_special)
+    w.add("tokenizer.ggml.eos_token_id", "u32", s["vocab"] - n_special + 9)
+    w.add("tokenizer.ggml.add_bos_token", "bool", True)
+
+    ttypes = tensor_types(s, kind)
+    norm = lambda: (1.0 + rng.normal(0, 0.05, d)).astype(np.float32).tobytes()  # noqa: E731
+    dims = {"attn_q": (d, d), "attn_k": (d, s["kv_heads"] * hd), "attn_v": (d, s["kv_heads"] * hd), "attn_output": (d, d),
+            "ffn_gate": (d, ff), "ffn_up": (d, ff), "ffn_down": (ff, d)}
+    w.tensor("token_embd.weight", [d, s["vocab"]], ttypes["token_embd.weight"], tensor_bytes(rng, ttypes["token_embd.weight"], s["vocab"], d))
+    for i in range(s["n_layer"]):
+        w.tensor(f"blk.{i}.attn_norm.weight", [d], F32, norm())
+        for name, (cols, rows) in dims.items():
+            full = f"blk.{i}.{name}.weight"
+            w.tensor(full, [cols, rows], ttypes[full], tensor_bytes(rng, ttypes[full], rows, cols))
+            if name == "attn_output":
+                w.tensor(f"blk.{i}.ffn_norm.weight", [d], F32, norm())
+    w.tensor("output_norm.weight", [d], F32, norm())
+    if not s["tied"]:
+        w.tensor("output.weight", [d, s["vocab"]], ttypes["output.weight"], tensor_bytes(rng, ttypes["output.weight"], s["vocab"], d))
+    return w
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    p.add_argument("--type", choices=["q4_k_m", "q4_0", "q8_0", "f16"], default="q4_k_m")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    a = p.parse_args()
+    print(f"generating a random {a.shape} model ({a.type}) ...", file=sys.stderr)
+    w = build(a.shape, a.type, a.seed)
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+    w.write(a.output)
+    print(f"{a.output}: {a.output.stat().st_size / 2**20:.0f} MiB", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
