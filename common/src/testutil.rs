@@ -2,8 +2,12 @@
 
 use std::path::PathBuf;
 
-/// The workspace root (tests run with the crate directory as working directory).
+/// The workspace root: `$DUET_WORKSPACE`, else the checkout the tests were built in.
 pub fn workspace_root() -> PathBuf {
+    // Test binaries run elsewhere (the GPU check) are told where the checkout is.
+    if let Some(dir) = std::env::var_os("DUET_WORKSPACE") {
+        return dir.into();
+    }
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     here.parent().map(PathBuf::from).unwrap_or(here)
 }

@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine what scripts/gpu-check.sh prepared (gpu-check/ beside this checkout):
+#
+#   tests  the CUDA tests with DUET_REQUIRE_CUDA=1 (a skip is a failure): kernel twins, NVRTC,
+#          every tiny model on the CUDA device, the CUDA device against the CPU device on a
+#          random-weight model of Llama-3.2-1B's shape, and the whole system serving a
+#          streamed completion with --device cuda;
+#   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
+#          device (single process), and the served system at 1, 16 and 64 streams.
+#
+#     bash scripts/gpu-check-run.sh [tests] [bench]      (both when none is named)
+#
+# Logs go to $OUT (the device tool's folder) or ./gpu-check-out. Every step runs even when
+# an earlier one failed; the exit status says whether any did.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+kit=$root/gpu-check
+out=${OUT:-$root/gpu-check-out}
+mkdir -p "$out"
+steps=${*:-tests bench}
+failed=()
+[ -x "$kit/duet-gpu-worker" ] || { echo "gpu-check/ is missing: run scripts/gpu-check.sh where Rust is, and carry gpu-check/" >&2; exit 2; }
+
+# CUDA's libraries: NVRTC and cuBLAS (and cuBLASLt, which cuBLAS loads) wherever they are.
+libdirs=$(find /usr/local /usr/lib /opt $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null) \
+  \( -name 'libnvrtc.so.13*' -o -name 'libcublas.so.13*' -o -name 'libcublasLt.so.13*' \) -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export DUET_REQUIRE_CUDA=1 DUET_REQUIRE_NVRTC=1 DUET_WORKSPACE=$root DUET_CUDA_CACHE=/tmp/duet-ptx RUST_BACKTRACE=1
+models=/tmp/duet-models
+mkdir -p "$models"
+
+{
+  echo "== $(date -u)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  nproc
+} | tee "$out/machine.txt"
+
+# step NAME COMMAND...: runs and logs one step, remembering a failure.
+step() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  local start=$SECONDS
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "   ok ($((SECONDS - start)) s)"
+  else
+    echo "   FAILED ($((SECONDS - start)) s); the log's end:"
+    tail -30 "$out/$name.log" | sed 's/^/   | /'
+    failed+=("$name")
+  fi
+}
+
+model() { # model SHAPE TYPE: makes the random-weight model once, prints its path
+  local path=$models/$1-$2.gguf
+  [ -f "$path" ] || python3 scripts/gen_random_model.py --shape "$1" --type "$2" -o "$path" >&2
+  echo "$path"
+}
+
+# Streams a completion from a gateway serving with --device cuda; checks tokens arrived.
+serve_and_stream() {
+  local m=$1 port=18080 log=$out/serve.log
+  "$kit/duet-gateway" serve --device cuda --model "$m" --cpu-workers 1 --kv-bytes 2G \
+    --listen 127.0.0.1:18081 --http-listen 127.0.0.1:$port --instance gpucheck >"$log" 2>&1 &
+  local gw=$!
+  python3 - "$port" <<'PY'
+import json, sys, time, urllib.request
+port = sys.argv[1]
+base = f"http://127.0.0.1:{port}"
+for _ in range(240):
+    try:
+        urllib.request.urlopen(base + "/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(0.5)
+else:
+    sys.exit("the gateway did not become healthy")
+model = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
+body = json.dumps({"model": model, "prompt": "tok1 tok2 tok3", "max_tokens": 32, "stream": True, "temperature": 0}).encode()
+req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+t0, chunks, first = time.time(), 0, None
+with urllib.request.urlopen(req, timeout=120) as r:
+    for line in r:
+        line = line.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunks += 1
+            first = first or time.time() - t0
+print(f"streamed {chunks} chunks, first after {first:.3f} s, all in {time.time() - t0:.3f} s")
+sys.exit(0 if chunks >= 16 else "too few chunks")
+PY
+  local rc=$?
+  grep -i "device" "$log" | head -5
+  kill -TERM $gw
+  wait $gw
+  return $rc
+}
+
+# Single-process speed: a 512-token prompt, then 128 tokens, on one device.
+run_speed() { # DEVICE MODEL
+  local ids
+  ids=$(python3 -c 'print(",".join(str(1000 + 7 * i) for i in range(512)))')
+  "$kit/duet-gpu-worker" --device "$1" run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json \
+    | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
+}
+
+# The served system: 1, 16 and 64 streams at contexts 1K (and 8K for 16), policies cpu and lp.
+serve_bench() { # MODEL
+  "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes 16G \
+    --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$out/serve-bench-server.log" 2>&1 &
+  local gw=$!
+  sleep 2
+  for _ in $(seq 240); do curl -sf http://127.0.0.1:18090/health >/dev/null 2>&1 && break; sleep 0.5; done
+  "$kit/duet-gateway" bench --addr 127.0.0.1:18091 --concurrency 1,16,64 --context 1024 --max-tokens 64 --policies cpu,gpu,lp --json
+  local rc=$?
+  kill -TERM $gw
+  wait $gw
+  return $rc
+}
+
+for s in $steps; do
+  case $s in
+    tests)
+      step twins "$kit/deps/duet_gpu_worker" --test-threads 1 --nocapture cuda::
+      step nvrtc "$kit/deps/cuda_kernels" --nocapture
+      step tiny-models "$kit/deps/tiny_llama_reference" --nocapture
+      m1=$(model llama-3.2-1b q4_k_m)
+      step cuda-vs-cpu env DUET_CUDA_TEST_MODEL="$m1" "$kit/deps/cuda_vs_cpu" --nocapture
+      step serve-stream serve_and_stream "$m1"
+      ;;
+    bench)
+      m1=$(model llama-3.2-1b q4_k_m)
+      step speed-1b-cuda run_speed cuda "$m1"
+      step speed-1b-cpu run_speed cpu "$m1"
+      m8=$(model llama-3.1-8b q4_k_m)
+      step speed-8b-cuda run_speed cuda "$m8"
+      step serve-bench-1b serve_bench "$m1"
+      ;;
+    *) echo "unknown step group $s (tests, bench)" >&2; exit 2 ;;
+  esac
+done
+
+echo "== logs in $out"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all passed"
