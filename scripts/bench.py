@@ -11,6 +11,10 @@
   passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr.
   DUET_BENCH_LOG sets the Duet server's log filter (its log is kept in the temp dir).
 
+`--model` runs the system rows on another GGUF (e.g. a random-weight model of a real shape
+from `scripts/gen_random_model.py`); the batch-1 decode row then also says what share of the
+read bandwidth measured in the same run (kernel rows) its weight reads are.
+
 Run through scripts/bench.sh, which builds the binaries and fetches the model first.
 """
 
@@ -159,6 +163,21 @@ def llama_pass(threads):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def set_model(path):
+    global MODEL
+    if not os.path.exists(path):
+        sys.exit(f"{path}: no such model")
+    MODEL = os.path.abspath(path)
+
+
+def read_bandwidth(krows):
+    """The read bandwidth (GB/s) the kernel rows measured, or None."""
+    for what, _, gbs, _ in krows:
+        if what.startswith("read bandwidth") and "better" in what:
+            return float(gbs)
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -167,27 +186,36 @@ def main():
     ap.add_argument("--no-system", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="passes over the whole-system rows (each row: the median)")
+    ap.add_argument("--model", default=MODEL, help="GGUF model of the whole-system rows (default: SmolLM2-135M Q4_1)")
     args = ap.parse_args()
+    set_model(args.model)
     header, krows = ("", []) if args.no_kernels else kernel_rows(args.threads, args.quick)
     repeat = max(1, args.repeat)
     duet, llama = {}, None
     if not args.no_system:
         duet, llama = system_rows(args.threads, repeat, not args.no_llama and llama_available())
     passes = "" if args.no_system else f"whole-system rows: the median of {repeat} passes"
-    print("Duet benchmark: " + "; ".join(p for p in (f"{args.threads} threads", header, passes) if p))
+    model = os.path.basename(MODEL)
+    print("Duet benchmark: " + "; ".join(p for p in (model, f"{args.threads} threads", header, passes) if p))
     print()
     print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")
     print("|---|---|---:|---|---:|---:|---:|")
     for what, shape, gbs, frac in krows:
         unit = "G mul-add/s" if "multiply-adds" in what else "GB/s"
         print(f"| {what} | {shape} | {gbs} | {unit} | | | {frac} |")
+    bw = read_bandwidth(krows)
+    weights = os.path.getsize(MODEL) / 1e9
     for row, what, shape in SYSTEM_ROWS:
         if row not in duet:
             continue
         d = duet[row]
         l = llama.get(row) if llama else None
         ratio = f"{d / l:.2f}×" if l else ""
-        print(f"| {what} | {shape} | {d:.1f} | tok/s | {f'{l:.1f}' if l else ''} | {ratio} | |")
+        # Batch-1 decode reads every weight once per token: its share of the read bandwidth.
+        frac = ""
+        if row == "decode-depth-0" and bw:
+            frac = f"{100 * d * weights / bw:.0f}%" + (f" (llama.cpp {100 * l * weights / bw:.0f}%)" if l else "")
+        print(f"| {what} | {shape} | {d:.1f} | tok/s | {f'{l:.1f}' if l else ''} | {ratio} | {frac} |")
 
 
 if __name__ == "__main__":

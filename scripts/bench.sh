@@ -2,7 +2,7 @@
 # The benchmark table of README "Benchmarks": kernels (read bandwidth, attention, matrix-vector),
 # the whole system (prefill, decode at depth, aggregate decode of concurrent sessions) and, with
 # llama-cpp-python installed, llama.cpp on the same model, threads and workloads side by side.
-# Usage: scripts/bench.sh [--threads N] [--quick] [--no-kernels] [--no-system] [--no-llama] [--repeat N]
+# Usage: scripts/bench.sh [--model M.gguf] [--threads N] [--quick] [--no-kernels] [--no-system] [--no-llama] [--repeat N]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/fetch-model.sh >/dev/null

@@ -19,6 +19,10 @@ Llama 3's RoPE scaling. Types:
 
 Quantised blocks are random bytes with their f16 scale fields set to values that give
 weights of a typical spread (about 0.02), so activations stay finite through the layers.
+With `--llama-cpp` the weights are instead drawn as F16 (normal, sd 0.02) and quantised by
+llama.cpp's own quantiser through llama-cpp-python's binding (`llama_model_quantize`), so the
+file is what users download from a hub, mixes and all (needs llama-cpp-python; the F16 file
+is written next to the output first, then removed).
 The tokenizer is a byte-level BPE vocabulary (the 256 byte characters, filler tokens and
 Llama 3's special tokens; no merges).
 """
@@ -207,13 +211,37 @@ def main():
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
     p.add_argument("--type", choices=["q4_k_m", "q4_0", "q8_0", "f16"], default="q4_k_m")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--llama-cpp", action="store_true", help="quantise F16 weights with llama.cpp's quantiser")
     p.add_argument("-o", "--output", type=Path, required=True)
     a = p.parse_args()
-    print(f"generating a random {a.shape} model ({a.type}) ...", file=sys.stderr)
-    w = build(a.shape, a.type, a.seed)
     a.output.parent.mkdir(parents=True, exist_ok=True)
-    w.write(a.output)
+    if a.llama_cpp and a.type != "f16":
+        f16 = a.output.with_suffix(".f16.tmp.gguf")
+        print(f"generating a random {a.shape} model (f16), then llama.cpp's {a.type} ...", file=sys.stderr)
+        build(a.shape, "f16", a.seed).write(f16)
+        try:
+            quantize_with_llama_cpp(f16, a.output, a.type)
+        finally:
+            f16.unlink()
+    else:
+        print(f"generating a random {a.shape} model ({a.type}) ...", file=sys.stderr)
+        build(a.shape, a.type, a.seed).write(a.output)
     print(f"{a.output}: {a.output.stat().st_size / 2**20:.0f} MiB", file=sys.stderr)
+
+
+def quantize_with_llama_cpp(src: Path, dst: Path, kind: str):
+    import ctypes
+    import os
+
+    try:
+        import llama_cpp as L
+    except ImportError:
+        sys.exit("--llama-cpp needs llama-cpp-python (python3 -m pip install llama-cpp-python)")
+    params = L.llama_model_quantize_default_params()
+    params.ftype = {"q4_k_m": L.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
+    params.nthread = os.cpu_count() or 1
+    if L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        sys.exit(f"llama.cpp could not quantise {src}")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,13 @@ fn text_req(text: &str, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest { prompt: Some(pb::generate_request::Prompt::Text(text.into())), max_tokens: Some(max_tokens), ..Default::default() }
 }
 
-async fn expect_code(gw: &Gateway, what: &str, req: pb::GenerateRequest, code: Code) {
+async fn expect_code(gw: &Gateway, what: &str, req: pb::GenerateRequest, code: Code) -> tonic::Status {
     match generate(&mut gw.client(), req).await {
         Ok(g) => panic!("{what}: expected {code:?}, got a generation of {} tokens", g.ids.len()),
         Err(s) => {
             assert_eq!(s.code(), code, "{what}: {}", s.message());
             println!("{what}: {code:?}: {}", s.message());
+            s
         }
     }
 }
@@ -100,6 +101,9 @@ async fn the_service_behaves_as_a_client_expects() {
     expect_code(&gw, "max_tokens 0", text_req("Hi", 0), Code::InvalidArgument).await;
     expect_code(&gw, "unknown session", pb::GenerateRequest { session_id: Some("nope".into()), ..text_req("Hi", 4) }, Code::NotFound).await;
     expect_code(&gw, "more KV than the cpu-workers hold", text_req("Hi", 8000), Code::ResourceExhausted).await;
+    // Prompt and max_tokens beyond the context (8192) are refused, not shortened.
+    let status = expect_code(&gw, "max_tokens past the context", text_req("Hi", 8192), Code::InvalidArgument).await;
+    assert!(status.message().contains("context holds 8192 tokens"), "{}", status.message());
     let long = long.await.unwrap().expect("the good stream survives the bad requests");
     assert_eq!(long.ids.len(), 96, "{:?}", long.finished);
     assert!(long.text.starts_with(" 8, 9, 10"), "{:?}", long.text);

@@ -79,7 +79,9 @@ pub const DEFAULT_MAX_TOKENS: u32 = 256;
 #[derive(Debug, Clone)]
 pub struct GenerateParams {
     pub prompt: Prompt,
-    pub max_tokens: u32,
+    /// Most tokens to generate. `None`: [`DEFAULT_MAX_TOKENS`], or what the context leaves;
+    /// given, the prompt and `max_tokens` must fit the context together.
+    pub max_tokens: Option<u32>,
     pub sampling: Sampling,
     pub stop: Vec<String>,
     pub top_logprobs: u32,
@@ -91,7 +93,7 @@ pub struct GenerateParams {
 impl GenerateParams {
     pub fn validate(&self) -> Result<(), GatewayError> {
         self.sampling.validate()?;
-        if self.max_tokens == 0 {
+        if self.max_tokens == Some(0) {
             return Err(GatewayError::InvalidArgument("max_tokens must be at least 1".into()));
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
@@ -178,7 +180,12 @@ pub struct TextModel {
 impl TextModel {
     /// A token's text for logprobs and tokenisation replies: its bytes, lossily as UTF-8.
     pub fn piece(&self, id: u32) -> String {
-        String::from_utf8_lossy(self.tokenizer.token_bytes(id).unwrap_or(&[])).into_owned()
+        String::from_utf8_lossy(&self.piece_bytes(id)).into_owned()
+    }
+
+    /// A token's own bytes (a token may hold part of a UTF-8 character).
+    pub fn piece_bytes(&self, id: u32) -> Vec<u8> {
+        self.tokenizer.token_bytes(id).unwrap_or(&[]).to_vec()
     }
 
     /// The token ids of a prompt (text with special tokens, ids checked, or chat rendered).

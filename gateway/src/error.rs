@@ -11,6 +11,10 @@ pub enum GatewayError {
     /// The prompt does not fit the model's context.
     #[error("the prompt of {prompt} tokens does not fit the context of {context} tokens (one position must stay free to generate)")]
     PromptTooLong { prompt: usize, context: usize },
+    /// The prompt and the `max_tokens` the request asked for together exceed the context
+    /// (refused, as OpenAI and vLLM refuse it, rather than shortened silently).
+    #[error("the context holds {context} tokens, but {} were requested ({prompt} in the prompt, {max_tokens} for the completion): reduce the prompt or max_tokens", prompt + max_tokens)]
+    ContextExceeded { prompt: usize, max_tokens: usize, context: usize },
     /// The request can never fit the KV cache, or the server is at its request limit.
     #[error("{0}")]
     ResourceExhausted(String),
@@ -32,7 +36,9 @@ impl From<GatewayError> for Status {
     fn from(e: GatewayError) -> Status {
         let msg = e.to_string();
         match e {
-            GatewayError::InvalidArgument(_) | GatewayError::PromptTooLong { .. } => Status::invalid_argument(msg),
+            GatewayError::InvalidArgument(_) | GatewayError::PromptTooLong { .. } | GatewayError::ContextExceeded { .. } => {
+                Status::invalid_argument(msg)
+            }
             GatewayError::ResourceExhausted(_) => Status::resource_exhausted(msg),
             GatewayError::UnknownSession(_) => Status::not_found(msg),
             GatewayError::SessionBusy(_) => Status::failed_precondition(msg),

@@ -38,3 +38,11 @@ def test_health_and_reflection(gateway):
         replies = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in replies[0].list_services_response.service}
         assert {"duet.v1.Inference", "grpc.health.v1.Health"} <= names, names
+        # The workers' internal services are not served on the public port, so not listed.
+        assert not any(n.startswith("duet.v1.") and n != "duet.v1.Inference" for n in names), names
+
+
+def test_sampling_without_a_seed_differs(stubs, gateway):
+    pb, _ = stubs
+    texts = {grpc_generate(stubs, gateway.grpc, text="Tell me a story:", max_tokens=32, sampling=pb.SamplingParams(temperature=1.0))[1] for _ in range(3)}
+    assert len(texts) == 3, f"three unseeded samples at temperature 1 were not all different: {texts}"

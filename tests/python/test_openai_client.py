@@ -43,6 +43,14 @@ def test_completion_token_ids_and_logprobs(client, model):
         assert max(top.values()) == pytest.approx(logprob) and chosen in top
 
 
+def test_sampling_without_a_seed_differs_and_with_one_repeats(client, model):
+    story = dict(model=model, prompt="Tell me a story:", max_tokens=32, temperature=1.0)
+    unseeded = {client.completions.create(**story).choices[0].text for _ in range(3)}
+    assert len(unseeded) == 3, f"three unseeded samples at temperature 1 were not all different: {unseeded}"
+    seeded = {client.completions.create(**story, seed=7).choices[0].text for _ in range(2)}
+    assert len(seeded) == 1, f"the same seed gave different samples: {seeded}"
+
+
 def test_streamed_completion_equals_whole(client, model):
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True))
@@ -72,6 +80,26 @@ def test_chat_logprobs(client, model):
     content = done.choices[0].logprobs.content
     assert len(content) == done.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_logprob_bytes_are_each_tokens_own_bytes(client, model):
+    # Japanese text comes out in tokens that split characters: each token's `bytes` must be its
+    # own bytes (not the replacement character's), and they must add up to the text.
+    done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write the Japanese word for cat."}],
+                                          max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    content = done.choices[0].logprobs.content
+    pieces = [bytes(c.bytes) for c in content]
+
+    def complete_utf8(b):
+        try:
+            b.decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    assert any(not complete_utf8(p) for p in pieces), f"no token split a character: {pieces}"
+    assert b"".join(pieces).decode("utf-8", errors="replace") == done.choices[0].message.content
+    assert all(bytes(alt.bytes) != b"\xef\xbf\xbd" for c in content for alt in c.top_logprobs)
 
 
 def test_errors_are_openai_errors(client, model):

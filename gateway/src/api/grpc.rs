@@ -10,7 +10,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::auth::ApiKey;
-use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, DEFAULT_MAX_TOKENS};
+use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason};
 use crate::error::GatewayError;
 
 /// The service.
@@ -48,7 +48,8 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         top_p: s.top_p.unwrap_or(d.top_p),
         min_p: s.min_p.unwrap_or(d.min_p),
         repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
-        seed: s.seed.unwrap_or(d.seed),
+        // No seed: a fresh one, so that retries and best-of-N get different samples.
+        seed: s.seed.unwrap_or_else(rand::random),
     };
     let session = match (r.session_id, r.create_session) {
         (Some(id), _) => SessionMode::Continue(id),
@@ -57,7 +58,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
     };
     Ok(GenerateParams {
         prompt,
-        max_tokens: r.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
+        max_tokens: r.max_tokens,
         sampling,
         stop: r.stop,
         top_logprobs: r.top_logprobs,
@@ -203,10 +204,16 @@ pub async fn serve(
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<InferenceServer<InferenceService>>().await;
     // Reflection in both versions: grpcurl and grpcio's reflection package still speak v1alpha.
+    // It lists only what this port serves: the workers' services share the descriptor set
+    // but are not served here.
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name("duet.v1.Inference")
+            .with_service_name("grpc.health.v1.Health")
+            .with_service_name("grpc.reflection.v1.ServerReflection")
+            .with_service_name("grpc.reflection.v1alpha.ServerReflection")
     };
     let reflection_v1 = reflection().build_v1().expect("the compiled-in descriptor sets are valid");
     let reflection_v1alpha = reflection().build_v1alpha().expect("the compiled-in descriptor sets are valid");

@@ -52,7 +52,7 @@ impl From<GatewayError> for ApiError {
         let msg = e.to_string();
         let (status, kind, code) = match e {
             GatewayError::InvalidArgument(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", None),
-            GatewayError::PromptTooLong { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")),
+            GatewayError::PromptTooLong { .. } | GatewayError::ContextExceeded { .. } => (StatusCode::BAD_REQUEST, "invalid_request_error", Some("context_length_exceeded")),
             GatewayError::ResourceExhausted(_) => (StatusCode::TOO_MANY_REQUESTS, "insufficient_resources", None),
             GatewayError::UnknownSession(_) => (StatusCode::NOT_FOUND, "invalid_request_error", Some("session_not_found")),
             GatewayError::SessionBusy(_) => (StatusCode::CONFLICT, "invalid_request_error", Some("session_busy")),
@@ -65,6 +65,9 @@ impl From<GatewayError> for ApiError {
 
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", Some("request_too_large"), &format!("the request body is too large: {}", r.body_text()));
+        }
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, &format!("invalid request body: {}", r.body_text()))
     }
 }
@@ -79,17 +82,31 @@ impl IntoResponse for ApiError {
 pub fn router(backend: Backend, model: String, api_key: Option<ApiKey>, metrics: PrometheusHandle) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let state = Arc::new(AppState { backend, model, created, metrics });
+    // The key is checked on everything under /v1, unknown paths included: without it, a
+    // client learns nothing (not even which paths exist).
     let v1 = Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route_layer(middleware::from_fn_with_state(api_key.map(Arc::new), require_key));
+        .route("/completions", post(completions))
+        .route("/chat/completions", post(chat_completions))
+        .route("/models", get(models))
+        .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(api_key.map(Arc::new), require_key));
     Router::new()
-        .merge(v1)
+        .nest("/v1", v1)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint") })
+        .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+async fn no_such_endpoint() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("not_found"), "no such endpoint")
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    let msg = format!("{} is not allowed on {}", req.method(), req.uri().path());
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", Some("method_not_allowed"), &msg)
 }
 
 /// `Authorization: Bearer <key>` on `/v1/*` when a key is set.
@@ -170,12 +187,26 @@ enum LogprobStyle {
     Chat(u32),
 }
 
+/// A token as logprobs show it: its text (lossy UTF-8) and its own bytes (part of a
+/// character, for a token that splits one).
+struct Piece {
+    text: String,
+    bytes: Vec<u8>,
+}
+
+impl Piece {
+    fn of(s: &AppState, id: u32) -> Piece {
+        let bytes = s.backend.text.piece_bytes(id);
+        Piece { text: String::from_utf8_lossy(&bytes).into_owned(), bytes }
+    }
+}
+
 /// Logprobs of a run of tokens, in the response's shape.
 #[derive(Default)]
 struct Logprobs {
-    tokens: Vec<String>,
+    tokens: Vec<Piece>,
     token_logprobs: Vec<f32>,
-    top: Vec<Vec<(String, f32)>>,
+    top: Vec<Vec<(Piece, f32)>>,
 }
 
 impl Logprobs {
@@ -184,9 +215,9 @@ impl Logprobs {
             LogprobStyle::None => return,
             LogprobStyle::Completion(n) | LogprobStyle::Chat(n) => n as usize,
         };
-        self.tokens.push(s.backend.text.piece(id));
+        self.tokens.push(Piece::of(s, id));
         self.token_logprobs.push(logprob.unwrap_or(f32::NAN));
-        self.top.push(top.iter().take(n).map(|&(t, lp)| (s.backend.text.piece(t), lp)).collect());
+        self.top.push(top.iter().take(n).map(|&(t, lp)| (Piece::of(s, t), lp)).collect());
     }
 
     fn to_json(&self, style: LogprobStyle, text_start: usize) -> Value {
@@ -199,16 +230,17 @@ impl Logprobs {
                     .iter()
                     .map(|t| {
                         let o = offset;
-                        offset += t.len();
+                        offset += t.text.len();
                         o
                     })
                     .collect();
                 let top: Vec<Value> =
-                    self.top.iter().map(|alts| Value::Object(alts.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect())).collect();
-                json!({ "tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": top, "text_offset": offsets })
+                    self.top.iter().map(|alts| Value::Object(alts.iter().map(|(t, lp)| (t.text.clone(), json!(lp))).collect())).collect();
+                let tokens: Vec<&str> = self.tokens.iter().map(|t| t.text.as_str()).collect();
+                json!({ "tokens": tokens, "token_logprobs": self.token_logprobs, "top_logprobs": top, "text_offset": offsets })
             }
             LogprobStyle::Chat(_) => {
-                let entry = |t: &str, lp: f32| json!({ "token": t, "logprob": lp, "bytes": t.as_bytes() });
+                let entry = |t: &Piece, lp: f32| json!({ "token": t.text, "logprob": lp, "bytes": t.bytes });
                 let content: Vec<Value> = self
                     .tokens
                     .iter()

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason, DEFAULT_MAX_TOKENS};
+use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason};
 use crate::error::GatewayError;
 use duet_common::model::chat::ChatMessage;
 
@@ -120,7 +120,8 @@ impl CommonFields {
         let d = Sampling::default();
         let seed = match self.seed {
             Some(s) => u64::try_from(s).map_err(|_| invalid(format!("seed must be >= 0, got {s}")))?,
-            None => d.seed,
+            // No seed: a fresh one, so that retries and best-of-N get different samples.
+            None => rand::random(),
         };
         Ok(Sampling {
             // OpenAI's default temperature is 1.
@@ -179,7 +180,7 @@ impl CompletionRequest {
         };
         Ok(GenerateParams {
             prompt,
-            max_tokens: self.common.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS),
+            max_tokens: Some(self.common.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)),
             sampling: self.common.sampling()?,
             stop: self.common.stop()?,
             // The chosen token's log-probability comes with at least one alternative.
@@ -217,7 +218,7 @@ impl ChatRequest {
         }
         Ok(GenerateParams {
             prompt: Prompt::Chat(messages),
-            max_tokens: self.max_completion_tokens.or(self.common.max_tokens).unwrap_or(DEFAULT_MAX_TOKENS),
+            max_tokens: self.max_completion_tokens.or(self.common.max_tokens),
             sampling: self.common.sampling()?,
             stop: self.common.stop()?,
             top_logprobs: if self.logprobs { top.max(1) } else { 0 },

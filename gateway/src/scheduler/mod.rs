@@ -18,7 +18,7 @@ use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
 use tokio::sync::{mpsc, oneshot};
 use tonic::transport::Channel;
 
-use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel};
+use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel, DEFAULT_MAX_TOKENS};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::stats::StepStats;
@@ -413,7 +413,14 @@ impl Scheduler {
         if full.len() >= self.cfg.n_ctx {
             return fail(w, GatewayError::PromptTooLong { prompt: full.len(), context: self.cfg.n_ctx });
         }
-        let need_tokens = (full.len() + w.params.max_tokens as usize).min(self.cfg.n_ctx);
+        let max_tokens = match w.params.max_tokens {
+            Some(m) if full.len() + m as usize > self.cfg.n_ctx => {
+                return fail(w, GatewayError::ContextExceeded { prompt: full.len(), max_tokens: m as usize, context: self.cfg.n_ctx })
+            }
+            Some(m) => m,
+            None => DEFAULT_MAX_TOKENS,
+        };
+        let need_tokens = (full.len() + max_tokens as usize).min(self.cfg.n_ctx);
         let need_blocks = need_tokens.div_ceil(bs);
         if need_blocks > self.total_blocks() {
             return fail(
@@ -478,7 +485,7 @@ impl Scheduler {
             serial,
             events: w.events,
             sampling: w.params.sampling,
-            max_tokens: w.params.max_tokens,
+            max_tokens,
             top_logprobs: w.params.top_logprobs,
             ignore_eos: w.params.ignore_eos,
             sent_blocks: table.blocks().len(),
