@@ -9,7 +9,7 @@ runs on the GPU machine too, which has no gguf-py and no network).
 
 Shapes: llama-3.2-1b (16 layers, width 2048, FFN 8192, 32/8 heads, vocabulary 128256, tied
 embedding) and llama-3.1-8b (32 layers, 4096, 14336, 32/8 heads, 128256, untied), both with
-Llama 3's RoPE scaling. Types:
+Llama 3's RoPE scaling (a `rope_freqs` tensor, as llama.cpp's converter writes it). Types:
 
 * q4_k_m: llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head (the embedding when tied)
   and for attn_v / ffn_down in the layers llama.cpp gives more bits (the first and last
@@ -65,6 +65,21 @@ def tensor_bytes(rng: np.random.Generator, ty: int, rows: int, cols: int) -> byt
     if ty == F32:
         return rng.normal(0, 0.02, rows * cols).astype(np.float32).tobytes()
     return quantised(rng, ty, rows, cols)
+
+
+def llama3_rope_factors(dim: int, factor: float, base: float = 500000.0, low: float = 1.0, high: float = 4.0, old_ctx: int = 8192) -> np.ndarray:
+    """Llama 3's RoPE scaling as llama.cpp's converter writes it: a `rope_freqs` divisor per pair."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * base ** (i / dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -168,11 +183,6 @@ def build(shape_name: str, kind: str, seed: int) -> Writer:
     w.add("llama.rope.freq_base", "f32", 500000.0)
     w.add("llama.attention.layer_norm_rms_epsilon", "f32", 1e-5)
     w.add("llama.vocab_size", "u32", s["vocab"])
-    w.add("llama.rope.scaling.type", "str", "llama3")
-    w.add("llama.rope.scaling.factor", "f32", s["rope_factor"])
-    w.add("llama.rope.scaling.low_freq_factor", "f32", 1.0)
-    w.add("llama.rope.scaling.high_freq_factor", "f32", 4.0)
-    w.add("llama.rope.scaling.original_context_length", "u32", 8192)
     specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(256)]
     specials[9] = "<|eot_id|>"
     n_special = len(specials)
@@ -201,6 +211,7 @@ def build(shape_name: str, kind: str, seed: int) -> Writer:
             if name == "attn_output":
                 w.tensor(f"blk.{i}.ffn_norm.weight", [d], F32, norm())
     w.tensor("output_norm.weight", [d], F32, norm())
+    w.tensor("rope_freqs.weight", [hd // 2], F32, llama3_rope_factors(hd, s["rope_factor"]).tobytes())
     if not s["tied"]:
         w.tensor("output.weight", [d, s["vocab"]], ttypes["output.weight"], tensor_bytes(rng, ttypes["output.weight"], s["vocab"], d))
     return w

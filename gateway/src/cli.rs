@@ -172,6 +172,10 @@ pub struct ServeArgs {
     /// Requests generating at once; more wait in line.
     #[arg(long, env = "DUET_MAX_RUNNING", default_value_t = 64)]
     pub max_running: usize,
+    /// Seconds an HTTP client may take to send a request's head (or leave a keep-alive
+    /// connection idle), and may let a request body stall, before the connection is closed.
+    #[arg(long, env = "DUET_HTTP_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub http_timeout_secs: u64,
     /// Seconds a session may sit idle before it is closed and its KV freed.
     #[arg(long, env = "DUET_SESSION_IDLE_SECS", default_value_t = 600)]
     pub session_idle_secs: u64,

@@ -153,12 +153,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // The HTTP API names the model by its file (what users pass as `model`).
     let model_id = args.model.file_stem().map_or_else(|| cfg.model_name.clone(), |s| s.to_string_lossy().into_owned());
     let app = crate::api::http::router(backend.clone(), model_id, api_key.clone(), metrics);
-    let http = axum::serve(http_listener, app).with_graceful_shutdown(drained());
+    let http = crate::api::http_server::serve(http_listener, app, Duration::from_secs(args.http_timeout_secs), drained());
     let grpc = crate::api::grpc::serve(backend, listener, api_key, drained());
-    let (served, http_served) = tokio::join!(grpc, http);
-    if let Err(e) = http_served {
-        tracing::error!("the HTTP server failed: {e}");
-    }
+    let (served, ()) = tokio::join!(grpc, http);
     drop(commands);
     let _ = stop_tx.send(true);
     let _ = watcher.await;

@@ -65,11 +65,26 @@ impl From<GatewayError> for ApiError {
 
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
+        if body_timed_out(&r) {
+            return ApiError::new(StatusCode::REQUEST_TIMEOUT, "invalid_request_error", Some("request_timeout"), "the request body stalled: it was not sent within the server's HTTP timeout");
+        }
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", Some("request_too_large"), &format!("the request body is too large: {}", r.body_text()));
         }
         ApiError::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, &format!("invalid request body: {}", r.body_text()))
     }
+}
+
+/// Whether the body could not be read because it stalled (the HTTP server's body timeout).
+fn body_timed_out(r: &JsonRejection) -> bool {
+    let mut e: Option<&(dyn std::error::Error + 'static)> = Some(r);
+    while let Some(err) = e {
+        if err.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        e = err.source();
+    }
+    false
 }
 
 impl IntoResponse for ApiError {

@@ -4,4 +4,5 @@
 pub mod auth;
 pub mod grpc;
 pub mod http;
+pub mod http_server;
 pub mod openai;
