@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use duet_common::model::chat::{ChatMessage, ChatTemplate};
+use duet_common::model::grammar::{Grammar, Grammars};
 use duet_common::model::tokenizer::Tokenizer;
 use tokio::sync::{mpsc, oneshot};
 
@@ -34,7 +35,7 @@ pub enum SessionMode {
 }
 
 /// Sampling parameters (see `SamplingParams` in inference.proto).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampling {
     pub temperature: f32,
     pub top_k: u32,
@@ -42,11 +43,13 @@ pub struct Sampling {
     pub min_p: f32,
     pub repetition_penalty: f32,
     pub seed: u64,
+    /// Structured output: what the generated text must match.
+    pub grammar: Option<Grammar>,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
+        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, grammar: None }
     }
 }
 
@@ -175,9 +178,17 @@ pub struct ServerInfo {
 pub struct TextModel {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
+    /// The vocabulary prepared for structured output (`None`: the vocabulary cannot be used).
+    pub grammars: Option<Grammars>,
 }
 
 impl TextModel {
+    /// Refuses a grammar that does not compile (before the request runs).
+    pub fn check_grammar(&self, g: &Grammar) -> Result<(), GatewayError> {
+        let grammars = self.grammars.as_ref().ok_or_else(|| GatewayError::InvalidArgument("structured output is not available for this model's vocabulary".into()))?;
+        grammars.matcher(g).map(drop).map_err(|e| GatewayError::InvalidArgument(format!("structured output: {e}")))
+    }
+
     /// A token's text for logprobs and tokenisation replies: its bytes, lossily as UTF-8.
     pub fn piece(&self, id: u32) -> String {
         String::from_utf8_lossy(&self.piece_bytes(id)).into_owned()
@@ -228,6 +239,9 @@ impl Backend {
     /// `Finished` or an error. Dropping the receiver cancels the generation.
     pub async fn generate(&self, params: GenerateParams) -> Result<mpsc::UnboundedReceiver<Result<Event, GatewayError>>, GatewayError> {
         params.validate()?;
+        if let Some(g) = &params.sampling.grammar {
+            self.text.check_grammar(g)?;
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         self.send(Command::Generate { params, events: tx, arrived: std::time::Instant::now() }).await?;
         Ok(rx)

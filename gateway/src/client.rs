@@ -21,6 +21,7 @@ fn request(c: &ClientArgs, prompt: pb::generate_request::Prompt) -> pb::Generate
             min_p: Some(c.min_p),
             repetition_penalty: Some(c.repetition_penalty),
             seed: Some(c.seed),
+            constraint: None,
         }),
         stop: c.stop.clone(),
         ..Default::default()

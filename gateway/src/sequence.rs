@@ -122,7 +122,7 @@ impl Seq {
 
     /// The sampler configuration the gpu-worker gets on the first step.
     pub fn sampler_config(&self) -> pb::SamplerConfig {
-        let s = self.sampling;
+        let s = &self.sampling;
         pb::SamplerConfig {
             temperature: s.temperature,
             top_k: s.top_k,
@@ -131,6 +131,7 @@ impl Seq {
             repetition_penalty: s.repetition_penalty,
             seed: s.seed,
             top_logprobs: self.top_logprobs,
+            constraint: s.grammar.as_ref().map(crate::api::grpc::constraint_to_pb),
         }
     }
 

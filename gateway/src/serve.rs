@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use duet_common::model::chat::ChatTemplate;
 use duet_common::model::gguf::GgufFile;
+use duet_common::model::grammar::Grammars;
 use duet_common::model::tokenizer::Tokenizer;
 use duet_common::rpc::{pb, Listener};
 use tokio::sync::{oneshot, watch};
@@ -29,7 +30,8 @@ pub fn load_text_model(path: &std::path::Path) -> anyhow::Result<TextModel> {
         None => Tokenizer::from_gguf(&file)?,
     };
     let chat_template = ChatTemplate::from_gguf(&file).inspect_err(|e| tracing::warn!("no usable chat template: {e}")).ok();
-    Ok(TextModel { tokenizer, chat_template })
+    let grammars = Grammars::new(&tokenizer).inspect_err(|e| tracing::warn!("no structured output: {e}")).ok();
+    Ok(TextModel { tokenizer, chat_template, grammars })
 }
 
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {

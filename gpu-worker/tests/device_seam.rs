@@ -152,7 +152,7 @@ fn the_runner_reaches_the_device_only_through_the_trait() {
 /// A sequence's part of a step: `tokens` at `start` (none: fed its last sample), in
 /// sub-batch `sub`, all its attention on the gpu-worker.
 fn part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: u32) -> pb::SequenceStep {
-    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1 };
+    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None };
     pb::SequenceStep {
         seq_id,
         start_pos: start as u32,

@@ -2,6 +2,7 @@
 generation, and calls health checking and server reflection."""
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -46,3 +47,13 @@ def test_sampling_without_a_seed_differs(stubs, gateway):
     pb, _ = stubs
     texts = {grpc_generate(stubs, gateway.grpc, text="Tell me a story:", max_tokens=32, sampling=pb.SamplingParams(temperature=1.0))[1] for _ in range(3)}
     assert len(texts) == 3, f"three unseeded samples at temperature 1 were not all different: {texts}"
+
+
+def test_output_constraint_over_grpc(stubs, gateway):
+    pb, _ = stubs
+    sampling = pb.SamplingParams(temperature=1.0, seed=5, constraint=pb.OutputConstraint(regex=r"(red|green|blue)!"))
+    _, text = grpc_generate(stubs, gateway.grpc, text="A colour:", max_tokens=10, sampling=sampling)
+    assert text in ("red!", "green!", "blue!"), text
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_generate(stubs, gateway.grpc, text="x", max_tokens=2, sampling=pb.SamplingParams(constraint=pb.OutputConstraint(lark="start: (")))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -3,5 +3,6 @@
 pub mod chat;
 pub mod config;
 pub mod gguf;
+pub mod grammar;
 pub mod names;
 pub mod tokenizer;

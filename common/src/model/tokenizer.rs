@@ -33,6 +33,8 @@ pub struct Tokenizer {
     pub add_bos: bool,
     /// Tokens that end generation (EOS, EOT, `<|im_end|>`-style control tokens named so).
     pub end_of_generation: Vec<u32>,
+    /// Which tokens are special (control tokens: never text a grammar may produce).
+    special: Vec<bool>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -171,7 +173,15 @@ impl Tokenizer {
     fn finish(with_special: tokenizers::Tokenizer, token_bytes: Vec<Vec<u8>>, bos: Option<u32>, add_bos: bool, end_of_generation: Vec<u32>) -> Result<Self> {
         let mut plain = with_special.clone();
         plain.set_encode_special_tokens(true);
-        Ok(Tokenizer { with_special, plain, token_bytes, bos, add_bos, end_of_generation })
+        let mut special = vec![false; token_bytes.len()];
+        for (id, t) in with_special.get_added_tokens_decoder() {
+            if t.special {
+                if let Some(s) = special.get_mut(id as usize) {
+                    *s = true;
+                }
+            }
+        }
+        Ok(Tokenizer { with_special, plain, token_bytes, bos, add_bos, end_of_generation, special })
     }
 
     /// The tokenizer as a Hugging Face `tokenizer.json` document.
@@ -198,6 +208,11 @@ impl Tokenizer {
         }
         ids.extend(self.encode(text, parse_special)?);
         Ok(ids)
+    }
+
+    /// Whether token `id` is special (a control token).
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
     }
 
     /// The raw bytes of one token (control tokens as their text).

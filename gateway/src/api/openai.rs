@@ -4,9 +4,11 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use duet_common::model::chat::ChatMessage;
+use duet_common::model::grammar::Grammar;
+
 use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason};
 use crate::error::GatewayError;
-use duet_common::model::chat::ChatMessage;
 
 /// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).
 pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
@@ -63,6 +65,33 @@ pub struct CommonFields {
     pub min_p: Option<f32>,
     /// Extension: llama.cpp-style repetition penalty over the last 64 tokens.
     pub repetition_penalty: Option<f32>,
+    /// Structured output: `{"type": "text" | "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`.
+    pub response_format: Option<ResponseFormat>,
+    /// Extension (vLLM's name): the output matches this regular expression.
+    pub guided_regex: Option<String>,
+    /// Extension (vLLM's name): the output is in this Lark grammar's language.
+    pub guided_grammar: Option<String>,
+    /// Tools are not supported yet: present, they are refused rather than ignored.
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub schema: Option<Value>,
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -113,6 +142,9 @@ impl CommonFields {
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(invalid("logit_bias is not supported"));
         }
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) || self.tool_choice.as_ref().is_some_and(|t| !t.is_null() && t != "none") {
+            return Err(invalid("tools and tool_choice are not supported yet (use response_format with a JSON schema)"));
+        }
         Ok(())
     }
 
@@ -131,7 +163,25 @@ impl CommonFields {
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
             seed,
+            grammar: self.grammar()?,
         })
+    }
+
+    /// The one structured-output constraint the request sets, if any.
+    fn grammar(&self) -> Result<Option<Grammar>, GatewayError> {
+        let from_format = match &self.response_format {
+            None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) => Some(Grammar::JsonObject),
+            Some(ResponseFormat::JsonSchema { json_schema }) => {
+                let schema = json_schema.schema.as_ref().ok_or_else(|| invalid("response_format.json_schema.schema is required"))?;
+                Some(Grammar::JsonSchema(schema.to_string()))
+            }
+        };
+        let all: Vec<Grammar> = [from_format, self.guided_regex.clone().map(Grammar::Regex), self.guided_grammar.clone().map(Grammar::Lark)].into_iter().flatten().collect();
+        match all.len() {
+            0 | 1 => Ok(all.into_iter().next()),
+            _ => Err(invalid("set one of response_format, guided_regex and guided_grammar")),
+        }
     }
 
     fn stop(&self) -> Result<Vec<String>, GatewayError> {

@@ -271,7 +271,9 @@ impl Scheduler {
         metrics::token_generated();
         seq.first_token.get_or_insert_with(Instant::now);
         seq.pending = vec![token];
-        let text = seq.text.push(self.text.tokenizer.token_bytes(token).unwrap_or(&[]));
+        // The end-of-generation token ends the text; its own text ("<|im_end|>") is not output.
+        let ends = eog.contains(&token) && !seq.ignore_eos;
+        let text = if ends { String::new() } else { seq.text.push(self.text.tokenizer.token_bytes(token).unwrap_or(&[])) };
         seq.output.push_str(&text);
         let (logprob, top) = if seq.top_logprobs > 0 {
             (s.token.as_ref().map(|t| t.logprob), s.top.iter().map(|t| (t.id, t.logprob)).collect())
@@ -279,7 +281,7 @@ impl Scheduler {
             (None, Vec::new())
         };
         let _ = seq.events.send(Ok(Event::Token { id: token, text, logprob, top }));
-        let reason = if eog.contains(&token) && !seq.ignore_eos {
+        let reason = if ends {
             StopReason::EndOfGeneration
         } else if seq.text.stopped() {
             StopReason::StopString

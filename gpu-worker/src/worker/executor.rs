@@ -7,6 +7,10 @@
 //! A sequence whose decode attention runs whole on one device gets bit for bit what the
 //! single-process runner computes (the same kernels in the same order); split ones differ
 //! only by the merge's rounding.
+//!
+//! Structured output: a sequence with a grammar keeps an llguidance matcher here; its mask of
+//! allowed tokens is computed on another thread while the step's forward pass runs, applied
+//! to the logits before sampling, and the sampled token advances the matcher.
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -14,7 +18,10 @@ use std::time::{Duration, Instant};
 
 use duet_common::kernels::ops::log_softmax;
 use duet_common::kv::BlockId;
+use duet_common::model::grammar::{self, Grammar, Grammars};
 use duet_common::rpc::pb;
+use llguidance::toktrie::SimpleVob;
+use llguidance::Matcher;
 
 use super::arenas::KvArenas;
 use super::step_attention::StepAttention;
@@ -28,7 +35,7 @@ use crate::sampler::{Sampler, SamplingParams};
 pub const DEFAULT_JOB_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What the gpu-worker keeps of a sequence between steps.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Sequence {
     /// KV blocks in position order.
     blocks: Vec<(u32, BlockId)>,
@@ -38,6 +45,8 @@ struct Sequence {
     top_n: usize,
     /// The token its last step sampled (the input of a `feed_sampled` step).
     last_sampled: Option<u32>,
+    /// Structured output: where the generation stands in its grammar.
+    matcher: Option<Matcher>,
 }
 
 /// One device's share of a decode token's attention.
@@ -90,12 +99,20 @@ pub struct Executor<D: Device = crate::device::cpu::CpuDevice> {
     arenas: KvArenas,
     seqs: HashMap<u64, Sequence>,
     job_timeout: Duration,
+    /// The vocabulary prepared for structured output (`None`: grammars are refused).
+    grammars: Option<Grammars>,
 }
 
 impl<D: Device> Executor<D> {
     pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
         let shape = device.config().kv_shape().map_err(crate::error::WorkerError::Model)?;
-        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout })
+        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None })
+    }
+
+    /// Enables structured output over this vocabulary.
+    pub fn with_grammars(mut self, grammars: Grammars) -> Self {
+        self.grammars = Some(grammars);
+        self
     }
 
     pub fn device(&self) -> &D {
@@ -181,7 +198,21 @@ impl<D: Device> Executor<D> {
             job_timeout: self.job_timeout,
             timings: &mut timings,
         };
-        run_layers(&self.device, &mut batches, &mut attention)?;
+        // The constrained sequences' masks, on another thread while the layers run.
+        let sampling: HashSet<u64> = subs.iter().flat_map(|s| &s.plan).filter(|p| p.sample).map(|p| p.seq_id).collect();
+        let constrained: Vec<(u64, Matcher)> =
+            self.seqs.iter_mut().filter(|(id, _)| sampling.contains(id)).filter_map(|(&id, s)| s.matcher.take().map(|m| (id, m))).collect();
+        let (forward, masked) = std::thread::scope(|scope| {
+            let masking = (!constrained.is_empty()).then(|| scope.spawn(move || masks(constrained)));
+            let forward = run_layers(&self.device, &mut batches, &mut attention);
+            (forward, masking.map(|h| h.join()))
+        });
+        let mut step_masks: HashMap<u64, SimpleVob> = HashMap::new();
+        for (id, m, mask) in masked.transpose().map_err(|_| StepError::Invalid("computing structured-output masks failed".into()))?.into_iter().flatten() {
+            self.seqs.get_mut(&id).expect("held").matcher = Some(m);
+            step_masks.insert(id, mask.map_err(|e| StepError::Invalid(format!("sequence {id}: structured output: {e}")))?);
+        }
+        forward?;
         let mut logits: [Vec<f32>; 2] = Default::default();
         for (batch, &k) in batches.iter().zip(&used) {
             logits[k] = self.device.logits(batch)?;
@@ -203,8 +234,22 @@ impl<D: Device> Executor<D> {
         let mut sampled = Vec::with_capacity(rows.len());
         for (p, row) in rows {
             let seq = self.seqs.get_mut(&p.seq_id).expect("planned sequences are held");
+            let masked_row;
+            let row = match step_masks.get(&p.seq_id) {
+                Some(mask) => {
+                    let mut r = row.to_vec();
+                    grammar::apply_mask(mask, &mut r);
+                    masked_row = r;
+                    &masked_row[..]
+                }
+                None => row,
+            };
             let sampler = seq.sampler.as_mut().expect("checked when accepted");
             let id = sampler.sample(row, &seq.tokens);
+            // Once the grammar is complete only end of generation was allowed: nothing to follow.
+            if let Some(m) = seq.matcher.as_mut().filter(|m| !m.is_stopped()) {
+                m.consume_token(id).map_err(|e| StepError::Invalid(format!("sequence {}: structured output: {e}", p.seq_id)))?;
+            }
             seq.last_sampled = Some(id);
             let (logprob, top) = if seq.top_n > 0 {
                 let lp = log_softmax(row);
@@ -275,6 +320,15 @@ impl<D: Device> Executor<D> {
             };
             seq.sampler = Some(Sampler::new(params)?);
             seq.top_n = cfg.top_logprobs.min(20) as usize;
+            seq.matcher = match cfg.constraint.as_ref().map(grammar_of).transpose() {
+                Err(e) => return invalid(e),
+                Ok(None) => None,
+                Ok(Some(g)) => match self.grammars.as_ref().map(|gs| gs.matcher(&g)) {
+                    None => return invalid("structured output is not available on this gpu-worker".into()),
+                    Some(Err(e)) => return invalid(format!("structured output: {e}")),
+                    Some(Ok(m)) => Some(m),
+                },
+            };
         }
         if s.sample && seq.sampler.is_none() {
             return invalid("asks to sample but no sampler was configured".into());
@@ -310,6 +364,29 @@ impl<D: Device> Executor<D> {
         };
         Ok(Some(Planned { seq_id: s.seq_id, row0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample }))
     }
+}
+
+/// The grammar a sampler configuration's constraint names.
+fn grammar_of(c: &pb::OutputConstraint) -> Result<Grammar, String> {
+    use pb::output_constraint::Kind;
+    match &c.kind {
+        Some(Kind::JsonSchema(s)) => Ok(Grammar::JsonSchema(s.clone())),
+        Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
+        Some(Kind::Regex(r)) => Ok(Grammar::Regex(r.clone())),
+        Some(Kind::Lark(l)) => Ok(Grammar::Lark(l.clone())),
+        None => Err("an output constraint of no kind".into()),
+    }
+}
+
+/// The next-token masks of `matchers`, each with its matcher back.
+fn masks(matchers: Vec<(u64, Matcher)>) -> Vec<(u64, Matcher, Result<SimpleVob, grammar::GrammarError>)> {
+    matchers
+        .into_iter()
+        .map(|(id, mut m)| {
+            let mask = grammar::allowed(&mut m);
+            (id, m, mask)
+        })
+        .collect()
 }
 
 pub(super) fn ns(d: Duration) -> u64 {

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use duet_common::model::gguf::GgufFile;
+use duet_common::model::grammar::Grammars;
 use duet_common::model::names::GeneralKey;
+use duet_common::model::tokenizer::Tokenizer;
 use duet_common::rpc::pb::gpu_worker_server::{GpuWorker, GpuWorkerServer};
 use duet_common::rpc::{pb, Listener};
 use tonic::{Request, Response, Status};
@@ -39,14 +41,20 @@ impl GpuWorkerService<AnyDevice> {
             .and_then(|v| v.as_str())
             .map(str::to_string)
             .unwrap_or_else(|| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default());
+        // Structured output needs the vocabulary; without a usable one, grammars are refused.
+        let grammars = Tokenizer::from_gguf(&file)
+            .map_err(|e| e.to_string())
+            .and_then(|t| Grammars::new(&t).map_err(|e| e.to_string()))
+            .inspect_err(|e| tracing::warn!("no structured output: {e}"))
+            .ok();
         let device = crate::device::open(choice, file)?;
-        GpuWorkerService::new(device, name, job_timeout)
+        GpuWorkerService::new(device, name, job_timeout, grammars)
     }
 }
 
 impl<D: Device + 'static> GpuWorkerService<D> {
-    /// Serves `device`, with the model named `name`.
-    pub fn new(device: D, name: String, job_timeout: Duration) -> Result<Self, StepError> {
+    /// Serves `device`, with the model named `name` (and structured output over `grammars`).
+    pub fn new(device: D, name: String, job_timeout: Duration, grammars: Option<Grammars>) -> Result<Self, StepError> {
         let c = device.config();
         let info = pb::GpuInfoResponse {
             model: name,
@@ -61,7 +69,11 @@ impl<D: Device + 'static> GpuWorkerService<D> {
             device_kind: device.kind() as i32,
             prefill_chunk_tokens: u32::try_from(device.prefill_chunk()).unwrap_or(u32::MAX),
         };
-        Ok(GpuWorkerService { executor: Arc::new(Ordered::new(Executor::new(device, job_timeout)?)), info })
+        let mut executor = Executor::new(device, job_timeout)?;
+        if let Some(g) = grammars {
+            executor = executor.with_grammars(g);
+        }
+        Ok(GpuWorkerService { executor: Arc::new(Ordered::new(executor)), info })
     }
 
     /// The device in words (as `Info` reports it).
