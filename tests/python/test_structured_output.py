@@ -1,7 +1,8 @@
-"""Structured output with the off-the-shelf `openai` client (and `langchain-openai`): JSON
-schemas, any JSON object and vLLM's guided_regex / guided_grammar extensions always give text
-that parses and matches, at temperature 1 too; bad grammars get a 400; tools, not supported
-yet, are refused rather than ignored."""
+"""Structured output and tool calls with off-the-shelf clients (`openai`, `langchain-openai`):
+JSON schemas, any JSON object and vLLM's guided_regex / guided_grammar extensions always give
+text that parses and matches, at temperature 1 too; tool calls always come back as calls of
+the named functions with arguments valid under their schemas (tool_choice required, named,
+auto), whole or streamed, over several turns; bad grammars and tool choices get a 400."""
 
 import json
 import re
@@ -19,6 +20,16 @@ PERSON = {
     "required": ["name", "age", "languages"],
     "additionalProperties": False,
 }
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                                       "required": ["zone"], "additionalProperties": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +93,10 @@ def test_bad_grammars_and_tools_get_400(client, model):
         ask(client, model, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
     with pytest.raises(openai.BadRequestError, match="structured output"):
         client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"guided_regex": "(unclosed"})
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        ask(client, model, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        ask(client, model, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        ask(client, model, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
 
 
 def test_langchain_structured_output(gateway, model):
@@ -99,3 +111,65 @@ def test_langchain_structured_output(gateway, model):
     llm = ChatOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", model=model, max_tokens=80, temperature=0.8)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
     assert isinstance(person, Person) and 0 <= person.age <= 150
+
+
+def check_weather_call(call):
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit") and len(args["city"]) <= 30
+
+
+def test_tool_calls_required_named_and_auto(client, model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(3):
+        done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
+                                              max_tokens=120, temperature=1.0, seed=seed)
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        for call in choice.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            json.loads(call.function.arguments)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
+                                          max_tokens=120, temperature=0)
+    assert done.choices[0].finish_reason == "tool_calls"
+    for call in done.choices[0].message.tool_calls:
+        check_weather_call(call)
+    # auto: a call or an answer, either way well-formed.
+    done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=120, temperature=0)
+    msg = done.choices[0].message
+    assert (msg.tool_calls and done.choices[0].finish_reason == "tool_calls") or (msg.content and not msg.tool_calls), msg
+
+
+def test_streamed_tool_calls_and_a_second_turn(client, model):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=named,
+                                                 max_tokens=120, temperature=0, stream=True))
+    calls = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
+    assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    check_weather_call(calls[0])
+    # The call and its result go back into the conversation; the model then answers.
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].id, "type": "function",
+                                                                "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "18 degrees, sunny"},
+    ]
+    done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=0)
+    assert done.choices[0].message.content and not done.choices[0].message.tool_calls
+
+
+def test_langchain_bind_tools(gateway, model):
+    pytest.importorskip("langchain_openai", reason="langchain-openai is in tests/python/requirements.txt")
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", model=model, max_tokens=100, temperature=0)
+    msg = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather" and isinstance(msg.tool_calls[0]["args"]["city"], str)

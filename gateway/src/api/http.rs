@@ -24,6 +24,7 @@ use futures_util::{Stream, StreamExt};
 
 use super::auth::ApiKey;
 use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, UsageOut};
+use super::tools::{read_reply, Reply};
 use crate::backend::{Backend, Event, GenerateParams};
 use crate::error::GatewayError;
 
@@ -273,6 +274,16 @@ impl Logprobs {
     }
 }
 
+/// How a response is shaped: the endpoint, its logprobs, whether a stream ends with usage,
+/// whether the reply is read as tool calls.
+#[derive(Clone, Copy)]
+struct Shape {
+    endpoint: Endpoint,
+    style: LogprobStyle,
+    include_usage: bool,
+    tools: bool,
+}
+
 /// What one endpoint's responses look like.
 #[derive(Clone, Copy)]
 enum Endpoint {
@@ -312,15 +323,16 @@ async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<Completio
     check_model(&s, req.common.model.as_deref())?;
     let params = req.params()?;
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
-    respond(s, Endpoint::Completion, params, style, req.common.stream, req.common.include_usage()).await
+    respond(s, Endpoint::Completion, params, style, req.common.stream, req.common.include_usage(), false).await
 }
 
 async fn chat_completions(State(s): State<Arc<AppState>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&s, req.common.model.as_deref())?;
     let params = req.params()?;
+    let tools = req.tools()?.is_some();
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
-    respond(s, Endpoint::Chat, params, style, req.common.stream, req.common.include_usage()).await
+    respond(s, Endpoint::Chat, params, style, req.common.stream, req.common.include_usage(), tools).await
 }
 
 async fn respond(
@@ -330,6 +342,7 @@ async fn respond(
     style: LogprobStyle,
     stream: bool,
     include_usage: bool,
+    tools: bool,
 ) -> Result<Response, ApiError> {
     let (prompt_tokens, rx) = start(&s, params).await?;
     let id = new_id(match endpoint {
@@ -337,14 +350,15 @@ async fn respond(
         Endpoint::Chat => "chatcmpl",
     });
     if stream {
-        let events = sse_events(s, endpoint, style, id, prompt_tokens, include_usage, rx);
+        let events = sse_events(s, Shape { endpoint, style, include_usage, tools }, id, prompt_tokens, rx);
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
-    whole(&s, endpoint, style, id, prompt_tokens, rx).await
+    whole(&s, endpoint, style, id, prompt_tokens, tools, rx).await
 }
 
-/// Waits for the whole generation and answers it in one body.
-async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String, prompt_tokens: u32, mut rx: Events) -> Result<Response, ApiError> {
+/// Waits for the whole generation and answers it in one body; with `tools`, the reply is
+/// read as tool calls or text (see `tools`).
+async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String, prompt_tokens: u32, tools: bool, mut rx: Events) -> Result<Response, ApiError> {
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
     loop {
         match rx.recv().await {
@@ -355,12 +369,23 @@ async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String
             }
             Some(Ok(Event::Finished { reason, text: rest, usage })) => {
                 text.push_str(&rest);
+                let lp = logprobs.to_json(style, 0);
+                let choice = match tools.then(|| read_reply(&text)) {
+                    Some(Reply::Calls(calls)) => json!({
+                        "index": 0,
+                        "message": { "role": "assistant", "content": null, "tool_calls": calls },
+                        "logprobs": lp,
+                        "finish_reason": "tool_calls",
+                    }),
+                    Some(Reply::Text(t)) => endpoint.choice(&t, lp, Some(finish_reason(reason)), false),
+                    None => endpoint.choice(&text, lp, Some(finish_reason(reason)), false),
+                };
                 let body = json!({
                     "id": id,
                     "object": endpoint.object(false),
                     "created": unix_now(),
                     "model": s.model,
-                    "choices": [endpoint.choice(&text, logprobs.to_json(style, 0), Some(finish_reason(reason)), false)],
+                    "choices": [choice],
                     "usage": UsageOut::new(prompt_tokens, usage.generated_tokens),
                 });
                 return Ok(Json(body).into_response());
@@ -373,18 +398,12 @@ async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String
 }
 
 /// The SSE stream of a generation: one chunk per token (text deltas), a last chunk with
-/// the finish reason, a usage chunk if asked, then `[DONE]`. An error after the stream
+/// the finish reason, a usage chunk if asked, then `[DONE]`. With `tools` the reply is held
+/// back and sent whole at the end: one chunk of tool calls (or of the answer's text). An error after the stream
 /// began is sent as an OpenAI error object before `[DONE]`. Dropping the stream (the client
 /// went away) drops the event receiver, which cancels the generation and frees its KV.
-fn sse_events(
-    s: Arc<AppState>,
-    endpoint: Endpoint,
-    style: LogprobStyle,
-    id: String,
-    prompt_tokens: u32,
-    include_usage: bool,
-    rx: Events,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: u32, rx: Events) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let Shape { endpoint, style, include_usage, tools } = shape;
     let created = unix_now();
     let chunk = move |s: &AppState, choices: Value, usage: Option<UsageOut>| {
         let mut v = json!({ "id": id, "object": endpoint.object(true), "created": created, "model": s.model, "choices": choices });
@@ -395,6 +414,7 @@ fn sse_events(
     };
     let mut text_offset = 0usize;
     let mut first = matches!(endpoint, Endpoint::Chat);
+    let mut held = String::new();
     UnboundedReceiverStream::new(rx).flat_map(move |ev| {
         let mut out: Vec<SseEvent> = Vec::new();
         if first {
@@ -403,6 +423,26 @@ fn sse_events(
             out.push(chunk(&s, json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
         }
         match ev {
+            Ok(Event::Token { text, .. }) if tools => held.push_str(&text),
+            Ok(Event::Finished { reason, text, usage }) if tools => {
+                held.push_str(&text);
+                let (delta, finish) = match read_reply(&held) {
+                    Reply::Calls(calls) => {
+                        let calls: Vec<Value> = calls.into_iter().enumerate().map(|(i, mut c)| {
+                            c["index"] = json!(i);
+                            c
+                        }).collect();
+                        (json!({ "tool_calls": calls }), "tool_calls")
+                    }
+                    Reply::Text(t) => (json!({ "content": t }), finish_reason(reason)),
+                };
+                out.push(chunk(&s, json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }]), None));
+                out.push(chunk(&s, json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish }]), None));
+                if include_usage {
+                    out.push(chunk(&s, json!([]), Some(UsageOut::new(prompt_tokens, usage.generated_tokens))));
+                }
+                out.push(SseEvent::default().data("[DONE]"));
+            }
             Ok(Event::Token { id: tok, text, logprob, top }) => {
                 let mut lp = Logprobs::default();
                 lp.push(&s, style, tok, logprob, &top);

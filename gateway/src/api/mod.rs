@@ -6,3 +6,4 @@ pub mod grpc;
 pub mod http;
 pub mod http_server;
 pub mod openai;
+pub mod tools;

@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 use duet_common::model::chat::ChatMessage;
 use duet_common::model::grammar::Grammar;
 
+use super::tools::{self, ToolSpec, Tools};
 use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason};
 use crate::error::GatewayError;
 
@@ -72,9 +73,6 @@ pub struct CommonFields {
     pub guided_regex: Option<String>,
     /// Extension (vLLM's name): the output is in this Lark grammar's language.
     pub guided_grammar: Option<String>,
-    /// Tools are not supported yet: present, they are refused rather than ignored.
-    pub tools: Option<Value>,
-    pub tool_choice: Option<Value>,
 }
 
 /// OpenAI's `response_format`.
@@ -103,6 +101,8 @@ pub struct CompletionRequest {
     pub echo: bool,
     pub suffix: Option<String>,
     pub best_of: Option<u32>,
+    /// Tools belong to chat completions: present here, they are refused, not ignored.
+    pub tools: Option<Value>,
     #[serde(flatten)]
     pub common: CommonFields,
 }
@@ -112,6 +112,10 @@ pub struct ChatMessageIn {
     pub role: String,
     /// Text, or a list of content parts of which only `text` parts are supported.
     pub content: Option<Value>,
+    /// An assistant turn's calls (OpenAI `tool_calls`).
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `tool` message's call.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -122,6 +126,8 @@ pub struct ChatRequest {
     pub top_logprobs: Option<u32>,
     /// The newer name of `max_tokens`.
     pub max_completion_tokens: Option<u32>,
+    pub tools: Option<Vec<ToolSpec>>,
+    pub tool_choice: Option<Value>,
     #[serde(flatten)]
     pub common: CommonFields,
 }
@@ -141,9 +147,6 @@ impl CommonFields {
         }
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(invalid("logit_bias is not supported"));
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_null()) || self.tool_choice.as_ref().is_some_and(|t| !t.is_null() && t != "none") {
-            return Err(invalid("tools and tool_choice are not supported yet (use response_format with a JSON schema)"));
         }
         Ok(())
     }
@@ -216,6 +219,9 @@ impl CompletionRequest {
         if self.best_of.is_some_and(|b| b != 1) {
             return Err(invalid("best_of: only 1 is supported"));
         }
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(invalid("tools are for /v1/chat/completions"));
+        }
         let logprobs = self.logprobs.unwrap_or(0);
         if logprobs > MAX_COMPLETION_LOGPROBS {
             return Err(invalid(format!("logprobs must be at most {MAX_COMPLETION_LOGPROBS}, got {logprobs}")));
@@ -247,8 +253,14 @@ impl ChatRequest {
         self.logprobs.then(|| self.top_logprobs.unwrap_or(0))
     }
 
+    /// The tools the model may call (`None`: it answers in text).
+    pub fn tools(&self) -> Result<Option<Tools>, GatewayError> {
+        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref()).map_err(invalid)
+    }
+
     pub fn params(&self) -> Result<GenerateParams, GatewayError> {
         self.common.check_unsupported()?;
+        let tools = self.tools()?;
         let top = self.top_logprobs.unwrap_or(0);
         if top > MAX_CHAT_TOP_LOGPROBS {
             return Err(invalid(format!("top_logprobs must be at most {MAX_CHAT_TOP_LOGPROBS}, got {top}")));
@@ -256,20 +268,36 @@ impl ChatRequest {
         if top > 0 && !self.logprobs {
             return Err(invalid("top_logprobs needs logprobs: true"));
         }
-        let mut messages = Vec::with_capacity(self.messages.len());
+        let mut messages = Vec::with_capacity(self.messages.len() + 1);
         for (i, m) in self.messages.iter().enumerate() {
-            let role = match m.role.as_str() {
-                "system" | "developer" => "system",
-                "user" => "user",
-                "assistant" => "assistant",
-                other => return Err(invalid(format!("messages[{i}].role {other:?}: expected system, developer, user or assistant"))),
+            let text = message_text(i, m.content.as_ref())?;
+            let (role, text) = match (m.role.as_str(), &m.tool_calls) {
+                ("system" | "developer", _) => ("system", text),
+                ("user", _) => ("user", text),
+                ("assistant", Some(calls)) if !calls.is_empty() => ("assistant", tools::calls_as_text(calls)),
+                ("assistant", _) => ("assistant", text),
+                // Tool results reach the model as user turns in the tool-call JSON.
+                ("tool", _) => ("user", tools::result_as_text(m.tool_call_id.as_deref(), &text)),
+                (other, _) => return Err(invalid(format!("messages[{i}].role {other:?}: expected system, developer, user, assistant or tool"))),
             };
-            messages.push(ChatMessage::new(role, message_text(i, m.content.as_ref())?));
+            messages.push(ChatMessage::new(role, text));
+        }
+        let mut sampling = self.common.sampling()?;
+        if let Some(t) = &tools {
+            if sampling.grammar.is_some() {
+                return Err(invalid("tools cannot be combined with response_format, guided_regex or guided_grammar"));
+            }
+            sampling.grammar = Some(Grammar::JsonSchema(t.reply_schema().to_string()));
+            // The functions are described in the system message (the first one, or a new one).
+            match messages.first_mut().filter(|m| m.role == "system") {
+                Some(system) => system.content = format!("{}\n\n{}", system.content, t.system_prompt()),
+                None => messages.insert(0, ChatMessage::new("system", t.system_prompt())),
+            }
         }
         Ok(GenerateParams {
             prompt: Prompt::Chat(messages),
             max_tokens: self.max_completion_tokens.or(self.common.max_tokens),
-            sampling: self.common.sampling()?,
+            sampling,
             stop: self.common.stop()?,
             top_logprobs: if self.logprobs { top.max(1) } else { 0 },
             session: SessionMode::None,
