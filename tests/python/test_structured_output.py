@@ -108,7 +108,7 @@ def test_langchain_structured_output(gateway, model):
         name: str = Field(max_length=20)
         age: int = Field(ge=0, le=150)
 
-    llm = ChatOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", model=model, max_tokens=80, temperature=0.8)
+    llm = ChatOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", model=model, max_tokens=200, temperature=0.8, seed=1)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
     assert isinstance(person, Person) and 0 <= person.age <= 150
 
