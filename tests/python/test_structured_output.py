@@ -4,9 +4,12 @@ text that parses and matches, at temperature 1 too; tool calls always come back 
 the named functions with arguments valid under their schemas (tool_choice required, named,
 auto), whole or streamed, over several turns; bad grammars and tool choices get a 400."""
 
+import concurrent.futures
 import json
+import os
 import re
 
+import jsonschema
 import openai
 import pytest
 
@@ -44,7 +47,7 @@ def model(client):
 
 def ask(client, model, **kw):
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
-    return client.chat.completions.create(model=model, messages=messages, max_tokens=120, **kw)
+    return client.chat.completions.create(model=model, messages=messages, **{"max_tokens": 120, **kw})
 
 
 def check_person(p):
@@ -124,7 +127,7 @@ def test_tool_calls_required_named_and_auto(client, model):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     for seed in range(3):
         done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice="required",
-                                              max_tokens=120, temperature=1.0, seed=seed)
+                                              max_tokens=600, temperature=1.0, seed=seed)
         choice = done.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         for call in choice.message.tool_calls:
@@ -132,12 +135,12 @@ def test_tool_calls_required_named_and_auto(client, model):
             json.loads(call.function.arguments)
     named = {"type": "function", "function": {"name": "get_weather"}}
     done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=named,
-                                          max_tokens=120, temperature=0)
+                                          max_tokens=600, temperature=0)
     assert done.choices[0].finish_reason == "tool_calls"
     for call in done.choices[0].message.tool_calls:
         check_weather_call(call)
     # auto: a call or an answer, either way well-formed.
-    done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=120, temperature=0)
+    done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=600, temperature=0)
     msg = done.choices[0].message
     assert (msg.tool_calls and done.choices[0].finish_reason == "tool_calls") or (msg.content and not msg.tool_calls), msg
 
@@ -146,7 +149,7 @@ def test_streamed_tool_calls_and_a_second_turn(client, model):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     chunks = list(client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice=named,
-                                                 max_tokens=120, temperature=0, stream=True))
+                                                 max_tokens=600, temperature=0, stream=True))
     calls = [c for ch in chunks if ch.choices for c in (ch.choices[0].delta.tool_calls or [])]
     assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
     check_weather_call(calls[0])
@@ -173,3 +176,45 @@ def test_langchain_bind_tools(gateway, model):
     llm = ChatOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", model=model, max_tokens=100, temperature=0)
     msg = llm.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather" and isinstance(msg.tool_calls[0]["args"]["city"], str)
+
+
+def test_fifty_seeded_runs_each_always_validate(client, model):
+    """Schema, required and named requests: 50 seeded runs each at temperature 1, sent 16 at a
+    time, every one parses and validates (jsonschema). max_tokens leaves room for the longest
+    reply the schemas allow (strings of at most 30 characters, at most 4 calls)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def schema_run(seed):
+        done = ask(client, model, response_format=fmt, temperature=1.0, seed=seed, max_tokens=600)
+        jsonschema.validate(json.loads(done.choices[0].message.content), PERSON)
+
+    def tools_run(seed, choice):
+        done = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER, TIME], tool_choice=choice,
+                                              max_tokens=600, temperature=1.0, seed=seed)
+        assert done.choices[0].finish_reason == "tool_calls", done
+        for call in done.choices[0].message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    runs = [lambda s=s: schema_run(s) for s in range(50)]
+    runs += [lambda s=s: tools_run(s, "required") for s in range(50)]
+    runs += [lambda s=s: tools_run(s, named) for s in range(50)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for f in [pool.submit(r) for r in runs]:
+            f.result()
+
+
+def test_litellm_tools_and_json_schema(gateway, model):
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm", reason="litellm is in tests/python/requirements.txt")
+    common = dict(model=f"openai/{model}", api_base=f"{gateway.base_url}/v1", api_key="unused", max_tokens=150, temperature=0)
+    done = litellm.completion(messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER],
+                              tool_choice="required", **common)
+    call = done.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    done = litellm.completion(messages=[{"role": "user", "content": "Describe a person as JSON."}],
+                              response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}, **common)
+    jsonschema.validate(json.loads(done.choices[0].message.content), PERSON)

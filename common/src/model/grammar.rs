@@ -76,8 +76,8 @@ impl Grammars {
     /// A matcher of `g` at the start of a generation, or why `g` cannot be used.
     pub fn matcher(&self, g: &Grammar) -> Result<Matcher, GrammarError> {
         let grammar = match g {
-            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(serde_json::from_str(s).map_err(|e| GrammarError::SchemaNotJson(e.to_string()))?),
-            Grammar::JsonObject => TopLevelGrammar::from_json_schema(serde_json::json!({ "type": "object" })),
+            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(serde_json::from_str(s).map_err(|e| GrammarError::SchemaNotJson(e.to_string()))?)),
+            Grammar::JsonObject => TopLevelGrammar::from_json_schema(compact(serde_json::json!({ "type": "object" }))),
             Grammar::Regex(r) => TopLevelGrammar::from_regex(r),
             Grammar::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
         };
@@ -88,6 +88,16 @@ impl Grammars {
             None => Ok(matcher),
         }
     }
+}
+
+/// A schema's JSON written with single spaces after `,` and `:` and no other whitespace
+/// (llguidance's `x-guidance` options), unless the schema sets its own: free whitespace lets a
+/// model run on in newlines until max_tokens, and then the output does not parse.
+fn compact(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance").or_insert_with(|| serde_json::json!({ "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": " }));
+    }
+    schema
 }
 
 /// The tokens `matcher` allows next (end of generation only, once the grammar is complete).

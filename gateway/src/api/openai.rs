@@ -128,6 +128,8 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<u32>,
     pub tools: Option<Vec<ToolSpec>>,
     pub tool_choice: Option<Value>,
+    /// Whether one reply may call several functions [true; at most 4].
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: CommonFields,
 }
@@ -255,7 +257,7 @@ impl ChatRequest {
 
     /// The tools the model may call (`None`: it answers in text).
     pub fn tools(&self) -> Result<Option<Tools>, GatewayError> {
-        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref()).map_err(invalid)
+        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref(), self.parallel_tool_calls.unwrap_or(true)).map_err(invalid)
     }
 
     pub fn params(&self) -> Result<GenerateParams, GatewayError> {

@@ -25,22 +25,28 @@ pub struct FunctionSpec {
     pub parameters: Option<Value>,
 }
 
+/// The most calls one reply may hold (1 with `parallel_tool_calls: false`): a bound that keeps
+/// a reply within a modest max_tokens.
+pub const MAX_PARALLEL_CALLS: usize = 4;
+
 /// The functions a request lets the model call, and whether it must call one.
 #[derive(Debug, Clone)]
 pub struct Tools {
     functions: Vec<FunctionSpec>,
     required: bool,
+    max_calls: usize,
 }
 
 impl Tools {
     /// From `tools` and `tool_choice` ("none", "auto", "required" or a named function);
     /// `None` when no tool may be called.
-    pub fn from_request(tools: Option<&[ToolSpec]>, choice: Option<&Value>) -> Result<Option<Tools>, String> {
+    pub fn from_request(tools: Option<&[ToolSpec]>, choice: Option<&Value>, parallel: bool) -> Result<Option<Tools>, String> {
+        let max_calls = if parallel { MAX_PARALLEL_CALLS } else { 1 };
         let tools = tools.unwrap_or_default();
         if let Some((i, t)) = tools.iter().enumerate().find(|(_, t)| t.kind != "function") {
             return Err(format!("tools[{i}].type is {:?}: only \"function\" tools are supported", t.kind));
         }
-        let all = |required| Tools { functions: tools.iter().map(|t| t.function.clone()).collect(), required };
+        let all = |required| Tools { functions: tools.iter().map(|t| t.function.clone()).collect(), required, max_calls };
         let mode = match choice {
             None | Some(Value::Null) => (!tools.is_empty()).then(|| all(false)),
             Some(Value::String(s)) => match s.as_str() {
@@ -52,7 +58,7 @@ impl Tools {
             Some(v) => {
                 let name = v.pointer("/function/name").and_then(Value::as_str).ok_or("tool_choice: expected {\"type\": \"function\", \"function\": {\"name\": ...}}")?;
                 let f = tools.iter().find(|t| t.function.name == name).ok_or_else(|| format!("tool_choice names {name:?}, which is not among the tools"))?;
-                Some(Tools { functions: vec![f.function.clone()], required: true })
+                Some(Tools { functions: vec![f.function.clone()], required: true, max_calls })
             }
         };
         match mode {
@@ -77,7 +83,7 @@ impl Tools {
             .collect();
         let call = json!({
             "type": "object",
-            "properties": { "tool_calls": { "type": "array", "items": { "anyOf": calls }, "minItems": 1 } },
+            "properties": { "tool_calls": { "type": "array", "items": { "anyOf": calls }, "minItems": 1, "maxItems": self.max_calls } },
             "required": ["tool_calls"],
             "additionalProperties": false,
         });
@@ -169,17 +175,18 @@ mod tests {
     #[test]
     fn tool_choice_decides_the_reply_schema() {
         let tools = [weather()];
-        assert!(Tools::from_request(Some(&tools), Some(&json!("none"))).unwrap().is_none());
-        assert!(Tools::from_request(None, None).unwrap().is_none());
-        let auto = Tools::from_request(Some(&tools), None).unwrap().unwrap();
+        assert!(Tools::from_request(Some(&tools), Some(&json!("none")), true).unwrap().is_none());
+        assert!(Tools::from_request(None, None, true).unwrap().is_none());
+        let auto = Tools::from_request(Some(&tools), None, true).unwrap().unwrap();
         assert!(auto.reply_schema()["anyOf"].as_array().is_some_and(|a| a.len() == 2));
-        let required = Tools::from_request(Some(&tools), Some(&json!("required"))).unwrap().unwrap();
+        let required = Tools::from_request(Some(&tools), Some(&json!("required")), false).unwrap().unwrap();
         assert_eq!(required.reply_schema()["required"], json!(["tool_calls"]));
-        let named = Tools::from_request(Some(&tools), Some(&json!({ "type": "function", "function": { "name": "get_weather" } }))).unwrap().unwrap();
+        assert_eq!(required.reply_schema()["properties"]["tool_calls"]["maxItems"], json!(1));
+        let named = Tools::from_request(Some(&tools), Some(&json!({ "type": "function", "function": { "name": "get_weather" } })), true).unwrap().unwrap();
         assert!(named.required);
-        assert!(Tools::from_request(Some(&tools), Some(&json!({ "type": "function", "function": { "name": "nope" } }))).is_err());
-        assert!(Tools::from_request(None, Some(&json!("required"))).is_err());
-        assert!(Tools::from_request(Some(&tools), Some(&json!("sometimes"))).is_err());
+        assert!(Tools::from_request(Some(&tools), Some(&json!({ "type": "function", "function": { "name": "nope" } })), true).is_err());
+        assert!(Tools::from_request(None, Some(&json!("required")), true).is_err());
+        assert!(Tools::from_request(Some(&tools), Some(&json!("sometimes")), true).is_err());
     }
 
     #[test]
