@@ -73,6 +73,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as T
 
+from gen_random_model import byte_chars
+
 SEED = 20250612
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "testdata" / "tiny"
@@ -123,20 +125,6 @@ VARIANTS = [
 # logits have a std of ~2-3 (clear argmaxes).
 GAIN = dict(q=1.6, k=1.6, v=1.0, o=0.8, gate=1.0, up=1.0, down=0.8, output=2.5)
 EMBD_STD = 0.5
-
-
-def byte_chars() -> list[str]:
-    """GPT-2's bytes_to_unicode: the printable character standing for each byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
 
 
 def vocab() -> tuple[list[str], list[str]]:

@@ -5,7 +5,8 @@
 //! for bit the CPU's (`kernels::quant::dequantize`); the dp4a dot product against Q8_1
 //! activations must be within the activations' rounding bound of the exact product. This is
 //! the layout logic the GPU kernels run; the GPU twins (`device::cuda::twins`) check the
-//! kernels themselves on a GPU. Without a C++ compiler the test says it was skipped.
+//! kernels themselves on a GPU. Without a C++ compiler the test says it was skipped. The types
+//! and type ids come from the kernels' own `types.cuh`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -23,22 +24,7 @@ const HARNESS: &str = r#"
 #include <vector>
 #define __device__
 #define __forceinline__ inline
-typedef unsigned char u8;
-typedef signed char i8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-#define WARP 32
-#define T_F32 0
-#define T_F16 1
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q5_0 6
-#define T_Q5_1 7
-#define T_Q8_0 8
-#define T_Q4_K 12
-#define T_Q5_K 13
-#define T_Q6_K 14
-#define T_BF16 30
+#include "types.cuh"
 static float f16_to_f32(u16 h) {
     u32 sign = (u32)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {

@@ -127,11 +127,7 @@ impl Device for CpuDevice {
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
-        let kv_dim = self.m.config.kv_dim();
-        for (row, (k, v)) in qkv.k.chunks_exact(kv_dim).zip(qkv.v.chunks_exact(kv_dim)).enumerate() {
-            kv.write(layer, row, k, v)?;
-        }
-        Ok(())
+        host_attention::store(&self.m.config, layer, qkv, kv)
     }
 
     fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {

@@ -1,4 +1,4 @@
-//! Attention computed on the host with the CPU kernels, over KV the caller hands in: the CPU
+//! K/V stores and attention on the host with the CPU kernels, over KV the caller hands in: the CPU
 //! device's whole attention, and the CUDA device's own share until its attention kernels run
 //! on the GPU (stage A of the CUDA device: Q/K/V come to the host each layer anyway).
 
@@ -9,8 +9,17 @@ use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_common::model::config::LlamaConfig;
 use half::f16;
 
-use super::{attn_shape, DecodeItem, KvAccessError, KvSource, Partial, PrefillItem};
+use super::{attn_shape, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::Result;
+
+/// Stores a batch's new K/V rows (from the host's `qkv`) where `kv` says, row by row.
+pub fn store(config: &LlamaConfig, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+    let kv_dim = config.kv_dim();
+    for (row, (k, v)) in qkv.k.chunks_exact(kv_dim).zip(qkv.v.chunks_exact(kv_dim)).enumerate() {
+        kv.write(layer, row, k, v)?;
+    }
+    Ok(())
+}
 
 /// Prefill attention of `items` (rows of `q`, `[row][n_head][head_dim]`) over their causal
 /// prefixes in `kv`, into their rows of `out`. Each KV head's context is one slice: in place

@@ -12,6 +12,7 @@ use duet_common::kernels::quant::GgmlType;
 
 use super::CudaError;
 
+const TYPES: &str = include_str!("kernels/types.cuh");
 const COMMON: &str = include_str!("kernels/common.cuh");
 const QUANTS: &str = include_str!("kernels/quants.cuh");
 
@@ -75,9 +76,10 @@ pub const FILES: [KernelFile; 3] = [
 ];
 
 impl KernelFile {
-    /// The whole program NVRTC compiles: the shared definitions, then the file.
+    /// The whole program NVRTC compiles: the shared definitions (types, helpers, block
+    /// formats), then the file.
     pub fn source(&self) -> String {
-        format!("{COMMON}\n{QUANTS}\n// ---- {} ----\n{}", self.name, self.body)
+        format!("{TYPES}\n{COMMON}\n{QUANTS}\n// ---- {} ----\n{}", self.name, self.body)
     }
 }
 

@@ -1,14 +1,7 @@
-// Duet CUDA kernels: shared definitions. NVRTC compiles these with no headers at all, so the
-// integer types, the f16/bf16 conversions (PTX cvt) and the warp reductions are defined here.
-// Every kernel file is compiled as common.cuh + quants.cuh + the file (see kernels.rs).
+// Duet CUDA kernels: shared device helpers. NVRTC compiles these with no headers at all, so
+// the f16/bf16 conversions (PTX cvt) and the warp reductions are defined here. Every kernel
+// file is compiled as types.cuh + common.cuh + quants.cuh + the file (see kernels.rs).
 
-typedef unsigned char u8;
-typedef signed char i8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-#define WARP 32
 #define FULL_MASK 0xffffffffu
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
@@ -56,16 +49,3 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int off = WARP / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
     return v;
 }
-
-// ggml type ids (ggml.h), as the GGUF file stores them.
-#define T_F32 0
-#define T_F16 1
-#define T_Q4_0 2
-#define T_Q4_1 3
-#define T_Q5_0 6
-#define T_Q5_1 7
-#define T_Q8_0 8
-#define T_Q4_K 12
-#define T_Q5_K 13
-#define T_Q6_K 14
-#define T_BF16 30

@@ -8,6 +8,17 @@
 #define MV_WARPS 4
 #define MV_MAX_TOK 8
 
+// y[t][row] = the warp's sum of acc[t], for t < n_tok (lane 0 writes).
+__device__ __forceinline__ void store_row_sums(float (&acc)[MV_MAX_TOK], int n_tok, int lane, float* __restrict__ y, int rows, int row) {
+#pragma unroll
+    for (int t = 0; t < MV_MAX_TOK; ++t) {
+        if (t < n_tok) {
+            float s = warp_sum(acc[t]);
+            if (lane == 0) y[(size_t)t * rows + row] = s;
+        }
+    }
+}
+
 // x: [units][32] f32 (rows of a multiple of 32 elements, back to back) -> out: one BlockQ8_1
 // per unit. One warp per unit.
 extern "C" __global__ void __launch_bounds__(WARP * MV_WARPS)
@@ -49,13 +60,7 @@ __device__ __forceinline__ void mmvq(const u8* __restrict__ w, int rows, int n_u
         for (int t = 0; t < MV_MAX_TOK; ++t)
             if (t < n_tok) acc[t] += unit_dot(r, a[(size_t)t * n_units + u]);
     }
-#pragma unroll
-    for (int t = 0; t < MV_MAX_TOK; ++t) {
-        if (t < n_tok) {
-            float s = warp_sum(acc[t]);
-            if (lane == 0) y[(size_t)t * rows + row] = s;
-        }
-    }
+    store_row_sums(acc, n_tok, lane, y, rows, row);
 }
 
 #define MMVQ(name, T)                                                                                          \
@@ -89,13 +94,7 @@ __device__ __forceinline__ void mv_float(const u8* __restrict__ w, int rows, int
         for (int t = 0; t < MV_MAX_TOK; ++t)
             if (t < n_tok) acc[t] += wv * x[(size_t)t * cols + c];
     }
-#pragma unroll
-    for (int t = 0; t < MV_MAX_TOK; ++t) {
-        if (t < n_tok) {
-            float s = warp_sum(acc[t]);
-            if (lane == 0) y[(size_t)t * rows + row] = s;
-        }
-    }
+    store_row_sums(acc, n_tok, lane, y, rows, row);
 }
 
 #define MV_FLOAT(name, T)                                                                                      \
