@@ -131,7 +131,7 @@ impl Seq {
             repetition_penalty: s.repetition_penalty,
             seed: s.seed,
             top_logprobs: self.top_logprobs,
-            constraint: s.grammar.as_ref().map(crate::api::grpc::constraint_to_pb),
+            constraint: s.grammar.as_ref().map(pb::OutputConstraint::from),
         }
     }
 

@@ -11,6 +11,7 @@ use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 
 use super::tokenizer::Tokenizer;
+use crate::rpc::pb;
 
 /// What a generation's output must match.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +24,35 @@ pub enum Grammar {
     Regex(String),
     /// Text in the language of this Lark grammar (llguidance's Lark dialect).
     Lark(String),
+}
+
+impl TryFrom<&pb::OutputConstraint> for Grammar {
+    type Error = String;
+
+    /// The grammar an API or sampler constraint names.
+    fn try_from(c: &pb::OutputConstraint) -> Result<Self, String> {
+        use pb::output_constraint::Kind;
+        match &c.kind {
+            Some(Kind::JsonSchema(s)) => Ok(Grammar::JsonSchema(s.clone())),
+            Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
+            Some(Kind::Regex(r)) => Ok(Grammar::Regex(r.clone())),
+            Some(Kind::Lark(l)) => Ok(Grammar::Lark(l.clone())),
+            None => Err("constraint: set one of json_schema, json_object, regex, lark".into()),
+        }
+    }
+}
+
+impl From<&Grammar> for pb::OutputConstraint {
+    fn from(g: &Grammar) -> Self {
+        use pb::output_constraint::Kind;
+        let kind = match g {
+            Grammar::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+            Grammar::JsonObject => Kind::JsonObject(true),
+            Grammar::Regex(r) => Kind::Regex(r.clone()),
+            Grammar::Lark(l) => Kind::Lark(l.clone()),
+        };
+        pb::OutputConstraint { kind: Some(kind) }
+    }
 }
 
 /// Why a grammar cannot be used.

@@ -51,7 +51,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
         // No seed: a fresh one, so that retries and best-of-N get different samples.
         seed: s.seed.unwrap_or_else(rand::random),
-        grammar: s.constraint.map(constraint_from_pb).transpose()?,
+        grammar: s.constraint.as_ref().map(Grammar::try_from).transpose().map_err(GatewayError::InvalidArgument)?,
     };
     let session = match (r.session_id, r.create_session) {
         (Some(id), _) => SessionMode::Continue(id),
@@ -193,30 +193,6 @@ impl Inference for InferenceService {
             generated_tokens_total: i.generated_tokens_total,
         }))
     }
-}
-
-/// A request's output constraint as a grammar.
-fn constraint_from_pb(c: pb::OutputConstraint) -> Result<Grammar, GatewayError> {
-    use pb::output_constraint::Kind;
-    match c.kind {
-        Some(Kind::JsonSchema(s)) => Ok(Grammar::JsonSchema(s)),
-        Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
-        Some(Kind::Regex(r)) => Ok(Grammar::Regex(r)),
-        Some(Kind::Lark(l)) => Ok(Grammar::Lark(l)),
-        None => Err(GatewayError::InvalidArgument("constraint: set one of json_schema, json_object, regex, lark".into())),
-    }
-}
-
-/// A grammar as the workers' sampler configuration carries it.
-pub fn constraint_to_pb(g: &Grammar) -> pb::OutputConstraint {
-    use pb::output_constraint::Kind;
-    let kind = match g {
-        Grammar::JsonSchema(s) => Kind::JsonSchema(s.clone()),
-        Grammar::JsonObject => Kind::JsonObject(true),
-        Grammar::Regex(r) => Kind::Regex(r.clone()),
-        Grammar::Lark(l) => Kind::Lark(l.clone()),
-    };
-    pb::OutputConstraint { kind: Some(kind) }
 }
 
 /// Serves the public API with health and reflection on `listener` until `shutdown`; with an

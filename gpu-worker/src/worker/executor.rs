@@ -320,7 +320,7 @@ impl<D: Device> Executor<D> {
             };
             seq.sampler = Some(Sampler::new(params)?);
             seq.top_n = cfg.top_logprobs.min(20) as usize;
-            seq.matcher = match cfg.constraint.as_ref().map(grammar_of).transpose() {
+            seq.matcher = match cfg.constraint.as_ref().map(Grammar::try_from).transpose() {
                 Err(e) => return invalid(e),
                 Ok(None) => None,
                 Ok(Some(g)) => match self.grammars.as_ref().map(|gs| gs.matcher(&g)) {
@@ -363,18 +363,6 @@ impl<D: Device> Executor<D> {
             shares
         };
         Ok(Some(Planned { seq_id: s.seq_id, row0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample }))
-    }
-}
-
-/// The grammar a sampler configuration's constraint names.
-fn grammar_of(c: &pb::OutputConstraint) -> Result<Grammar, String> {
-    use pb::output_constraint::Kind;
-    match &c.kind {
-        Some(Kind::JsonSchema(s)) => Ok(Grammar::JsonSchema(s.clone())),
-        Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
-        Some(Kind::Regex(r)) => Ok(Grammar::Regex(r.clone())),
-        Some(Kind::Lark(l)) => Ok(Grammar::Lark(l.clone())),
-        None => Err("an output constraint of no kind".into()),
     }
 }
 
