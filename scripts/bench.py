@@ -5,7 +5,9 @@
   in the same run, decode attention, matrix-vector per weight type);
 * whole-system rows, measured on a `duet-gateway serve` started here with `duet-gateway bench`:
   prefill of a 512-token prompt, decode at depth 0 / 1K / 4K with one stream, aggregate decode
-  of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed);
+  of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed), and
+  decode at depth 0 and 16 sessions with every stream constrained to a JSON schema (structured
+  output's cost, as a share of the unconstrained rows);
 * the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
   installed, and the ratio Duet / llama.cpp. Each system row is the median of `--repeat`
   passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr.
@@ -43,7 +45,13 @@ SYSTEM_ROWS = [
     ("aggregate-8", "whole system: aggregate decode", "8 concurrent sessions"),
     ("aggregate-16", "whole system: aggregate decode", "16 concurrent sessions"),
     ("aggregate-32", "whole system: aggregate decode", "32 concurrent sessions"),
+    ("decode-depth-0-json", "whole system: decode, batch 1, JSON schema", "depth 0"),
+    ("aggregate-16-json", "whole system: aggregate decode, JSON schema", "16 concurrent sessions"),
 ]
+# Structured output's cost: every stream constrained to a schema it cannot finish within the
+# tokens timed (an array of at least 1000 strings), against the same rows unconstrained.
+JSON_SCHEMA = json.dumps({"type": "array", "items": {"type": "string"}, "minItems": 1000})
+CONSTRAINED_OF = {"decode-depth-0-json": "decode-depth-0", "aggregate-16-json": "aggregate-16"}
 
 
 def log(msg):
@@ -142,6 +150,10 @@ def duet_pass(server):
     for n in (8, 16, 32):
         r = server.bench("--concurrency", str(n), "--context", "16", "--max-tokens", str(DECODE_TOKENS))[0]
         res[f"aggregate-{n}"] = r["aggregate_tokens_per_s"]
+    r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS), "--json-schema", JSON_SCHEMA)[0]
+    res["decode-depth-0-json"] = r["decode_tokens_per_s_per_stream"]
+    r = server.bench("--concurrency", "16", "--context", "16", "--max-tokens", str(DECODE_TOKENS), "--json-schema", JSON_SCHEMA)[0]
+    res["aggregate-16-json"] = r["aggregate_tokens_per_s"]
     return res
 
 
@@ -213,6 +225,8 @@ def main():
         ratio = f"{d / l:.2f}×" if l else ""
         # Batch-1 decode reads every weight once per token: its share of the read bandwidth.
         frac = ""
+        if row in CONSTRAINED_OF and CONSTRAINED_OF[row] in duet:
+            frac = f"{100 * d / duet[CONSTRAINED_OF[row]]:.0f}% of unconstrained"
         if row == "decode-depth-0" and bw:
             frac = f"{100 * d * weights / bw:.0f}%" + (f" (llama.cpp {100 * l * weights / bw:.0f}%)" if l else "")
         print(f"| {what} | {shape} | {d:.1f} | tok/s | {f'{l:.1f}' if l else ''} | {ratio} | {frac} |")

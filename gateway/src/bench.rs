@@ -76,8 +76,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             }
             let requests: Vec<pb::GenerateRequest> = (0..c)
                 .map(|i| match &sessions {
-                    Some(ids) => stream_request(vec![rng.random_range(PROMPT_IDS)], args.max_tokens, Some(ids[i].clone())),
-                    None => stream_request((0..args.prompt_tokens).map(|_| rng.random_range(PROMPT_IDS)).collect(), args.max_tokens, None),
+                    Some(ids) => stream_request(vec![rng.random_range(PROMPT_IDS)], &args, Some(ids[i].clone())),
+                    None => stream_request((0..args.prompt_tokens).map(|_| rng.random_range(PROMPT_IDS)).collect(), &args, None),
                 })
                 .collect();
             let started = Instant::now();
@@ -121,11 +121,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn stream_request(ids: Vec<u32>, max_tokens: u32, session_id: Option<String>) -> pb::GenerateRequest {
+/// One timed stream: greedy, end of generation ignored, constrained by `--json-schema`.
+fn stream_request(ids: Vec<u32>, args: &BenchArgs, session_id: Option<String>) -> pb::GenerateRequest {
+    let constraint = args.json_schema.clone().map(|s| pb::OutputConstraint { kind: Some(pb::output_constraint::Kind::JsonSchema(s)) });
     pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Tokens(pb::TokenIds { ids })),
-        max_tokens: Some(max_tokens),
-        sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+        max_tokens: Some(args.max_tokens),
+        sampling: Some(pb::SamplingParams { temperature: Some(0.0), constraint, ..Default::default() }),
         ignore_eos: true,
         session_id,
         ..Default::default()
@@ -137,8 +139,14 @@ async fn open_sessions(client: &InferenceClient<tonic::transport::Channel>, c: u
     use pb::generate_response::Event;
     let tasks: Vec<_> = (0..c)
         .map(|_| {
-            let mut req = stream_request((0..n).map(|_| rng.random_range(PROMPT_IDS)).collect(), 1, None);
-            req.create_session = true;
+            let req = pb::GenerateRequest {
+                prompt: Some(pb::generate_request::Prompt::Tokens(pb::TokenIds { ids: (0..n).map(|_| rng.random_range(PROMPT_IDS)).collect() })),
+                max_tokens: Some(1),
+                sampling: Some(pb::SamplingParams { temperature: Some(0.0), ..Default::default() }),
+                ignore_eos: true,
+                create_session: true,
+                ..Default::default()
+            };
             let mut client = client.clone();
             tokio::spawn(async move {
                 let mut stream = client.generate(req).await.map_err(|e| anyhow::anyhow!("opening a session: {}", e.message()))?.into_inner();

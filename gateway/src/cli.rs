@@ -114,6 +114,10 @@ pub struct BenchArgs {
     /// Run once per balancer policy (e.g. lp,cpu,gpu,ratio:0.5), switched with SetPolicy.
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
+    /// Constrain every stream's output to this JSON schema (structured output's cost; pick
+    /// one the streams cannot finish within --max-tokens, e.g. an array of strings).
+    #[arg(long)]
+    pub json_schema: Option<String>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,

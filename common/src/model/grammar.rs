@@ -135,11 +135,13 @@ pub fn allowed(matcher: &mut Matcher) -> Result<SimpleVob, GrammarError> {
     matcher.compute_mask_or_eos().map_err(|e| GrammarError::Compile(e.to_string()))
 }
 
-/// Sets the logits of the tokens `mask` forbids to minus infinity.
+/// Sets the logits of the tokens `mask` forbids (and of any past the vocabulary it covers) to
+/// minus infinity, a 32-token word of the mask at a time.
 pub fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
-    for (id, l) in logits.iter_mut().enumerate() {
-        if !mask.is_allowed(id as u32) {
+    mask.iter_unset_entries(|id| {
+        if let Some(l) = logits.get_mut(id) {
             *l = f32::NEG_INFINITY;
         }
-    }
+    });
+    logits.iter_mut().skip(mask.len()).for_each(|l| *l = f32::NEG_INFINITY);
 }
