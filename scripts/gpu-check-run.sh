@@ -110,7 +110,12 @@ serve_bench() { # MODEL
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$out/serve-bench-server.log" 2>&1 &
   local gw=$!
   sleep 2
-  for _ in $(seq 240); do curl -sf http://127.0.0.1:18090/health >/dev/null 2>&1 && break; sleep 0.5; done
+  python3 -c 'import time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:18090/health", timeout=2); break
+    except Exception:
+        time.sleep(0.5)'
   "$kit/duet-gateway" bench --addr 127.0.0.1:18091 --concurrency 1,16,64 --context 1024 --max-tokens 64 --policies cpu,gpu,lp --json
   local rc=$?
   kill -TERM $gw
