@@ -1,6 +1,20 @@
-//! Paths of the test model and golden data, shared by the workspace's tests.
+//! Paths of the test model and golden data, and facts about the block formats random test
+//! weights need, shared by the workspace's tests.
 
 use std::path::PathBuf;
+
+use crate::kernels::quant::GgmlType;
+
+/// Byte offsets of the f16 fields (scales, mins) of one block of `ty`: random test weights set
+/// them to finite values and leave the rest random quants. None for the float types.
+pub fn block_f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => &[],
+    }
+}
 
 /// The workspace root: `$DUET_WORKSPACE`, else the checkout the tests were built in.
 pub fn workspace_root() -> PathBuf {

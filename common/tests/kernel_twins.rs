@@ -16,6 +16,7 @@ use duet_common::kernels::dot::{quantize_row, vec_dot_scalar, vec_dot_type};
 use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
 use duet_common::kernels::quant::{dequantize, BlockQ8K, BlockQ8_1, ByteBlock, GgmlType, QK_K};
 use duet_common::kernels::{self, Isa};
+use duet_common::testutil::block_f16_fields;
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -31,16 +32,6 @@ fn sizes(ty: GgmlType) -> Vec<usize> {
     match ty.block_size() {
         1 => vec![1, 7, 33, 255, 1031],
         b => [1, 7, 33, 3].iter().map(|k| k * b).collect(),
-    }
-}
-
-/// Byte offsets of the f16 fields of one block.
-fn f16_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        _ => &[],
     }
 }
 
@@ -80,7 +71,7 @@ fn random_weight_row(rng: &mut StdRng, ty: GgmlType, n: usize) -> Vec<u8> {
             let mut bytes = vec![0u8; ty.row_bytes(n)];
             rng.fill_bytes(&mut bytes);
             for b in bytes.chunks_exact_mut(ty.block_bytes()) {
-                for &off in f16_fields(ty) {
+                for &off in block_f16_fields(ty) {
                     b[off..off + 2].copy_from_slice(&random_f16(rng).to_le_bytes());
                 }
             }
@@ -278,7 +269,7 @@ fn vec_dot_equals_scalar_twin_at_extreme_quants() {
         {
             let mut w = vec![wq; ty.row_bytes(n)];
             for b in w.chunks_exact_mut(ty.block_bytes()) {
-                for &off in f16_fields(ty) {
+                for &off in block_f16_fields(ty) {
                     b[off..off + 2].copy_from_slice(&one);
                 }
             }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::testutil::workspace_root;
+use duet_common::testutil::{block_f16_fields, workspace_root};
 use half::f16;
 use rand::{Rng, SeedableRng};
 
@@ -146,23 +146,14 @@ fn run(exe: &Path, ty: GgmlType, row: &[u8], units: usize, acts: &[u8]) -> (Vec<
 fn block_decoding_of_every_quantised_type_matches_the_cpu() {
     let Some(exe) = harness() else { return };
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-    let scale_fields: [(GgmlType, &[usize]); 8] = [
-        (GgmlType::Q4_0, &[0]),
-        (GgmlType::Q4_1, &[0, 2]),
-        (GgmlType::Q5_0, &[0]),
-        (GgmlType::Q5_1, &[0, 2]),
-        (GgmlType::Q8_0, &[0]),
-        (GgmlType::Q4K, &[0, 2]),
-        (GgmlType::Q5K, &[0, 2]),
-        (GgmlType::Q6K, &[208]),
-    ];
+    let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
     let cols = 1024;
-    for (ty, fields) in scale_fields {
+    for ty in types {
         for trial in 0..4 {
             let mut row: Vec<u8> = (0..ty.row_bytes(cols)).map(|_| rng.random()).collect();
             let block = ty.row_bytes(ty.block_size());
             for b in row.chunks_exact_mut(block) {
-                for &off in fields {
+                for &off in block_f16_fields(ty) {
                     // Zero scales too, and negative ones, now and then.
                     let v = if rng.random_range(0..8) == 0 { 0.0 } else { rng.random_range(-0.05f32..0.05) };
                     b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());

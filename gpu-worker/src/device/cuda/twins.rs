@@ -7,6 +7,7 @@
 
 use duet_common::kernels::ops::{rms_norm, silu_mul_scalar, Rope};
 use duet_common::kernels::quant::{dequantize, GgmlType};
+use duet_common::testutil::block_f16_fields;
 use half::f16;
 use rand::{Rng, SeedableRng};
 
@@ -47,16 +48,6 @@ const TYPES: [GgmlType; 11] = [
     GgmlType::BF16,
 ];
 
-/// Byte offsets of the f16 scale fields in a block of `ty` (everything else is quants).
-fn scale_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
-        GgmlType::Q6K => &[208],
-        _ => &[],
-    }
-}
-
 /// A random `rows` x `cols` weight of type `ty`: random quants, scales in ±0.05.
 fn random_weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut rand::rngs::StdRng) -> Vec<u8> {
     let bytes = ty.row_bytes(cols) * rows;
@@ -68,7 +59,7 @@ fn random_weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut rand::rngs::S
             let mut data: Vec<u8> = (0..bytes).map(|_| rng.random()).collect();
             let block = ty.row_bytes(ty.block_size());
             for b in data.chunks_exact_mut(block) {
-                for &off in scale_fields(ty) {
+                for &off in block_f16_fields(ty) {
                     b[off..off + 2].copy_from_slice(&f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes());
                 }
             }
