@@ -199,9 +199,12 @@ impl<D: Device> Executor<D> {
             timings: &mut timings,
         };
         // The constrained sequences' masks, on another thread while the layers run.
-        let sampling: HashSet<u64> = subs.iter().flat_map(|s| &s.plan).filter(|p| p.sample).map(|p| p.seq_id).collect();
-        let constrained: Vec<(u64, Matcher)> =
-            self.seqs.iter_mut().filter(|(id, _)| sampling.contains(id)).filter_map(|(&id, s)| s.matcher.take().map(|m| (id, m))).collect();
+        let constrained: Vec<(u64, Matcher)> = subs
+            .iter()
+            .flat_map(|s| &s.plan)
+            .filter(|p| p.sample)
+            .filter_map(|p| self.seqs.get_mut(&p.seq_id)?.matcher.take().map(|m| (p.seq_id, m)))
+            .collect();
         let (forward, masked) = std::thread::scope(|scope| {
             let masking = (!constrained.is_empty()).then(|| scope.spawn(move || masks(constrained)));
             let forward = run_layers(&self.device, &mut batches, &mut attention);
