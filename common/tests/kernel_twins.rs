@@ -8,12 +8,15 @@
 //! * `quantize_row` for Q8_0 / Q8_1 / Q8_K: round trip within half a step, `s = d * sum(q)`,
 //!   `bsums` the sums of 16 quants, zero blocks all zero.
 //! * `matmul::matmul` over several batch rows equals `vec_dot` row by row, bit for bit.
+//! * The same for Q4_K and Q6_K matrices repacked into interleaved groups (`interleaved`),
+//!   against the scalar twin on the original rows, and the repacking's inverse.
 //!
 //! Weights are random valid blocks (random bytes with random finite f16 scales), activations
 //! random f32 with a different magnitude per block; the seed is fixed.
 
 use duet_common::kernels::dot::{quantize_row, vec_dot_scalar, vec_dot_type};
-use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
+use duet_common::kernels::interleaved::{self, Interleaved};
+use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
 use duet_common::kernels::quant::{dequantize, BlockQ8K, BlockQ8_1, ByteBlock, GgmlType, QK_K};
 use duet_common::kernels::{self, Isa};
 use duet_common::testutil::block_f16_fields;
@@ -457,6 +460,72 @@ fn matmul_equals_per_row_vec_dot() {
                             got.to_bits(),
                             want.to_bits(),
                             "{ty} {rows}x{cols} batch {batch}: out[{t}][{r}] = {got:e}, vec_dot {want:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Q4_K and Q6_K matrices repacked into interleaved groups of sixteen rows give, bit for
+/// bit, the scalar twin's dot product of every original row with every activation row, for
+/// every batch size the kernels split differently (1–4 rows at a time, then the rest), beside
+/// a matrix of the other type in ggml's layout in one `matmul_many` (as a Q4_K_M layer mixes
+/// them). (Skipped where the kernels cannot run.)
+#[test]
+fn interleaved_equals_scalar_twin() {
+    if !interleaved::available() {
+        eprintln!("skipped: the interleaved kernels need AVX-512");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(0x5eed_0016);
+    for (ty, beside) in [
+        (GgmlType::Q4K, GgmlType::Q6K),
+        (GgmlType::Q6K, GgmlType::Q4K),
+    ] {
+        assert!(
+            Interleaved::new(ty, 15, QK_K, &vec![0; 15 * ty.row_bytes(QK_K)]).is_none(),
+            "rows must fill whole groups"
+        );
+        for (rows, cols) in [(16usize, QK_K), (48, 3 * QK_K), (32, 7 * QK_K)] {
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|_| random_weight_row(&mut rng, ty, cols))
+                .collect();
+            let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
+            let plain = QMatrix::new(ty, rows, cols, &data);
+            let bb = ty.block_bytes();
+            for r in 0..rows {
+                for b in 0..cols / QK_K {
+                    assert_eq!(
+                        packed.block(r, b),
+                        &plain.row(r)[b * bb..(b + 1) * bb],
+                        "{ty} row {r} block {b} round trip"
+                    );
+                }
+            }
+            let w = plain.with_interleaved(&packed);
+            let other: Vec<u8> = (0..7)
+                .flat_map(|_| random_weight_row(&mut rng, beside, cols))
+                .collect();
+            let w2 = QMatrix::new(beside, 7, cols, &other);
+            for batch in [1usize, 2, 3, 4, 5, 7, 8, 17] {
+                let x = random_acts(&mut rng, cols * batch);
+                let acts = QuantizedActs::new(ty, &x, cols);
+                let (mut out, mut out2) = (vec![f32::NAN; rows * batch], vec![f32::NAN; 7 * batch]);
+                matmul_many(&[w, w2], &acts, &mut [&mut out, &mut out2]);
+                for t in 0..batch {
+                    for r in 0..rows {
+                        let want = vec_dot_scalar(ty, cols, plain.row(r), acts.row(t));
+                        let got = out[t * rows + r];
+                        assert_eq!(got.to_bits(), want.to_bits(), "{ty} {rows}x{cols} batch {batch}: out[{t}][{r}] = {got:e}, twin {want:e}");
+                    }
+                    for r in 0..7 {
+                        let want = kernels::vec_dot(beside, cols, w2.row(r), acts.row(t));
+                        assert_eq!(
+                            out2[t * 7 + r].to_bits(),
+                            want.to_bits(),
+                            "{beside} beside it: out[{t}][{r}]"
                         );
                     }
                 }

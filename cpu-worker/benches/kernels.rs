@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use duet_common::kernels::interleaved::{self, Interleaved};
 use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
 use duet_common::kernels::quant::GgmlType;
 use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
@@ -153,7 +154,9 @@ fn attention(batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 
 
 /// GB/s of weights streamed by one matrix-vector product with `cols` columns and as many
 /// rows as make 256 MiB (well past the last-level cache).
-fn matvec(ty: GgmlType, cols: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+/// With `interleave`, a Q4_K or Q6_K matrix is also repacked into interleaved groups (as the CPU
+/// device does at load) and multiplied through them.
+fn matvec(ty: GgmlType, cols: usize, interleave: bool, rng: &mut rand::rngs::StdRng) -> f64 {
     let rows = (256usize << 20) / ty.row_bytes(cols);
     let bytes = ty.row_bytes(cols) * rows;
     let mut data = vec![0u8; bytes];
@@ -162,7 +165,15 @@ fn matvec(ty: GgmlType, cols: usize, rng: &mut rand::rngs::StdRng) -> f64 {
         // Random bytes would hold NaNs and subnormals: small finite values instead.
         data.iter_mut().skip(1).step_by(2).for_each(|b| *b &= 0x3b);
     }
-    let w = QMatrix::new(ty, rows, cols, &data);
+    let rows = rows / 16 * 16;
+    let bytes = ty.row_bytes(cols) * rows;
+    let data = &data[..bytes];
+    let packed = interleave
+        .then(|| Interleaved::new(ty, rows, cols, data).expect("Q4_K or Q6_K, whole groups"));
+    let mut w = QMatrix::new(ty, rows, cols, data);
+    if let Some(p) = &packed {
+        w = w.with_interleaved(p);
+    }
     let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
     let acts = QuantizedActs::new(ty, &x, cols);
     let mut out = vec![0f32; rows];
@@ -172,12 +183,25 @@ fn matvec(ty: GgmlType, cols: usize, rng: &mut rand::rngs::StdRng) -> f64 {
 
 /// Multiply-accumulates per second (G) of one matrix product of `batch` activation rows with
 /// a `cols`-column matrix of 64 MiB (a batched decode step's tiles).
-fn matmul_rows(ty: GgmlType, cols: usize, batch: usize, rng: &mut rand::rngs::StdRng) -> f64 {
-    let rows = (64usize << 20) / ty.row_bytes(cols);
+fn matmul_rows(
+    ty: GgmlType,
+    cols: usize,
+    batch: usize,
+    interleave: bool,
+    rng: &mut rand::rngs::StdRng,
+) -> f64 {
+    let rows = (64usize << 20) / ty.row_bytes(cols) / 16 * 16;
     let mut data = vec![0u8; ty.row_bytes(cols) * rows];
     rng.fill(data.as_mut_slice());
-    let w = QMatrix::new(ty, rows, cols, &data);
-    let x: Vec<f32> = (0..cols * batch).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let packed = interleave
+        .then(|| Interleaved::new(ty, rows, cols, &data).expect("Q4_K or Q6_K, whole groups"));
+    let mut w = QMatrix::new(ty, rows, cols, &data);
+    if let Some(p) = &packed {
+        w = w.with_interleaved(p);
+    }
+    let x: Vec<f32> = (0..cols * batch)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
     let acts = QuantizedActs::new(ty, &x, cols);
     let mut out = vec![0f32; rows * batch];
     let t = best(5, || matmul(&w, &acts, &mut out));
@@ -204,14 +228,32 @@ fn main() {
     let cols = 4096;
     for ty in GgmlType::WEIGHT_TYPES {
         if wanted(&format!("matrix-vector {ty}")) {
-            rows.push((format!("matrix-vector {ty}"), format!("256 MiB, {cols} columns"), matvec(ty, cols, &mut rng)));
+            rows.push((
+                format!("matrix-vector {ty}"),
+                format!("256 MiB, {cols} columns"),
+                matvec(ty, cols, false, &mut rng),
+            ));
+        }
+    }
+    for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+        let what = format!("matrix-vector {ty} interleaved");
+        if wanted(&what) && interleaved::available() {
+            rows.push((
+                what,
+                format!("256 MiB, {cols} columns"),
+                matvec(ty, cols, true, &mut rng),
+            ));
         }
     }
     // The default model's rows are short (576 columns: 18 blocks), which the per-row overhead
     // and the prefetch distance feel more than 4096-column rows do.
     for ty in [GgmlType::Q4_1, GgmlType::Q8_0] {
         if wanted(&format!("matrix-vector {ty}")) {
-            rows.push((format!("matrix-vector {ty}"), "256 MiB, 576 columns (SmolLM2's width)".into(), matvec(ty, 576, &mut rng)));
+            rows.push((
+                format!("matrix-vector {ty}"),
+                "256 MiB, 576 columns (SmolLM2's width)".into(),
+                matvec(ty, 576, false, &mut rng),
+            ));
         }
     }
     let mut macs = Vec::new();
@@ -222,7 +264,22 @@ fn main() {
             let k_quants = if cols % 256 == 0 { vec![GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] } else { vec![] };
             for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0].into_iter().chain(k_quants) {
                 if wanted(&format!("matrix × {batch} rows {ty}")) {
-                    macs.push((format!("matrix × {batch} rows {ty}"), format!("64 MiB, {cols} columns"), matmul_rows(ty, cols, batch, &mut rng)));
+                    macs.push((
+                        format!("matrix × {batch} rows {ty}"),
+                        format!("64 MiB, {cols} columns"),
+                        matmul_rows(ty, cols, batch, false, &mut rng),
+                    ));
+                }
+                let what = format!("matrix × {batch} rows {ty} interleaved");
+                if matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
+                    && wanted(&what)
+                    && interleaved::available()
+                {
+                    macs.push((
+                        what,
+                        format!("64 MiB, {cols} columns"),
+                        matmul_rows(ty, cols, batch, true, &mut rng),
+                    ));
                 }
             }
         }

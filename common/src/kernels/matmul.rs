@@ -7,23 +7,45 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::dot::{quantize_row, vec_dot_type};
+use super::interleaved::{Interleaved, GROUP_ROWS};
 use super::quant::GgmlType;
 use super::{vec_dot, vec_dot_r4, vec_dot_x4};
 
-/// A weight matrix borrowed from the model file: `rows` rows of `cols` elements of type `ty`.
+/// A weight matrix borrowed from the model file: `rows` rows of `cols` elements of type `ty`,
+/// and maybe a copy repacked for faster kernels (the products use it when present).
 #[derive(Debug, Clone, Copy)]
 pub struct QMatrix<'a> {
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
     pub data: &'a [u8],
+    interleaved: Option<&'a Interleaved>,
 }
 
 impl<'a> QMatrix<'a> {
     /// Panics if `data` is not `rows` rows of `cols` elements (checked by the loader).
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Self {
         assert_eq!(data.len(), rows * ty.row_bytes(cols), "QMatrix size");
-        QMatrix { ty, rows, cols, data }
+        QMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+            interleaved: None,
+        }
+    }
+
+    /// The same matrix with its rows also interleaved (`packed`, made from `data`), which
+    /// the products then read instead. Panics if `packed` is not this matrix's shape.
+    pub fn with_interleaved(self, packed: &'a Interleaved) -> Self {
+        assert!(
+            packed.ty() == self.ty && packed.rows() == self.rows && packed.cols() == self.cols,
+            "interleaved copy of another matrix"
+        );
+        QMatrix {
+            interleaved: Some(packed),
+            ..self
+        }
     }
 
     pub fn row(&self, r: usize) -> &'a [u8] {
@@ -83,30 +105,69 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         .iter()
         .enumerate()
         .flat_map(|(i, w)| {
-            let chunk = (w.rows / (threads * 8)).clamp(8, MAX_TASK_ROWS);
+            let mut chunk = (w.rows / (threads * 8)).clamp(8, MAX_TASK_ROWS);
+            if w.interleaved.is_some() {
+                // Whole groups of interleaved rows.
+                chunk = chunk.next_multiple_of(GROUP_ROWS);
+            }
             (0..w.rows.div_ceil(chunk)).map(move |c| (i, c * chunk..((c + 1) * chunk).min(w.rows)))
         })
         .collect();
+    // The interleaved matrices (where their kernels serve this batch) take their own kernels;
+    // the others' path is chosen by their types.
+    let packed: Vec<Option<&Interleaved>> = ws
+        .iter()
+        .map(|w| w.interleaved.filter(|p| p.serves(x.n_rows)))
+        .collect();
+    let rows_layout = || {
+        ws.iter()
+            .zip(&packed)
+            .filter(|(_, p)| p.is_none())
+            .map(|(w, _)| w)
+    };
     #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= 2 && super::isa() == super::Isa::Avx512 && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)) {
-        let nb = x.cols / ws[0].ty.block_size();
+    let avx512 = super::isa() == super::Isa::Avx512 && rows_layout().next().is_some();
+    #[cfg(target_arch = "x86_64")]
+    let paired = (avx512
+        && x.n_rows >= 2
+        && rows_layout().all(|w| matches!(w.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)))
+    .then(|| {
+        let nb = x.cols / rows_layout().next().expect("one").ty.block_size();
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
-        let acts = unsafe { super::matmul_avx512::PairedActs::new(x.ty, &x.data, x.n_rows, nb) };
-        tasks.into_par_iter().for_each(|(i, rows)| paired_rows(&ws[i], x.n_rows, &acts, rows, outs[i]));
-        return;
-    }
+        unsafe { super::matmul_avx512::PairedActs::new(x.ty, &x.data, x.n_rows, nb) }
+    });
     #[cfg(target_arch = "x86_64")]
-    if x.n_rows >= super::matmul_k_avx512::MIN_PARTIAL
-        && super::isa() == super::Isa::Avx512
-        && ws.iter().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K))
-    {
+    let k_tiles = (avx512
+        && x.n_rows >= super::matmul_k_avx512::MIN_PARTIAL
+        && rows_layout().all(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)))
+    .then(|| {
         let nb = x.cols / GgmlType::Q8K.block_size();
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
-        let acts = unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) };
-        tasks.into_par_iter().for_each(|(i, rows)| k_tile_rows(&ws[i], x, &acts, rows, outs[i]));
-        return;
-    }
-    tasks.into_par_iter().for_each(|(i, rows)| plain_rows(&ws[i], x, 0, rows, outs[i]));
+        unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) }
+    });
+    tasks.into_par_iter().for_each(|(i, rows)| {
+        let (w, out) = (&ws[i], outs[i]);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(packed) = packed[i] {
+                let acts: Vec<&[u8]> = (0..x.n_rows).map(|t| x.row(t)).collect();
+                let groups = rows.start / GROUP_ROWS..rows.end / GROUP_ROWS;
+                // SAFETY: `out` is this weight's output of `x.n_rows` rows of `w.rows` floats
+                // (asserted above); each task writes only its own groups' rows.
+                unsafe {
+                    super::interleaved::matmul_groups(packed, groups, &acts, out.get(), w.rows)
+                };
+                return;
+            }
+            if let Some(acts) = &paired {
+                return paired_rows(w, x.n_rows, acts, rows, out);
+            }
+            if let Some(acts) = &k_tiles {
+                return k_tile_rows(w, x, acts, rows, out);
+            }
+        }
+        plain_rows(w, x, 0, rows, out)
+    });
 }
 
 /// Rows `rows` of `w` against the activation rows from `t0` on, into `out` (`[t][w.rows]`).

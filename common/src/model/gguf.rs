@@ -266,6 +266,30 @@ impl GgufFile {
         Ok(TensorView { info, data })
     }
 
+    /// Drops this process's mapping of a tensor's pages (`madvise(MADV_DONTNEED)`), for a
+    /// tensor whose bytes were copied elsewhere: its resident memory is then counted once.
+    /// The bytes stay readable (a later read faults them in again from the page cache).
+    /// Does nothing for an image held in memory; errors are the kernel's.
+    pub fn release_tensor_pages(&self, name: &str) -> std::io::Result<()> {
+        let Storage::Mapped(map) = &self.storage else {
+            return Ok(());
+        };
+        let Some(info) = self.tensor_info(name) else {
+            return Ok(());
+        };
+        let start = (self.data_start + info.offset) as usize;
+        // SAFETY: the map is read-only and private to this process, so dropping its pages
+        // loses nothing: a later access maps the file's (unchanged) pages again. Pages that a
+        // neighbouring tensor shares are faulted back in the same way.
+        unsafe {
+            map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                start,
+                info.size_bytes as usize,
+            )
+        }
+    }
+
     /// Byte offset of the tensor data section within the file.
     pub fn data_start(&self) -> u64 {
         self.data_start

@@ -1,13 +1,17 @@
-//! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file,
-//! with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from rayon;
-//! attention on the host kernels (`host_attention`).
+//! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file
+//! (Q4_K and Q6_K matrices repacked at load into interleaved rows where the CPU has the kernels for
+//! them), with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from
+//! rayon; attention on the host kernels (`host_attention`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use duet_common::kernels::dot::vec_dot_type;
+use duet_common::kernels::interleaved::{self, Interleaved};
 use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
 use duet_common::kernels::ops::{rms_norm, silu_mul, Rope};
-use duet_common::kernels::quant::dequantize;
+use duet_common::kernels::quant::{dequantize, GgmlType};
 use duet_common::model::config::LlamaConfig;
 use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb;
@@ -17,10 +21,12 @@ use super::model::{check_batch, ModelTensors, Weight};
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::Result;
 
-/// The CPU device: the model's weights, borrowed from the memory-mapped file.
+/// The CPU device: the model's weights, borrowed from the memory-mapped file, and the
+/// repacked copies the products read instead (by tensor name).
 pub struct CpuDevice {
     file: Arc<GgufFile>,
     m: ModelTensors,
+    interleaved: HashMap<String, Interleaved>,
 }
 
 impl std::fmt::Debug for CpuDevice {
@@ -34,12 +40,21 @@ impl CpuDevice {
     pub fn load(file: Arc<GgufFile>) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
         super::warm::warm_weights(&file);
-        Ok(CpuDevice { file, m })
+        let interleaved = repack(&file, &m);
+        Ok(CpuDevice {
+            file,
+            m,
+            interleaved,
+        })
     }
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
         let view = self.file.tensor(&w.name).expect("tensor checked at load");
-        QMatrix::new(w.ty, w.rows, w.cols, view.data)
+        let mat = QMatrix::new(w.ty, w.rows, w.cols, view.data);
+        match self.interleaved.get(&w.name) {
+            Some(packed) => mat.with_interleaved(packed),
+            None => mat,
+        }
     }
 
     /// `x` (rows of `w.cols`) times `w`: rows of `w.rows`.
@@ -158,6 +173,45 @@ impl Device for CpuDevice {
         norm_rows(&picked, &self.m.output_norm, self.m.config.rms_eps, &mut normed);
         Ok(self.linear(&self.m.output, &normed))
     }
+}
+
+/// Repacks every Q4_K and Q6_K matrix whose rows fill whole groups into interleaved rows (llama.cpp's
+/// CPU "repack" buffers do the same), when this CPU has the kernels and `DUET_REPACK` is not
+/// `0`; the file's pages of a repacked Q4_K matrix are then released, except the embedding's
+/// (whose rows each step reads one by one). A Q6_K matrix keeps its rows too: batches of one
+/// read them (`Interleaved::serves`).
+fn repack(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interleaved> {
+    let mut out = HashMap::new();
+    if std::env::var("DUET_REPACK").is_ok_and(|v| v == "0") || !interleaved::available() {
+        tracing::info!("weights not repacked (DUET_REPACK=0, or no AVX-512)");
+        return out;
+    }
+    let started = Instant::now();
+    let mut bytes = 0usize;
+    for w in m
+        .weights()
+        .filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K))
+    {
+        let data = file.tensor(&w.name).expect("tensor checked at load").data;
+        if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {
+            bytes += data.len();
+            out.insert(w.name.clone(), packed);
+            if w.ty == GgmlType::Q4K && w.name != m.token_embd.name {
+                if let Err(e) = file.release_tensor_pages(&w.name) {
+                    tracing::debug!(tensor = %w.name, error = %e, "could not release the file's pages");
+                }
+            }
+        }
+    }
+    if !out.is_empty() {
+        tracing::info!(
+            matrices = out.len(),
+            mib = bytes >> 20,
+            secs = started.elapsed().as_secs_f32(),
+            "Q4_K and Q6_K weights repacked into interleaved rows"
+        );
+    }
+    out
 }
 
 fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
