@@ -115,7 +115,26 @@ fn quantize_block_q8_body(x: &[f32]) -> (f32, [i8; 32], i32) {
     (d, qs, sum)
 }
 
+/// One block of 256 to Q8_K, compiled for AVX2 where the CPU has it (the same code: rounding
+/// becomes one `vroundps` instead of a call to libm's `rintf` per value, which was 3 % of a
+/// 1B-shape model's decode step).
 fn quantize_block_q8_k(x: &[f32], b: &mut BlockQ8K) {
+    #[cfg(target_arch = "x86_64")]
+    if super::isa() >= super::Isa::Avx2 {
+        // SAFETY: AVX2 (which implies SSE4.1's round instruction) was detected.
+        return unsafe { quantize_block_q8_k_avx2(x, b) };
+    }
+    quantize_block_q8_k_body(x, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_q8_k_avx2(x: &[f32], b: &mut BlockQ8K) {
+    quantize_block_q8_k_body(x, b)
+}
+
+#[inline(always)]
+fn quantize_block_q8_k_body(x: &[f32], b: &mut BlockQ8K) {
     let (mut amax, mut max) = (0f32, 0f32);
     for &v in x {
         if v.abs() > amax {
