@@ -8,7 +8,8 @@ runs on the GPU machine too, which has no gguf-py and no network).
     python3 scripts/gen_random_model.py --shape llama-3.2-1b --type q4_k_m -o models/llama-1b-q4_k_m.gguf
 
 Shapes: llama-3.2-1b (16 layers, width 2048, FFN 8192, 32/8 heads, vocabulary 128256, tied
-embedding) and llama-3.1-8b (32 layers, 4096, 14336, 32/8 heads, 128256, untied), both with
+embedding) and llama-3.1-8b (32 layers, 4096, 14336, 32/8 heads, 128256, untied), and tiny
+(3 layers, 256, 256, 4/2 heads, 528; for tests: `testdata/tiny/random_q4_k_m.gguf`), all with
 Llama 3's RoPE scaling (a `rope_freqs` tensor, as llama.cpp's converter writes it). Types:
 
 * q4_k_m: llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head (the embedding when tied)
@@ -37,6 +38,9 @@ import numpy as np
 SHAPES = {
     "llama-3.2-1b": dict(n_layer=16, d=2048, ff=8192, heads=32, kv_heads=8, vocab=128256, tied=True, rope_factor=32.0, ctx=131072),
     "llama-3.1-8b": dict(n_layer=32, d=4096, ff=14336, heads=32, kv_heads=8, vocab=128256, tied=False, rope_factor=8.0, ctx=131072),
+    # For tests: every matrix whole groups of 16 rows and blocks of 256 (the CPU device's
+    # interleaved kernels), and with q4_k_m a Q6_K layer (the third: llama.cpp's use_more_bits).
+    "tiny": dict(n_layer=3, d=256, ff=256, heads=4, kv_heads=2, vocab=528, tied=False, rope_factor=8.0, ctx=4096),
 }
 
 # ggml type id, bytes per block, elements per block, f16 scale fields (byte offset, value).

@@ -36,16 +36,30 @@ impl std::fmt::Debug for CpuDevice {
 }
 
 impl CpuDevice {
-    /// Checks every tensor the forward pass needs and faults the mapped weights in.
+    /// Checks every tensor the forward pass needs and faults the mapped weights in; repacks
+    /// the matrices the interleaved kernels take unless `DUET_REPACK=0`.
     pub fn load(file: Arc<GgufFile>) -> Result<Self> {
+        let repack = !std::env::var("DUET_REPACK").is_ok_and(|v| v == "0");
+        Self::load_with_repack(file, repack)
+    }
+
+    /// [`Self::load`] with the repacking chosen by the caller (`false`: every matrix in the
+    /// file's own layout).
+    pub fn load_with_repack(file: Arc<GgufFile>, repack: bool) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
         super::warm::warm_weights(&file);
-        let interleaved = repack(&file, &m);
-        Ok(CpuDevice {
-            file,
-            m,
-            interleaved,
-        })
+        let interleaved = if repack {
+            repack_matrices(&file, &m)
+        } else {
+            tracing::info!("weights not repacked (DUET_REPACK=0)");
+            HashMap::new()
+        };
+        Ok(CpuDevice { file, m, interleaved })
+    }
+
+    /// How many weight matrices were repacked into interleaved rows.
+    pub fn repacked_matrices(&self) -> usize {
+        self.interleaved.len()
     }
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
@@ -175,23 +189,22 @@ impl Device for CpuDevice {
     }
 }
 
-/// Repacks every Q4_K and Q6_K matrix whose rows fill whole groups into interleaved rows (llama.cpp's
-/// CPU "repack" buffers do the same), when this CPU has the kernels and `DUET_REPACK` is not
-/// `0`; the file's pages of a repacked Q4_K matrix are then released, except the embedding's
-/// (whose rows each step reads one by one). A Q6_K matrix keeps its rows too: batches of one
-/// read them (`Interleaved::serves`).
-fn repack(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interleaved> {
+/// Repacks every Q4_K and Q6_K matrix the products read (the layers' and the LM head, not an
+/// untied embedding, whose rows are only looked up) whose rows fill whole groups into
+/// interleaved rows (llama.cpp's CPU "repack" buffers do the same), when this CPU has the
+/// kernels; the file's pages of a repacked Q4_K matrix are then released, except a tied
+/// embedding's (whose rows each step reads one by one). A Q6_K matrix keeps its rows too:
+/// batches of one read them (`Interleaved::serves`).
+fn repack_matrices(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interleaved> {
     let mut out = HashMap::new();
-    if std::env::var("DUET_REPACK").is_ok_and(|v| v == "0") || !interleaved::available() {
-        tracing::info!("weights not repacked (DUET_REPACK=0, or no AVX-512)");
+    if !interleaved::available() {
+        tracing::info!("weights not repacked: the interleaved kernels need AVX-512");
         return out;
     }
     let started = Instant::now();
     let mut bytes = 0usize;
-    for w in m
-        .weights()
-        .filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K))
-    {
+    let products = m.weights().filter(|w| w.name != m.token_embd.name || w.name == m.output.name);
+    for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
         let data = file.tensor(&w.name).expect("tensor checked at load").data;
         if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {
             bytes += data.len();
