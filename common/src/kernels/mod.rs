@@ -4,18 +4,18 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub mod attention_avx512;
-#[cfg(target_arch = "x86_64")]
-pub mod blockdot_avx512;
 pub mod decode_batch;
 pub mod dot;
 pub mod ggml_exact;
-pub mod interleaved;
+#[cfg(target_arch = "x86_64")]
+pub mod blockdot_avx512;
 pub mod matmul;
 #[cfg(target_arch = "x86_64")]
 pub mod matmul_avx512;
 pub mod matmul_k_avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod matvec_avx512;
+pub mod interleaved;
 pub mod ops;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
@@ -46,13 +46,7 @@ pub fn isa() -> Isa {
         let detected = detect_isa();
         let cap = isa_cap();
         let isa = detected.min(cap.unwrap_or(Isa::Avx512));
-        tracing::info!(
-            ?isa,
-            ?detected,
-            capped = cap.is_some(),
-            vnni = has_vnni(),
-            "CPU kernels selected"
-        );
+        tracing::info!(?isa, ?detected, capped = cap.is_some(), vnni = has_vnni(), "CPU kernels selected");
         isa
     })
 }
@@ -63,19 +57,12 @@ pub fn isa_cap() -> Option<Isa> {
     if std::env::var_os("DUET_FORCE_SCALAR").is_some_and(|v| v != "0") {
         return Some(Isa::Scalar);
     }
-    match std::env::var("DUET_ISA")
-        .ok()?
-        .to_ascii_lowercase()
-        .as_str()
-    {
+    match std::env::var("DUET_ISA").ok()?.to_ascii_lowercase().as_str() {
         "scalar" => Some(Isa::Scalar),
         "avx2" => Some(Isa::Avx2),
         "avx512" => Some(Isa::Avx512),
         other => {
-            tracing::warn!(
-                value = other,
-                "DUET_ISA must be scalar, avx2 or avx512; ignored"
-            );
+            tracing::warn!(value = other, "DUET_ISA must be scalar, avx2 or avx512; ignored");
             None
         }
     }
@@ -96,9 +83,7 @@ pub fn has_vnni() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn detect_isa() -> Isa {
-    let avx2 = is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c");
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
     let avx512 = is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
