@@ -2,7 +2,8 @@
 //! tokenisation, bad input getting the right status while another stream carries on, a
 //! client that disconnects (its KV blocks come back), stop strings, sessions (a second turn
 //! prefills only the new tokens and generates what a fresh request would), a cpu-worker
-//! killed mid-generation (UNAVAILABLE, restarted, new requests succeed), and a clean stop.
+//! killed mid-generation (UNAVAILABLE, restarted, new requests succeed, a session whose KV
+//! was on it says it was lost), and a clean stop.
 
 use std::time::{Duration, Instant};
 
@@ -190,6 +191,8 @@ async fn the_service_behaves_as_a_client_expects() {
 
     // A cpu-worker killed mid-generation: the request fails with UNAVAILABLE, the
     // supervisor restarts the worker, new requests succeed.
+    let idle = generate(&mut gw.client(), pb::GenerateRequest { create_session: true, ..text_req("Hi", 4) }).await.unwrap();
+    let idle_session = idle.prompt.session_id.clone();
     let pids = pids_with(&["duet-cpu-worker", &gw.instance]);
     assert_eq!(pids.len(), 1, "one cpu-worker of this instance: {pids:?}");
     let mut stream = gw.client().generate(text_req(counting, 400)).await.unwrap().into_inner();
@@ -210,6 +213,9 @@ async fn the_service_behaves_as_a_client_expects() {
     println!("killed cpu-worker: {:?}: {}", err.code(), err.message());
     let i = wait_info(&gw, "cpu-worker restarted", Duration::from_secs(60), |i| i.cpu_workers[0].ready && i.cpu_workers[0].restarts >= 1).await;
     assert_eq!(i.kv_free_tokens, i.kv_capacity_tokens);
+    // The idle session's KV was on the dead worker: continuing it says so, not NOT_FOUND.
+    let lost = expect_code(&gw, "a session lost with its cpu-worker", pb::GenerateRequest { session_id: Some(idle_session), ..text_req(" again", 4) }, Code::FailedPrecondition).await;
+    assert!(lost.message().contains("was lost") && lost.message().contains("cpu-worker 0"), "{}", lost.message());
     let g = generate(&mut gw.client(), text_req(counting, 12)).await.expect("a request after the restart");
     assert!(g.text.starts_with(" 8, 9, 10,"), "{:?}", g.text);
     assert_ne!(pids_with(&["duet-cpu-worker", &gw.instance]), pids);

@@ -20,6 +20,9 @@ pub enum GatewayError {
     ResourceExhausted(String),
     #[error("session {0:?} does not exist (it was closed, expired, or never created)")]
     UnknownSession(String),
+    /// The session existed but its KV was lost with a worker: start a new one.
+    #[error("session {session:?} was lost: {reason}; start a new session (resend the conversation)")]
+    SessionLost { session: String, reason: String },
     #[error("session {0:?} is busy with another request")]
     SessionBusy(String),
     /// A worker failed or is restarting.
@@ -41,7 +44,7 @@ impl From<GatewayError> for Status {
             }
             GatewayError::ResourceExhausted(_) => Status::resource_exhausted(msg),
             GatewayError::UnknownSession(_) => Status::not_found(msg),
-            GatewayError::SessionBusy(_) => Status::failed_precondition(msg),
+            GatewayError::SessionBusy(_) | GatewayError::SessionLost { .. } => Status::failed_precondition(msg),
             GatewayError::Unavailable(_) | GatewayError::ShuttingDown => Status::unavailable(msg),
             GatewayError::Internal(_) => Status::internal(msg),
         }

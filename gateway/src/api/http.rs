@@ -57,6 +57,7 @@ impl From<GatewayError> for ApiError {
             GatewayError::ResourceExhausted(_) => (StatusCode::TOO_MANY_REQUESTS, "insufficient_resources", None),
             GatewayError::UnknownSession(_) => (StatusCode::NOT_FOUND, "invalid_request_error", Some("session_not_found")),
             GatewayError::SessionBusy(_) => (StatusCode::CONFLICT, "invalid_request_error", Some("session_busy")),
+            GatewayError::SessionLost { .. } => (StatusCode::GONE, "invalid_request_error", Some("session_lost")),
             GatewayError::Unavailable(_) | GatewayError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
             GatewayError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };

@@ -26,6 +26,7 @@ use crate::balancer::{Overlap, Policy};
 use crate::sequence::{common_prefix, Events, Seq, Session};
 use crate::stop::TextStream;
 
+mod lost;
 mod step;
 
 /// What the scheduler task is asked to do.
@@ -86,6 +87,7 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
         waiting: VecDeque::new(),
         running: Vec::new(),
         sessions: HashMap::new(),
+        lost_sessions: lost::LostSessions::default(),
         released: Vec::new(),
         in_flight: VecDeque::new(),
         next_seq: 1,
@@ -123,6 +125,8 @@ struct Scheduler {
     waiting: VecDeque<Waiting>,
     running: Vec<Seq>,
     sessions: HashMap<String, Session>,
+    /// Sessions dropped with a failed worker, so that continuing one says so.
+    lost_sessions: lost::LostSessions,
     /// Sequence ids the gpu-worker may forget (sent with the next step).
     released: Vec<u64>,
     /// Steps sent whose results are not applied yet, oldest first (at most two: the one
@@ -222,7 +226,7 @@ impl Scheduler {
             }
             Command::CloseSession { session_id, reply } => {
                 let result = match self.sessions.get(&session_id) {
-                    None => Err(GatewayError::UnknownSession(session_id)),
+                    None => Err(self.lost_sessions.missing(&session_id)),
                     Some(s) if s.table.is_none() => Err(GatewayError::SessionBusy(session_id)),
                     Some(_) => {
                         let s = self.sessions.remove(&session_id).expect("present");
@@ -261,7 +265,10 @@ impl Scheduler {
                     metrics::request_failed(false);
                     let _ = seq.events.send(Err(err.clone()));
                 }
-                self.sessions.clear();
+                let why = format!("the gpu-worker failed ({reason})");
+                for (id, _) in self.sessions.drain() {
+                    self.lost_sessions.record(id, &why);
+                }
                 self.released.clear();
             }
             Command::GpuUp => self.gpu_up = true,
@@ -281,6 +288,7 @@ impl Scheduler {
             *up = false;
         }
         let on_worker = |t: &duet_common::kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
+        let why = format!("its KV was on cpu-worker {worker}, which failed ({reason})");
         let err = GatewayError::Unavailable(format!("cpu-worker {worker} failed ({reason}); the request's KV on it is lost"));
         let (lost, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running).into_iter().partition(|s| on_worker(&s.table));
         self.running = kept;
@@ -290,6 +298,7 @@ impl Scheduler {
             let _ = seq.events.send(Err(err.clone()));
             if let Some((id, _)) = &seq.session {
                 self.sessions.remove(id);
+                self.lost_sessions.record(id.clone(), &why);
             }
             self.released.push(seq.id);
         }
@@ -298,6 +307,7 @@ impl Scheduler {
         for id in dead {
             let s = self.sessions.remove(&id).expect("listed");
             self.released.push(s.seq_id);
+            self.lost_sessions.record(id, &why);
         }
     }
 
@@ -518,7 +528,7 @@ impl Scheduler {
             };
             return Ok((self.text.prompt_ids(&p.prompt)?, None, messages));
         };
-        let s = self.sessions.get(id).ok_or_else(|| GatewayError::UnknownSession(id.clone()))?;
+        let s = self.sessions.get(id).ok_or_else(|| self.lost_sessions.missing(id))?;
         if s.table.is_none() {
             return Err(GatewayError::SessionBusy(id.clone()));
         }
