@@ -20,8 +20,9 @@ pub enum Prompt {
     Text(String),
     /// Token ids as given.
     Tokens(Vec<u32>),
-    /// Chat messages, rendered with the model's chat template and a generation prompt.
-    Chat(Vec<ChatMessage>),
+    /// Chat messages, rendered with the model's chat template and a generation prompt, with
+    /// the functions the model may call when its template takes them (`tools`).
+    Chat { messages: Vec<ChatMessage>, tools: Option<Vec<serde_json::Value>> },
 }
 
 /// What a request does with sessions.
@@ -105,7 +106,7 @@ impl GenerateParams {
         let empty = match &self.prompt {
             Prompt::Text(t) => t.is_empty(),
             Prompt::Tokens(t) => t.is_empty(),
-            Prompt::Chat(m) => m.is_empty(),
+            Prompt::Chat { messages, .. } => messages.is_empty(),
         };
         if empty {
             return Err(GatewayError::InvalidArgument("the prompt is empty".into()));
@@ -207,12 +208,12 @@ impl TextModel {
                 self.tokenizer.check_ids(ids)?;
                 Ok(ids.clone())
             }
-            Prompt::Chat(messages) => {
+            Prompt::Chat { messages, tools } => {
                 let template = self
                     .chat_template
                     .as_ref()
                     .ok_or_else(|| GatewayError::InvalidArgument("the model has no chat template: send text or tokens".into()))?;
-                let text = template.render(messages, true)?;
+                let text = template.render_with_tools(messages, tools.as_deref(), true)?;
                 Ok(self.tokenizer.encode_prompt(&text, true)?)
             }
         }

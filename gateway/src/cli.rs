@@ -141,6 +141,10 @@ pub struct ServeArgs {
     /// GGUF model file (the gateway reads its tokenizer and chat template; local workers load it).
     #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
     pub model: PathBuf,
+    /// A Jinja chat template file used instead of the model's own (e.g. a model's tool-use
+    /// template, or one for a GGUF that has none).
+    #[arg(long, env = "DUET_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Public gRPC address.
     #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: Address,

@@ -22,14 +22,20 @@ use crate::supervisor::{self, LocalWorkers};
 const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The tokenizer (a `tokenizer.json` beside the model wins over the GGUF's own) and the
-/// chat template.
-pub fn load_text_model(path: &std::path::Path) -> anyhow::Result<TextModel> {
+/// chat template (the file `chat_template` if given, else the GGUF's own).
+pub fn load_text_model(path: &std::path::Path, chat_template: Option<&std::path::Path>) -> anyhow::Result<TextModel> {
     let file = GgufFile::open(path).map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
     let tokenizer = match path.parent().map(|d| d.join("tokenizer.json")).filter(|p| p.exists()) {
         Some(json) => Tokenizer::from_file(&json)?,
         None => Tokenizer::from_gguf(&file)?,
     };
-    let chat_template = ChatTemplate::from_gguf(&file).inspect_err(|e| tracing::warn!("no usable chat template: {e}")).ok();
+    let chat_template = match chat_template {
+        Some(t) => {
+            let source = std::fs::read_to_string(t).map_err(|e| anyhow::anyhow!("reading the chat template {}: {e}", t.display()))?;
+            Some(ChatTemplate::with_gguf_tokens(&source, &file).map_err(|e| anyhow::anyhow!("the chat template {}: {e}", t.display()))?)
+        }
+        None => ChatTemplate::from_gguf(&file).inspect_err(|e| tracing::warn!("no usable chat template: {e}")).ok(),
+    };
     let grammars = Grammars::new(&tokenizer).inspect_err(|e| tracing::warn!("no structured output: {e}")).ok();
     Ok(TextModel { tokenizer, chat_template, grammars })
 }
@@ -41,7 +47,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (None, None) => None,
     };
     let metrics = crate::metrics::install();
-    let text = Arc::new(load_text_model(&args.model)?);
+    let text = Arc::new(load_text_model(&args.model, args.chat_template.as_deref())?);
     let (stop_tx, stop_rx) = watch::channel(false);
     let local = args.gpu_worker.is_none();
     let instance = args.instance.clone().unwrap_or_else(|| format!("duet-{}", std::process::id()));

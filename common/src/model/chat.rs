@@ -1,29 +1,41 @@
-//! Chat templates: the model's own `tokenizer.chat_template` (Jinja) rendered with minijinja,
-//! with Python-compatible string and dict methods as Hugging Face templates expect.
+//! Chat templates: the model's own `tokenizer.chat_template` (Jinja) rendered with minijinja
+//! as Hugging Face's `apply_chat_template` renders them: trim_blocks and lstrip_blocks,
+//! Python-compatible string and dict methods, Python's `json.dumps` for `tojson`,
+//! `raise_exception` and `strftime_now`; tools and tool calls passed as Hugging Face passes them.
 
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
 
 use super::gguf::{GgufFile, Value};
 use super::names::GeneralKey;
 use crate::error::{Error, Result};
 
-/// One message of a conversation.
+/// One message of a conversation. Absent fields are absent in the template too
+/// (`'tool_calls' in message` is false), as in Hugging Face's.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls: `[{"id", "type": "function", "function": {"name",
+    /// "arguments": <object>}}]` (arguments as JSON, not text, as templates expect).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Json>>,
+    /// A tool result's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None, tool_call_id: None }
     }
 }
 
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -40,14 +52,19 @@ impl ChatTemplate {
     /// Compiles `source`; `bos_token` / `eos_token` are the strings templates may reference.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
         let mut env = Environment::new();
+        // Hugging Face's environment: ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).
+        let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build();
+        env.set_syntax(syntax.map_err(|e| Error::Template(e.to_string()))?);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
         });
+        env.add_function("strftime_now", |format: String| strftime_now(&format));
+        env.add_filter("tojson", python_tojson);
         // Templates are text, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| Error::Template(e.to_string()))?;
-        Ok(ChatTemplate { env, bos_token: bos_token.into(), eos_token: eos_token.into() })
+        Ok(ChatTemplate { env, source: source.to_string(), bos_token: bos_token.into(), eos_token: eos_token.into() })
     }
 
     /// The template stored in a GGUF file, with its BOS/EOS token strings.
@@ -56,6 +73,11 @@ impl ChatTemplate {
             .get(GeneralKey::ChatTemplate.key())
             .and_then(Value::as_str)
             .ok_or_else(|| Error::Template(format!("the model has no {}", GeneralKey::ChatTemplate.key())))?;
+        Self::with_gguf_tokens(source, g)
+    }
+
+    /// Compiles `source` with the BOS/EOS token strings of the model in `g`.
+    pub fn with_gguf_tokens(source: &str, g: &GgufFile) -> Result<Self> {
         let tokens = g.get(GeneralKey::TokenizerTokens.key()).and_then(Value::as_array);
         let token_text = |key: GeneralKey| {
             let id = g.get(key.key()).and_then(Value::as_u64)?;
@@ -68,18 +90,107 @@ impl ChatTemplate {
         )
     }
 
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// Renders a conversation; `add_generation_prompt` opens the assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Renders a conversation with the functions the model may call (`tools`: OpenAI's list,
+    /// `[{"type": "function", "function": {...}}]`; `none` in the template when `None`, as
+    /// Hugging Face passes it).
+    pub fn render_with_tools(&self, messages: &[ChatMessage], tools: Option<&[Json]>, add_generation_prompt: bool) -> Result<String> {
         if messages.is_empty() {
             return Err(Error::Template("a chat needs at least one message".into()));
         }
         let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| Error::Template(e.to_string()))?;
         tmpl.render(context! {
             messages => minijinja::value::Serde(messages),
+            tools => minijinja::value::Serde(tools),
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
         })
         .map_err(|e| Error::Template(e.to_string()))
+    }
+}
+
+/// The `tojson` filter of Hugging Face's environment: Python's `json.dumps(x,
+/// ensure_ascii=False, indent=indent)` — `", "` and `": "` between items without an indent,
+/// keys in their order, no HTML escaping (minijinja's own filter escapes `<`, `>`, `&`, `'`).
+fn python_tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<String, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_python_json(&json, indent, 0, &mut out);
+    Ok(out)
+}
+
+fn write_python_json(v: &Json, indent: Option<usize>, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Json::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                write_python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Json::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Json::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        // Scalars, [] and {} print alike in both (strings escaped as Python escapes them
+        // with ensure_ascii=False: quotes, backslashes and control characters).
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// `strftime_now(format)`: the local time now, formatted by the C library's `strftime`, as
+/// Python's `datetime.now().strftime` does.
+fn strftime_now(format: &str) -> std::result::Result<String, minijinja::Error> {
+    let bad = |what: &str| minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now({format:?}): {what}"));
+    let c_format = std::ffi::CString::new(format).map_err(|_| bad("the format holds a NUL"))?;
+    // SAFETY: time(NULL) and localtime_r write only into `tm`, which outlives the calls;
+    // strftime writes at most buf.len() bytes into buf and returns how many it wrote.
+    unsafe {
+        let now = libc::time(std::ptr::null_mut());
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&now, &mut tm).is_null() {
+            return Err(bad("no local time"));
+        }
+        let mut buf = vec![0u8; 256 + 8 * format.len()];
+        let n = libc::strftime(buf.as_mut_ptr().cast(), buf.len(), c_format.as_ptr(), &tm);
+        if n == 0 && !format.is_empty() {
+            return Err(bad("the formatted time is too long or empty"));
+        }
+        buf.truncate(n);
+        String::from_utf8(buf).map_err(|_| bad("the formatted time is not UTF-8"))
     }
 }

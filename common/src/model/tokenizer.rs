@@ -210,6 +210,11 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// The id of the token whose text is exactly `text` (e.g. a control token's name).
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.with_special.token_to_id(text)
+    }
+
     /// Whether token `id` is special (a control token).
     pub fn is_special(&self, id: u32) -> bool {
         self.special.get(id as usize).copied().unwrap_or(false)

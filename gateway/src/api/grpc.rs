@@ -37,7 +37,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
                     return Err(GatewayError::InvalidArgument(format!("chat role {:?}: expected system, user or assistant", m.role)));
                 }
             }
-            Prompt::Chat(c.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect())
+            Prompt::Chat { messages: c.messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect(), tools: None }
         }
         None => return Err(GatewayError::InvalidArgument("the prompt is empty: set text, tokens or chat".into())),
     };

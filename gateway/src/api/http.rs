@@ -24,7 +24,7 @@ use futures_util::{Stream, StreamExt};
 
 use super::auth::ApiKey;
 use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, UsageOut};
-use super::tools::{read_reply, Reply};
+use super::tools::{Reply, Tools};
 use crate::backend::{Backend, Event, GenerateParams};
 use crate::error::GatewayError;
 
@@ -277,12 +277,13 @@ impl Logprobs {
 
 /// How a response is shaped: the endpoint, its logprobs, whether a stream ends with usage,
 /// whether the reply is read as tool calls.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Shape {
     endpoint: Endpoint,
     style: LogprobStyle,
     include_usage: bool,
-    tools: bool,
+    /// The tools the reply may call: it is read back as calls or text.
+    tools: Option<Tools>,
 }
 
 /// What one endpoint's responses look like.
@@ -324,42 +325,37 @@ async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<Completio
     check_model(&s, req.common.model.as_deref())?;
     let params = req.params()?;
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
-    respond(s, Endpoint::Completion, params, style, req.common.stream, req.common.include_usage(), false).await
+    let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None };
+    respond(s, shape, params, req.common.stream).await
 }
 
 async fn chat_completions(State(s): State<Arc<AppState>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&s, req.common.model.as_deref())?;
-    let params = req.params()?;
-    let tools = req.tools()?.is_some();
+    let params = req.params(&s.backend.text)?;
+    let tools = req.tools(&s.backend.text)?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
-    respond(s, Endpoint::Chat, params, style, req.common.stream, req.common.include_usage(), tools).await
+    let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools };
+    respond(s, shape, params, req.common.stream).await
 }
 
-async fn respond(
-    s: Arc<AppState>,
-    endpoint: Endpoint,
-    params: GenerateParams,
-    style: LogprobStyle,
-    stream: bool,
-    include_usage: bool,
-    tools: bool,
-) -> Result<Response, ApiError> {
+async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, stream: bool) -> Result<Response, ApiError> {
     let (prompt_tokens, rx) = start(&s, params).await?;
-    let id = new_id(match endpoint {
+    let id = new_id(match shape.endpoint {
         Endpoint::Completion => "cmpl",
         Endpoint::Chat => "chatcmpl",
     });
     if stream {
-        let events = sse_events(s, Shape { endpoint, style, include_usage, tools }, id, prompt_tokens, rx);
+        let events = sse_events(s, shape, id, prompt_tokens, rx);
         return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
     }
-    whole(&s, endpoint, style, id, prompt_tokens, tools, rx).await
+    whole(&s, shape, id, prompt_tokens, rx).await
 }
 
-/// Waits for the whole generation and answers it in one body; with `tools`, the reply is
+/// Waits for the whole generation and answers it in one body; with tools, the reply is
 /// read as tool calls or text (see `tools`).
-async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String, prompt_tokens: u32, tools: bool, mut rx: Events) -> Result<Response, ApiError> {
+async fn whole(s: &AppState, shape: Shape, id: String, prompt_tokens: u32, mut rx: Events) -> Result<Response, ApiError> {
+    let Shape { endpoint, style, tools, .. } = shape;
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
     loop {
         match rx.recv().await {
@@ -371,10 +367,10 @@ async fn whole(s: &AppState, endpoint: Endpoint, style: LogprobStyle, id: String
             Some(Ok(Event::Finished { reason, text: rest, usage })) => {
                 text.push_str(&rest);
                 let lp = logprobs.to_json(style, 0);
-                let choice = match tools.then(|| read_reply(&text)) {
-                    Some(Reply::Calls(calls)) => json!({
+                let choice = match tools.map(|t| t.read_reply(&text)) {
+                    Some(Reply::Calls { content, calls }) => json!({
                         "index": 0,
-                        "message": { "role": "assistant", "content": null, "tool_calls": calls },
+                        "message": { "role": "assistant", "content": content, "tool_calls": calls },
                         "logprobs": lp,
                         "finish_reason": "tool_calls",
                     }),
@@ -416,6 +412,7 @@ fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: u32, rx
     let mut text_offset = 0usize;
     let mut first = matches!(endpoint, Endpoint::Chat);
     let mut held = String::new();
+    let holding = tools.is_some();
     UnboundedReceiverStream::new(rx).flat_map(move |ev| {
         let mut out: Vec<SseEvent> = Vec::new();
         if first {
@@ -424,16 +421,17 @@ fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: u32, rx
             out.push(chunk(&s, json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
         }
         match ev {
-            Ok(Event::Token { text, .. }) if tools => held.push_str(&text),
-            Ok(Event::Finished { reason, text, usage }) if tools => {
+            Ok(Event::Token { text, .. }) if holding => held.push_str(&text),
+            Ok(Event::Finished { reason, text, usage }) if holding => {
                 held.push_str(&text);
-                let (delta, finish) = match read_reply(&held) {
-                    Reply::Calls(calls) => {
+                let reply = tools.as_ref().map_or_else(|| Reply::Text(held.clone()), |t| t.read_reply(&held));
+                let (delta, finish) = match reply {
+                    Reply::Calls { content, calls } => {
                         let calls: Vec<Value> = calls.into_iter().enumerate().map(|(i, mut c)| {
                             c["index"] = json!(i);
                             c
                         }).collect();
-                        (json!({ "tool_calls": calls }), "tool_calls")
+                        (json!({ "content": content, "tool_calls": calls }), "tool_calls")
                     }
                     Reply::Text(t) => (json!({ "content": t }), finish_reason(reason)),
                 };

@@ -7,8 +7,8 @@ use serde_json::{json, Value};
 use duet_common::model::chat::ChatMessage;
 use duet_common::model::grammar::Grammar;
 
-use super::tools::{self, ToolSpec, Tools};
-use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason};
+use super::tools::{self, ToolSpec, ToolSyntax, Tools};
+use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason, TextModel};
 use crate::error::GatewayError;
 
 /// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).
@@ -255,14 +255,15 @@ impl ChatRequest {
         self.logprobs.then(|| self.top_logprobs.unwrap_or(0))
     }
 
-    /// The tools the model may call (`None`: it answers in text).
-    pub fn tools(&self) -> Result<Option<Tools>, GatewayError> {
-        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref(), self.parallel_tool_calls.unwrap_or(true)).map_err(invalid)
+    /// The tools the model may call (`None`: it answers in text), in the model's format.
+    pub fn tools(&self, text: &TextModel) -> Result<Option<Tools>, GatewayError> {
+        let syntax = ToolSyntax::of_model(text.chat_template.as_ref(), &text.tokenizer);
+        Tools::from_request(self.tools.as_deref(), self.tool_choice.as_ref(), self.parallel_tool_calls.unwrap_or(true), syntax).map_err(invalid)
     }
 
-    pub fn params(&self) -> Result<GenerateParams, GatewayError> {
+    pub fn params(&self, text: &TextModel) -> Result<GenerateParams, GatewayError> {
         self.common.check_unsupported()?;
-        let tools = self.tools()?;
+        let tools = self.tools(text)?;
         let top = self.top_logprobs.unwrap_or(0);
         if top > MAX_CHAT_TOP_LOGPROBS {
             return Err(invalid(format!("top_logprobs must be at most {MAX_CHAT_TOP_LOGPROBS}, got {top}")));
@@ -270,34 +271,45 @@ impl ChatRequest {
         if top > 0 && !self.logprobs {
             return Err(invalid("top_logprobs needs logprobs: true"));
         }
+        // Earlier calls and tool results go back in the model's own format when its template
+        // has one (tools given or not), else in the generic one.
+        let native = ToolSyntax::of_model(text.chat_template.as_ref(), &text.tokenizer) != ToolSyntax::Generic;
         let mut messages = Vec::with_capacity(self.messages.len() + 1);
         for (i, m) in self.messages.iter().enumerate() {
-            let text = message_text(i, m.content.as_ref())?;
-            let (role, text) = match (m.role.as_str(), &m.tool_calls) {
-                ("system" | "developer", _) => ("system", text),
-                ("user", _) => ("user", text),
-                ("assistant", Some(calls)) if !calls.is_empty() => ("assistant", tools::calls_as_text(calls)),
-                ("assistant", _) => ("assistant", text),
-                // Tool results reach the model as user turns in the tool-call JSON.
-                ("tool", _) => ("user", tools::result_as_text(m.tool_call_id.as_deref(), &text)),
+            let content = message_text(i, m.content.as_ref())?;
+            let message = match (m.role.as_str(), &m.tool_calls) {
+                ("system" | "developer", _) => ChatMessage::new("system", content),
+                ("user", _) => ChatMessage::new("user", content),
+                ("assistant", Some(calls)) if !calls.is_empty() && native => {
+                    ChatMessage { tool_calls: Some(tools::calls_for_template(calls)), ..ChatMessage::new("assistant", content) }
+                }
+                ("assistant", Some(calls)) if !calls.is_empty() => ChatMessage::new("assistant", tools::calls_as_text(calls)),
+                ("assistant", _) => ChatMessage::new("assistant", content),
+                ("tool", _) if native => ChatMessage { tool_call_id: m.tool_call_id.clone(), ..ChatMessage::new("tool", content) },
+                // The generic format shows tool results as user turns in its JSON.
+                ("tool", _) => ChatMessage::new("user", tools::result_as_text(m.tool_call_id.as_deref(), &content)),
                 (other, _) => return Err(invalid(format!("messages[{i}].role {other:?}: expected system, developer, user, assistant or tool"))),
             };
-            messages.push(ChatMessage::new(role, text));
+            messages.push(message);
         }
         let mut sampling = self.common.sampling()?;
+        let mut template_tools = None;
         if let Some(t) = &tools {
             if sampling.grammar.is_some() {
                 return Err(invalid("tools cannot be combined with response_format, guided_regex or guided_grammar"));
             }
-            sampling.grammar = Some(Grammar::JsonSchema(t.reply_schema().to_string()));
-            // The functions are described in the system message (the first one, or a new one).
-            match messages.first_mut().filter(|m| m.role == "system") {
-                Some(system) => system.content = format!("{}\n\n{}", system.content, t.system_prompt()),
-                None => messages.insert(0, ChatMessage::new("system", t.system_prompt())),
+            sampling.grammar = t.grammar();
+            template_tools = t.template_tools();
+            // The generic format describes the functions in the system message (the first one, or a new one).
+            if let Some(prompt) = t.system_prompt() {
+                match messages.first_mut().filter(|m| m.role == "system") {
+                    Some(system) => system.content = format!("{}\n\n{prompt}", system.content),
+                    None => messages.insert(0, ChatMessage::new("system", prompt)),
+                }
             }
         }
         Ok(GenerateParams {
-            prompt: Prompt::Chat(messages),
+            prompt: Prompt::Chat { messages, tools: template_tools },
             max_tokens: self.max_completion_tokens.or(self.common.max_tokens),
             sampling,
             stop: self.common.stop()?,

@@ -523,7 +523,7 @@ impl Scheduler {
     fn resolve(&self, p: &GenerateParams) -> Result<Resolved, GatewayError> {
         let SessionMode::Continue(id) = &p.session else {
             let messages = match &p.prompt {
-                Prompt::Chat(m) => m.clone(),
+                Prompt::Chat { messages, .. } => messages.clone(),
                 _ => Vec::new(),
             };
             return Ok((self.text.prompt_ids(&p.prompt)?, None, messages));
@@ -535,9 +535,9 @@ impl Scheduler {
         let mut full = s.history.clone();
         let mut messages = s.messages.clone();
         match &p.prompt {
-            Prompt::Chat(new) => {
+            Prompt::Chat { messages: new, tools } => {
                 messages.extend(new.iter().cloned());
-                full = self.text.prompt_ids(&Prompt::Chat(messages.clone()))?;
+                full = self.text.prompt_ids(&Prompt::Chat { messages: messages.clone(), tools: tools.clone() })?;
             }
             Prompt::Text(t) => full.extend(self.text.tokenizer.encode(t, true)?),
             Prompt::Tokens(ids) => {

@@ -1,0 +1,72 @@
+//! Real chat templates (Qwen 2.5/3, Hermes 3, Llama 3.1/3.2, Mistral Nemo/Small 3.2, Phi 3.5,
+//! Gemma 2, DeepSeek R1, SmolLM3, Granite 3.3; testdata/templates/) render byte for byte as
+//! Hugging Face's `apply_chat_template` renders them (testdata/templates/golden.json, written
+//! by scripts/gen_template_golden.py with Python's jinja2 in Hugging Face's settings), with and
+//! without tools, tool calls and tool results; a template that raises is refused with its message.
+
+use std::path::PathBuf;
+
+use duet_common::model::chat::{ChatMessage, ChatTemplate};
+use duet_common::Error;
+use serde_json::Value;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/templates")
+}
+
+fn messages(case: &Value) -> Vec<ChatMessage> {
+    serde_json::from_value(case["messages"].clone()).expect("the golden messages are ChatMessages")
+}
+
+#[test]
+fn real_templates_render_as_hugging_face_renders_them() {
+    let golden: Value = serde_json::from_str(&std::fs::read_to_string(dir().join("golden.json")).unwrap()).unwrap();
+    let cases = golden["cases"].as_array().unwrap();
+    let (mut checked, mut failures) = (0, Vec::new());
+    for t in golden["templates"].as_array().unwrap() {
+        let file = t["file"].as_str().unwrap();
+        let source = std::fs::read_to_string(dir().join(file)).unwrap();
+        let template = ChatTemplate::new(&source, t["bos_token"].as_str().unwrap(), t["eos_token"].as_str().unwrap()).unwrap();
+        // strftime_now: the golden holds the day it was written; put today's in its place.
+        let today = ChatTemplate::new(&format!("{{{{ strftime_now({:?}) }}}}", golden["date_format"].as_str().unwrap()), "", "")
+            .unwrap()
+            .render(&[ChatMessage::new("user", "")], false)
+            .unwrap();
+        for case in cases {
+            let name = case["name"].as_str().unwrap();
+            let tools = case.get("tools").and_then(Value::as_array).map(Vec::as_slice);
+            let got = template.render_with_tools(&messages(case), tools, case["add_generation_prompt"].as_bool().unwrap());
+            let want = &t["results"][name];
+            checked += 1;
+            match (got, want.get("text").and_then(Value::as_str), want.get("error").and_then(Value::as_str)) {
+                (Ok(text), Some(expected), _) => {
+                    let expected = expected.replace(golden["date"].as_str().unwrap(), &today);
+                    if text != expected {
+                        let at = text.bytes().zip(expected.bytes()).take_while(|(a, b)| a == b).count();
+                        let end = |s: &str| s.get(at..(at + 80).min(s.len())).unwrap_or("").to_string();
+                        failures.push(format!("{file} / {name}: differs from byte {at}: got {:?}, want {:?}", end(&text), end(&expected)));
+                    }
+                }
+                (Err(Error::Template(msg)), None, Some(raised)) => {
+                    if !msg.contains(raised) {
+                        failures.push(format!("{file} / {name}: refused with {msg:?}, which does not carry the template's message {raised:?}"));
+                    }
+                }
+                // Python itself refused (e.g. iterating None); refusing or rendering are both fine.
+                (_, None, None) if want.get("python_error").is_some() => checked -= 1,
+                (got, _, _) => failures.push(format!("{file} / {name}: got {got:?}, want {want}")),
+            }
+        }
+    }
+    assert!(checked >= 60, "only {checked} cases checked");
+    assert!(failures.is_empty(), "{} of {checked} renderings differ from Hugging Face's:\n{}", failures.len(), failures.join("\n"));
+}
+
+#[test]
+fn tojson_writes_what_pythons_json_dumps_writes() {
+    let t = ChatTemplate::new(r#"{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ [] | tojson }}"#, "", "").unwrap();
+    let x = ChatMessage { tool_calls: Some(vec![serde_json::json!({ "b": "<&'>", "a": [1, 2.5, null, true], "c": {} })]), ..ChatMessage::new("user", "") };
+    let template = ChatTemplate::new(&t.source().replace('x', "messages[0].tool_calls[0]"), "", "").unwrap();
+    let got = template.render(&[x], false).unwrap();
+    assert_eq!(got, "{\"b\": \"<&'>\", \"a\": [1, 2.5, null, true], \"c\": {}}|{\n  \"b\": \"<&'>\",\n  \"a\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"c\": {}\n}|[]");
+}
