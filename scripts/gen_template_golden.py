@@ -3,13 +3,14 @@
 renders them (transformers' chat_template_utils: an ImmutableSandboxedEnvironment with
 trim_blocks, lstrip_blocks and loop controls, its tojson, raise_exception and strftime_now; the
 special tokens and `tools` passed as keyword arguments), for a set of conversations with and
-without tools, and writes testdata/templates/golden.json. common/tests/chat_template_hf.rs checks
+without tools, and writes testdata/templates/golden.json (or, given a folder of templates such
+as models/llama.cpp/templates, renders every template there into that folder's golden.json). common/tests/chat_template_hf.rs checks
 that Duet's minijinja renders every case byte for byte alike (or fails where this raised).
 
 The templates were copied from llama.cpp's models/templates (vendored in the PyPI source
 distribution of llama-cpp-python 0.3.36), which holds them as the models publish them.
-Needs only jinja2 (`python3 -m pip install jinja2`). strftime_now's date is recorded so the
-check can put its own date in its place."""
+Needs only jinja2 (`python3 -m pip install jinja2`). strftime_now's dates are recorded (per
+format) so the check can put its own in their place."""
 
 import json
 import sys
@@ -22,7 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROOT = Path(__file__).resolve().parent.parent
 DIR = ROOT / "testdata" / "templates"
-DATE_FORMAT = "%d %b %Y"
+# Every format strftime_now was called with, and what it gave.
+DATES = {}
 
 # The special tokens each family's tokenizer passes to its template.
 TOKENS = {
@@ -87,9 +89,13 @@ CASES = [
 ]
 
 
+class Raised(jinja2.exceptions.TemplateError):
+    """A template's own raise_exception."""
+
+
 def environment():
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        raise Raised(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -97,15 +103,28 @@ def environment():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    def strftime_now(fmt):
+        DATES[fmt] = datetime.now().strftime(fmt)
+        return DATES[fmt]
+
+    env.globals["strftime_now"] = strftime_now
     return env
 
 
 def main():
+    # With a folder (e.g. models/llama.cpp/templates, scripts/fetch-llama-cpp-src.sh), every
+    # template in it, into its golden.json; without, the committed ones.
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else DIR
+    names = sorted(p.name for p in folder.glob("*.jinja")) if len(sys.argv) > 1 else list(TOKENS)
     env = environment()
-    out = {"date": datetime.now().strftime(DATE_FORMAT), "date_format": DATE_FORMAT, "cases": CASES, "templates": []}
-    for name, (bos, eos) in TOKENS.items():
-        template = env.from_string((DIR / name).read_text())
+    out = {"dates": DATES, "cases": CASES, "templates": []}
+    for name in names:
+        bos, eos = TOKENS.get(name, ("<s>", "</s>"))
+        try:
+            template = env.from_string((folder / name).read_text())
+        except Exception as e:  # jinja2 cannot compile it either
+            out["templates"].append({"file": name, "bos_token": bos, "eos_token": eos, "compile_error": str(e)})
+            continue
         results = {}
         for case in CASES:
             try:
@@ -118,13 +137,15 @@ def main():
                         eos_token=eos,
                     )
                 }
-            except jinja2.exceptions.TemplateError as e:  # raise_exception: Duet must refuse too
+            except Raised as e:  # raise_exception: Duet must refuse too, with the message
                 results[case["name"]] = {"error": str(e)}
+            except jinja2.exceptions.TemplateError as e:  # e.g. an undefined attribute: Duet must refuse too
+                results[case["name"]] = {"jinja_error": str(e)}
             except Exception as e:  # Python refusing (e.g. iterating None): Duet may refuse or not
                 results[case["name"]] = {"python_error": str(e)}
         out["templates"].append({"file": name, "bos_token": bos, "eos_token": eos, "results": results})
-    (DIR / "golden.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {DIR / 'golden.json'}: {len(TOKENS)} templates x {len(CASES)} cases", file=sys.stderr)
+    (folder / "golden.json").write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {folder / 'golden.json'}: {len(names)} templates x {len(CASES)} cases", file=sys.stderr)
 
 
 if __name__ == "__main__":

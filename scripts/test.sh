@@ -3,7 +3,8 @@
 # then the Python tests in tests/python that drive the real service with off-the-shelf clients
 # (openai, grpcio, prometheus_client; `python3 -m pip install -r tests/python/requirements.txt`),
 # then the deployment check (systemd units, install script; needs systemd-analyze).
-# Does its own set-up on a fresh machine: installs the Python clients (pip), NVRTC (PyPI's
+# Does its own set-up on a fresh machine: installs the Python clients (pip; jinja2 renders the
+# reference chat templates), llama.cpp's tokenizer suite and templates (from PyPI), NVRTC (PyPI's
 # nvidia-cuda-nvrtc: the CUDA kernels are compiled by it in the tests, no GPU needed) and, as root on
 # Debian, systemd (for systemd-analyze); fetches the default model if it is missing; builds
 # the binaries first: the multi-process tests start the real duet-gateway / duet-gpu-worker /
@@ -29,6 +30,10 @@ if ! command -v systemd-analyze >/dev/null; then
   fi
 fi
 ./scripts/fetch-model.sh >/dev/null
+echo "== llama.cpp's tokenizer suite and chat templates (models/llama.cpp), rendered by jinja2 for the template test"
+./scripts/fetch-llama-cpp-src.sh
+python3 scripts/gen_template_golden.py models/llama.cpp/templates
+export DUET_REQUIRE_LLAMA_CPP_SRC=1
 cargo build --workspace --locked --bins
 cargo test --workspace --locked "$@"
 echo "== the kernel twins again without VNNI (the maddubs + madd kernels of CPUs that lack it)"

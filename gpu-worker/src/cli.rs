@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 use duet_common::model::chat::ChatMessage;
+use duet_common::model::gguf::GgufFile;
+use duet_common::model::tokenizer::Tokenizer;
 use serde_json::json;
 
 use crate::device::{AnyDevice, Device, DeviceChoice};
@@ -131,8 +133,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         // Inside the pool (see `worker::service`): forward passes' parallel loops are cheap there.
         Command::Run(args) => rayon::scope(move |_| run_generate(args, device)),
         Command::Tokenize(args) => {
-            let engine = load(&args.model, device)?;
-            let ids = engine.tokenizer.encode_prompt(&args.text, args.special)?;
+            // Only the vocabulary: works on a vocabulary-only GGUF, and on any architecture.
+            let path = &args.model.model;
+            let file = GgufFile::open(path).map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+            let tokenizer = Tokenizer::from_gguf(&file).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let ids = tokenizer.encode_prompt(&args.text, args.special)?;
             println!("{}", json!({ "ids": ids }));
             Ok(())
         }

@@ -61,6 +61,8 @@ impl ChatTemplate {
         });
         env.add_function("strftime_now", |format: String| strftime_now(&format));
         env.add_filter("tojson", python_tojson);
+        // As in jinja2: None is not iterable (minijinja's test says it is); undefined is (empty).
+        env.add_test("iterable", |v: minijinja::Value| !v.is_none() && v.try_iter().is_ok());
         // Templates are text, not HTML: never escape.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.add_template_owned(TEMPLATE_NAME, source.to_string()).map_err(|e| Error::Template(e.to_string()))?;
@@ -119,56 +121,103 @@ impl ChatTemplate {
     }
 }
 
-/// The `tojson` filter of Hugging Face's environment: Python's `json.dumps(x,
-/// ensure_ascii=False, indent=indent)` — `", "` and `": "` between items without an indent,
-/// keys in their order, no HTML escaping (minijinja's own filter escapes `<`, `>`, `&`, `'`).
+/// The `tojson` filter of Hugging Face's environment: Python's `json.dumps(x, ensure_ascii=False,
+/// indent=None, separators=None, sort_keys=False)`, those four overridable — `", "` and `": "`
+/// between items by default (`","` and `": "` with an indent), keys in their order, no HTML
+/// escaping (minijinja's own filter escapes `<`, `>`, `&`, `'`).
 fn python_tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> std::result::Result<String, minijinja::Error> {
+    let bad = |what: String| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {what}"));
     let indent: Option<usize> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let style = JsonStyle {
+        indent,
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        separators: match separators.as_deref() {
+            None => (if indent.is_some() { "," } else { ", " }.to_string(), ": ".to_string()),
+            Some([item, key]) => (item.clone(), key.clone()),
+            Some(other) => return Err(bad(format!("separators must be two strings, got {}", other.len()))),
+        },
+    };
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json = serde_json::to_value(&value).map_err(|e| bad(e.to_string()))?;
     let mut out = String::new();
-    write_python_json(&json, indent, 0, &mut out);
+    style.write(&json, 0, &mut out);
     Ok(out)
 }
 
-fn write_python_json(v: &Json, indent: Option<usize>, depth: usize, out: &mut String) {
-    let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
-            out.push('\n');
-            out.extend(std::iter::repeat_n(' ', n * depth));
-        }
-    };
-    let item_sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        Json::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, depth + 1);
-                write_python_json(item, indent, depth + 1, out);
+/// How Python's `json.dumps` was asked to write.
+struct JsonStyle {
+    indent: Option<usize>,
+    ensure_ascii: bool,
+    sort_keys: bool,
+    /// Between items, and between a key and its value.
+    separators: (String, String),
+}
+
+impl JsonStyle {
+    fn write(&self, v: &Json, depth: usize, out: &mut String) {
+        let newline = |out: &mut String, depth: usize| {
+            if let Some(n) = self.indent {
+                out.push('\n');
+                out.extend(std::iter::repeat_n(' ', n * depth));
             }
-            newline(out, depth);
-            out.push(']');
-        }
-        Json::Object(map) if !map.is_empty() => {
-            out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
+        };
+        match v {
+            Json::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.separators.0);
+                    }
+                    newline(out, depth + 1);
+                    self.write(item, depth + 1, out);
                 }
-                newline(out, depth + 1);
-                out.push_str(&Json::String(k.clone()).to_string());
-                out.push_str(": ");
-                write_python_json(item, indent, depth + 1, out);
+                newline(out, depth);
+                out.push(']');
             }
-            newline(out, depth);
-            out.push('}');
+            Json::Object(map) if !map.is_empty() => {
+                let mut entries: Vec<(&String, &Json)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, item)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.separators.0);
+                    }
+                    newline(out, depth + 1);
+                    self.write_string(k, out);
+                    out.push_str(&self.separators.1);
+                    self.write(item, depth + 1, out);
+                }
+                newline(out, depth);
+                out.push('}');
+            }
+            Json::String(s) => self.write_string(s, out),
+            // Numbers, booleans, null, [] and {} print alike in both.
+            other => out.push_str(&other.to_string()),
         }
-        // Scalars, [] and {} print alike in both (strings escaped as Python escapes them
-        // with ensure_ascii=False: quotes, backslashes and control characters).
-        other => out.push_str(&other.to_string()),
+    }
+
+    /// A string as Python escapes it: quotes, backslashes and control characters, and with
+    /// `ensure_ascii` every non-ASCII character as `\uXXXX` (UTF-16 surrogate pairs above U+FFFF).
+    fn write_string(&self, s: &str, out: &mut String) {
+        let escaped = Json::String(s.to_string()).to_string();
+        if !self.ensure_ascii {
+            out.push_str(&escaped);
+            return;
+        }
+        for c in escaped.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{unit:04x}"));
+                }
+            }
+        }
     }
 }
 

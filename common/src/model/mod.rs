@@ -5,4 +5,5 @@ pub mod config;
 pub mod gguf;
 pub mod grammar;
 pub mod names;
+pub mod pretokenizers;
 pub mod tokenizer;

@@ -1,26 +1,29 @@
 //! Tokenizer built with the `tokenizers` crate from a GGUF's own `tokenizer.ggml.*` metadata
-//! (byte-level BPE) or from a `tokenizer.json`, plus streaming detokenisation.
+//! — byte-level BPE (`gpt2`, with llama.cpp's pre-tokenizer for `tokenizer.ggml.pre`) or
+//! SentencePiece (`llama`: the merges derived from the pieces' scores as Hugging Face's
+//! converter derives them, `▁` for spaces, byte fallback) — or from a `tokenizer.json`, plus
+//! streaming detokenisation.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use tokenizers::models::bpe::BPE;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::{AddedToken, SplitDelimiterBehavior};
+use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
+use tokenizers::AddedToken;
 
 use super::gguf::{GgufFile, Value};
 use super::names::GeneralKey;
+use super::pretokenizers;
 use crate::error::{Error, Result};
 
 /// ggml token types (`tokenizer.ggml.token_type`).
+const TOKEN_TYPE_UNKNOWN: i64 = 2;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_BYTE: i64 = 6;
 
-/// Llama 3's pattern (`tokenizer.ggml.pre = "llama-bpe"`).
-const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// SentencePiece's space.
+const SPM_SPACE: char = '\u{2581}';
 
 /// A model's tokenizer: encoding with and without special-token parsing, and the raw bytes
 /// of every token for exact detokenisation.
@@ -68,18 +71,9 @@ fn byte_level_bytes(token: &str, char_to_byte: &HashMap<char, u8>) -> Option<Vec
     token.chars().map(|c| char_to_byte.get(&c).copied()).collect()
 }
 
-fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper> {
-    let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
-        Ok(Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false).map_err(tok_err)?.into())
-    };
-    let byte_level = |use_regex| PreTokenizerWrapper::from(ByteLevel::new(false, false, use_regex));
-    Ok(match pre {
-        // Digits are cut out one by one first, then GPT-2's pattern applies.
-        "smollm" => Sequence::new(vec![split(r"\p{N}")?, byte_level(true)]).into(),
-        "gpt2" | "default" | "gpt-2" => byte_level(true),
-        "llama-bpe" | "llama3" | "smaug-bpe" => Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]).into(),
-        other => return Err(Error::Tokenizer(format!("pre-tokenizer {other:?} is not supported (known: smollm, gpt2, llama-bpe)"))),
-    })
+/// The byte a SentencePiece byte token (`<0x0A>`) stands for.
+fn spm_byte(token: &str) -> Option<u8> {
+    u8::from_str_radix(token.strip_prefix("<0x")?.strip_suffix('>')?, 16).ok()
 }
 
 fn string_array(g: &GgufFile, key: GeneralKey) -> Result<Vec<&str>> {
@@ -91,60 +85,152 @@ fn token_id(g: &GgufFile, key: GeneralKey) -> Option<u32> {
     g.get(key.key()).and_then(Value::as_u64).and_then(|v| u32::try_from(v).ok())
 }
 
-impl Tokenizer {
-    /// Builds the tokenizer from `tokenizer.ggml.*` metadata (byte-level BPE models).
-    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
-        let model = g.get(GeneralKey::TokenizerModel.key()).and_then(Value::as_str).unwrap_or("");
-        if model != "gpt2" {
-            return Err(Error::Tokenizer(format!("tokenizer model {model:?} is not supported (only byte-level BPE, \"gpt2\")")));
-        }
+/// The vocabulary of a GGUF: token strings and their ggml types.
+struct Vocabulary<'a> {
+    tokens: Vec<&'a str>,
+    types: Vec<i64>,
+}
+
+impl<'a> Vocabulary<'a> {
+    fn read(g: &'a GgufFile) -> Result<Self> {
         let tokens = string_array(g, GeneralKey::TokenizerTokens)?;
-        let merges = string_array(g, GeneralKey::TokenizerMerges)?;
         let types: Vec<i64> = match g.get(GeneralKey::TokenizerTokenType.key()).and_then(Value::as_array) {
             Some(a) => a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect(),
             None => vec![1; tokens.len()],
         };
-        let pre = g.get(GeneralKey::TokenizerPre.key()).and_then(Value::as_str).unwrap_or("default");
+        if types.len() != tokens.len() {
+            return Err(Error::Tokenizer(format!("{} tokens but {} token types", tokens.len(), types.len())));
+        }
+        Ok(Vocabulary { tokens, types })
+    }
 
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+    /// Control, unknown and user-defined tokens are matched whole in the text before the
+    /// model sees it (control and unknown ones only when special tokens are parsed).
+    fn added_tokens(&self) -> Vec<AddedToken> {
+        self.tokens
+            .iter()
+            .zip(&self.types)
+            .filter(|(_, &t)| matches!(t, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED | TOKEN_TYPE_UNKNOWN))
+            .map(|(s, &t)| AddedToken::from(s.to_string(), t != TOKEN_TYPE_USER_DEFINED).normalized(false))
+            .collect()
+    }
+
+    fn ids(&self) -> tokenizers::models::bpe::Vocab {
+        self.tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect()
+    }
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer from `tokenizer.ggml.*` metadata.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let model = g.get(GeneralKey::TokenizerModel.key()).and_then(Value::as_str).unwrap_or("");
+        let vocab = Vocabulary::read(g)?;
+        let (tk, token_bytes) = match model {
+            "gpt2" => Self::byte_level_bpe(g, &vocab)?,
+            "llama" => Self::sentencepiece(g, &vocab)?,
+            other => {
+                return Err(Error::Tokenizer(format!(
+                    "tokenizer model {other:?} (tokenizer.ggml.model) is not supported: only \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece)"
+                )))
+            }
+        };
+        let eos = token_id(g, GeneralKey::TokenizerEos);
+        let eot = token_id(g, GeneralKey::TokenizerEot);
+        let mut end_of_generation: Vec<u32> = eos.into_iter().chain(eot).collect();
+        // Chat models end turns with a control token the metadata may not name as EOS.
+        for name in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>"] {
+            if let Some(id) = vocab.tokens.iter().position(|t| *t == name).map(|i| i as u32) {
+                if vocab.types.get(id as usize) == Some(&TOKEN_TYPE_CONTROL) && !end_of_generation.contains(&id) {
+                    end_of_generation.push(id);
+                }
+            }
+        }
+        // SentencePiece models start with BOS unless the file says otherwise (llama.cpp's default).
+        let add_bos = g.get(GeneralKey::TokenizerAddBos.key()).and_then(Value::as_bool).unwrap_or(model == "llama");
+        Self::finish(tk, token_bytes, token_id(g, GeneralKey::TokenizerBos), add_bos, end_of_generation)
+    }
+
+    fn byte_level_bpe(g: &GgufFile, vocab: &Vocabulary) -> Result<(tokenizers::Tokenizer, Vec<Vec<u8>>)> {
+        let merges = string_array(g, GeneralKey::TokenizerMerges)?;
+        let pre = pretokenizers::lookup(g.get(GeneralKey::TokenizerPre.key()).and_then(Value::as_str).unwrap_or("default"))?;
         let merges: Vec<(String, String)> = merges
             .iter()
             .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())))
             .collect::<Option<_>>()
             .ok_or_else(|| Error::Tokenizer("a merge is not two tokens separated by a space".into()))?;
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(tok_err)?;
+        let bpe = BPE::builder().vocab_and_merges(vocab.ids(), merges).ignore_merges(pre.ignore_merges).build().map_err(tok_err)?;
         let mut tk = tokenizers::Tokenizer::new(bpe);
-        tk.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&types)
-            .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL || t == TOKEN_TYPE_USER_DEFINED)
-            .map(|(s, &t)| AddedToken::from(s.to_string(), t == TOKEN_TYPE_CONTROL).normalized(false))
-            .collect();
-        tk.add_tokens(added).map_err(tok_err)?;
-
+        tk.with_pre_tokenizer(Some(pre.build()?));
+        tk.add_tokens(vocab.added_tokens()).map_err(tok_err)?;
         let char_to_byte: HashMap<char, u8> = byte_to_char().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        let token_bytes = tokens
+        let token_bytes = vocab
+            .tokens
             .iter()
-            .zip(&types)
+            .zip(&vocab.types)
             .map(|(s, &t)| match t {
                 TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED => s.as_bytes().to_vec(),
                 _ => byte_level_bytes(s, &char_to_byte).unwrap_or_else(|| s.as_bytes().to_vec()),
             })
             .collect();
+        Ok((tk, token_bytes))
+    }
 
-        let eos = token_id(g, GeneralKey::TokenizerEos);
-        let eot = token_id(g, GeneralKey::TokenizerEot);
-        let mut end_of_generation: Vec<u32> = eos.into_iter().chain(eot).collect();
-        // Chat models end turns with a control token the metadata may not name as EOS.
-        for name in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"] {
-            if let Some(&id) = tokens.iter().position(|t| *t == name).map(|i| i as u32).as_ref() {
-                if types.get(id as usize) == Some(&TOKEN_TYPE_CONTROL) && !end_of_generation.contains(&id) {
-                    end_of_generation.push(id);
-                }
-            }
+    /// SentencePiece as Hugging Face's converter builds it: a BPE whose merges are every
+    /// split of a piece into two pieces, ordered by the whole piece's score (best first);
+    /// characters outside the vocabulary fall back to `<0xXX>` byte tokens; spaces are `▁`,
+    /// and a space starts the text and each piece of text after a control token (llama.cpp's
+    /// `add_space_prefix`, on unless the file turns it off).
+    fn sentencepiece(g: &GgufFile, vocab: &Vocabulary) -> Result<(tokenizers::Tokenizer, Vec<Vec<u8>>)> {
+        let scores: Vec<f32> = g
+            .get(GeneralKey::TokenizerScores.key())
+            .and_then(Value::as_array)
+            .ok_or_else(|| Error::Tokenizer(format!("{} missing (a SentencePiece vocabulary needs its scores)", GeneralKey::TokenizerScores.key())))?
+            .iter()
+            .map(|v| v.as_f64().map(|f| f as f32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| Error::Tokenizer("a token score is not a number".into()))?;
+        if scores.len() != vocab.tokens.len() {
+            return Err(Error::Tokenizer(format!("{} tokens but {} scores", vocab.tokens.len(), scores.len())));
         }
-        Self::finish(tk, token_bytes, token_id(g, GeneralKey::TokenizerBos), g.get(GeneralKey::TokenizerAddBos.key()).and_then(Value::as_bool).unwrap_or(false), end_of_generation)
+        let ids: HashMap<&str, usize> = vocab.tokens.iter().enumerate().map(|(i, t)| (*t, i)).collect();
+        let mut merges: Vec<(usize, usize, f32)> = Vec::new();
+        for (id, piece) in vocab.tokens.iter().enumerate() {
+            if vocab.types[id] != 1 {
+                continue;
+            }
+            let mut local: Vec<(usize, usize, f32)> = piece
+                .char_indices()
+                .skip(1)
+                .filter_map(|(at, _)| Some((*ids.get(&piece[..at])?, *ids.get(&piece[at..])?, scores[id])))
+                .collect();
+            local.sort_by_key(|&(l, r, _)| (l, r));
+            merges.extend(local);
+        }
+        // Stable: equal scores keep the vocabulary's order, as Python's sort does.
+        merges.sort_by(|a, b| b.2.total_cmp(&a.2));
+        let merges = merges.into_iter().map(|(l, r, _)| (vocab.tokens[l].to_string(), vocab.tokens[r].to_string())).collect();
+        let mut builder = BPE::builder().vocab_and_merges(vocab.ids(), merges).byte_fallback(true).fuse_unk(true);
+        if let Some(unk) = vocab.types.iter().position(|&t| t == TOKEN_TYPE_UNKNOWN) {
+            builder = builder.unk_token(vocab.tokens[unk].to_string());
+        }
+        let mut tk = tokenizers::Tokenizer::new(builder.build().map_err(tok_err)?);
+        let space = SPM_SPACE.to_string();
+        let replace = Replace::new(" ", space.as_str()).map_err(tok_err)?;
+        let add_space_prefix = g.get(GeneralKey::TokenizerAddSpacePrefix.key()).and_then(Value::as_bool).unwrap_or(true);
+        let normalizer: tokenizers::NormalizerWrapper = if add_space_prefix { NormalizerSequence::new(vec![Prepend::new(space.clone()).into(), replace.into()]).into() } else { replace.into() };
+        tk.with_normalizer(Some(normalizer)).map_err(tok_err)?;
+        tk.add_tokens(vocab.added_tokens()).map_err(tok_err)?;
+        let token_bytes = vocab
+            .tokens
+            .iter()
+            .zip(&vocab.types)
+            .map(|(s, &t)| match (t, spm_byte(s)) {
+                (TOKEN_TYPE_BYTE, Some(b)) => vec![b],
+                (TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN, _) => s.as_bytes().to_vec(),
+                _ => s.replace(SPM_SPACE, " ").into_bytes(),
+            })
+            .collect();
+        Ok((tk, token_bytes))
     }
 
     /// Loads a Hugging Face `tokenizer.json` (byte-level BPE vocabularies get exact bytes).
