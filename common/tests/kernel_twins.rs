@@ -694,6 +694,16 @@ fn rope_equals_its_scalar_twin_bit_for_bit() {
             .flat_map(|(p, &(c, s))| [p[0].mul_add(c, -(p[1] * s)), p[0].mul_add(s, p[1] * c)])
             .collect();
         assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "head of {n}");
+        // NeoX: pair i is (x[i], x[i + n/2]).
+        let mut got = head.clone();
+        Rope::apply_neox(&table, &mut got);
+        let mut want = head.clone();
+        for (i, &(c, s)) in table.iter().enumerate() {
+            let (x0, x1) = (head[i], head[i + n / 2]);
+            want[i] = x0.mul_add(c, -(x1 * s));
+            want[i + n / 2] = x0.mul_add(s, x1 * c);
+        }
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "NeoX head of {n}");
     }
 }
 

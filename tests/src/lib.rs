@@ -37,8 +37,13 @@ pub struct Gateway {
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 impl Gateway {
-    /// Starts `duet-gateway serve` with `extra` flags and waits until it listens.
+    /// Starts `duet-gateway serve` on the default model with `extra` flags and waits until it listens.
     pub fn start(extra: &[&str]) -> Gateway {
+        Self::start_with_model(&duet_common::testutil::model_path(), extra)
+    }
+
+    /// Starts `duet-gateway serve` on `model` with `extra` flags and waits until it listens.
+    pub fn start_with_model(model: &std::path::Path, extra: &[&str]) -> Gateway {
         let instance = format!("t{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
         let runtime_dir = std::env::temp_dir().join(format!("duet-test-{instance}"));
         let log = std::env::temp_dir().join(format!("duet-test-{instance}.log"));
@@ -49,7 +54,7 @@ impl Gateway {
             .arg("--runtime-dir")
             .arg(&runtime_dir)
             .arg("--model")
-            .arg(duet_common::testutil::model_path())
+            .arg(model)
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -198,7 +203,11 @@ pub struct RefGeneration {
 
 impl Reference {
     pub fn load() -> Reference {
-        Reference { engine: Engine::load(&duet_common::testutil::model_path()).expect("loading the model") }
+        Self::load_model(&duet_common::testutil::model_path())
+    }
+
+    pub fn load_model(model: &std::path::Path) -> Reference {
+        Reference { engine: Engine::load(model).expect("loading the model") }
     }
 
     pub fn generate(&self, prompt_ids: &[u32], max_tokens: usize) -> RefGeneration {

@@ -53,6 +53,33 @@ impl Rope {
         }
         rope_body(table, head)
     }
+
+    /// Rotates the pairs `(x[i], x[i + n/2])` of one head in place (NeoX's RoPE, Qwen's), with
+    /// the same arithmetic as [`Rope::apply`].
+    pub fn apply_neox(table: &[(f32, f32)], head: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if super::isa() >= super::Isa::Avx2 {
+            // SAFETY: AVX2 and FMA were detected.
+            return unsafe { rope_neox_fma(table, head) };
+        }
+        rope_neox_body(table, head)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rope_neox_fma(table: &[(f32, f32)], head: &mut [f32]) {
+    rope_neox_body(table, head)
+}
+
+#[inline(always)]
+fn rope_neox_body(table: &[(f32, f32)], head: &mut [f32]) {
+    let (lo, hi) = head.split_at_mut(head.len() / 2);
+    for ((x0, x1), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(table) {
+        let (a, b) = (*x0, *x1);
+        *x0 = a.mul_add(c, -(b * s));
+        *x1 = a.mul_add(s, b * c);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -181,5 +208,9 @@ mod tests {
         let mut zero_pos = [0.3, -0.7, 1.1, 2.0];
         Rope::apply(&rope.table(0), &mut zero_pos);
         assert_eq!(zero_pos, [0.3, -0.7, 1.1, 2.0]);
+        // NeoX pairs x[0] with x[2]: the first pair's angle moves x[0] and x[2].
+        let mut neox = [1.0, 0.0, 0.0, 0.0];
+        Rope::apply_neox(&table, &mut neox);
+        assert!((neox[0] - 3f32.cos()).abs() < 1e-6 && neox[1] == 0.0 && (neox[2] - 3f32.sin()).abs() < 1e-6);
     }
 }

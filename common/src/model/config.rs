@@ -1,4 +1,5 @@
-//! Llama-family hyper-parameters read from GGUF metadata, validated before any weight is used.
+//! Hyper-parameters of the Llama-shaped architectures (llama, mistral, qwen2, qwen3) read from
+//! GGUF metadata, validated before any weight is used.
 
 use super::gguf::{GgufError, GgufFile, Value};
 use super::names::{ArchKey, GeneralKey, TensorName};
@@ -32,10 +33,16 @@ pub struct LlamaConfig {
     pub rope_freq_base: f32,
     pub rope_scaling: RopeScaling,
     pub rms_eps: f32,
+    /// NeoX RoPE: rotates the pairs (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1]).
+    pub rope_neox: bool,
 }
 
-/// Architectures that are Llama-shaped (same tensors, normal RoPE).
-const LLAMA_LIKE: &[&str] = &["llama", "mistral"];
+/// Architectures with Llama's block (RMSNorm, attention, SwiGLU): llama and mistral as they
+/// are, qwen2 with Q/K/V biases and NeoX RoPE, qwen3 with per-head Q/K RMSNorm and NeoX RoPE
+/// (the optional tensors are found by the loader).
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+/// Those of them whose RoPE is NeoX's.
+const NEOX_ROPE: &[&str] = &["qwen2", "qwen3"];
 
 fn get<'a>(g: &'a GgufFile, key: &str) -> Result<&'a Value, GgufError> {
     g.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
@@ -68,8 +75,8 @@ impl LlamaConfig {
             .as_str()
             .ok_or(GgufError::WrongType { key: arch_key.into(), expected: "string", found: "other" })?
             .to_string();
-        if !LLAMA_LIKE.contains(&arch.as_str()) {
-            return Err(Error::UnsupportedModel(format!("architecture {arch:?} (supported: {LLAMA_LIKE:?})")));
+        if !SUPPORTED_ARCHITECTURES.contains(&arch.as_str()) {
+            return Err(Error::UnsupportedModel(format!("architecture {arch:?} (supported: {})", SUPPORTED_ARCHITECTURES.join(", "))));
         }
         let k = |key: ArchKey| key.key(&arch);
         let n_embd = get_usize(g, &k(ArchKey::EmbeddingLength))?;
@@ -113,6 +120,7 @@ impl LlamaConfig {
             n_ctx_train: get_usize(g, &k(ArchKey::ContextLength))?,
             rms_eps: opt(get_f32(g, &k(ArchKey::RmsEpsilon)))?.unwrap_or(1e-5),
             rope_freq_base: freq_base,
+            rope_neox: NEOX_ROPE.contains(&arch.as_str()),
             arch,
             n_embd,
             n_head,

@@ -1,4 +1,4 @@
-//! The CPU device: a Llama-family forward pass over weights memory-mapped from a GGUF file
+//! The CPU device: a Llama-shaped forward pass (Qwen 2's biases, Qwen 3's Q/K norms, NeoX RoPE) over weights memory-mapped from a GGUF file
 //! (Q4_K and Q6_K matrices repacked at load into interleaved rows where the CPU has the kernels for
 //! them), with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from
 //! rayon; attention on the host kernels (`host_attention`).
@@ -145,13 +145,30 @@ impl Device for CpuDevice {
         let c = &self.m.config;
         let (layer, hd, n_rot) = (&self.m.layers[l], c.head_dim, c.n_rot);
         norm_rows(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn);
-        let [mut q, mut k, v] = self.linear_many([&layer.wq, &layer.wk, &layer.wv], &b.xn);
-        q.par_chunks_mut(c.q_dim()).zip(&b.tables).for_each(|(row, t)| {
-            row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
-        });
-        k.par_chunks_mut(c.kv_dim()).zip(&b.tables).for_each(|(row, t)| {
-            row.chunks_exact_mut(hd).for_each(|h| Rope::apply(t, &mut h[..n_rot]));
-        });
+        let [mut q, mut k, mut v] = self.linear_many([&layer.wq, &layer.wk, &layer.wv], &b.xn);
+        if let Some([bq, bk, bv]) = &layer.qkv_bias {
+            add_rows(&mut q, bq);
+            add_rows(&mut k, bk);
+            add_rows(&mut v, bv);
+        }
+        let rope = if c.rope_neox { Rope::apply_neox } else { Rope::apply };
+        let (q_norm, k_norm) = match &layer.qk_norm {
+            Some([qn, kn]) => (Some(qn), Some(kn)),
+            None => (None, None),
+        };
+        let heads = |x: &mut [f32], width: usize, norm: Option<&Vec<f32>>| {
+            x.par_chunks_mut(width).zip(&b.tables).for_each(|(row, t)| {
+                row.chunks_exact_mut(hd).for_each(|h| {
+                    if let Some(w) = norm {
+                        let raw = h.to_vec();
+                        rms_norm(&raw, w, c.rms_eps, h);
+                    }
+                    rope(t, &mut h[..n_rot]);
+                })
+            });
+        };
+        heads(&mut q, c.q_dim(), q_norm);
+        heads(&mut k, c.kv_dim(), k_norm);
         Ok(Qkv { q, k, v })
     }
 
@@ -230,6 +247,11 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interle
 fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, x)| rms_norm(x, w, eps, o));
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_rows(x: &mut [f32], bias: &[f32]) {
+    x.par_chunks_mut(bias.len()).for_each(|row| add(row, bias));
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

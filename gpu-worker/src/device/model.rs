@@ -1,4 +1,4 @@
-//! The tensors of a Llama-family GGUF model, looked up once and checked against the
+//! The tensors of a Llama-shaped GGUF model (llama, mistral, qwen2, qwen3), looked up once and checked against the
 //! hyper-parameters, for every device: weight matrices by name, type and shape (each device
 //! reads or uploads their bytes itself), norm vectors dequantised to f32, and the RoPE
 //! frequencies. Also the checks every device makes on a batch before it starts.
@@ -29,6 +29,10 @@ pub struct LayerTensors {
     pub wk: Weight,
     pub wv: Weight,
     pub wo: Weight,
+    /// Q/K/V biases, added after the projections (Qwen 2).
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
+    /// Per-head RMSNorm weights of Q and K, applied before RoPE (Qwen 3).
+    pub qk_norm: Option<[Vec<f32>; 2]>,
     pub ffn_norm: Vec<f32>,
     pub gate: Weight,
     pub up: Weight,
@@ -59,6 +63,27 @@ fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result
         return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
     }
     Ok(Weight { name, ty: info.ty, rows, cols })
+}
+
+/// A 1-D tensor of `n` elements, dequantised to f32, when the file has it.
+fn optional_vector(file: &GgufFile, name: TensorName, n: usize) -> Result<Option<Vec<f32>>> {
+    if file.tensor_info(&name.name()).is_none() {
+        return Ok(None);
+    }
+    vector(file, name, n).map(Some)
+}
+
+/// A group of optional tensors: all present, or none (a partial group is an error naming the
+/// first one missing).
+fn all_or_none<const N: usize>(file: &GgufFile, names: [(TensorName, usize); N]) -> Result<Option<[Vec<f32>; N]>> {
+    let found: Vec<Option<Vec<f32>>> = names.iter().map(|&(name, n)| optional_vector(file, name, n)).collect::<Result<_>>()?;
+    if found.iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    match found.iter().position(Option::is_none) {
+        Some(i) => Err(WorkerError::from(GgufError::MissingTensor(names[i].0.name()))),
+        None => Ok(Some(std::array::from_fn(|i| found[i].clone().expect("all present")))),
+    }
 }
 
 /// A 1-D tensor of `n` elements, dequantised to f32.
@@ -92,6 +117,8 @@ impl ModelTensors {
                     wk: weight(f, TensorName::AttnK(l), c.n_embd, c.kv_dim())?,
                     wv: weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
                     wo: weight(f, TensorName::AttnOutput(l), c.q_dim(), c.n_embd)?,
+                    qkv_bias: all_or_none(f, [(TensorName::AttnQBias(l), c.q_dim()), (TensorName::AttnKBias(l), c.kv_dim()), (TensorName::AttnVBias(l), c.kv_dim())])?,
+                    qk_norm: all_or_none(f, [(TensorName::AttnQNorm(l), c.head_dim), (TensorName::AttnKNorm(l), c.head_dim)])?,
                     ffn_norm: vector(f, TensorName::FfnNorm(l), c.n_embd)?,
                     gate: weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?,
                     up: weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?,
@@ -99,6 +126,9 @@ impl ModelTensors {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        if c.arch == "qwen3" && layers.iter().any(|l| l.qk_norm.is_none()) {
+            return Err(WorkerError::from(GgufError::MissingTensor(TensorName::AttnQNorm(0).name())));
+        }
         let (freq_scale, factors) = match c.rope_scaling {
             RopeScaling::None => (1.0, None),
             RopeScaling::Linear { factor } => (1.0 / factor, None),
@@ -111,6 +141,22 @@ impl ModelTensors {
         let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
         Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope })
+    }
+
+    /// What the plain Llama block lacks that this model uses (Q/K/V biases, Q/K norms, NeoX
+    /// RoPE), for a device that does not implement them yet to refuse the model by name.
+    pub fn extensions(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.layers.iter().any(|l| l.qkv_bias.is_some()) {
+            out.push("Q/K/V biases");
+        }
+        if self.layers.iter().any(|l| l.qk_norm.is_some()) {
+            out.push("Q/K RMSNorm");
+        }
+        if self.config.rope_neox {
+            out.push("NeoX RoPE");
+        }
+        out
     }
 
     /// Every weight matrix, each once (a tied LM head is the embedding).

@@ -92,6 +92,14 @@ impl CudaDevice {
     /// Checks the model, compiles the kernels and uploads the weights to `gpu`.
     pub fn load(gpu: Gpu, file: Arc<GgufFile>) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
+        let missing = m.extensions();
+        if !missing.is_empty() {
+            return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!(
+                "architecture {:?} on the CUDA device: its {} are not implemented there yet (use --device cpu)",
+                m.config.arch,
+                missing.join(", ")
+            ))));
+        }
         let need: usize = m.weights().map(|w| file.tensor(&w.name).map(|t| t.data.len()).unwrap_or(0)).sum();
         let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
         if need + WORKSPACE_ELEMS * 2 > free {

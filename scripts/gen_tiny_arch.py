@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Tiny random models of the architectures beyond Llama, with llama.cpp's own logits as the
+reference (testdata/tiny/arch/; checked by gpu-worker/tests/tiny_arch_llamacpp.rs).
+
+For each variant the directory gets `<name>.gguf` (written with gguf-py the way llama.cpp's
+converter writes that architecture: its metadata keys, tensor names and shapes) and
+`<name>.llamacpp.bin`: the logits llama.cpp (the build llama-cpp-python 0.3.36 vendors, 2 threads,
+batch = the whole sequence) gives at every position of the fixed 40-token sequence, float32
+little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp's version).
+
+* `qwen2_q4_1` -- qwen2: Q/K/V biases (large enough to matter), NeoX RoPE (freq base 1e6), GQA
+  4/2 heads of 16, tied Q8_0 output (no output.weight, as Qwen 2.5's small models), Q4_1 weights.
+  (Not F16: F16 dot products sum in another lane order in llama.cpp, which flips an f16
+  activation rounding now and then, as for Llama; the Llama F16 paths are checked against exact
+  references in tiny_llama_reference.rs.)
+* `qwen3_q8_0` -- qwen3: per-head Q/K RMSNorm weights, NeoX RoPE, GQA 4/2 heads of 32 (so the Q
+  width 128 differs from n_embd 64), untied Q8_0 output, Q8_0 weights, no biases.
+
+Needs numpy, gguf and llama-cpp-python 0.3.36 (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
+llama-cpp-python==0.3.36`).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gen_tiny_llama import vocab  # noqa: E402  (the same 256-token byte-level vocabulary)
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "testdata" / "tiny" / "arch"
+SEED = 23
+N_TOKENS = 40
+N_CTX = 128
+T = gguf.GGMLQuantizationType
+
+VARIANTS = [
+    dict(name="qwen2_q4_1", arch="qwen2", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=128, n_layer=2,
+         eps=1e-6, base=1e6, wtype=T.Q4_1, tied=True, bias=True, qk_norm=False),
+    dict(name="qwen3_q8_0", arch="qwen3", n_embd=64, n_head=4, n_kv_head=2, head_dim=32, n_ff=96, n_layer=2,
+         eps=1e-6, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=True),
+]
+
+
+def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
+    name, arch = spec["name"], spec["arch"]
+    d, H, KV, hd, n_ff = spec["n_embd"], spec["n_head"], spec["n_kv_head"], spec["head_dim"], spec["n_ff"]
+    toks, merges = vocab()
+    path = OUT / f"{name}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"duet-tiny-{name}")
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(d)
+    w.add_block_count(spec["n_layer"])
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(spec["base"])
+    w.add_layer_norm_rms_eps(spec["eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(toks)
+    w.add_token_types([1] * len(toks))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(ord("\n"))
+    w.add_eos_token_id(ord("\n"))
+    w.add_add_bos_token(False)
+
+    def matrix(tname: str, rows: int, cols: int, gain: float, ty=None):
+        ty = spec["wtype"] if ty is None else ty
+        a = (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+        if ty == T.F32:
+            w.add_tensor(tname, a)
+        elif ty == T.F16:
+            w.add_tensor(tname, a.astype(np.float16))
+        else:
+            w.add_tensor(tname, gguf.quants.quantize(a, ty), raw_dtype=ty)
+
+    def vector(tname: str, n: int, mean: float, std: float):
+        w.add_tensor(tname, (mean + std * rng.standard_normal(n)).astype(np.float32))
+
+    w.add_tensor("token_embd.weight", gguf.quants.quantize((rng.standard_normal((len(toks), d)) * 0.5).astype(np.float32), T.Q8_0), raw_dtype=T.Q8_0)
+    for l in range(spec["n_layer"]):
+        vector(f"blk.{l}.attn_norm.weight", d, 1.0, 0.1)
+        matrix(f"blk.{l}.attn_q.weight", H * hd, d, 1.6)
+        matrix(f"blk.{l}.attn_k.weight", KV * hd, d, 1.6)
+        matrix(f"blk.{l}.attn_v.weight", KV * hd, d, 1.0)
+        if spec["bias"]:
+            vector(f"blk.{l}.attn_q.bias", H * hd, 0.0, 0.8)
+            vector(f"blk.{l}.attn_k.bias", KV * hd, 0.0, 0.8)
+            vector(f"blk.{l}.attn_v.bias", KV * hd, 0.0, 0.5)
+        if spec["qk_norm"]:
+            vector(f"blk.{l}.attn_q_norm.weight", hd, 1.0, 0.3)
+            vector(f"blk.{l}.attn_k_norm.weight", hd, 1.0, 0.3)
+        matrix(f"blk.{l}.attn_output.weight", d, H * hd, 0.8)
+        vector(f"blk.{l}.ffn_norm.weight", d, 1.0, 0.1)
+        matrix(f"blk.{l}.ffn_gate.weight", n_ff, d, 1.0)
+        matrix(f"blk.{l}.ffn_up.weight", n_ff, d, 1.0)
+        matrix(f"blk.{l}.ffn_down.weight", d, n_ff, 0.8)
+    vector("output_norm.weight", d, 1.0, 0.1)
+    if not spec["tied"]:
+        matrix("output.weight", len(toks), d, 2.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_TOKENS, n_threads=2, logits_all=True, verbose=False)
+    llm.eval(tokens)
+    logits = np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    (OUT / f"{name}.llamacpp.bin").write_bytes(logits.astype("<f4").tobytes())
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    meta = dict(name=name, gguf=path.name, arch=arch, tokens=tokens, n_vocab=len(toks), llama_cpp_python=llama_cpp.__version__,
+                logits_std=float(logits.std()), top2_gap_min=float((top2[:, 1] - top2[:, 0]).min()))
+    (OUT / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(SEED)
+    tokens = [int(t) for t in rng.integers(0, 256, size=N_TOKENS)]
+    for spec in VARIANTS:
+        meta = build(spec, rng, tokens)
+        print(f"{meta['name']}: logits std {meta['logits_std']:.3f}, top-2 gap min {meta['top2_gap_min']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
