@@ -15,6 +15,8 @@ little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp
   references in tiny_llama_reference.rs.)
 * `qwen3_q8_0` -- qwen3: per-head Q/K RMSNorm weights, NeoX RoPE, GQA 4/2 heads of 32 (so the Q
   width 128 differs from n_embd 64), untied Q8_0 output, Q8_0 weights, no biases.
+* `phi3_q8_0`  -- phi3: one `attn_qkv` matrix (Q, K, V rows in that order) and one `ffn_up` of
+  2 x n_ff rows (gate first, then up; no `ffn_gate`), NeoX RoPE, 4 heads of 16, Q8_0.
 
 Needs numpy, gguf and llama-cpp-python 0.3.36 (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python==0.3.36`).
@@ -42,6 +44,8 @@ VARIANTS = [
          eps=1e-6, base=1e6, wtype=T.Q4_1, tied=True, bias=True, qk_norm=False),
     dict(name="qwen3_q8_0", arch="qwen3", n_embd=64, n_head=4, n_kv_head=2, head_dim=32, n_ff=96, n_layer=2,
          eps=1e-6, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=True),
+    dict(name="phi3_q8_0", arch="phi3", n_embd=64, n_head=4, n_kv_head=4, head_dim=16, n_ff=96, n_layer=2,
+         eps=1e-5, base=10000.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False, fused=True),
 ]
 
 
@@ -51,15 +55,18 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
     toks, merges = vocab()
     path = OUT / f"{name}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"duet-tiny-{name}")
+    # Not the variant's name: llama.cpp looks up Phi-3's special tokens in any model named "phi3".
+    w.add_name("duet-tiny-random")
     w.add_context_length(N_CTX)
     w.add_embedding_length(d)
     w.add_block_count(spec["n_layer"])
     w.add_feed_forward_length(n_ff)
     w.add_head_count(H)
     w.add_head_count_kv(KV)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    if hd != d // H:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(spec["base"])
     w.add_layer_norm_rms_eps(spec["eps"])
     w.add_tokenizer_model("gpt2")
@@ -85,11 +92,15 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
         w.add_tensor(tname, (mean + std * rng.standard_normal(n)).astype(np.float32))
 
     w.add_tensor("token_embd.weight", gguf.quants.quantize((rng.standard_normal((len(toks), d)) * 0.5).astype(np.float32), T.Q8_0), raw_dtype=T.Q8_0)
+    fused = spec.get("fused", False)
     for l in range(spec["n_layer"]):
         vector(f"blk.{l}.attn_norm.weight", d, 1.0, 0.1)
-        matrix(f"blk.{l}.attn_q.weight", H * hd, d, 1.6)
-        matrix(f"blk.{l}.attn_k.weight", KV * hd, d, 1.6)
-        matrix(f"blk.{l}.attn_v.weight", KV * hd, d, 1.0)
+        if fused:
+            matrix(f"blk.{l}.attn_qkv.weight", (H + 2 * KV) * hd, d, 1.4)
+        else:
+            matrix(f"blk.{l}.attn_q.weight", H * hd, d, 1.6)
+            matrix(f"blk.{l}.attn_k.weight", KV * hd, d, 1.6)
+            matrix(f"blk.{l}.attn_v.weight", KV * hd, d, 1.0)
         if spec["bias"]:
             vector(f"blk.{l}.attn_q.bias", H * hd, 0.0, 0.8)
             vector(f"blk.{l}.attn_k.bias", KV * hd, 0.0, 0.8)
@@ -99,8 +110,11 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
             vector(f"blk.{l}.attn_k_norm.weight", hd, 1.0, 0.3)
         matrix(f"blk.{l}.attn_output.weight", d, H * hd, 0.8)
         vector(f"blk.{l}.ffn_norm.weight", d, 1.0, 0.1)
-        matrix(f"blk.{l}.ffn_gate.weight", n_ff, d, 1.0)
-        matrix(f"blk.{l}.ffn_up.weight", n_ff, d, 1.0)
+        if fused:
+            matrix(f"blk.{l}.ffn_up.weight", 2 * n_ff, d, 1.0)
+        else:
+            matrix(f"blk.{l}.ffn_gate.weight", n_ff, d, 1.0)
+            matrix(f"blk.{l}.ffn_up.weight", n_ff, d, 1.0)
         matrix(f"blk.{l}.ffn_down.weight", d, n_ff, 0.8)
     vector("output_norm.weight", d, 1.0, 0.1)
     if not spec["tied"]:

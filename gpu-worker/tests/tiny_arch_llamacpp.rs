@@ -1,6 +1,7 @@
 //! The architectures beyond Llama against llama.cpp itself: tiny random qwen2 (Q/K/V biases,
 //! NeoX RoPE, tied output, Q4_1) and qwen3 (per-head Q/K RMSNorm, NeoX RoPE, head_dim 32 with a
-//! Q width unlike n_embd, Q8_0) models from `scripts/gen_tiny_arch.py`, whose logits at every
+//! Q width unlike n_embd, Q8_0) and phi3 (fused Q/K/V and gate/up matrices, NeoX RoPE, Q8_0)
+//! models from `scripts/gen_tiny_arch.py`, whose logits at every
 //! position llama.cpp computed (testdata/tiny/arch/<name>.llamacpp.bin). On the CPU device,
 //! as one batched prefill and as one-token decode steps: the greedy token is llama.cpp's at
 //! every position whose top-2 gap is not a near tie, and log-probabilities are within the
@@ -84,4 +85,9 @@ fn qwen2_matches_llama_cpp() {
 #[test]
 fn qwen3_matches_llama_cpp() {
     check("qwen3_q8_0", 2e-3);
+}
+
+#[test]
+fn phi3_matches_llama_cpp() {
+    check("phi3_q8_0", 2e-3);
 }

@@ -1,4 +1,4 @@
-//! Hyper-parameters of the Llama-shaped architectures (llama, mistral, qwen2, qwen3) read from
+//! Hyper-parameters of the Llama-shaped architectures (llama, mistral, qwen2, qwen3, phi3) read from
 //! GGUF metadata, validated before any weight is used.
 
 use super::gguf::{GgufError, GgufFile, Value};
@@ -39,10 +39,11 @@ pub struct LlamaConfig {
 
 /// Architectures with Llama's block (RMSNorm, attention, SwiGLU): llama and mistral as they
 /// are, qwen2 with Q/K/V biases and NeoX RoPE, qwen3 with per-head Q/K RMSNorm and NeoX RoPE
-/// (the optional tensors are found by the loader).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+/// and phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE (the optional tensors are
+/// found by the loader).
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3"];
 /// Those of them whose RoPE is NeoX's.
-const NEOX_ROPE: &[&str] = &["qwen2", "qwen3"];
+const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3"];
 
 fn get<'a>(g: &'a GgufFile, key: &str) -> Result<&'a Value, GgufError> {
     g.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })

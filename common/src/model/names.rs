@@ -100,6 +100,11 @@ pub enum TensorName {
     AttnK(usize),
     AttnV(usize),
     AttnOutput(usize),
+    /// Q, K and V in one matrix (Phi-3).
+    AttnQkv(usize),
+    /// Phi-3.x's LongRoPE frequency divisors.
+    RopeFactorsLong,
+    RopeFactorsShort,
     /// Q/K/V biases (Qwen 2).
     AttnQBias(usize),
     AttnKBias(usize),
@@ -126,6 +131,9 @@ impl TensorName {
             Self::AttnK(l) => layer(l, "attn_k"),
             Self::AttnV(l) => layer(l, "attn_v"),
             Self::AttnOutput(l) => layer(l, "attn_output"),
+            Self::AttnQkv(l) => layer(l, "attn_qkv"),
+            Self::RopeFactorsLong => "rope_factors_long.weight".into(),
+            Self::RopeFactorsShort => "rope_factors_short.weight".into(),
             Self::AttnQBias(l) => format!("blk.{l}.attn_q.bias"),
             Self::AttnKBias(l) => format!("blk.{l}.attn_k.bias"),
             Self::AttnVBias(l) => format!("blk.{l}.attn_v.bias"),

@@ -55,7 +55,7 @@ pub struct PreTokenizer {
 pub const SUPPORTED: &[&str] = &[
     "default", "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe",
     "deepseek-llm", "deepseek-coder", "deepseek-v3", "falcon", "mpt", "starcoder", "refact", "command-r", "smollm", "codeshell",
-    "exaone", "minerva-7b", "mellum2", "gpt-2", "phi-2", "olmo", "jais", "trillion", "granite-docling", "exaone4", "gigachat",
+    "exaone", "minerva-7b", "mellum2", "gpt-2", "gpt2", "phi-2", "olmo", "jais", "trillion", "granite-docling", "exaone4", "gigachat",
     "mellum", "qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan", "kormo", "qwen35", "chatglm-bpe", "glm4", "glm5",
     "tekken", "gpt-4o", "llama4", "seed-coder", "bailingmoe", "bailingmoe2", "llada-moe", "poro-chat", "bloom", "gpt3-finnish",
     "viking", "minicpm5",
@@ -74,7 +74,8 @@ pub fn lookup(name: &str) -> Result<PreTokenizer> {
         "deepseek-v3" => p(DEEPSEEK_V3, false),
         "falcon" => p(FALCON, false),
         "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => p(&[r"\p{N}", GPT2], false),
-        "gpt-2" | "phi-2" | "mpt" | "olmo" | "jais" | "trillion" | "granite-docling" | "exaone4" | "gigachat" | "mellum" => p(&[GPT2], false),
+        // "gpt2": Duet's own spelling before it followed llama.cpp's names (older test models).
+        "gpt-2" | "gpt2" | "phi-2" | "mpt" | "olmo" | "jais" | "trillion" | "granite-docling" | "exaone4" | "gigachat" | "mellum" => p(&[GPT2], false),
         "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" | "hunyuan" | "kormo" => p(&[QWEN2], false),
         "qwen35" => p(&[QWEN35], false),
         "tekken" => p(&[TEKKEN], true),

@@ -64,8 +64,8 @@ impl CpuDevice {
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
         let view = self.file.tensor(&w.name).expect("tensor checked at load");
-        let mat = QMatrix::new(w.ty, w.rows, w.cols, view.data);
-        match self.interleaved.get(&w.name) {
+        let mat = QMatrix::new(w.ty, w.rows, w.cols, w.bytes(view.data));
+        match self.interleaved.get(&w.key()) {
             Some(packed) => mat.with_interleaved(packed),
             None => mat,
         }
@@ -222,11 +222,13 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interle
     let mut bytes = 0usize;
     let products = m.weights().filter(|w| w.name != m.token_embd.name || w.name == m.output.name);
     for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
-        let data = file.tensor(&w.name).expect("tensor checked at load").data;
+        let data = w.bytes(file.tensor(&w.name).expect("tensor checked at load").data);
         if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {
             bytes += data.len();
-            out.insert(w.name.clone(), packed);
-            if w.ty == GgmlType::Q4K && w.name != m.token_embd.name {
+            out.insert(w.key(), packed);
+            // The pages of a part of a fused matrix stay: its other parts may not be repacked.
+            let whole = file.tensor_info(&w.name).is_some_and(|t| t.dims == [w.cols as u64, w.rows as u64]);
+            if w.ty == GgmlType::Q4K && w.name != m.token_embd.name && whole {
                 if let Err(e) = file.release_tensor_pages(&w.name) {
                     tracing::debug!(tensor = %w.name, error = %e, "could not release the file's pages");
                 }

@@ -12,13 +12,37 @@ use duet_common::model::names::TensorName;
 use crate::error::{Result, WorkerError};
 
 /// A weight matrix: the tensor's name in the file and its checked shape (`rows` outputs of
-/// `cols` inputs each).
+/// `cols` inputs each), starting at row `first_row` of the tensor (not 0 for a part of a fused
+/// matrix: Phi-3's K is rows q_dim.. of `attn_qkv`).
 #[derive(Debug, Clone)]
 pub struct Weight {
     pub name: String,
     pub ty: GgmlType,
     pub rows: usize,
     pub cols: usize,
+    pub first_row: usize,
+}
+
+impl Weight {
+    /// Its bytes in the tensor's data.
+    pub fn bytes<'a>(&self, tensor_data: &'a [u8]) -> &'a [u8] {
+        let rb = self.ty.row_bytes(self.cols);
+        &tensor_data[self.first_row * rb..(self.first_row + self.rows) * rb]
+    }
+
+    /// A name unique among the model's matrices (the tensor's, with the first row of a part).
+    pub fn key(&self) -> String {
+        if self.first_row == 0 {
+            self.name.clone()
+        } else {
+            format!("{}@{}", self.name, self.first_row)
+        }
+    }
+
+    /// Rows `first..first + rows` of this matrix.
+    fn part(&self, first: usize, rows: usize) -> Weight {
+        Weight { name: self.name.clone(), ty: self.ty, rows, cols: self.cols, first_row: self.first_row + first }
+    }
 }
 
 /// One transformer block's tensors.
@@ -62,7 +86,7 @@ fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result
     if info.dims != [cols as u64, rows as u64] {
         return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
     }
-    Ok(Weight { name, ty: info.ty, rows, cols })
+    Ok(Weight { name, ty: info.ty, rows, cols, first_row: 0 })
 }
 
 /// A 1-D tensor of `n` elements, dequantised to f32, when the file has it.
@@ -111,21 +135,46 @@ impl ModelTensors {
         };
         let layers = (0..c.n_layer)
             .map(|l| {
+                // Phi-3 fuses Q/K/V into one matrix and gate/up into another (gate first).
+                let [wq, wk, wv] = if f.tensor_info(&TensorName::AttnQkv(l).name()).is_some() {
+                    let qkv = weight(f, TensorName::AttnQkv(l), c.n_embd, c.q_dim() + 2 * c.kv_dim())?;
+                    [qkv.part(0, c.q_dim()), qkv.part(c.q_dim(), c.kv_dim()), qkv.part(c.q_dim() + c.kv_dim(), c.kv_dim())]
+                } else {
+                    [
+                        weight(f, TensorName::AttnQ(l), c.n_embd, c.q_dim())?,
+                        weight(f, TensorName::AttnK(l), c.n_embd, c.kv_dim())?,
+                        weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
+                    ]
+                };
+                let [gate, up] = if c.arch == "phi3" {
+                    let gate_up = weight(f, TensorName::FfnUp(l), c.n_embd, 2 * c.n_ff)?;
+                    [gate_up.part(0, c.n_ff), gate_up.part(c.n_ff, c.n_ff)]
+                } else {
+                    [weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?, weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?]
+                };
                 Ok(LayerTensors {
                     attn_norm: vector(f, TensorName::AttnNorm(l), c.n_embd)?,
-                    wq: weight(f, TensorName::AttnQ(l), c.n_embd, c.q_dim())?,
-                    wk: weight(f, TensorName::AttnK(l), c.n_embd, c.kv_dim())?,
-                    wv: weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
+                    wq,
+                    wk,
+                    wv,
                     wo: weight(f, TensorName::AttnOutput(l), c.q_dim(), c.n_embd)?,
                     qkv_bias: all_or_none(f, [(TensorName::AttnQBias(l), c.q_dim()), (TensorName::AttnKBias(l), c.kv_dim()), (TensorName::AttnVBias(l), c.kv_dim())])?,
                     qk_norm: all_or_none(f, [(TensorName::AttnQNorm(l), c.head_dim), (TensorName::AttnKNorm(l), c.head_dim)])?,
                     ffn_norm: vector(f, TensorName::FfnNorm(l), c.n_embd)?,
-                    gate: weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?,
-                    up: weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?,
+                    gate,
+                    up,
                     down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        for long_rope in [TensorName::RopeFactorsLong, TensorName::RopeFactorsShort] {
+            if f.tensor_info(&long_rope.name()).is_some() {
+                return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!(
+                    "{}: LongRoPE (Phi-3.x long-context models) is not supported yet",
+                    long_rope.name()
+                ))));
+            }
+        }
         if c.arch == "qwen3" && layers.iter().any(|l| l.qk_norm.is_none()) {
             return Err(WorkerError::from(GgufError::MissingTensor(TensorName::AttnQNorm(0).name())));
         }
@@ -156,10 +205,14 @@ impl ModelTensors {
         if self.config.rope_neox {
             out.push("NeoX RoPE");
         }
+        if self.weights().any(|w| w.first_row != 0) {
+            out.push("fused Q/K/V and gate/up matrices");
+        }
         out
     }
 
-    /// Every weight matrix, each once (a tied LM head is the embedding).
+    /// Every weight matrix, each once (a tied LM head is the embedding; the parts of a fused
+    /// matrix each).
     pub fn weights(&self) -> impl Iterator<Item = &Weight> {
         let tied = self.output.name == self.token_embd.name;
         std::iter::once(&self.token_embd)

@@ -100,7 +100,7 @@ impl CudaDevice {
                 missing.join(", ")
             ))));
         }
-        let need: usize = m.weights().map(|w| file.tensor(&w.name).map(|t| t.data.len()).unwrap_or(0)).sum();
+        let need: usize = m.weights().map(|w| file.tensor(&w.name).map(|t| w.bytes(t.data).len()).unwrap_or(0)).sum();
         let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
         if need + WORKSPACE_ELEMS * 2 > free {
             return Err(CudaError::OutOfMemory { need: need + WORKSPACE_ELEMS * 2, free, gpu: gpu.name.clone() }.into());
@@ -114,7 +114,7 @@ impl CudaDevice {
         tracing::info!(ms = started.elapsed().as_millis() as u64, arch = gpu.arch, "CUDA kernels ready");
         let up = |w: &super::model::Weight| -> Result<GpuWeight> {
             let t = file.tensor(&w.name).map_err(|e| WorkerError::Model(e.into()))?;
-            Ok(GpuWeight::upload(&stream, w, t.data)?)
+            Ok(GpuWeight::upload(&stream, w, w.bytes(t.data))?)
         };
         let vec_up = |v: &[f32]| -> Result<CudaSlice<f32>> { Ok(stream.clone_htod(v).map_err(CudaError::from)?) };
         let token_embd = up(&m.token_embd)?;

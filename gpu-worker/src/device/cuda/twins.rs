@@ -77,7 +77,7 @@ fn dequant_rows(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Vec<f32>
 }
 
 fn upload(k: &Launcher, ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> GpuWeight {
-    GpuWeight::upload(&k.stream, &Weight { name: format!("{ty:?}"), ty, rows, cols }, data).unwrap()
+    GpuWeight::upload(&k.stream, &Weight { name: format!("{ty:?}"), ty, rows, cols, first_row: 0 }, data).unwrap()
 }
 
 fn down<T: cudarc::driver::DeviceRepr>(k: &Launcher, x: &cudarc::driver::CudaSlice<T>) -> Vec<T> {
