@@ -119,3 +119,16 @@ fn tojson_writes_what_pythons_json_dumps_writes() {
     let got = template.render(&[x], false).unwrap();
     assert_eq!(got, "{\"b\": \"<&'>\", \"a\": [1, 2.5, null, true], \"c\": {}}|{\n  \"b\": \"<&'>\",\n  \"a\": [\n    1,\n    2.5,\n    null,\n    true\n  ],\n  \"c\": {}\n}|[]");
 }
+
+/// A template is untrusted input: one that would run for ages is stopped (minijinja's fuel)
+/// with a template error.
+#[test]
+fn a_runaway_template_is_stopped_with_an_error() {
+    let t = ChatTemplate::new("{% for i in range(10000) %}{% for j in range(10000) %}x{% endfor %}{% endfor %}", "", "").unwrap();
+    let started = std::time::Instant::now();
+    match t.render(&[ChatMessage::new("user", "hi")], true) {
+        Err(Error::Template(msg)) => assert!(msg.contains("fuel"), "{msg}"),
+        other => panic!("expected a template error, got {:?}", other.map(|s| s.len())),
+    }
+    eprintln!("stopped after {:?}", started.elapsed());
+}

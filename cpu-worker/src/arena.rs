@@ -4,6 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
+use duet_common::kv::layout::{HEADER_BYTES, OFF_GENERATION, OFF_MODEL_ID};
 use duet_common::kv::paged::ArenaRows;
 use duet_common::kv::ArenaLayout;
 use duet_common::shm::Segment;
@@ -41,6 +42,7 @@ impl Arena {
     pub fn create(
         name: &str,
         layout: ArenaLayout,
+        model_id: u64,
         numa_node: Option<u32>,
         pool: &rayon::ThreadPool,
     ) -> Result<(Arena, ArenaSetup), WorkerError> {
@@ -57,8 +59,55 @@ impl Arena {
         // once the worker's exchange ring exists, which is created after this returns; no
         // other slice of the header range exists.
         unsafe { seg.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
+        seg.atomic_u64(OFF_MODEL_ID).store(model_id, Ordering::Release);
+        seg.atomic_u64(OFF_GENERATION).store(1, Ordering::Release);
         setup.locked = seg.lock().is_ok();
         Ok((Arena { seg, layout, _owner: owner }, setup))
+    }
+
+    /// Takes over the arena a dead worker of this name left at `/dev/shm/<name>`, K/V and
+    /// all, when its header has `layout` and `model_id` (not 0): takes the owner lock (a live
+    /// worker's is `SegmentInUse`), counts one more generation, binds and locks it as
+    /// [`Arena::create`] does. `Ok(Err(why))` when the arena cannot be kept.
+    pub fn reattach(
+        name: &str,
+        layout: ArenaLayout,
+        model_id: u64,
+        numa_node: Option<u32>,
+    ) -> Result<Result<(Arena, ArenaSetup), String>, WorkerError> {
+        let mut seg = Segment::open(name)?;
+        let owner = lock_owner(seg.path())?;
+        let total = layout.total_bytes()?;
+        if seg.len() != total {
+            return Ok(Err(format!("it is {} bytes, this worker's layout {total}", seg.len())));
+        }
+        // SAFETY: the owner lock is ours, so no worker serves from the segment, and producers
+        // attach only once this worker's ring exists (it is rebuilt after this returns).
+        let found = match ArenaLayout::decode_header(unsafe { seg.slice::<u8>(0, HEADER_BYTES) }) {
+            Ok(found) => found,
+            Err(e) => return Ok(Err(format!("its header does not read: {e}"))),
+        };
+        if found != layout {
+            return Ok(Err(format!("its layout is {found:?}, this worker's {layout:?}")));
+        }
+        let stored = seg.atomic_u64(OFF_MODEL_ID).load(Ordering::Acquire);
+        if model_id == 0 || stored != model_id {
+            return Ok(Err(format!("it holds the K/V of model {stored:#x}, this worker serves {model_id:#x}")));
+        }
+        let generation = seg.atomic_u64(OFF_GENERATION).fetch_add(1, Ordering::AcqRel) + 1;
+        seg.take_over();
+        let mut setup = ArenaSetup::default();
+        if let Some(node) = numa_node {
+            setup.numa_bound = bind(&seg, node);
+        }
+        setup.locked = seg.lock().is_ok();
+        tracing::info!(arena = name, generation, "re-attached to the KV arena a previous worker left: its K/V is kept");
+        Ok(Ok((Arena { seg, layout, _owner: owner }, setup)))
+    }
+
+    /// Workers that attached to this arena: 1 when this one created it.
+    pub fn generation(&self) -> u64 {
+        self.seg.atomic_u64(OFF_GENERATION).load(Ordering::Acquire)
     }
 
     /// The arena's layout.

@@ -72,6 +72,12 @@ pub struct Args {
     /// without removing them (e.g. killed by SIGKILL). A running worker's are never removed.
     #[arg(long, env = "DUET_CPU_REPLACE", value_parser = clap::builder::BoolishValueParser::new())]
     pub replace: bool,
+    /// Keep the KV arena a previous worker of this name left behind (it crashed: its K/V is
+    /// still there) when its header has this worker's layout and model; otherwise rebuild it,
+    /// saying why. The exchange ring is rebuilt either way. Needs --model (the model's
+    /// identity is checked).
+    #[arg(long, env = "DUET_CPU_REATTACH", value_parser = clap::builder::BoolishValueParser::new())]
+    pub reattach: bool,
 }
 
 impl Args {
@@ -92,6 +98,10 @@ impl Args {
             (Some(_), Some(_)) => return Err(WorkerError::Config("--kv-blocks and --kv-bytes exclude each other".into())),
         };
         let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(|e| WorkerError::Config(e.to_string()))?;
+        let model_id = self.model.as_deref().map(crate::model_identity).transpose()?.unwrap_or(0);
+        if self.reattach && model_id == 0 {
+            return Err(WorkerError::Config("--reattach needs --model: the arena's model is checked before its K/V is kept".into()));
+        }
         Ok(Config {
             instance: self.instance,
             worker: self.worker.or(self.numa_node).unwrap_or(0),
@@ -106,6 +116,8 @@ impl Args {
             poll: Config::DEFAULT_POLL,
             listen: self.listen,
             replace: self.replace,
+            reattach: self.reattach,
+            model_id,
         })
     }
 }

@@ -76,6 +76,26 @@ pub fn kv_shape_of(path: &Path) -> Result<KvShape, WorkerError> {
     LlamaConfig::from_gguf(&gguf).and_then(|c| c.kv_shape()).map_err(model_err)
 }
 
+/// A model file's identity for the arena header: FNV-1a over its length and its first MiB
+/// (the GGUF header, metadata and tensor table), so a restarted worker re-attaches only to an
+/// arena filled by the same model.
+pub fn model_identity(path: &Path) -> Result<u64, WorkerError> {
+    use std::io::Read;
+    let io_err = |e: std::io::Error| WorkerError::Model {
+        path: path.to_path_buf(),
+        source: duet_common::Error::Io { path: path.display().to_string(), source: e },
+    };
+    let mut file = std::fs::File::open(path).map_err(io_err)?;
+    let len = file.metadata().map_err(io_err)?.len();
+    let mut head = Vec::with_capacity(1 << 20);
+    file.by_ref().take(1 << 20).read_to_end(&mut head).map_err(io_err)?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in len.to_le_bytes().iter().chain(&head) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    Ok(h.max(1))
+}
+
 /// How large the arena is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KvSize {
@@ -112,6 +132,13 @@ pub struct Config {
     pub listen: Option<Address>,
     /// Remove segments of the same names a dead previous worker left behind.
     pub replace: bool,
+    /// Keep the arena a dead previous worker left behind, K/V and all, when its header says
+    /// it has this configuration's layout and model (else rebuild it, saying why); its ring is
+    /// rebuilt.
+    pub reattach: bool,
+    /// Identity of the model whose K/V the arena holds ([`model_identity`]; 0: unknown, never
+    /// re-attached).
+    pub model_id: u64,
 }
 
 impl Config {
@@ -165,8 +192,22 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
     let pool = build_pool(threads, cpus.clone())?;
     let arena_name = arena_name(&config.instance, config.worker);
     let ring_name = ring_name(&config.instance, config.worker);
-    stale::clear_leftovers(&arena_name, &ring_name, config.replace)?;
-    let (arena, setup) = arena::Arena::create(&arena_name, layout, config.numa_node, &pool)?;
+    let kept = stale::clear_leftovers(&arena_name, &ring_name, config.replace, config.reattach)?;
+    let reattached = match kept {
+        true => match arena::Arena::reattach(&arena_name, layout, config.model_id, config.numa_node)? {
+            Ok(found) => Some(found),
+            Err(why) => {
+                tracing::warn!(arena = %arena_name, "not re-attaching to the arena a previous worker left: {why}; rebuilding it (its K/V is lost)");
+                Segment::remove(&arena_name)?;
+                None
+            }
+        },
+        false => None,
+    };
+    let (arena, setup) = match reattached {
+        Some(found) => found,
+        None => arena::Arena::create(&arena_name, layout, config.model_id, config.numa_node, &pool)?,
+    };
     let ring_bytes = Ring::bytes_needed(config.ring_slots, config.slot_bytes)
         .ok_or_else(|| WorkerError::Config("exchange ring size overflows".into()))?;
     let ring_seg = Segment::create(&ring_name, ring_bytes)?;
@@ -185,6 +226,7 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
         threads: u32::try_from(pool.current_num_threads()).unwrap_or(u32::MAX),
         numa_node: config.numa_node.filter(|_| setup.numa_bound),
         arena_locked: setup.locked,
+        arena_generation: arena.generation(),
     };
     let listen = control.as_ref().map(|c| c.address().to_string());
     let result = std::thread::scope(|scope| {
@@ -203,6 +245,7 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
             numa_node = ?config.numa_node,
             numa_bound = setup.numa_bound,
             arena_locked = setup.locked,
+            arena_generation = arena.generation(),
             ring_locked,
             listen = listen.as_deref().unwrap_or("-"),
             "cpu-worker ready"

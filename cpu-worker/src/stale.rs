@@ -42,36 +42,40 @@ enum Found {
     Live,
 }
 
-/// Makes sure the worker can create `arena` and `ring`. A live worker's arena is always an
-/// error (`SegmentInUse`). Leftovers of a dead worker are removed when `replace` is set,
-/// with a warning naming each, and are a `StaleSegment` error suggesting `--replace`
-/// otherwise. The ring has no lock of its own: it goes with the arena's owner.
-pub fn clear_leftovers(arena: &str, ring: &str, replace: bool) -> Result<(), WorkerError> {
+/// Makes sure the worker can create `ring`, and `arena` unless it is kept. A live worker's
+/// arena is always an error (`SegmentInUse`). With `keep_arena`, a dead worker's arena stays
+/// (`Ok(true)`: the caller re-attaches to it or removes it) and its ring is removed; otherwise
+/// a dead worker's leftovers are removed when `replace` is set, with a warning naming each,
+/// and are a `StaleSegment` error suggesting `--replace` when not. The ring has no lock of its
+/// own: it goes with the arena's owner.
+pub fn clear_leftovers(arena: &str, ring: &str, replace: bool, keep_arena: bool) -> Result<bool, WorkerError> {
     let arena_path = Path::new(SHM_DIR).join(arena);
     let ring_path = Path::new(SHM_DIR).join(ring);
     let arena_found = probe(&arena_path)?;
     if arena_found == Found::Live {
         return Err(WorkerError::SegmentInUse { path: arena_path });
     }
+    let kept = keep_arena && arena_found == Found::Stale;
     let mut leftovers: Vec<(&str, PathBuf)> = Vec::new();
-    if arena_found != Found::Nothing {
+    if arena_found != Found::Nothing && !kept {
         leftovers.push((arena, arena_path));
     }
     if exists(&ring_path) {
         leftovers.push((ring, ring_path));
     }
-    if let Some((_, path)) = leftovers.first().filter(|_| !replace) {
+    if let Some((_, path)) = leftovers.first().filter(|_| !replace && !keep_arena) {
         return Err(WorkerError::StaleSegment { path: path.clone() });
     }
+    let flag = if replace { "--replace" } else { "--reattach" };
     for (name, path) in leftovers {
         if Segment::remove(name)? {
             tracing::warn!(
                 segment = %path.display(),
-                "--replace: removed a segment that a previous cpu-worker of this name left behind (no running worker holds it)"
+                "{flag}: removed a segment that a previous cpu-worker of this name left behind (no running worker holds it)"
             );
         }
     }
-    Ok(())
+    Ok(kept)
 }
 
 /// Whether `path` exists (a dangling link counts: creating over it fails too).
@@ -127,13 +131,13 @@ mod tests {
     #[test]
     fn leftovers_are_told_from_live_segments() {
         let (arena, ring) = (name("kv"), name("xchg"));
-        assert!(clear_leftovers(&arena, &ring, false).is_ok(), "nothing there");
+        assert!(clear_leftovers(&arena, &ring, false, false).is_ok(), "nothing there");
 
         // A live owner: refused with or without --replace, and left alone.
         let seg = Segment::create(&arena, 4096).unwrap();
         let lock = lock_owner(seg.path()).unwrap();
         for replace in [false, true] {
-            let e = clear_leftovers(&arena, &ring, replace).unwrap_err();
+            let e = clear_leftovers(&arena, &ring, replace, false).unwrap_err();
             assert!(matches!(e, WorkerError::SegmentInUse { .. }), "{e}");
         }
         assert!(seg.path().exists());
@@ -147,9 +151,9 @@ mod tests {
         let mut ring_seg = Segment::create(&ring, 4096).unwrap();
         ring_seg.persist();
         drop(ring_seg);
-        let e = clear_leftovers(&arena, &ring, false).unwrap_err();
+        let e = clear_leftovers(&arena, &ring, false, false).unwrap_err();
         assert!(matches!(e, WorkerError::StaleSegment { .. }) && e.to_string().contains("--replace"), "{e}");
-        clear_leftovers(&arena, &ring, true).unwrap();
+        clear_leftovers(&arena, &ring, true, false).unwrap();
         for n in [&arena, &ring] {
             assert!(!Path::new(SHM_DIR).join(n).exists(), "{n} was not removed");
         }
@@ -158,8 +162,8 @@ mod tests {
         let mut ring_seg = Segment::create(&ring, 4096).unwrap();
         ring_seg.persist();
         drop(ring_seg);
-        assert!(matches!(clear_leftovers(&arena, &ring, false), Err(WorkerError::StaleSegment { .. })));
-        clear_leftovers(&arena, &ring, true).unwrap();
+        assert!(matches!(clear_leftovers(&arena, &ring, false, false), Err(WorkerError::StaleSegment { .. })));
+        clear_leftovers(&arena, &ring, true, false).unwrap();
         assert!(!Path::new(SHM_DIR).join(&ring).exists());
     }
 }

@@ -37,6 +37,8 @@
 //! | 36 | u32 | n_blocks |
 //! | 40 | u64 | block bytes (derived, checked on decode) |
 //! | 48 | u64 | total bytes (derived, checked on decode) |
+//! | 56 | u64 | identity of the model whose K/V the arena holds (written by the cpu-worker; 0: unknown) |
+//! | 64 | u64 | generation: workers that attached to the arena, 1 for its creator (written by the cpu-worker) |
 //!
 //! The fields are public plain data; every size is computed with checked arithmetic and
 //! returns [`KvError::ZeroDimension`] or [`KvError::SizeOverflow`] for a layout that cannot
@@ -50,6 +52,10 @@ pub const MAGIC: [u8; 8] = *b"DUETKVAR";
 pub const VERSION: u32 = 2;
 /// Size of the header; block 0 starts here.
 pub const HEADER_BYTES: usize = 4096;
+/// Byte offset of the header's model identity (see the table above; not part of the layout).
+pub const OFF_MODEL_ID: usize = 56;
+/// Byte offset of the header's generation counter (see the table above).
+pub const OFF_GENERATION: usize = 64;
 /// Alignment of every head run, block and offset, in bytes.
 pub const ALIGN: usize = 64;
 /// Tokens per block unless configured otherwise. A block's run of one layer and KV head is

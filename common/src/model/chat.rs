@@ -48,6 +48,9 @@ impl std::fmt::Debug for ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat";
 
+/// The most instructions one rendering may run (minijinja's fuel).
+const TEMPLATE_FUEL: u64 = 20_000_000;
+
 impl ChatTemplate {
     /// Compiles `source`; `bos_token` / `eos_token` are the strings templates may reference.
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<Self> {
@@ -55,6 +58,9 @@ impl ChatTemplate {
         // Hugging Face's environment: ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).
         let syntax = minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build();
         env.set_syntax(syntax.map_err(|e| Error::Template(e.to_string()))?);
+        // A template is untrusted input (it comes with the model file): a bound on the work
+        // one rendering may do, far above what real templates need for long conversations.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))

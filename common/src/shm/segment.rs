@@ -148,6 +148,12 @@ impl Segment {
         Segment { map, len, name: name.to_string(), path, remove_on_drop }
     }
 
+    /// Makes this handle remove the file when it drops, as its creator's would have: a
+    /// process that re-attached to the segment of a creator that died owns it now.
+    pub fn take_over(&mut self) {
+        self.remove_on_drop = true;
+    }
+
     /// Keeps the file after this (creating) handle drops, so a restarted process can re-attach.
     pub fn persist(&mut self) {
         self.remove_on_drop = false;
