@@ -129,7 +129,10 @@ impl LocalWorkers {
         spawn(cmd)
     }
 
-    fn spawn_cpu(&self, worker: u32, replace: bool) -> std::io::Result<Child> {
+    /// Starts cpu-worker `worker`: the first time after removing whatever a previous instance
+    /// of this name left (`fresh`), after a crash keeping its KV arena when the arena still
+    /// fits (`--reattach`: the sessions with KV on it survive).
+    fn spawn_cpu(&self, worker: u32, fresh: bool) -> std::io::Result<Child> {
         let mut cmd = Process::new(worker_binary("duet-cpu-worker"));
         cmd.args(["--instance", &self.instance, "--worker", &worker.to_string(), "--kv-bytes", &self.kv_bytes])
             .arg("--model")
@@ -144,9 +147,7 @@ impl LocalWorkers {
             // One node: share the cores between the workers (unpinned).
             cmd.args(["--threads", &(cpu_count() / self.cpu_workers as usize).max(1).to_string()]);
         }
-        if replace {
-            cmd.arg("--replace");
-        }
+        cmd.arg(if fresh { "--replace" } else { "--reattach" });
         spawn(cmd)
     }
 }
@@ -262,7 +263,7 @@ pub fn keep_running(cfg: LocalWorkers, children: LocalChildren, mut stop: watch:
         tasks.push(tokio::spawn(babysit("gpu-worker".into(), gpu, stop.clone(), move || gpu_cfg.spawn_gpu())));
         for (w, child) in cpus.into_iter().enumerate() {
             let c = cfg.clone();
-            tasks.push(tokio::spawn(babysit(format!("cpu-worker {w}"), child, stop.clone(), move || c.spawn_cpu(w as u32, true))));
+            tasks.push(tokio::spawn(babysit(format!("cpu-worker {w}"), child, stop.clone(), move || c.spawn_cpu(w as u32, false))));
         }
         let _ = stop.wait_for(|s| *s).await;
         for t in tasks {
@@ -321,6 +322,9 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
         let Workers { mut gpu, gpu_info, mut cpus, cpu_infos } = workers;
         let mut gpu_pid = Some(gpu_info.pid);
         let mut cpu_pids: Vec<Option<u32>> = cpu_infos.iter().map(|i| Some(i.pid)).collect();
+        // Each cpu-worker's arena generation when last seen: one more after a restart means it
+        // re-attached to the same arena (its KV kept).
+        let mut cpu_generations: Vec<u64> = cpu_infos.iter().map(|i| i.arena_generation).collect();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(WATCH_PERIOD) => {}
@@ -368,7 +372,9 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
                         match attach(&mut gpu, &info, local).await {
                             Ok(_) => {
                                 cpu_pids[w] = Some(info.pid);
-                                let _ = scheduler.send(Command::WorkerUp { worker }).await;
+                                let kv_kept = old_generation_kept(cpu_generations[w], info.arena_generation);
+                                cpu_generations[w] = info.arena_generation;
+                                let _ = scheduler.send(Command::WorkerUp { worker, kv_kept }).await;
                             }
                             Err(e) => tracing::warn!("re-attaching cpu-worker {worker}: {e}"),
                         }
@@ -378,6 +384,13 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
             }
         }
     })
+}
+
+/// Whether a restarted cpu-worker re-attached to the arena its predecessor had: the
+/// generation counts each attach, so exactly one more means the same arena, K/V intact (a
+/// rebuilt arena starts again at 1; 0 is a worker that does not say).
+fn old_generation_kept(before: u64, now: u64) -> bool {
+    before > 0 && now == before + 1
 }
 
 async fn gpu_info_quick(c: &mut GpuWorkerClient<Channel>) -> Result<pb::GpuInfoResponse, tonic::Status> {
@@ -405,6 +418,16 @@ mod tests {
     fn fixture(name: &str) -> Topology {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../common/tests/fixtures/sysfs").join(name);
         Topology::read_from(&dir).unwrap()
+    }
+
+    #[test]
+    fn a_restarted_worker_kept_its_kv_only_at_the_next_generation() {
+        assert!(old_generation_kept(1, 2));
+        assert!(old_generation_kept(5, 6));
+        assert!(!old_generation_kept(3, 1), "a rebuilt arena starts again at 1");
+        assert!(!old_generation_kept(1, 1), "the same generation is another arena created afresh");
+        assert!(!old_generation_kept(0, 1), "a worker that did not say");
+        assert!(!old_generation_kept(2, 4), "another worker attached in between");
     }
 
     #[test]

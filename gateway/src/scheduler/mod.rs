@@ -37,10 +37,12 @@ pub enum Command {
     Info { reply: oneshot::Sender<ServerInfo> },
     /// Switch the balancer's policy from the next step on.
     SetPolicy { policy: Policy },
-    /// A cpu-worker died: its KV is gone.
+    /// A cpu-worker died: the requests running on it fail; idle sessions with KV on it wait
+    /// for [`Command::WorkerUp`] to learn whether its arena (their KV) was kept.
     WorkerDown { worker: u32, reason: String },
-    /// A cpu-worker is (again) serving and attached to the gpu-worker.
-    WorkerUp { worker: u32 },
+    /// A cpu-worker is (again) serving and attached to the gpu-worker; `kv_kept`: it re-attached
+    /// to its predecessor's arena, so the KV of the sessions on it is intact.
+    WorkerUp { worker: u32, kv_kept: bool },
     /// The gpu-worker died: every sequence is gone.
     GpuDown { reason: String },
     GpuUp,
@@ -245,14 +247,16 @@ impl Scheduler {
                 self.stats.reset_errors();
             }
             Command::WorkerDown { worker, reason } => self.worker_down(worker, &reason),
-            Command::WorkerUp { worker } => {
-                if let Some(up) = self.worker_up.get_mut(worker as usize) {
-                    if !*up {
-                        self.restarts[worker as usize] += 1;
+            Command::WorkerUp { worker, kv_kept } => {
+                let Some(&was_up) = self.worker_up.get(worker as usize) else { return };
+                if !was_up {
+                    self.restarts[worker as usize] += 1;
+                    if !kv_kept {
+                        self.drop_sessions_on(worker, &format!("its KV was on cpu-worker {worker}, which restarted without it"));
                     }
-                    *up = true;
-                    tracing::info!(worker, "cpu-worker is serving again");
                 }
+                self.worker_up[worker as usize] = true;
+                tracing::info!(worker, kv_kept, "cpu-worker is serving again");
             }
             Command::GpuDown { reason } => {
                 self.gpu_up = false;
@@ -282,7 +286,9 @@ impl Scheduler {
         }
     }
 
-    /// Fails the requests and drops the sessions with KV on a dead cpu-worker.
+    /// Fails the requests with KV on a dead cpu-worker (their sessions are lost with them: the
+    /// step that failed may have written part of their new K/V). Idle sessions on it are kept
+    /// until the worker is back ([`Command::WorkerUp`] says whether its KV was).
     fn worker_down(&mut self, worker: u32, reason: &str) {
         if let Some(up) = self.worker_up.get_mut(worker as usize) {
             *up = false;
@@ -302,12 +308,18 @@ impl Scheduler {
             }
             self.released.push(seq.id);
         }
+    }
+
+    /// Drops the idle sessions with KV on `worker` (its arena was not kept), recording why.
+    fn drop_sessions_on(&mut self, worker: u32, why: &str) {
+        let on_worker = |t: &duet_common::kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
         let dead: Vec<String> =
             self.sessions.iter().filter(|(_, s)| s.table.as_ref().is_some_and(on_worker)).map(|(k, _)| k.clone()).collect();
         for id in dead {
+            // Dropping the table gives its blocks back to the pool.
             let s = self.sessions.remove(&id).expect("listed");
             self.released.push(s.seq_id);
-            self.lost_sessions.record(id, &why);
+            self.lost_sessions.record(id, why);
         }
     }
 
@@ -529,8 +541,11 @@ impl Scheduler {
             return Ok((self.text.prompt_ids(&p.prompt)?, None, messages));
         };
         let s = self.sessions.get(id).ok_or_else(|| self.lost_sessions.missing(id))?;
-        if s.table.is_none() {
-            return Err(GatewayError::SessionBusy(id.clone()));
+        let Some(table) = &s.table else { return Err(GatewayError::SessionBusy(id.clone())) };
+        if let Some(down) = table.blocks().iter().map(|b| b.0 .0).find(|&w| !self.worker_up.get(w as usize).copied().unwrap_or(true)) {
+            return Err(GatewayError::Unavailable(format!(
+                "session {id}: its KV is on cpu-worker {down}, which is restarting; retry shortly (the session is kept if the worker's arena is)"
+            )));
         }
         let mut full = s.history.clone();
         let mut messages = s.messages.clone();
