@@ -232,6 +232,36 @@ async fn the_service_behaves_as_a_client_expects() {
     assert!(g.text.starts_with(" 8, 9, 10,"), "{:?}", g.text);
     assert_ne!(pids_with(&["duet-cpu-worker", &gw.instance]), pids);
 
+    // The gpu-worker killed under an idle session: its KV is in the cpu-worker's arena, so
+    // the restarted gpu-worker takes the session up from it (the gateway sends the blocks
+    // and the tokens held), and the next turn matches a fresh request.
+    let idle = generate(&mut gw.client(), pb::GenerateRequest { create_session: true, ..text_req("Hello there", 4) }).await.unwrap();
+    let idle_session = idle.prompt.session_id.clone();
+    let gpu_pids = pids_with(&["duet-gpu-worker", &gw.runtime_dir.to_string_lossy()]);
+    assert_eq!(gpu_pids.len(), 1, "one gpu-worker of this instance: {gpu_pids:?}");
+    // SAFETY: killing the test's own grandchild.
+    unsafe { libc::kill(gpu_pids[0] as libc::pid_t, libc::SIGKILL) };
+    let again = tokenize(&gw, " again").await;
+    let turn = pb::GenerateRequest { session_id: Some(idle_session.clone()), top_logprobs: 2, ..greedy(again.clone(), 4) };
+    let started = std::time::Instant::now();
+    let next = loop {
+        // UNAVAILABLE while the gpu-worker is down or not yet attached again.
+        match generate(&mut gw.client(), turn.clone()).await {
+            Ok(g) => break g,
+            Err(e) if e.code() == Code::Unavailable && started.elapsed() < Duration::from_secs(90) => tokio::time::sleep(Duration::from_millis(200)).await,
+            Err(e) => panic!("the idle session after a gpu-worker restart: {e}"),
+        }
+    };
+    assert_ne!(pids_with(&["duet-gpu-worker", &gw.runtime_dir.to_string_lossy()]), gpu_pids, "the gpu-worker was restarted");
+    assert_eq!(next.prompt.cached_tokens as usize, idle.prompt.prompt_ids.len() + idle.ids.len() - 1, "the KV in the arena is used");
+    let mut whole = idle.prompt.prompt_ids.clone();
+    whole.extend(&idle.ids);
+    whole.extend(&again);
+    let fresh = generate(&mut gw.client(), pb::GenerateRequest { top_logprobs: 2, ..greedy(whole, 4) }).await.unwrap();
+    let fresh_ref = RefGeneration { margins: fresh.top.iter().map(|t| (t[0].1 - t[1].1) as f64).collect(), ids: fresh.ids.clone() };
+    same_up_to_near_tie(&next.ids, &fresh_ref, 0.5).unwrap_or_else(|e| panic!("a session turn after a gpu-worker restart vs a fresh request: {e}"));
+    gw.client().close_session(pb::CloseSessionRequest { session_id: idle_session }).await.unwrap();
+
     let status = gw.stop();
     assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
     assert!(!gw.runtime_dir.exists(), "runtime directory removed");

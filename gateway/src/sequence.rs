@@ -56,6 +56,9 @@ pub struct Session {
     /// The chat messages so far (chat sessions), the assistant's replies included.
     pub messages: Vec<ChatMessage>,
     pub last_used: Instant,
+    /// The gpu-worker generation (see the scheduler) its sequence was last sent to: a session
+    /// older than the running gpu-worker is taken up again from its KV (`Seq::restore`).
+    pub gpu_generation: u64,
 }
 
 /// A request being served.
@@ -73,6 +76,13 @@ pub struct Seq {
     pub table: BlockTable,
     /// Blocks of `table` the gpu-worker has been told about.
     pub sent_blocks: usize,
+    /// The gpu-worker may not know this sequence although its KV is in the arenas (its
+    /// session outlived a gpu-worker restart): the first step sends every block and the tokens
+    /// held (`held_tokens`).
+    pub restore: bool,
+    /// The session's KV length when this request took it: what the session goes back to if
+    /// the request fails (its earlier turns' KV is intact).
+    pub resume_from: usize,
     /// Tokens whose KV is in the table.
     pub kv_tokens: Vec<u32>,
     /// Tokens still to feed: the rest of the prompt, or the last sampled token.

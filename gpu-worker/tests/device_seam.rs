@@ -163,6 +163,7 @@ fn part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: 
         attention: Vec::new(),
         sub_batch: sub,
         feed_sampled: tokens.is_empty(),
+        held_tokens: Vec::new(),
     }
 }
 

@@ -36,6 +36,7 @@ fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32], first: bool
         attention: Vec::new(),
         sub_batch: 0,
         feed_sampled: tokens.is_empty(),
+        held_tokens: Vec::new(),
     }
 }
 

@@ -98,6 +98,7 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
         worker_up: vec![true; n_workers],
         restarts: vec![0; n_workers],
         gpu_up: true,
+        gpu_generation: 0,
         prefilled_total: 0,
         generated_total: 0,
         drain: None,
@@ -140,6 +141,8 @@ struct Scheduler {
     worker_up: Vec<bool>,
     restarts: Vec<u32>,
     gpu_up: bool,
+    /// Counts gpu-worker restarts: a session sent to an older one is taken up again.
+    gpu_generation: u64,
     prefilled_total: u64,
     generated_total: u64,
     drain: Option<(Instant, oneshot::Sender<()>)>,
@@ -265,17 +268,22 @@ impl Scheduler {
                     f.abort();
                 }
                 let err = GatewayError::Unavailable(format!("the gpu-worker failed ({reason}); the request's KV is lost"));
+                // Sessions stay: their KV is in the cpu-workers' arenas, and the next
+                // gpu-worker takes each up from it (`Seq::restore`); one whose request was
+                // running goes back to where that request found it.
                 for seq in std::mem::take(&mut self.running) {
                     metrics::request_failed(false);
                     let _ = seq.events.send(Err(err.clone()));
-                }
-                let why = format!("the gpu-worker failed ({reason})");
-                for (id, _) in self.sessions.drain() {
-                    self.lost_sessions.record(id, &why);
+                    self.return_session(seq);
                 }
                 self.released.clear();
             }
-            Command::GpuUp => self.gpu_up = true,
+            Command::GpuUp => {
+                if !self.gpu_up {
+                    self.gpu_generation += 1;
+                }
+                self.gpu_up = true;
+            }
             Command::Drain { deadline, reply } => {
                 for w in std::mem::take(&mut self.waiting) {
                     metrics::request_failed(false);
@@ -286,15 +294,14 @@ impl Scheduler {
         }
     }
 
-    /// Fails the requests with KV on a dead cpu-worker (their sessions are lost with them: the
-    /// step that failed may have written part of their new K/V). Idle sessions on it are kept
-    /// until the worker is back ([`Command::WorkerUp`] says whether its KV was).
+    /// Fails the requests with KV on a dead cpu-worker; their sessions go back to where the
+    /// requests found them, and like every idle session with KV on the worker they wait until
+    /// it is back ([`Command::WorkerUp`] says whether its KV was kept).
     fn worker_down(&mut self, worker: u32, reason: &str) {
         if let Some(up) = self.worker_up.get_mut(worker as usize) {
             *up = false;
         }
         let on_worker = |t: &duet_common::kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
-        let why = format!("its KV was on cpu-worker {worker}, which failed ({reason})");
         let err = GatewayError::Unavailable(format!("cpu-worker {worker} failed ({reason}); the request's KV on it is lost"));
         let (lost, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running).into_iter().partition(|s| on_worker(&s.table));
         self.running = kept;
@@ -302,11 +309,7 @@ impl Scheduler {
             tracing::warn!(seq = seq.id, worker, "request failed: its KV was on the dead cpu-worker");
             metrics::request_failed(false);
             let _ = seq.events.send(Err(err.clone()));
-            if let Some((id, _)) = &seq.session {
-                self.sessions.remove(id);
-                self.lost_sessions.record(id.clone(), &why);
-            }
-            self.released.push(seq.id);
+            self.return_session(seq);
         }
     }
 
@@ -472,9 +475,12 @@ impl Scheduler {
         }
 
         // Admitted: take the session's KV (or start a new table) and keep what is cached.
+        let mut restore = false;
         let (seq_id, mut table, mut kv_tokens, session_name) = match &session {
             Some(id) if self.sessions.get(id).is_some_and(|s| s.table.is_some()) => {
                 let s = self.sessions.get_mut(id).expect("checked");
+                restore = s.gpu_generation != self.gpu_generation;
+                s.gpu_generation = self.gpu_generation;
                 (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id.clone()))
             }
             _ => {
@@ -485,7 +491,15 @@ impl Scheduler {
                         let name = new_session_id();
                         self.sessions.insert(
                             name.clone(),
-                            Session { seq_id: id, table: None, kv_tokens: vec![], history: vec![], messages: vec![], last_used: Instant::now() },
+                            Session {
+                                seq_id: id,
+                                table: None,
+                                kv_tokens: vec![],
+                                history: vec![],
+                                messages: vec![],
+                                last_used: Instant::now(),
+                                gpu_generation: self.gpu_generation,
+                            },
                         );
                         Some(name)
                     }
@@ -510,7 +524,9 @@ impl Scheduler {
             max_tokens,
             top_logprobs: w.params.top_logprobs,
             ignore_eos: w.params.ignore_eos,
-            sent_blocks: table.blocks().len(),
+            sent_blocks: if restore { 0 } else { table.blocks().len() },
+            restore,
+            resume_from: cached,
             table,
             kv_tokens,
             pending,

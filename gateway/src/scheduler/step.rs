@@ -92,6 +92,7 @@ impl Scheduler {
             seq.sent_blocks = seq.table.blocks().len();
             let sampler = (!seq.sampler_sent).then(|| seq.sampler_config());
             seq.sampler_sent = true;
+            let held_tokens = if std::mem::take(&mut seq.restore) && start > 0 { seq.kv_tokens[..start.min(seq.kv_tokens.len())].to_vec() } else { Vec::new() };
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
             }
@@ -113,6 +114,7 @@ impl Scheduler {
                 attention: Vec::new(),
                 sub_batch: 0,
                 feed_sampled: fed_sampled,
+                held_tokens,
             });
             entries.push(Entry { serial: seq.serial, n, fed_sampled, sample });
         }
@@ -313,13 +315,26 @@ impl Scheduler {
                 Err(e) => {
                     metrics::request_failed(false);
                     let _ = seq.events.send(Err(e));
-                    if let Some((name, _)) = &seq.session {
-                        self.sessions.remove(name);
-                    }
-                    self.released.push(seq.id);
+                    self.return_session(seq);
                 }
             }
         }
+    }
+
+    /// A failed request's session goes back to the state the request found it in (its KV up
+    /// to `resume_from`, which earlier turns wrote and nothing of this request touched), so a
+    /// client may retry the turn; without a session the KV goes back to the pool.
+    pub(super) fn return_session(&mut self, mut seq: Seq) {
+        let session = seq.session.as_ref().and_then(|(name, _)| self.sessions.get_mut(name)).filter(|s| s.table.is_none());
+        let Some(session) = session else {
+            self.released.push(seq.id);
+            return;
+        };
+        seq.table.truncate(seq.resume_from);
+        seq.kv_tokens.truncate(seq.resume_from);
+        session.table = Some(seq.table);
+        session.kv_tokens = seq.kv_tokens;
+        session.last_used = Instant::now();
     }
 
     /// A finished request's KV goes back to its session, or to the pool.
