@@ -99,6 +99,7 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Ch
         restarts: vec![0; n_workers],
         gpu_up: true,
         gpu_generation: 0,
+        gpu_pause_until: None,
         prefilled_total: 0,
         generated_total: 0,
         drain: None,
@@ -143,6 +144,10 @@ struct Scheduler {
     gpu_up: bool,
     /// Counts gpu-worker restarts: a session sent to an older one is taken up again.
     gpu_generation: u64,
+    /// A step could not reach the gpu-worker: admissions wait until then, long enough for the
+    /// supervisor's watch to see whether it died (new requests then wait for it to be back
+    /// instead of failing one after another against a dead address).
+    gpu_pause_until: Option<Instant>,
     prefilled_total: u64,
     generated_total: u64,
     drain: Option<(Instant, oneshot::Sender<()>)>,
@@ -215,7 +220,7 @@ impl Scheduler {
     }
 
     fn can_serve(&self) -> bool {
-        self.gpu_up && self.worker_up.iter().any(|&u| u)
+        self.gpu_up && self.worker_up.iter().any(|&u| u) && self.gpu_pause_until.is_none_or(|t| Instant::now() >= t)
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -472,6 +477,7 @@ impl Scheduler {
             let s = self.sessions.remove(&victim).expect("found");
             tracing::info!(session = %victim, "idle session evicted to make room for a request");
             self.released.push(s.seq_id);
+            self.lost_sessions.record(victim, "it was the least recently used idle session when the KV cache was full, and was evicted to make room");
         }
 
         // Admitted: take the session's KV (or start a new table) and keep what is cached.

@@ -3,7 +3,11 @@
 //! call (sent while the step before runs), and what the sampled tokens do to each request.
 
 use std::collections::HashMap;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long admissions wait after a step could not reach the gpu-worker (the supervisor's
+/// watch looks every 250 ms).
+const GPU_FAILURE_PAUSE: Duration = Duration::from_secs(2);
 
 use duet_common::kv::{BlockTable, KvError, Placement, WorkerId};
 use duet_common::model::chat::ChatMessage;
@@ -184,6 +188,7 @@ impl Scheduler {
             Err(status) => {
                 let err = match status.code() {
                     tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled => {
+                        self.gpu_pause_until = Some(Instant::now() + GPU_FAILURE_PAUSE);
                         GatewayError::Unavailable(format!("the step failed: {}", status.message()))
                     }
                     _ => GatewayError::Internal(format!("the gpu-worker refused a step: {}", status.message())),
