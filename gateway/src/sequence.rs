@@ -83,6 +83,11 @@ pub struct Seq {
     /// The session's KV length when this request took it: what the session goes back to if
     /// the request fails (its earlier turns' KV is intact).
     pub resume_from: usize,
+    /// Since when the request waits for a failed worker to come back (its steps in flight were
+    /// lost; it goes on from the KV of its applied steps): `None` while it runs.
+    pub paused_since: Option<std::time::Instant>,
+    /// Times it was resumed after a worker failure (bounded: see the scheduler).
+    pub resumes: u32,
     /// Tokens whose KV is in the table.
     pub kv_tokens: Vec<u32>,
     /// Tokens still to feed: the rest of the prompt, or the last sampled token.
@@ -108,6 +113,16 @@ pub struct Seq {
 }
 
 impl Seq {
+    /// Forgets the steps in flight (a worker failed and they are lost): back to the state of
+    /// the last applied step, whose K/V is in the arenas; the next step feeds `pending` again.
+    pub fn rewind(&mut self) {
+        self.queued = 0;
+        self.samples_in_flight = 0;
+        self.table.truncate(self.kv_tokens.len());
+        self.sent_blocks = self.sent_blocks.min(self.table.blocks().len());
+        self.paused_since.get_or_insert_with(std::time::Instant::now);
+    }
+
     /// Blocks reserved but not yet allocated.
     pub fn outstanding_blocks(&self) -> usize {
         self.reserved_blocks.saturating_sub(self.table.blocks().len())

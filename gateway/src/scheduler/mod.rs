@@ -160,6 +160,11 @@ struct Scheduler {
 /// How long an idle scheduler sleeps before checking session timeouts.
 const IDLE_TICK: Duration = Duration::from_millis(500);
 
+/// How long a request whose steps were lost with a worker waits for it to come back.
+const RESUME_WAIT: Duration = Duration::from_secs(60);
+/// How many times one request may be resumed after worker failures.
+const MAX_RESUMES: u32 = 3;
+
 /// How long a scheduler that could send no step waits for a command before trying again.
 const STALL_TICK: Duration = Duration::from_millis(10);
 
@@ -186,6 +191,7 @@ impl Scheduler {
             }
             self.expire_sessions();
             self.cancel_abandoned();
+            self.fail_unresumable(None);
             if self.can_serve() {
                 self.admit();
             }
@@ -203,7 +209,8 @@ impl Scheduler {
             }
             // Send the next step while one runs; then apply the oldest step's results.
             let mut sent = false;
-            if (!self.running.is_empty() || !self.released.is_empty()) && self.gpu_up && self.in_flight.len() < 2 {
+            let gpu_reachable = self.gpu_up && self.gpu_pause_until.is_none_or(|t| Instant::now() >= t);
+            if (!self.running.is_empty() || !self.released.is_empty()) && gpu_reachable && self.in_flight.len() < 2 {
                 if let Some(f) = self.send_step() {
                     self.in_flight.push_back(f);
                     sent = true;
@@ -260,6 +267,7 @@ impl Scheduler {
                 if !was_up {
                     self.restarts[worker as usize] += 1;
                     if !kv_kept {
+                        self.fail_unresumable(Some(worker));
                         self.drop_sessions_on(worker, &format!("its KV was on cpu-worker {worker}, which restarted without it"));
                     }
                 }
@@ -272,20 +280,21 @@ impl Scheduler {
                 for f in std::mem::take(&mut self.in_flight) {
                     f.abort();
                 }
-                let err = GatewayError::Unavailable(format!("the gpu-worker failed ({reason}); the request's KV is lost"));
-                // Sessions stay: their KV is in the cpu-workers' arenas, and the next
-                // gpu-worker takes each up from it (`Seq::restore`); one whose request was
-                // running goes back to where that request found it.
-                for seq in std::mem::take(&mut self.running) {
-                    metrics::request_failed(false);
-                    let _ = seq.events.send(Err(err.clone()));
-                    self.return_session(seq);
-                }
+                // Requests and sessions stay: their KV is in the cpu-workers' arenas, and the
+                // next gpu-worker takes each sequence up from it (`Seq::restore`); running
+                // requests wait for it (up to RESUME_WAIT) and go on from their last applied step.
+                self.rewind_all(&format!("the gpu-worker failed ({reason})"));
                 self.released.clear();
             }
             Command::GpuUp => {
                 if !self.gpu_up {
                     self.gpu_generation += 1;
+                    // The new gpu-worker knows no sequence: each running one is taken up again.
+                    for seq in &mut self.running {
+                        seq.restore = true;
+                        seq.sent_blocks = 0;
+                        seq.sampler_sent = false;
+                    }
                 }
                 self.gpu_up = true;
             }
@@ -306,15 +315,52 @@ impl Scheduler {
         if let Some(up) = self.worker_up.get_mut(worker as usize) {
             *up = false;
         }
-        let on_worker = |t: &duet_common::kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
-        let err = GatewayError::Unavailable(format!("cpu-worker {worker} failed ({reason}); the request's KV on it is lost"));
-        let (lost, kept): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running).into_iter().partition(|s| on_worker(&s.table));
-        self.running = kept;
-        for seq in lost {
-            tracing::warn!(seq = seq.id, worker, "request failed: its KV was on the dead cpu-worker");
-            metrics::request_failed(false);
-            let _ = seq.events.send(Err(err.clone()));
-            self.return_session(seq);
+        // The steps in flight are lost; requests with KV on the worker wait for it (steps
+        // skip them meanwhile), the others go on at once.
+        self.rewind_all(&format!("cpu-worker {worker} failed ({reason})"));
+    }
+
+    /// Every running request back to its last applied step (the steps in flight are lost):
+    /// it goes on from there once its workers serve, except one that cannot be resumed (a
+    /// grammar's matcher cannot be rewound; resumed too often), which fails with `why`.
+    fn rewind_all(&mut self, why: &str) {
+        for f in std::mem::take(&mut self.in_flight) {
+            f.abort();
+        }
+        let mut failed = Vec::new();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            seq.rewind();
+            seq.resumes += 1;
+            if seq.sampling.grammar.is_some() || seq.resumes > MAX_RESUMES {
+                failed.push((i, Err(GatewayError::Unavailable(format!("{why}; the request could not be resumed")))));
+            }
+        }
+        tracing::warn!(requests = self.running.len(), failed = failed.len(), "{why}: running requests wait to resume");
+        self.conclude(failed);
+    }
+
+    /// Fails the requests that waited for a worker longer than RESUME_WAIT, or whose KV was on
+    /// a cpu-worker that came back without it.
+    fn fail_unresumable(&mut self, lost_worker: Option<u32>) {
+        let now = Instant::now();
+        let outcomes: Vec<_> = self
+            .running
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let on_lost = lost_worker.is_some_and(|w| s.table.blocks().iter().any(|b| b.0 == WorkerId(w)));
+                let waited = s.paused_since.is_some_and(|t| now.duration_since(t) > RESUME_WAIT);
+                (on_lost || waited).then(|| {
+                    let why = match lost_worker.filter(|_| on_lost) {
+                        Some(w) => format!("cpu-worker {w} restarted without the request's KV"),
+                        None => format!("no worker came back within {} s to resume it", RESUME_WAIT.as_secs()),
+                    };
+                    (i, Err(GatewayError::Unavailable(why)))
+                })
+            })
+            .collect();
+        if !outcomes.is_empty() {
+            self.conclude(outcomes);
         }
     }
 
@@ -533,6 +579,8 @@ impl Scheduler {
             sent_blocks: if restore { 0 } else { table.blocks().len() },
             restore,
             resume_from: cached,
+            paused_since: None,
+            resumes: 0,
             table,
             kv_tokens,
             pending,

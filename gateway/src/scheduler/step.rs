@@ -68,6 +68,10 @@ impl Scheduler {
         };
         for i in order {
             let seq = &self.running[i];
+            // KV on a cpu-worker that is down: the request waits for it.
+            if seq.table.blocks().iter().any(|b| !self.worker_up.get(b.0 .0 as usize).copied().unwrap_or(true)) {
+                continue;
+            }
             let fed_sampled = seq.samples_in_flight > 0;
             let n = if fed_sampled {
                 if !seq.continues_after_in_flight(self.cfg.n_ctx) {
@@ -84,7 +88,10 @@ impl Scheduler {
             }
             let start = seq.table.len();
             if let Err(e) = self.allocate(i, n) {
-                failed.push((self.running[i].serial, GatewayError::ResourceExhausted(format!("no KV block left for the request: {e}"))));
+                // With a cpu-worker down, its blocks come back with it: wait rather than fail.
+                if self.worker_up.iter().all(|&up| up) {
+                    failed.push((self.running[i].serial, GatewayError::ResourceExhausted(format!("no KV block left for the request: {e}"))));
+                }
                 continue;
             }
             budget -= n;
@@ -194,7 +201,13 @@ impl Scheduler {
                     _ => GatewayError::Internal(format!("the gpu-worker refused a step: {}", status.message())),
                 };
                 tracing::warn!(step = f.step, "step failed: {}", status.message());
-                // The gpu-worker forgot the step's sequences; they fail.
+                if matches!(err, GatewayError::Unavailable(_)) {
+                    // A worker failed: the requests go on from their applied steps once it
+                    // is back (the watch says which, and whether their KV was kept).
+                    self.rewind_all(&format!("a step failed ({})", status.message()));
+                    return;
+                }
+                // The gpu-worker refused the step: its sequences fail.
                 outcomes.extend(found.into_iter().map(|(i, _)| (i, Err(err.clone()))));
             }
         }
@@ -254,6 +267,7 @@ impl Scheduler {
     fn apply(&mut self, i: usize, e: &Entry, sampled: Option<&pb::Sampled>) -> Option<Result<StopReason, GatewayError>> {
         let eog = &self.text.tokenizer.end_of_generation;
         let seq = &mut self.running[i];
+        seq.paused_since = None;
         let n = e.n;
         if e.sample {
             seq.samples_in_flight -= 1;
@@ -303,7 +317,7 @@ impl Scheduler {
     }
 
     /// Ends the sequences that finished or failed: events, sessions, KV.
-    fn conclude(&mut self, mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)>) {
+    pub(super) fn conclude(&mut self, mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)>) {
         outcomes.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
         for (i, outcome) in outcomes {
             let mut seq = self.running.swap_remove(i);
