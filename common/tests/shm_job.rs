@@ -257,3 +257,19 @@ fn corrupted_slots_never_panic() {
     }
     assert!(decoded > 0, "some corruptions (of query values) still decode");
 }
+
+/// The attention-job fuzz target's seed (fuzz/seeds/attn_job/three_seqs.bin: the layout
+/// selector bytes the target reads first, then this file's three-sequence job) decodes to that
+/// job; `DUET_WRITE_FUZZ_SEEDS=1` writes it anew.
+#[test]
+fn the_fuzz_seed_is_this_job() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/attn_job/three_seqs.bin");
+    // The fuzz target's layout: n_layer = b0 % 4 + 1, n_kv_head = b1 % 4 + 1, head_dim = b2 % 8 * 8 + 8, n_blocks = b3 + 1.
+    let mut seed = vec![3u8, 1, 0, 63];
+    seed.extend(encoded(&job(), 4096));
+    if std::env::var_os("DUET_WRITE_FUZZ_SEEDS").is_some() {
+        std::fs::write(&path, &seed).unwrap();
+    }
+    let on_disk = std::fs::read(&path).unwrap();
+    assert_eq!(decode_job(&on_disk[4..], &layout()).unwrap(), job());
+}
