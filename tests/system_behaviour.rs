@@ -1,9 +1,9 @@
 //! The service as a client meets it, on one gateway with one cpu-worker: info and
 //! tokenisation, bad input getting the right status while another stream carries on, a
 //! client that disconnects (its KV blocks come back), stop strings, sessions (a second turn
-//! prefills only the new tokens and generates what a fresh request would), a cpu-worker
-//! killed mid-generation (UNAVAILABLE, restarted, new requests succeed, a session whose KV
-//! was on it says it was lost), and a clean stop.
+//! prefills only the new tokens and generates what a fresh request would), the cpu-worker and
+//! then the gpu-worker killed mid-generation (the streams resume and complete with the tokens
+//! of an uninterrupted run, sessions go on from the KV kept in the arena), and a clean stop.
 
 use std::time::{Duration, Instant};
 

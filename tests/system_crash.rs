@@ -1,0 +1,101 @@
+//! Nothing lost when a worker dies, under load: 8 streams run and 4 multi-turn sessions sit
+//! idle while the cpu-worker is killed with SIGKILL, then the same while the gpu-worker is.
+//! Every stream completes with the tokens of an uninterrupted greedy run (up to near ties),
+//! and every session's next turn works from the KV kept in the arena.
+
+use std::time::Duration;
+
+use duet_common::rpc::pb;
+use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration};
+
+const STREAMS: usize = 8;
+const SESSIONS: usize = 4;
+const TOKENS: u32 = 48;
+
+fn prompt(i: usize) -> Vec<u32> {
+    // Distinct short prompts of the default model's vocabulary (plain word-piece ids).
+    vec![1, 504 + i as u32 * 37, 3575, 282 + i as u32, 4649, 314]
+}
+
+async fn references(gw: &Gateway) -> Vec<RefGeneration> {
+    let mut out = Vec::new();
+    for i in 0..STREAMS {
+        let g = generate(&mut gw.client(), pb::GenerateRequest { top_logprobs: 2, ..greedy(prompt(i), TOKENS) }).await.unwrap();
+        out.push(RefGeneration { margins: g.top.iter().map(|t| (t[0].1 - t[1].1) as f64).collect(), ids: g.ids });
+    }
+    out
+}
+
+/// Starts the 8 streams, kills `victim` once each has a few tokens, and checks they complete
+/// as the references.
+async fn streams_survive(gw: &Gateway, victim: &[&str], refs: &[RefGeneration]) {
+    let (tx, mut started) = tokio::sync::mpsc::channel(STREAMS);
+    let mut tasks = Vec::new();
+    for i in 0..STREAMS {
+        let mut client = gw.client();
+        let tx = tx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut stream = client.generate(pb::GenerateRequest { top_logprobs: 2, ..greedy(prompt(i), TOKENS) }).await?.into_inner();
+            let mut ids = Vec::new();
+            let mut finished = false;
+            while let Some(msg) = stream.message().await? {
+                match msg.event {
+                    Some(pb::generate_response::Event::Token(t)) => {
+                        ids.push(t.id);
+                        if ids.len() == 3 {
+                            let _ = tx.send(i).await;
+                        }
+                    }
+                    Some(pb::generate_response::Event::Finished(_)) => finished = true,
+                    _ => {}
+                }
+            }
+            assert!(finished, "stream {i} ended without Finished");
+            Ok::<_, tonic::Status>(ids)
+        }));
+    }
+    for _ in 0..STREAMS {
+        started.recv().await.expect("every stream starts");
+    }
+    let pids = pids_with(victim);
+    assert_eq!(pids.len(), 1, "one {victim:?}: {pids:?}");
+    // SAFETY: killing the test's own grandchild.
+    unsafe { libc::kill(pids[0] as libc::pid_t, libc::SIGKILL) };
+    for (i, t) in tasks.into_iter().enumerate() {
+        let ids = t.await.unwrap().unwrap_or_else(|e| panic!("stream {i} failed after {victim:?} was killed: {e}"));
+        same_up_to_near_tie(&ids, &refs[i], 0.5).unwrap_or_else(|e| panic!("stream {i} after {victim:?} was killed vs uninterrupted: {e}"));
+    }
+    assert_ne!(pids_with(victim), pids, "{victim:?} was restarted");
+}
+
+/// One more turn of every session: it works and reuses the KV of the turns before.
+async fn sessions_go_on(gw: &Gateway, sessions: &[(String, usize)]) -> Vec<(String, usize)> {
+    let mut out = Vec::new();
+    for (id, held) in sessions {
+        let g = generate(&mut gw.client(), pb::GenerateRequest { session_id: Some(id.clone()), ..greedy(vec![11, 314], 6) })
+            .await
+            .unwrap_or_else(|e| panic!("session {id}'s next turn: {e}"));
+        assert_eq!(g.prompt.cached_tokens as usize, held - 1, "session {id}: the KV of its turns is reused");
+        out.push((id.clone(), held + 2 + g.ids.len()));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_and_sessions_survive_a_cpu_worker_and_a_gpu_worker_crash() {
+    let mut gw = Gateway::start(&["--cpu-workers", "1", "--kv-bytes", "256M"]);
+    let refs = references(&gw).await;
+    let mut sessions = Vec::new();
+    for i in 0..SESSIONS {
+        let g = generate(&mut gw.client(), pb::GenerateRequest { create_session: true, ..greedy(prompt(i), 8) }).await.unwrap();
+        sessions.push((g.prompt.session_id.clone(), prompt(i).len() + g.ids.len()));
+    }
+    streams_survive(&gw, &["duet-cpu-worker", &gw.instance], &refs).await;
+    let sessions = sessions_go_on(&gw, &sessions).await;
+    streams_survive(&gw, &["duet-gpu-worker", &gw.runtime_dir.to_string_lossy()], &refs).await;
+    // The gpu-worker may still be attaching its cpu-worker: the first turn waits for it.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    sessions_go_on(&gw, &sessions).await;
+    let status = gw.stop();
+    assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
+}
