@@ -117,7 +117,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if text.tokenizer.vocab_size() != g.n_vocab as usize {
         anyhow::bail!("the tokenizer has {} tokens, the gpu-worker's model {}", text.tokenizer.vocab_size(), g.n_vocab);
     }
-    let (commands, scheduler_task) = scheduler::spawn(cfg.clone(), text.clone(), workers.gpu.clone());
+    let (commands, scheduler_task) = scheduler::spawn(cfg.clone(), text.clone(), Arc::new(workers.gpu.clone()));
     let watcher = supervisor::watch(workers, local, commands.clone(), stop_rx.clone());
     let backend = Backend::new(commands.clone(), text);
 

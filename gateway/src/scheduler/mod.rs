@@ -14,9 +14,7 @@ use std::time::{Duration, Instant};
 
 use duet_common::kv::{KvPool, WorkerId};
 use duet_common::model::chat::ChatMessage;
-use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
 use tokio::sync::{mpsc, oneshot};
-use tonic::transport::Channel;
 
 use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel, DEFAULT_MAX_TOKENS};
 use crate::error::GatewayError;
@@ -26,8 +24,13 @@ use crate::balancer::{Overlap, Policy};
 use crate::sequence::{common_prefix, Events, Seq, Session};
 use crate::stop::TextStream;
 
+mod gpu;
 mod lost;
 mod step;
+#[cfg(test)]
+mod tests;
+
+pub use gpu::StepRunner;
 
 /// What the scheduler task is asked to do.
 #[derive(Debug)]
@@ -78,7 +81,7 @@ pub struct SchedulerConfig {
 }
 
 /// Starts the scheduler task; returns the command sender.
-pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: GpuWorkerClient<Channel>) -> (mpsc::Sender<Command>, tokio::task::JoinHandle<()>) {
+pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: Arc<dyn StepRunner>) -> (mpsc::Sender<Command>, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::channel(1024);
     let n_workers = cfg.blocks_per_worker.len();
     let pool = KvPool::new(cfg.block_size, &cfg.blocks_per_worker);
@@ -125,7 +128,7 @@ struct Scheduler {
     cfg: SchedulerConfig,
     pool: KvPool,
     text: Arc<TextModel>,
-    gpu: GpuWorkerClient<Channel>,
+    gpu: Arc<dyn StepRunner>,
     waiting: VecDeque<Waiting>,
     running: Vec<Seq>,
     sessions: HashMap<String, Session>,
@@ -337,6 +340,19 @@ impl Scheduler {
         }
         tracing::warn!(requests = self.running.len(), failed = failed.len(), "{why}: running requests wait to resume");
         self.conclude(failed);
+    }
+
+    /// The gpu-worker answered without knowing sequences it should (it restarted and the
+    /// step reached the new process): every running request goes back to its last applied
+    /// step and is taken up again from the arenas (a worker that knows a sequence ignores the
+    /// tokens held).
+    fn gpu_lost_sequences(&mut self) {
+        self.rewind_all("the gpu-worker lost its sequences (it restarted)");
+        for seq in &mut self.running {
+            seq.restore = true;
+            seq.sent_blocks = 0;
+            seq.sampler_sent = false;
+        }
     }
 
     /// Fails the requests that waited for a worker longer than RESUME_WAIT, or whose KV was on

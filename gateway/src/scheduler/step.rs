@@ -28,7 +28,7 @@ pub(super) struct InFlight {
     predicted_s: f64,
     /// Whether the step has decode tokens (whose timings refine the cost fits).
     decodes: bool,
-    call: tokio::task::JoinHandle<Result<tonic::Response<pb::StepResponse>, tonic::Status>>,
+    call: tokio::task::JoinHandle<Result<pb::StepResponse, tonic::Status>>,
 }
 
 impl InFlight {
@@ -159,8 +159,7 @@ impl Scheduler {
             released: std::mem::take(&mut self.released),
             after_step: self.in_flight.back().map_or(0, |f| f.step),
         };
-        let mut gpu = self.gpu.clone();
-        let call = tokio::spawn(async move { gpu.step(req).await });
+        let call = tokio::spawn(self.gpu.step(req));
         Some(InFlight { step: self.step, entries, predicted_s: plan.predicted_s, decodes: !decoding.is_empty(), call })
     }
 
@@ -178,8 +177,14 @@ impl Scheduler {
         let found: Vec<(usize, Entry)> = f.entries.into_iter().filter_map(|e| Some((self.index_of(e.serial)?, e))).collect();
         let mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)> = Vec::new();
         match result {
+            Ok(resp) if found.iter().any(|(i, e)| e.sample && !resp.sampled.iter().any(|s| s.seq_id == self.running[*i].id)) => {
+                // A sequence that should have sampled was skipped: the gpu-worker does not know
+                // it, so it restarted before the watch saw it (the step reached the new process).
+                tracing::warn!(step = f.step, "the gpu-worker no longer knows sequences of the step: it restarted");
+                self.gpu_lost_sequences();
+                return;
+            }
             Ok(resp) => {
-                let resp = resp.into_inner();
                 if let Some(t) = &resp.timings {
                     self.stats.observe(t, f.decodes.then_some(f.predicted_s));
                     metrics::step(t, f.predicted_s, self.stats.prediction_error());
@@ -201,6 +206,11 @@ impl Scheduler {
                     _ => GatewayError::Internal(format!("the gpu-worker refused a step: {}", status.message())),
                 };
                 tracing::warn!(step = f.step, "step failed: {}", status.message());
+                if status.code() == tonic::Code::FailedPrecondition && status.message().contains("is unknown to the gpu-worker") {
+                    // The step reached a gpu-worker that restarted before the watch saw it.
+                    self.gpu_lost_sequences();
+                    return;
+                }
                 if matches!(err, GatewayError::Unavailable(_)) {
                     // A worker failed: the requests go on from their applied steps once it
                     // is back (the watch says which, and whether their KV was kept).

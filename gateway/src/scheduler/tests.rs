@@ -1,0 +1,273 @@
+//! The scheduler without processes: a fake gpu-worker ([`FakeGpu`], a deterministic "model"
+//! whose next token is a hash of the sequence's whole history, so any mistake in what the
+//! scheduler feeds shows in the tokens) behind [`StepRunner`], and the tiny test model's
+//! tokenizer. Admission and completion, sessions reusing their KV, eviction that says so, a
+//! lost step resumed, and a gpu-worker restart that takes sequences up from the arenas.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use duet_common::rpc::pb;
+use futures_util::future::BoxFuture;
+use tokio::sync::{mpsc, Notify};
+
+use super::{spawn, Command, SchedulerConfig, StepRunner};
+use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, TextModel};
+use crate::balancer::{Overlap, Policy};
+use crate::error::GatewayError;
+
+/// The fake model: the token after `history`, never the end-of-generation "\n" (10).
+fn next_token(history: &[u32]) -> u32 {
+    let h = history.iter().fold(7u32, |h, &t| h.wrapping_mul(31).wrapping_add(t));
+    32 + h % 90
+}
+
+/// What the fake model generates after `prompt`, `n` tokens.
+fn expected(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut history = prompt.to_vec();
+    (0..n)
+        .map(|_| {
+            let t = next_token(&history);
+            history.push(t);
+            t
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct FakeState {
+    /// Each sequence's tokens at positions 0.. (what its KV would hold).
+    seqs: HashMap<u64, Vec<u32>>,
+    last_sampled: HashMap<u64, u32>,
+    done: HashSet<u64>,
+    /// Steps to fail as if the gpu-worker had died during them.
+    fail: HashSet<u64>,
+    /// Sequences taken up from `held_tokens`.
+    taken_up: Vec<u64>,
+    steps: u64,
+}
+
+/// A gpu-worker with the fake model and the real step protocol: steps run in `after_step`
+/// order, `start_pos` truncates, `feed_sampled` feeds the last sample, `held_tokens` takes
+/// up an unknown sequence.
+#[derive(Default)]
+struct FakeGpu {
+    state: Mutex<FakeState>,
+    finished: Notify,
+}
+
+impl FakeGpu {
+    fn run(&self, req: &pb::StepRequest) -> Result<pb::StepResponse, tonic::Status> {
+        let mut st = self.state.lock().unwrap();
+        st.steps += 1;
+        if st.fail.remove(&req.step) {
+            return Err(tonic::Status::unavailable("injected: the gpu-worker died during this step"));
+        }
+        for id in &req.released {
+            st.seqs.remove(id);
+            st.last_sampled.remove(id);
+        }
+        let mut sampled = Vec::new();
+        for s in &req.sequences {
+            let start = s.start_pos as usize;
+            if !st.seqs.contains_key(&s.seq_id) && start != 0 {
+                if s.held_tokens.len() == start {
+                    st.seqs.insert(s.seq_id, s.held_tokens.clone());
+                    st.taken_up.push(s.seq_id);
+                } else if req.after_step != 0 {
+                    continue;
+                } else {
+                    return Err(tonic::Status::failed_precondition(format!("sequence {} is unknown to the gpu-worker (it starts with start_pos 0)", s.seq_id)));
+                }
+            }
+            let input = if s.feed_sampled { vec![st.last_sampled[&s.seq_id]] } else { s.tokens.clone() };
+            let seq = st.seqs.entry(s.seq_id).or_default();
+            if seq.len() < start {
+                return Err(tonic::Status::invalid_argument(format!("sequence {}: start {start} past {}", s.seq_id, seq.len())));
+            }
+            seq.truncate(start);
+            seq.extend(input);
+            if s.sample {
+                let t = next_token(seq);
+                st.last_sampled.insert(s.seq_id, t);
+                sampled.push(pb::Sampled { seq_id: s.seq_id, token: Some(pb::TokenProb { id: t, logprob: -0.1 }), top: vec![] });
+            }
+        }
+        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }) })
+    }
+
+    /// The process restarted: it knows no sequence.
+    fn restart(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.seqs.clear();
+        st.last_sampled.clear();
+    }
+}
+
+struct Runner(Arc<FakeGpu>);
+
+impl StepRunner for Runner {
+    fn step(&self, req: pb::StepRequest) -> BoxFuture<'static, Result<pb::StepResponse, tonic::Status>> {
+        let gpu = self.0.clone();
+        Box::pin(async move {
+            while req.after_step != 0 && !gpu.state.lock().unwrap().done.contains(&req.after_step) {
+                let wait = gpu.finished.notified();
+                if gpu.state.lock().unwrap().done.contains(&req.after_step) {
+                    break;
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(50), wait).await;
+            }
+            let out = gpu.run(&req);
+            gpu.state.lock().unwrap().done.insert(req.step);
+            gpu.finished.notify_waiters();
+            out
+        })
+    }
+}
+
+struct Harness {
+    gpu: Arc<FakeGpu>,
+    commands: mpsc::Sender<Command>,
+    backend: Backend,
+}
+
+fn harness(blocks: u32) -> Harness {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let text: Arc<TextModel> = Arc::new(crate::serve::load_text_model(&root.join("testdata/tiny/arch/qwen2_q4_1.gguf"), None).unwrap());
+    let cfg = SchedulerConfig {
+        max_step_tokens: 256,
+        prefill_chunk: 64,
+        max_running: 8,
+        policy: Policy::Gpu,
+        overlap: Overlap::Never,
+        session_idle: Duration::from_secs(300),
+        block_size: 16,
+        blocks_per_worker: vec![blocks],
+        n_ctx: 1024,
+        model_name: "fake".into(),
+        vocab_size: 256,
+        gpu_device: "fake".into(),
+        shared_cores: false,
+    };
+    let gpu = Arc::new(FakeGpu::default());
+    let (commands, _task) = spawn(cfg, text.clone(), Arc::new(Runner(gpu.clone())));
+    Harness { gpu, backend: Backend::new(commands.clone(), text), commands }
+}
+
+fn request(prompt: &[u32], max_tokens: u32, session: SessionMode) -> GenerateParams {
+    GenerateParams {
+        prompt: Prompt::Tokens(prompt.to_vec()),
+        max_tokens: Some(max_tokens),
+        sampling: Sampling::default(),
+        stop: vec![],
+        top_logprobs: 0,
+        session,
+        ignore_eos: false,
+    }
+}
+
+/// A generation's tokens, its session and cached tokens, or its error.
+struct Outcome {
+    ids: Vec<u32>,
+    session: Option<String>,
+    cached: u32,
+}
+
+async fn run(backend: &Backend, params: GenerateParams) -> Result<Outcome, GatewayError> {
+    let mut rx = backend.generate(params).await?;
+    let mut out = Outcome { ids: vec![], session: None, cached: 0 };
+    while let Some(ev) = rx.recv().await {
+        match ev? {
+            Event::Prompt { session_id, cached_tokens, .. } => (out.session, out.cached) = (session_id, cached_tokens),
+            Event::Token { id, .. } => out.ids.push(id),
+            Event::Finished { .. } => return Ok(out),
+        }
+    }
+    Err(GatewayError::Internal("the events ended without Finished".into()))
+}
+
+#[tokio::test]
+async fn concurrent_requests_complete_with_the_models_tokens_and_free_their_kv() {
+    let h = harness(64);
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| (0..(3 + i * 7)).map(|j| 40 + (i * 5 + j) as u32 % 60).collect()).collect();
+    let runs = prompts.iter().map(|p| run(&h.backend, request(p, 20, SessionMode::None)));
+    for (p, got) in prompts.iter().zip(futures_util::future::join_all(runs).await) {
+        assert_eq!(got.unwrap().ids, expected(p, 20));
+    }
+    let info = h.backend.info().await.unwrap();
+    assert_eq!(info.cpu_workers[0].kv_blocks_free, 64, "every block back");
+}
+
+#[tokio::test]
+async fn a_session_turn_reuses_its_kv() {
+    let h = harness(64);
+    let p1: Vec<u32> = (50..70).collect();
+    let t1 = run(&h.backend, request(&p1, 6, SessionMode::Create)).await.unwrap();
+    assert_eq!(t1.ids, expected(&p1, 6));
+    let session = t1.session.unwrap();
+    let p2 = vec![33, 34, 35];
+    let t2 = run(&h.backend, request(&p2, 6, SessionMode::Continue(session))).await.unwrap();
+    assert_eq!(t2.cached as usize, p1.len() + 6 - 1, "the conversation's KV is reused");
+    let mut whole = p1.clone();
+    whole.extend(&t1.ids);
+    whole.extend(&p2);
+    assert_eq!(t2.ids, expected(&whole, 6), "the second turn continues the whole conversation");
+}
+
+#[tokio::test]
+async fn an_evicted_session_says_so() {
+    // 6 blocks of 16: a session of 40 positions (3 blocks) and a request that needs 4.
+    let h = harness(6);
+    let p: Vec<u32> = (40..75).collect();
+    let s = run(&h.backend, request(&p, 5, SessionMode::Create)).await.unwrap().session.unwrap();
+    let big: Vec<u32> = (33..83).collect();
+    assert_eq!(run(&h.backend, request(&big, 5, SessionMode::None)).await.unwrap().ids, expected(&big, 5));
+    match run(&h.backend, request(&[40], 3, SessionMode::Continue(s))).await {
+        Err(GatewayError::SessionLost { reason, .. }) => assert!(reason.contains("evicted"), "{reason}"),
+        other => panic!("expected SessionLost, got {:?}", other.map(|o| o.ids)),
+    }
+}
+
+#[tokio::test]
+async fn a_step_lost_with_the_gpu_worker_is_run_again() {
+    let h = harness(64);
+    h.gpu.state.lock().unwrap().fail.extend([3, 9]);
+    let p: Vec<u32> = (60..90).collect();
+    let got = run(&h.backend, request(&p, 24, SessionMode::None)).await.unwrap();
+    assert_eq!(got.ids, expected(&p, 24), "the lost steps' tokens are computed again, nothing skipped or repeated");
+    assert!(h.gpu.state.lock().unwrap().fail.is_empty(), "both failures were injected");
+}
+
+#[tokio::test]
+async fn a_restarted_gpu_worker_takes_up_running_requests_and_idle_sessions() {
+    let h = harness(64);
+    let ps: Vec<u32> = (45..60).collect();
+    let session = run(&h.backend, request(&ps, 4, SessionMode::Create)).await.unwrap();
+    let p: Vec<u32> = (70..80).collect();
+    let mut rx = h.backend.generate(request(&p, 60, SessionMode::None)).await.unwrap();
+    let mut ids = Vec::new();
+    while ids.len() < 5 {
+        if let Event::Token { id, .. } = rx.recv().await.unwrap().unwrap() {
+            ids.push(id);
+        }
+    }
+    // The gpu-worker dies and comes back empty; the watch reports both.
+    h.gpu.restart();
+    h.commands.send(Command::GpuDown { reason: "killed".into() }).await.unwrap();
+    h.commands.send(Command::GpuUp).await.unwrap();
+    while let Some(ev) = rx.recv().await {
+        match ev.unwrap() {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Finished { .. } => break,
+            Event::Prompt { .. } => {}
+        }
+    }
+    assert_eq!(ids, expected(&p, 60), "the request goes on from its KV on the new gpu-worker");
+    let next = run(&h.backend, request(&[36, 37], 4, SessionMode::Continue(session.session.clone().unwrap()))).await.unwrap();
+    let mut whole = ps.clone();
+    whole.extend(&session.ids);
+    whole.extend([36, 37]);
+    assert_eq!(next.ids, expected(&whole, 4), "the idle session goes on");
+    assert!(h.gpu.state.lock().unwrap().taken_up.len() >= 2, "both sequences were taken up from held tokens");
+}
