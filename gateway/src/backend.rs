@@ -238,10 +238,16 @@ impl Backend {
 
     /// Starts a generation; its events arrive on the returned channel, which ends after
     /// `Finished` or an error. Dropping the receiver cancels the generation.
-    pub async fn generate(&self, params: GenerateParams) -> Result<mpsc::UnboundedReceiver<Result<Event, GatewayError>>, GatewayError> {
+    pub async fn generate(&self, mut params: GenerateParams) -> Result<mpsc::UnboundedReceiver<Result<Event, GatewayError>>, GatewayError> {
         params.validate()?;
         if let Some(g) = &params.sampling.grammar {
             self.text.check_grammar(g)?;
+        }
+        // Rendering and tokenising happen here, in the caller's task, not in the scheduler's
+        // (which stays free to run steps); only a session's turns, which build on the
+        // session's conversation, are tokenised there.
+        if params.session == SessionMode::None && !matches!(params.prompt, Prompt::Tokens(_)) {
+            params.prompt = Prompt::Tokens(self.text.prompt_ids(&params.prompt)?);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         self.send(Command::Generate { params, events: tx, arrived: std::time::Instant::now() }).await?;
