@@ -46,6 +46,8 @@ struct FakeState {
     /// Sequences taken up from `held_tokens`.
     taken_up: Vec<u64>,
     steps: u64,
+    /// Steps sent while the one before ran (`after_step` set): the two-steps-in-flight pipeline.
+    pipelined: u64,
 }
 
 /// A gpu-worker with the fake model and the real step protocol: steps run in `after_step`
@@ -61,6 +63,7 @@ impl FakeGpu {
     fn run(&self, req: &pb::StepRequest) -> Result<pb::StepResponse, tonic::Status> {
         let mut st = self.state.lock().unwrap();
         st.steps += 1;
+        st.pipelined += u64::from(req.after_step != 0);
         if st.fail.remove(&req.step) {
             return Err(tonic::Status::unavailable("injected: the gpu-worker died during this step"));
         }
@@ -197,6 +200,8 @@ async fn concurrent_requests_complete_with_the_models_tokens_and_free_their_kv()
     }
     let info = h.backend.info().await.unwrap();
     assert_eq!(info.cpu_workers[0].kv_blocks_free, 64, "every block back");
+    let st = h.gpu.state.lock().unwrap();
+    assert!(st.pipelined * 2 > st.steps, "most steps went out while the one before ran: {} of {}", st.pipelined, st.steps);
 }
 
 #[tokio::test]
