@@ -15,6 +15,8 @@ little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp
   references in tiny_llama_reference.rs.)
 * `qwen3_q8_0` -- qwen3: per-head Q/K RMSNorm weights, NeoX RoPE, GQA 4/2 heads of 32 (so the Q
   width 128 differs from n_embd 64), untied Q8_0 output, Q8_0 weights, no biases.
+* `mistral3_q8_0` -- mistral3 (Mistral Small 3.x, Ministral as llama.cpp names them): llama's
+  block and normal RoPE under another name, GQA 4/2, Q8_0.
 * `phi3_q8_0`  -- phi3: one `attn_qkv` matrix (Q, K, V rows in that order) and one `ffn_up` of
   2 x n_ff rows (gate first, then up; no `ffn_gate`), NeoX RoPE, 4 heads of 16, Q8_0.
 
@@ -46,6 +48,8 @@ VARIANTS = [
          eps=1e-6, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=True),
     dict(name="phi3_q8_0", arch="phi3", n_embd=64, n_head=4, n_kv_head=4, head_dim=16, n_ff=96, n_layer=2,
          eps=1e-5, base=10000.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False, fused=True),
+    dict(name="mistral3_q8_0", arch="mistral3", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=96, n_layer=2,
+         eps=1e-5, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False),
 ]
 
 

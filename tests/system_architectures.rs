@@ -11,7 +11,7 @@ use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qwen_models_decode_in_the_system_as_in_the_single_process_runner() {
-    for name in ["qwen2_q4_1", "qwen3_q8_0", "phi3_q8_0"] {
+    for name in ["qwen2_q4_1", "qwen3_q8_0", "phi3_q8_0", "mistral3_q8_0"] {
         let dir = workspace_root().join("testdata/tiny/arch");
         let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap()).unwrap();
         let prompt: Vec<u32> = meta["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();

@@ -1,7 +1,7 @@
 //! The architectures beyond Llama against llama.cpp itself: tiny random qwen2 (Q/K/V biases,
 //! NeoX RoPE, tied output, Q4_1) and qwen3 (per-head Q/K RMSNorm, NeoX RoPE, head_dim 32 with a
-//! Q width unlike n_embd, Q8_0) and phi3 (fused Q/K/V and gate/up matrices, NeoX RoPE, Q8_0)
-//! models from `scripts/gen_tiny_arch.py`, whose logits at every
+//! Q width unlike n_embd, Q8_0), phi3 (fused Q/K/V and gate/up matrices, NeoX RoPE, Q8_0) and
+//! mistral3 (llama's block under Mistral 3's name, Q8_0) models from `scripts/gen_tiny_arch.py`, whose logits at every
 //! position llama.cpp computed (testdata/tiny/arch/<name>.llamacpp.bin). On the CPU device,
 //! as one batched prefill and as one-token decode steps: the greedy token is llama.cpp's at
 //! every position whose top-2 gap is not a near tie, and log-probabilities are within the
@@ -45,7 +45,7 @@ fn check(name: &str, tol: f64) -> f64 {
     let engine = Engine::load(&dir().join(format!("{name}.gguf"))).unwrap();
     let c = engine.device.config();
     assert_eq!(c.arch, meta["arch"].as_str().unwrap());
-    assert!(c.rope_neox, "{name}: Qwen's RoPE is NeoX's");
+    assert_eq!(c.rope_neox, c.arch != "mistral3", "{name}: Qwen's and Phi-3's RoPE is NeoX's, Mistral's normal");
 
     let n = tokens.len();
     let mut kv = KvCache::new(c, n);
@@ -87,7 +87,15 @@ fn qwen3_matches_llama_cpp() {
     check("qwen3_q8_0", 2e-3);
 }
 
+/// llama.cpp's phi3 graph scales Q by 1/sqrt(head_dim) before attention (with a score scale
+/// of 1) where Duet scales the scores: the same arithmetic but for where the f16 rounding of
+/// Q falls, which now and then flips (up to ~7e-3 in log p on other random weights; 0 on these).
 #[test]
 fn phi3_matches_llama_cpp() {
-    check("phi3_q8_0", 2e-3);
+    check("phi3_q8_0", 1e-2);
+}
+
+#[test]
+fn mistral3_matches_llama_cpp() {
+    check("mistral3_q8_0", 2e-3);
 }

@@ -39,9 +39,10 @@ pub struct LlamaConfig {
 
 /// Architectures with Llama's block (RMSNorm, attention, SwiGLU): llama and mistral as they
 /// are, qwen2 with Q/K/V biases and NeoX RoPE, qwen3 with per-head Q/K RMSNorm and NeoX RoPE
-/// and phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE (the optional tensors are
-/// found by the loader).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "phi3"];
+/// phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE, and mistral3 (Mistral Small 3.x,
+/// Ministral) as llama without its long-context YaRN scaling and attention temperature (the
+/// optional tensors are found by the loader).
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3"];
 /// Those of them whose RoPE is NeoX's.
 const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3"];
 
@@ -80,6 +81,9 @@ impl LlamaConfig {
             return Err(Error::UnsupportedModel(format!("architecture {arch:?} (supported: {})", SUPPORTED_ARCHITECTURES.join(", "))));
         }
         let k = |key: ArchKey| key.key(&arch);
+        if g.get(&format!("{arch}.attention.temperature_scale")).and_then(Value::as_f64).is_some_and(|t| t != 0.0) {
+            return Err(Error::UnsupportedModel(format!("{arch}.attention.temperature_scale (Mistral 3's long-context attention temperature) is not supported yet")));
+        }
         let n_embd = get_usize(g, &k(ArchKey::EmbeddingLength))?;
         let n_head = get_usize(g, &k(ArchKey::HeadCount))?;
         let n_kv_head = opt(get_usize(g, &k(ArchKey::HeadCountKv)))?.unwrap_or(n_head);

@@ -167,6 +167,13 @@ impl ModelTensors {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        // Biases the forward pass does not add would give wrong logits silently: refuse them.
+        for bias in ["attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_qkv.bias"] {
+            let name = format!("blk.0.{bias}");
+            if f.tensor_info(&name).is_some() {
+                return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!("tensor {name}: this bias is not supported yet"))));
+            }
+        }
         for long_rope in [TensorName::RopeFactorsLong, TensorName::RopeFactorsShort] {
             if f.tensor_info(&long_rope.name()).is_some() {
                 return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!(
