@@ -103,6 +103,8 @@ impl Scheduler {
             seq.sent_blocks = seq.table.blocks().len();
             let sampler = (!seq.sampler_sent).then(|| seq.sampler_config());
             seq.sampler_sent = true;
+            // Resumed: it runs again (a request that merely waits for step budget is not paused).
+            seq.paused_since = None;
             let held_tokens = if std::mem::take(&mut seq.restore) && start > 0 { seq.kv_tokens[..start.min(seq.kv_tokens.len())].to_vec() } else { Vec::new() };
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
@@ -277,7 +279,6 @@ impl Scheduler {
     fn apply(&mut self, i: usize, e: &Entry, sampled: Option<&pb::Sampled>) -> Option<Result<StopReason, GatewayError>> {
         let eog = &self.text.tokenizer.end_of_generation;
         let seq = &mut self.running[i];
-        seq.paused_since = None;
         let n = e.n;
         if e.sample {
             seq.samples_in_flight -= 1;
