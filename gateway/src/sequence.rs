@@ -113,6 +113,13 @@ pub struct Seq {
 }
 
 impl Seq {
+    /// The gpu-worker may not know this sequence (it restarted): the next step sends every
+    /// block, the tokens held and the sampler again.
+    pub fn take_up_again(&mut self) {
+        self.restore = true;
+        self.sent_blocks = 0;
+        self.sampler_sent = false;
+    }
     /// Forgets the steps in flight (a worker failed and they are lost): back to the state of
     /// the last applied step, whose K/V is in the arenas; the next step feeds `pending` again.
     pub fn rewind(&mut self) {

@@ -293,11 +293,7 @@ impl Scheduler {
                 if !self.gpu_up {
                     self.gpu_generation += 1;
                     // The new gpu-worker knows no sequence: each running one is taken up again.
-                    for seq in &mut self.running {
-                        seq.restore = true;
-                        seq.sent_blocks = 0;
-                        seq.sampler_sent = false;
-                    }
+                    self.running.iter_mut().for_each(Seq::take_up_again);
                 }
                 self.gpu_up = true;
             }
@@ -344,15 +340,11 @@ impl Scheduler {
 
     /// The gpu-worker answered without knowing sequences it should (it restarted and the
     /// step reached the new process): every running request goes back to its last applied
-    /// step and is taken up again from the arenas (a worker that knows a sequence ignores the
-    /// tokens held).
+    /// step and is taken up again from the arenas (held tokens and every block replace what
+    /// the worker holds of it, so taking up a sequence it knows is harmless).
     fn gpu_lost_sequences(&mut self) {
         self.rewind_all("the gpu-worker lost its sequences (it restarted)");
-        for seq in &mut self.running {
-            seq.restore = true;
-            seq.sent_blocks = 0;
-            seq.sampler_sent = false;
-        }
+        self.running.iter_mut().for_each(Seq::take_up_again);
     }
 
     /// Fails the requests that waited for a worker longer than RESUME_WAIT, or whose KV was on

@@ -74,11 +74,11 @@ impl FakeGpu {
         let mut sampled = Vec::new();
         for s in &req.sequences {
             let start = s.start_pos as usize;
-            if !st.seqs.contains_key(&s.seq_id) && start != 0 {
-                if s.held_tokens.len() == start {
-                    st.seqs.insert(s.seq_id, s.held_tokens.clone());
-                    st.taken_up.push(s.seq_id);
-                } else if req.after_step != 0 {
+            if !s.held_tokens.is_empty() && s.held_tokens.len() == start {
+                st.seqs.insert(s.seq_id, s.held_tokens.clone());
+                st.taken_up.push(s.seq_id);
+            } else if !st.seqs.contains_key(&s.seq_id) && start != 0 {
+                if req.after_step != 0 {
                     continue;
                 } else {
                     return Err(tonic::Status::failed_precondition(format!("sequence {} is unknown to the gpu-worker (it starts with start_pos 0)", s.seq_id)));

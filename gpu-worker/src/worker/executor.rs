@@ -279,16 +279,14 @@ impl<D: Device> Executor<D> {
     fn accept(&mut self, s: &pb::SequenceStep, bs: usize, row0: usize, skip_unknown: bool) -> Result<Option<Planned>, StepError> {
         let start = s.start_pos as usize;
         let invalid = |what: String| Err(StepError::Invalid(format!("sequence {}: {what}", s.seq_id)));
-        if !self.seqs.contains_key(&s.seq_id) && start != 0 {
-            if s.held_tokens.len() == start {
-                // A sequence whose K/V outlived this worker's predecessor: its positions
-                // 0..start are in the arenas, in the blocks `new_blocks` lists.
-                self.seqs.insert(s.seq_id, Sequence { tokens: s.held_tokens.clone(), ..Sequence::default() });
-            } else if skip_unknown {
+        // Held tokens: the sequence is taken up from the arenas (its positions 0..start are in
+        // the blocks `new_blocks` lists, every one of them), known here or not.
+        let taken_up = !s.held_tokens.is_empty() && s.held_tokens.len() == start;
+        if !self.seqs.contains_key(&s.seq_id) && start != 0 && !taken_up {
+            if skip_unknown {
                 return Ok(None);
-            } else {
-                return Err(StepError::UnknownSequence(s.seq_id));
             }
+            return Err(StepError::UnknownSequence(s.seq_id));
         }
         let tokens: Vec<u32> = match (s.feed_sampled, self.seqs.get(&s.seq_id)) {
             (false, _) => s.tokens.clone(),
@@ -305,14 +303,15 @@ impl<D: Device> Executor<D> {
             return invalid(format!("{} positions exceed the context of {n_ctx_max}", start + n));
         }
         let seq = self.seqs.entry(s.seq_id).or_default();
-        let taken_up = !s.held_tokens.is_empty() && seq.blocks.is_empty() && seq.tokens == s.held_tokens;
+        if taken_up {
+            seq.tokens.clone_from(&s.held_tokens);
+            seq.blocks.clear();
+        }
         if start > seq.tokens.len() {
             return invalid(format!("start_pos {start} is past the {} positions held", seq.tokens.len()));
         }
         seq.tokens.truncate(start);
-        if !taken_up {
-            seq.blocks.truncate(start.div_ceil(bs));
-        }
+        seq.blocks.truncate(start.div_ceil(bs));
         for b in &s.new_blocks {
             self.arenas.check_block(b.worker, BlockId(b.block))?;
             seq.blocks.push((b.worker, BlockId(b.block)));
