@@ -11,6 +11,7 @@ use duet_common::model::tokenizer::Tokenizer;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::GatewayError;
+use crate::readiness::{Phase, Readiness};
 use crate::scheduler::Command;
 
 /// What to generate from.
@@ -29,11 +30,41 @@ pub enum Prompt {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SessionMode {
     None,
-    /// Keep the conversation's KV as a new session.
-    Create,
-    /// Continue this session.
+    /// Keep the conversation's KV as a new session, named `key@node` (a random key when
+    /// `None`; the key is what a balancer routes on, see [`session_key`]).
+    Create(Option<String>),
+    /// Continue this session: the prompt follows its conversation so far.
     Continue(String),
+    /// The prompt is the whole conversation (OpenAI's API): keep its KV as session `id` (a
+    /// key, or `key@node` as a previous answer named it), continuing the session where this
+    /// node holds it (the prefix the two share is not prefilled again) and creating it where
+    /// it holds none. A session of another node is an error, not a silent new session.
+    Conversation(String),
 }
+
+/// The longest session key a client may choose.
+pub const MAX_SESSION_KEY: usize = 128;
+
+/// The part of a session id a balancer routes on: everything before the `@` that names the
+/// node holding it (`"k1@node-a"` → `"k1"`), or the whole id without one.
+pub fn session_key(id: &str) -> &str {
+    id.split_once('@').map_or(id, |(key, _)| key)
+}
+
+/// Checks a client's session key (the `x-session-id` header or metadata): 1 to 128 visible
+/// ASCII characters, no `@`.
+pub fn check_session_key(key: &str) -> Result<(), GatewayError> {
+    if key.is_empty() || key.len() > MAX_SESSION_KEY || !key.bytes().all(|b| b.is_ascii_graphic() && b != b'@') {
+        return Err(GatewayError::InvalidArgument(format!(
+            "a session key must be 1 to {MAX_SESSION_KEY} visible ASCII characters without '@', got {key:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// The header (HTTP) and metadata key (gRPC) that carry a session's id or key, for the
+/// balancer to route on and the gateway to name sessions by.
+pub const SESSION_HEADER: &str = "x-session-id";
 
 /// Sampling parameters (see `SamplingParams` in inference.proto).
 #[derive(Debug, Clone, PartialEq)]
@@ -166,6 +197,8 @@ pub struct ServerInfo {
     pub kv_block_size: u32,
     pub sessions: u32,
     pub active_requests: u32,
+    /// Requests are waiting for KV cache space.
+    pub kv_full: bool,
     /// The balancer's policy.
     pub policy: String,
     /// Median and 90th percentile of the planner's recent relative step-time errors.
@@ -225,14 +258,18 @@ impl TextModel {
 pub struct Backend {
     commands: mpsc::Sender<Command>,
     pub text: Arc<TextModel>,
+    pub readiness: Readiness,
 }
 
 impl Backend {
-    pub(crate) fn new(commands: mpsc::Sender<Command>, text: Arc<TextModel>) -> Self {
-        Backend { commands, text }
+    pub(crate) fn new(commands: mpsc::Sender<Command>, text: Arc<TextModel>, readiness: Readiness) -> Self {
+        Backend { commands, text, readiness }
     }
 
     async fn send(&self, cmd: Command) -> Result<(), GatewayError> {
+        if self.readiness.phase() == Phase::Loading {
+            return Err(GatewayError::Loading);
+        }
         self.commands.send(cmd).await.map_err(|_| GatewayError::ShuttingDown)
     }
 

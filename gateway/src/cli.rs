@@ -187,6 +187,15 @@ pub struct ServeArgs {
     /// Seconds a session may sit idle before it is closed and its KV freed.
     #[arg(long, env = "DUET_SESSION_IDLE_SECS", default_value_t = 600)]
     pub session_idle_secs: u64,
+    /// This node's name, in the ids of its sessions (`key@node`), so that another node a
+    /// balancer sends one of them to can say where it is (default: the host name).
+    #[arg(long, env = "DUET_NODE_NAME", value_parser = parse_node_name)]
+    pub node_name: Option<String>,
+    /// Seconds between SIGTERM and closing the listeners: /health and gRPC health already
+    /// report NOT_SERVING (draining) while requests are still served, so that a balancer's
+    /// health checks or Kubernetes' endpoints see the drain before connections close.
+    #[arg(long, env = "DUET_DRAIN_GRACE_SECS", default_value_t = 0)]
+    pub drain_grace_secs: u64,
     /// Instance name in the shared-memory segment names (default: duet-<pid>).
     #[arg(long, env = "DUET_INSTANCE")]
     pub instance: Option<String>,
@@ -287,4 +296,19 @@ pub fn run(argv: Vec<OsString>) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// A node name: 1 to 64 letters, digits, `.`, `_` or `-`.
+pub fn parse_node_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 64 || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+        return Err(format!("a node name is 1 to 64 letters, digits, '.', '_' or '-', got {s:?}"));
+    }
+    Ok(s.to_string())
+}
+
+/// The host name as a node name (characters a node name cannot hold become `-`).
+pub fn host_node_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String = host.trim().chars().take(64).map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '-' }).collect();
+    if name.is_empty() { "duet".into() } else { name }
 }

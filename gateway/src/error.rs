@@ -25,9 +25,19 @@ pub enum GatewayError {
     SessionLost { session: String, reason: String },
     #[error("session {0:?} is busy with another request")]
     SessionBusy(String),
+    /// A new session's name is taken (a client chose a key already in use on this node).
+    #[error("session {0:?} already exists: continue it with session_id, or choose another key")]
+    SessionExists(String),
+    /// The session is named for another node: a balancer sent it here because its node no
+    /// longer serves (drained, stopped) or does not route on the session id.
+    #[error("session {session:?} is held by node {node:?}, not by this node ({here:?}): its KV is not here (node {node:?} is draining, stopped, or the balancer does not route on the session id); start a new session (resend the conversation)")]
+    SessionElsewhere { session: String, node: String, here: String },
     /// A worker failed or is restarting.
     #[error("{0}")]
     Unavailable(String),
+    /// The gateway is still starting its workers and loading the model.
+    #[error("the server is loading the model; retry shortly")]
+    Loading,
     /// The gateway is stopping.
     #[error("the gateway is shutting down")]
     ShuttingDown,
@@ -44,8 +54,11 @@ impl From<GatewayError> for Status {
             }
             GatewayError::ResourceExhausted(_) => Status::resource_exhausted(msg),
             GatewayError::UnknownSession(_) => Status::not_found(msg),
-            GatewayError::SessionBusy(_) | GatewayError::SessionLost { .. } => Status::failed_precondition(msg),
-            GatewayError::Unavailable(_) | GatewayError::ShuttingDown => Status::unavailable(msg),
+            GatewayError::SessionBusy(_) | GatewayError::SessionLost { .. } | GatewayError::SessionElsewhere { .. } => {
+                Status::failed_precondition(msg)
+            }
+            GatewayError::SessionExists(_) => Status::already_exists(msg),
+            GatewayError::Unavailable(_) | GatewayError::Loading | GatewayError::ShuttingDown => Status::unavailable(msg),
             GatewayError::Internal(_) => Status::internal(msg),
         }
     }

@@ -11,6 +11,7 @@ pub mod client;
 pub mod config;
 pub mod error;
 pub mod metrics;
+pub mod readiness;
 pub mod scheduler;
 pub mod sequence;
 pub mod serve;

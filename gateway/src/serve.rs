@@ -14,6 +14,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::api::auth::ApiKey;
 use crate::backend::{Backend, TextModel};
+use crate::readiness::{Phase, Readiness};
 use crate::cli::ServeArgs;
 use crate::scheduler::{self, Command, SchedulerConfig};
 use crate::supervisor::{self, LocalWorkers};
@@ -48,12 +49,36 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = crate::metrics::install();
     let text = Arc::new(load_text_model(&args.model, args.chat_template.as_deref())?);
+    let readiness = Readiness::new(&args.node_name.clone().unwrap_or_else(crate::cli::host_node_name));
+    let (commands, commands_rx) = scheduler::commands();
+    let backend = Backend::new(commands.clone(), text.clone(), readiness.clone());
+
+    // The front ends first, answering health with "loading" (and requests with 503) while
+    // the workers start; they stop taking connections when `closing` is set.
+    let listener = Listener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
+    let addr = listener.local_address()?;
+    let http_listener =
+        tokio::net::TcpListener::bind(args.http_listen).await.map_err(|e| anyhow::anyhow!("listening on {} (HTTP): {e}", args.http_listen))?;
+    let http_addr = http_listener.local_addr()?;
+    let (closing_tx, closing_rx) = watch::channel(false);
+    let closing = move || {
+        let mut rx = closing_rx.clone();
+        async move {
+            let _ = rx.wait_for(|&c| c).await;
+        }
+    };
+    // The HTTP API names the model by its file (what users pass as `model`).
+    let model_id = args.model.file_stem().map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    let app = crate::api::http::router(backend.clone(), model_id, api_key.clone(), metrics);
+    let http = tokio::spawn(crate::api::http_server::serve(http_listener, app, Duration::from_secs(args.http_timeout_secs), closing()));
+    let grpc = tokio::spawn(crate::api::grpc::serve(backend.clone(), listener, api_key.clone(), closing()));
+
     let (stop_tx, stop_rx) = watch::channel(false);
     let local = args.gpu_worker.is_none();
     let instance = args.instance.clone().unwrap_or_else(|| format!("duet-{}", std::process::id()));
     let mut keeper = None;
-    let workers = if let Some(gpu) = &args.gpu_worker {
-        supervisor::connect(gpu, &args.cpu_worker, None, false).await?
+    let connected = if let Some(gpu) = &args.gpu_worker {
+        supervisor::connect(gpu, &args.cpu_worker, None, false).await
     } else {
         let n = args.cpu_workers.unwrap_or_else(|| supervisor::cpu_nodes() as u32).max(1);
         let cfg = LocalWorkers {
@@ -66,23 +91,93 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             device: args.device.clone(),
         };
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
-        let mut children = supervisor::spawn_local(&cfg)?;
-        let cpu_addrs: Vec<_> = (0..n).map(|w| cfg.cpu_address(w)).collect();
-        let connected = supervisor::connect(&cfg.gpu_address(), &cpu_addrs, Some(&mut children), true).await;
-        let dir = cfg.runtime_dir.clone();
-        keeper = Some(supervisor::keep_running(cfg, children, stop_rx.clone()));
-        match connected {
-            Ok(w) => w,
-            Err(e) => {
-                let _ = stop_tx.send(true);
-                if let Some(k) = keeper {
-                    let _ = k.await;
+        match supervisor::spawn_local(&cfg) {
+            Ok(mut children) => {
+                let cpu_addrs: Vec<_> = (0..n).map(|w| cfg.cpu_address(w)).collect();
+                let connected = supervisor::connect(&cfg.gpu_address(), &cpu_addrs, Some(&mut children), true).await;
+                let dir = cfg.runtime_dir.clone();
+                keeper = Some(supervisor::keep_running(cfg, children, stop_rx.clone()));
+                if connected.is_err() {
+                    let _ = stop_tx.send(true);
+                    if let Some(k) = keeper.take() {
+                        let _ = k.await;
+                    }
+                    let _ = std::fs::remove_dir_all(dir);
                 }
-                let _ = std::fs::remove_dir_all(dir);
-                return Err(e);
+                connected
             }
+            Err(e) => Err(e),
         }
     };
+    let cfg = match connected.and_then(|w| scheduler_config(&args, &w, &readiness, &text, local).map(|cfg| (w, cfg))) {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = stop_tx.send(true);
+            if let Some(k) = keeper {
+                let _ = k.await;
+            }
+            let _ = closing_tx.send(true);
+            let _ = tokio::join!(http, grpc);
+            return Err(e);
+        }
+    };
+    let (workers, cfg) = cfg;
+    let scheduler_task = scheduler::spawn(commands_rx, cfg.clone(), text, Arc::new(workers.gpu.clone()));
+    let watcher = supervisor::watch(workers, local, commands.clone(), stop_rx.clone());
+    readiness.set(Phase::Serving);
+    readiness.wait_reported(Phase::Serving, Duration::from_secs(5)).await;
+    tracing::info!(
+        %addr,
+        model = %cfg.model_name,
+        device = %cfg.gpu_device,
+        cpu_workers = cfg.blocks_per_worker.len(),
+        kv_tokens = cfg.blocks_per_worker.iter().map(|&b| b as usize).sum::<usize>() * cfg.block_size,
+        policy = %cfg.policy,
+        %http_addr,
+        node = %cfg.node_name,
+        api_key = api_key.is_some(),
+        "duet-gateway serving"
+    );
+    // Tests and scripts read the addresses from these lines on stdout (printed once serving).
+    println!("duet-gateway http listening on {http_addr}");
+    println!("duet-gateway listening on {addr}");
+    // On SIGTERM or Ctrl-C: health says "draining" at once; after the grace period the
+    // listeners close and the requests taken in finish (up to a deadline).
+    let drain_commands = commands.clone();
+    let grace = Duration::from_secs(args.drain_grace_secs);
+    let (drained_tx, mut drained_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        readiness.set(Phase::Draining);
+        if !grace.is_zero() {
+            tracing::info!("stopping: health reports draining; the listeners close in {grace:?}");
+            tokio::time::sleep(grace).await;
+        }
+        tracing::info!("stopping: listeners closed, finishing the requests taken in (up to {DRAIN_DEADLINE:?})");
+        let _ = closing_tx.send(true);
+        let (tx, rx) = oneshot::channel();
+        if drain_commands.send(Command::Drain { deadline: Instant::now() + DRAIN_DEADLINE, reply: tx }).await.is_ok() {
+            let _ = rx.await;
+        }
+        let _ = drained_tx.send(true);
+    });
+    let (http, grpc) = tokio::join!(http, grpc);
+    let _ = drained_rx.wait_for(|&d| d).await;
+    drop(commands);
+    let _ = stop_tx.send(true);
+    let _ = watcher.await;
+    let _ = scheduler_task.await;
+    if let Some(k) = keeper {
+        let _ = k.await;
+    }
+    tracing::info!("duet-gateway stopped");
+    http?;
+    Ok(grpc??)
+}
+
+/// The scheduler's settings from the flags and what the workers report; refuses workers
+/// that do not fit together or with the gateway's tokenizer.
+fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: &Readiness, text: &TextModel, local: bool) -> anyhow::Result<SchedulerConfig> {
     let g = &workers.gpu_info;
     let block_size = workers.cpu_infos.first().map_or(duet_common::kv::layout::DEFAULT_BLOCK_SIZE as usize, |i| i.block_size as usize);
     if workers.cpu_infos.iter().any(|i| i.block_size as usize != block_size) {
@@ -98,7 +193,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if device_kind == pb::DeviceKind::Unspecified {
         anyhow::bail!("the gpu-worker reports no device kind (is it an older version than the gateway?)");
     }
-    let cfg = SchedulerConfig {
+    if text.tokenizer.vocab_size() != g.n_vocab as usize {
+        anyhow::bail!("the tokenizer has {} tokens, the gpu-worker's model {}", text.tokenizer.vocab_size(), g.n_vocab);
+    }
+    Ok(SchedulerConfig {
         max_step_tokens: args.max_step_tokens.max(prefill_chunk),
         prefill_chunk,
         max_running: args.max_running.max(1),
@@ -111,68 +209,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         model_name: g.model.clone(),
         vocab_size: g.n_vocab,
         gpu_device: g.device.clone(),
+        node_name: readiness.node.to_string(),
         // Local workers share the machine's cores; a gpu-worker on the CPU competes for them.
         shared_cores: local && device_kind == pb::DeviceKind::Cpu,
-    };
-    if text.tokenizer.vocab_size() != g.n_vocab as usize {
-        anyhow::bail!("the tokenizer has {} tokens, the gpu-worker's model {}", text.tokenizer.vocab_size(), g.n_vocab);
-    }
-    let (commands, scheduler_task) = scheduler::spawn(cfg.clone(), text.clone(), Arc::new(workers.gpu.clone()));
-    let watcher = supervisor::watch(workers, local, commands.clone(), stop_rx.clone());
-    let backend = Backend::new(commands.clone(), text);
-
-    let listener = Listener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
-    let addr = listener.local_address()?;
-    let http_listener =
-        tokio::net::TcpListener::bind(args.http_listen).await.map_err(|e| anyhow::anyhow!("listening on {} (HTTP): {e}", args.http_listen))?;
-    let http_addr = http_listener.local_addr()?;
-    tracing::info!(
-        %addr,
-        model = %cfg.model_name,
-        device = %cfg.gpu_device,
-        cpu_workers = cfg.blocks_per_worker.len(),
-        kv_tokens = cfg.blocks_per_worker.iter().map(|&b| b as usize).sum::<usize>() * block_size,
-        policy = %cfg.policy,
-        %http_addr,
-        api_key = api_key.is_some(),
-        "duet-gateway serving"
-    );
-    // Tests and scripts read the addresses from these lines on stdout.
-    println!("duet-gateway http listening on {http_addr}");
-    println!("duet-gateway listening on {addr}");
-    // On SIGTERM or Ctrl-C: drain, then stop both front ends.
-    let drain_commands = commands.clone();
-    let (drained_tx, drained_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        tracing::info!("stopping: draining running requests (up to {DRAIN_DEADLINE:?})");
-        let (tx, rx) = oneshot::channel();
-        if drain_commands.send(Command::Drain { deadline: Instant::now() + DRAIN_DEADLINE, reply: tx }).await.is_ok() {
-            let _ = rx.await;
-        }
-        let _ = drained_tx.send(true);
-    });
-    let drained = move || {
-        let mut rx = drained_rx.clone();
-        async move {
-            let _ = rx.wait_for(|&d| d).await;
-        }
-    };
-    // The HTTP API names the model by its file (what users pass as `model`).
-    let model_id = args.model.file_stem().map_or_else(|| cfg.model_name.clone(), |s| s.to_string_lossy().into_owned());
-    let app = crate::api::http::router(backend.clone(), model_id, api_key.clone(), metrics);
-    let http = crate::api::http_server::serve(http_listener, app, Duration::from_secs(args.http_timeout_secs), drained());
-    let grpc = crate::api::grpc::serve(backend, listener, api_key, drained());
-    let (served, ()) = tokio::join!(grpc, http);
-    drop(commands);
-    let _ = stop_tx.send(true);
-    let _ = watcher.await;
-    let _ = scheduler_task.await;
-    if let Some(k) = keeper {
-        let _ = k.await;
-    }
-    tracing::info!("duet-gateway stopped");
-    Ok(served?)
+    })
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

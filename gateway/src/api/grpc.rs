@@ -11,8 +11,9 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::auth::ApiKey;
-use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason};
+use crate::backend::{check_session_key, session_key, Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, SESSION_HEADER};
 use crate::error::GatewayError;
+use crate::readiness::Phase;
 
 /// The service.
 pub struct InferenceService {
@@ -55,7 +56,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
     };
     let session = match (r.session_id, r.create_session) {
         (Some(id), _) => SessionMode::Continue(id),
-        (None, true) => SessionMode::Create,
+        (None, true) => SessionMode::Create(None),
         (None, false) => SessionMode::None,
     };
     Ok(GenerateParams {
@@ -80,6 +81,14 @@ fn stop_reason(r: StopReason) -> pb::StopReason {
 
 fn ns(d: std::time::Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+/// The `x-session-id` metadata (what a balancer routes on), checked.
+fn session_metadata<T>(req: &Request<T>) -> Result<Option<String>, GatewayError> {
+    let Some(v) = req.metadata().get(SESSION_HEADER) else { return Ok(None) };
+    let id = v.to_str().map_err(|_| GatewayError::InvalidArgument(format!("the {SESSION_HEADER} metadata is not visible ASCII")))?;
+    check_session_key(session_key(id))?;
+    Ok(Some(id.to_string()))
 }
 
 impl InferenceService {
@@ -118,7 +127,13 @@ impl Inference for InferenceService {
     type GenerateStream = GenerateStream;
 
     async fn generate(&self, req: Request<pb::GenerateRequest>) -> Result<Response<GenerateStream>, Status> {
-        let params = params_from_proto(req.into_inner())?;
+        let key = session_metadata(&req)?;
+        let mut params = params_from_proto(req.into_inner())?;
+        // A new session is named by the key the balancer routed on, so that its later turns
+        // (routed on the same key) come back to this node.
+        if let (SessionMode::Create(name), Some(key)) = (&mut params.session, key) {
+            *name = Some(session_key(&key).to_string());
+        }
         let mut rx = self.backend.generate(params).await?;
         // The first event decides the status: a request refused before it starts (bad
         // prompt, unknown session, too large) fails the call itself.
@@ -195,6 +210,34 @@ impl Inference for InferenceService {
     }
 }
 
+/// Keeps gRPC health (the server as a whole, "", and `duet.v1.Inference`) saying what
+/// `/health` says: checked at each change of phase and every second; ends once draining.
+async fn report_health(reporter: tonic_health::server::HealthReporter, backend: Backend) {
+    use tonic_health::ServingStatus;
+    let mut phase = backend.readiness.subscribe();
+    let mut last = None;
+    loop {
+        let now = backend.readiness.phase();
+        let health = backend.readiness.check(&backend).await;
+        let status = if health.serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        if last != Some(status) {
+            tracing::info!(status = health.status, detail = %health.detail, "health");
+            for service in ["", <InferenceServer<InferenceService> as tonic::server::NamedService>::NAME] {
+                reporter.set_service_status(service, status).await;
+            }
+            last = Some(status);
+        }
+        backend.readiness.reported(now);
+        if now == Phase::Draining {
+            return;
+        }
+        tokio::select! {
+            changed = phase.changed() => if changed.is_err() { return },
+            () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
+    }
+}
+
 /// Serves the public API with health and reflection on `listener` until `shutdown`; with an
 /// API key, Inference calls must carry it (health and reflection stay open for probes).
 pub async fn serve(
@@ -204,7 +247,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<InferenceServer<InferenceService>>().await;
+    tokio::spawn(report_health(reporter, backend.clone()));
     // Reflection in both versions: grpcurl and grpcio's reflection package still speak v1alpha.
     // It lists only what this port serves: the workers' services share the descriptor set
     // but are not served here.

@@ -23,9 +23,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use futures_util::{Stream, StreamExt};
 
 use super::auth::ApiKey;
-use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, UsageOut};
+use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptTokens, UsageOut};
 use super::tools::{Reply, Tools};
-use crate::backend::{Backend, Event, GenerateParams};
+use crate::backend::{check_session_key, session_key, Backend, Event, GenerateParams, SessionMode, SESSION_HEADER};
 use crate::error::GatewayError;
 
 /// What the handlers share.
@@ -58,7 +58,12 @@ impl From<GatewayError> for ApiError {
             GatewayError::UnknownSession(_) => (StatusCode::NOT_FOUND, "invalid_request_error", Some("session_not_found")),
             GatewayError::SessionBusy(_) => (StatusCode::CONFLICT, "invalid_request_error", Some("session_busy")),
             GatewayError::SessionLost { .. } => (StatusCode::GONE, "invalid_request_error", Some("session_lost")),
-            GatewayError::Unavailable(_) | GatewayError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
+            GatewayError::SessionExists(_) => (StatusCode::CONFLICT, "invalid_request_error", Some("session_exists")),
+            // RFC 9110's "directed at a server that cannot produce an authoritative response".
+            GatewayError::SessionElsewhere { .. } => (StatusCode::MISDIRECTED_REQUEST, "invalid_request_error", Some("session_elsewhere")),
+            GatewayError::Unavailable(_) | GatewayError::Loading | GatewayError::ShuttingDown => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None)
+            }
             GatewayError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None),
         };
         ApiError::new(status, kind, code, &msg)
@@ -138,12 +143,12 @@ async fn require_key(State(key): State<Option<Arc<ApiKey>>>, headers: HeaderMap,
     next.run(req).await
 }
 
+/// 200 while this node should be sent requests, else 503; the body says why, and names the
+/// node (balancers and Kubernetes probes read the status).
 async fn health(State(s): State<Arc<AppState>>) -> Response {
-    match s.backend.info().await {
-        Ok(i) if i.cpu_workers.iter().any(|w| w.ready) => Json(json!({ "status": "ok" })).into_response(),
-        Ok(_) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({ "status": "no cpu-worker is serving" }))).into_response(),
-        Err(e) => ApiError::from(e).into_response(),
-    }
+    let h = s.backend.readiness.check(&s.backend).await;
+    let code = if h.serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(json!({ "status": h.status, "detail": h.detail, "node": &*s.backend.readiness.node }))).into_response()
 }
 
 async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
@@ -183,15 +188,26 @@ fn new_id(prefix: &str) -> String {
 type Events = mpsc::UnboundedReceiver<Result<Event, GatewayError>>;
 
 /// Starts a generation; a request refused before it starts fails the call itself. Returns
-/// the prompt's token count and the remaining events.
-async fn start(s: &AppState, params: GenerateParams) -> Result<(u32, Events), ApiError> {
+/// the prompt's token count, the session the request keeps its KV in, and the remaining
+/// events.
+async fn start(s: &AppState, params: GenerateParams) -> Result<(PromptTokens, Option<String>, Events), ApiError> {
     let mut rx = s.backend.generate(params).await?;
     match rx.recv().await {
-        Some(Ok(Event::Prompt { prompt_ids, cached_tokens, .. })) => Ok((prompt_ids.len() as u32 + cached_tokens, rx)),
+        Some(Ok(Event::Prompt { prompt_ids, cached_tokens, session_id })) => {
+            Ok((PromptTokens { total: prompt_ids.len() as u32 + cached_tokens, cached: cached_tokens }, session_id, rx))
+        }
         Some(Ok(_)) => Err(GatewayError::Internal("a generation began without its prompt".into()).into()),
         Some(Err(e)) => Err(e.into()),
         None => Err(GatewayError::Internal("the scheduler dropped the request".into()).into()),
     }
+}
+
+/// The session a request keeps its KV in: the `x-session-id` header's key or id, if any.
+fn session_of(headers: &HeaderMap) -> Result<SessionMode, ApiError> {
+    let Some(v) = headers.get(SESSION_HEADER) else { return Ok(SessionMode::None) };
+    let id = v.to_str().map_err(|_| GatewayError::InvalidArgument(format!("the {SESSION_HEADER} header is not visible ASCII")))?;
+    check_session_key(session_key(id))?;
+    Ok(SessionMode::Conversation(id.to_string()))
 }
 
 /// Which logprobs shape a response carries.
@@ -320,41 +336,58 @@ impl Endpoint {
     }
 }
 
-async fn completions(State(s): State<Arc<AppState>>, body: Result<Json<CompletionRequest>, JsonRejection>) -> Result<Response, ApiError> {
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&s, req.common.model.as_deref())?;
-    let params = req.params()?;
+    let mut params = req.params()?;
+    params.session = session_of(&headers)?;
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
     let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None };
     respond(s, shape, params, req.common.stream).await
 }
 
-async fn chat_completions(State(s): State<Arc<AppState>>, body: Result<Json<ChatRequest>, JsonRejection>) -> Result<Response, ApiError> {
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Json<ChatRequest>, JsonRejection>,
+) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&s, req.common.model.as_deref())?;
-    let params = req.params(&s.backend.text)?;
+    let mut params = req.params(&s.backend.text)?;
+    params.session = session_of(&headers)?;
     let tools = req.tools(&s.backend.text)?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
     let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools };
     respond(s, shape, params, req.common.stream).await
 }
 
+/// Answers a generation; with a session, the `x-session-id` response header names it
+/// (`key@node`: send it back to continue the session on this node).
 async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, stream: bool) -> Result<Response, ApiError> {
-    let (prompt_tokens, rx) = start(&s, params).await?;
+    let (prompt_tokens, session, rx) = start(&s, params).await?;
     let id = new_id(match shape.endpoint {
         Endpoint::Completion => "cmpl",
         Endpoint::Chat => "chatcmpl",
     });
-    if stream {
+    let mut response = if stream {
         let events = sse_events(s, shape, id, prompt_tokens, rx);
-        return Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response());
+        Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+    } else {
+        whole(&s, shape, id, prompt_tokens, rx).await?
+    };
+    if let Some(v) = session.and_then(|id| header::HeaderValue::from_str(&id).ok()) {
+        response.headers_mut().insert(SESSION_HEADER, v);
     }
-    whole(&s, shape, id, prompt_tokens, rx).await
+    Ok(response)
 }
 
 /// Waits for the whole generation and answers it in one body; with tools, the reply is
 /// read as tool calls or text (see `tools`).
-async fn whole(s: &AppState, shape: Shape, id: String, prompt_tokens: u32, mut rx: Events) -> Result<Response, ApiError> {
+async fn whole(s: &AppState, shape: Shape, id: String, prompt_tokens: PromptTokens, mut rx: Events) -> Result<Response, ApiError> {
     let Shape { endpoint, style, tools, .. } = shape;
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
     loop {
@@ -399,7 +432,7 @@ async fn whole(s: &AppState, shape: Shape, id: String, prompt_tokens: u32, mut r
 /// back and sent whole at the end: one chunk of tool calls (or of the answer's text). An error after the stream
 /// began is sent as an OpenAI error object before `[DONE]`. Dropping the stream (the client
 /// went away) drops the event receiver, which cancels the generation and frees its KV.
-fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: u32, rx: Events) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: PromptTokens, rx: Events) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let Shape { endpoint, style, include_usage, tools } = shape;
     let created = unix_now();
     let chunk = move |s: &AppState, choices: Value, usage: Option<UsageOut>| {

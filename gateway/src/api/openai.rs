@@ -354,11 +354,30 @@ pub struct UsageOut {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// How many prompt tokens were not prefilled again (a session's KV, `x-session-id`).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+/// A prompt's tokens: all of them, and those whose KV was already held.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptTokens {
+    pub total: u32,
+    pub cached: u32,
 }
 
 impl UsageOut {
-    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
-        UsageOut { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    pub fn new(prompt: PromptTokens, completion_tokens: u32) -> Self {
+        UsageOut {
+            prompt_tokens: prompt.total,
+            completion_tokens,
+            total_tokens: prompt.total + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: prompt.cached },
+        }
     }
 }
 

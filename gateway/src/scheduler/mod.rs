@@ -75,14 +75,21 @@ pub struct SchedulerConfig {
     pub model_name: String,
     pub vocab_size: u32,
     pub gpu_device: String,
+    /// This node's name: session ids are `key@node`.
+    pub node_name: String,
     /// The gpu-worker computes on the CPU cores the cpu-workers use (local mode without a
     /// GPU): the balancer plans their attention as taking turns, not running side by side.
     pub shared_cores: bool,
 }
 
-/// Starts the scheduler task; returns the command sender.
-pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: Arc<dyn StepRunner>) -> (mpsc::Sender<Command>, tokio::task::JoinHandle<()>) {
-    let (tx, rx) = mpsc::channel(1024);
+/// The scheduler's command channel (made before the scheduler, so that the front ends can
+/// be up while the workers start).
+pub fn commands() -> (mpsc::Sender<Command>, mpsc::Receiver<Command>) {
+    mpsc::channel(1024)
+}
+
+/// Starts the scheduler task on the receiving end of [`commands`].
+pub fn spawn(rx: mpsc::Receiver<Command>, cfg: SchedulerConfig, text: Arc<TextModel>, gpu: Arc<dyn StepRunner>) -> tokio::task::JoinHandle<()> {
     let n_workers = cfg.blocks_per_worker.len();
     let pool = KvPool::new(cfg.block_size, &cfg.blocks_per_worker);
     let s = Scheduler {
@@ -106,17 +113,36 @@ pub fn spawn(cfg: SchedulerConfig, text: Arc<TextModel>, gpu: Arc<dyn StepRunner
         prefilled_total: 0,
         generated_total: 0,
         drain: None,
+        kv_full: false,
         policy: cfg.policy,
         stats: StepStats::new(n_workers, cfg.shared_cores),
         cfg,
     };
-    let handle = tokio::spawn(s.run(rx));
-    (tx, handle)
+    tokio::spawn(s.run(rx))
 }
 
-/// A request's whole conversation: its tokens, the existing session it continues, and the
+/// A request's whole conversation: its tokens, the session it keeps its KV in, and the
 /// session's chat messages once this request's are added.
-type Resolved = (Vec<u32>, Option<String>, Vec<ChatMessage>);
+type Resolved = (Vec<u32>, SessionUse, Vec<ChatMessage>);
+
+/// Which session a request keeps its KV in.
+#[derive(Debug, Clone, PartialEq)]
+enum SessionUse {
+    None,
+    /// One this node holds.
+    Existing(String),
+    /// A new one, by this name.
+    New(String),
+}
+
+impl SessionUse {
+    fn existing(&self) -> Option<&str> {
+        match self {
+            SessionUse::Existing(id) => Some(id),
+            _ => None,
+        }
+    }
+}
 
 struct Waiting {
     params: GenerateParams,
@@ -154,6 +180,8 @@ struct Scheduler {
     prefilled_total: u64,
     generated_total: u64,
     drain: Option<(Instant, oneshot::Sender<()>)>,
+    /// The first waiting request waits for KV space (not for a running slot).
+    kv_full: bool,
     /// The balancer's policy now.
     policy: Policy,
     /// Cost fits from the steps' timings.
@@ -199,10 +227,14 @@ impl Scheduler {
                 self.admit();
             }
             if let Some((deadline, _)) = &self.drain {
-                if self.running.is_empty() || Instant::now() >= *deadline {
+                if self.running.is_empty() && self.waiting.is_empty() || Instant::now() >= *deadline {
                     for seq in std::mem::take(&mut self.running) {
                         metrics::request_failed(false);
                         let _ = seq.events.send(Err(GatewayError::ShuttingDown));
+                    }
+                    for w in std::mem::take(&mut self.waiting) {
+                        metrics::request_failed(false);
+                        let _ = w.events.send(Err(GatewayError::ShuttingDown));
                     }
                     if let Some((_, reply)) = self.drain.take() {
                         let _ = reply.send(());
@@ -297,11 +329,8 @@ impl Scheduler {
                 }
                 self.gpu_up = true;
             }
+            // The requests already taken in (running or waiting) finish; new ones are refused.
             Command::Drain { deadline, reply } => {
-                for w in std::mem::take(&mut self.waiting) {
-                    metrics::request_failed(false);
-                    let _ = w.events.send(Err(GatewayError::ShuttingDown));
-                }
                 self.drain = Some((deadline, reply));
             }
         }
@@ -407,6 +436,7 @@ impl Scheduler {
             kv_block_size: self.cfg.block_size as u32,
             sessions: self.sessions.len() as u32,
             active_requests: (self.running.len() + self.waiting.len()) as u32,
+            kv_full: self.kv_full,
             policy: self.policy.to_string(),
             prediction_error: self.stats.prediction_error(),
             prefilled_tokens_total: self.prefilled_total,
@@ -469,12 +499,14 @@ impl Scheduler {
 
     /// Starts waiting requests, in order, while they fit.
     fn admit(&mut self) {
+        self.kv_full = false;
         while self.running.len() < self.cfg.max_running {
             let Some(w) = self.waiting.pop_front() else { return };
             match self.try_admit(w) {
                 Ok(None) => {}
                 Ok(Some(w)) => {
                     self.waiting.push_front(w);
+                    self.kv_full = true;
                     return;
                 }
                 Err((events, e)) => {
@@ -515,12 +547,12 @@ impl Scheduler {
                 )),
             );
         }
-        let held = session.as_ref().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len());
+        let held = session.existing().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len());
         let outstanding: usize = self.running.iter().map(Seq::outstanding_blocks).sum();
         let fits = |s: &Self| s.free_blocks() >= outstanding + need_blocks.saturating_sub(held);
         while !fits(self) {
             // Evict the least recently used idle session other than this request's.
-            let own = session.as_deref();
+            let own = session.existing();
             let victim = self
                 .sessions
                 .iter()
@@ -536,19 +568,18 @@ impl Scheduler {
 
         // Admitted: take the session's KV (or start a new table) and keep what is cached.
         let mut restore = false;
-        let (seq_id, mut table, mut kv_tokens, session_name) = match &session {
-            Some(id) if self.sessions.get(id).is_some_and(|s| s.table.is_some()) => {
-                let s = self.sessions.get_mut(id).expect("checked");
+        let (seq_id, mut table, mut kv_tokens, session_name) = match session {
+            SessionUse::Existing(id) => {
+                let s = self.sessions.get_mut(&id).expect("resolved");
                 restore = s.gpu_generation != self.gpu_generation;
                 s.gpu_generation = self.gpu_generation;
-                (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id.clone()))
+                (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id))
             }
-            _ => {
+            new => {
                 let id = self.next_seq;
                 self.next_seq += 1;
-                let name = match w.params.session {
-                    SessionMode::Create => {
-                        let name = new_session_id();
+                let name = match new {
+                    SessionUse::New(name) => {
                         self.sessions.insert(
                             name.clone(),
                             Session {
@@ -608,23 +639,47 @@ impl Scheduler {
         Ok(None)
     }
 
-    /// The whole conversation's tokens for a request, the existing session it continues,
-    /// and the session's chat messages once this request's are added.
+    /// The whole conversation's tokens for a request, the session it keeps its KV in, and
+    /// the session's chat messages once this request's are added.
     fn resolve(&self, p: &GenerateParams) -> Result<Resolved, GatewayError> {
-        let SessionMode::Continue(id) = &p.session else {
+        let whole = |session: SessionUse| -> Result<Resolved, GatewayError> {
             let messages = match &p.prompt {
                 Prompt::Chat { messages, .. } => messages.clone(),
                 _ => Vec::new(),
             };
-            return Ok((self.text.prompt_ids(&p.prompt)?, None, messages));
+            Ok((self.text.prompt_ids(&p.prompt)?, session, messages))
         };
-        let s = self.sessions.get(id).ok_or_else(|| self.lost_sessions.missing(id))?;
-        let Some(table) = &s.table else { return Err(GatewayError::SessionBusy(id.clone())) };
-        if let Some(down) = table.blocks().iter().map(|b| b.0 .0).find(|&w| !self.worker_up.get(w as usize).copied().unwrap_or(true)) {
-            return Err(GatewayError::Unavailable(format!(
-                "session {id}: its KV is on cpu-worker {down}, which is restarting; retry shortly (the session is kept if the worker's arena is)"
-            )));
+        let id = match &p.session {
+            SessionMode::None => return whole(SessionUse::None),
+            SessionMode::Create(key) => {
+                let name = match key {
+                    Some(key) => self.session_name(key)?,
+                    None => format!("{}@{}", new_session_key(), self.cfg.node_name),
+                };
+                if self.sessions.contains_key(&name) {
+                    return Err(GatewayError::SessionExists(name));
+                }
+                return whole(SessionUse::New(name));
+            }
+            SessionMode::Conversation(id) => {
+                let name = self.session_name(id)?;
+                if !self.sessions.contains_key(&name) {
+                    // The request carries the whole conversation: nothing is lost by
+                    // starting the session afresh (after it expired or was evicted).
+                    return whole(SessionUse::New(name));
+                }
+                self.check_session(&name)?;
+                return whole(SessionUse::Existing(name));
+            }
+            SessionMode::Continue(id) => id,
+        };
+        if !self.sessions.contains_key(id) {
+            if let Some((_, node)) = id.split_once('@').filter(|(_, node)| *node != self.cfg.node_name) {
+                return Err(self.elsewhere(id, node));
+            }
         }
+        self.check_session(id)?;
+        let s = &self.sessions[id];
         let mut full = s.history.clone();
         let mut messages = s.messages.clone();
         match &p.prompt {
@@ -638,11 +693,38 @@ impl Scheduler {
                 full.extend_from_slice(ids);
             }
         }
-        Ok((full, Some(id.clone()), messages))
+        Ok((full, SessionUse::Existing(id.clone()), messages))
+    }
+
+    /// The full name of a session from a client's key or id: `key@node` for a key; an id
+    /// naming another node is an error that names the node.
+    fn session_name(&self, key_or_id: &str) -> Result<String, GatewayError> {
+        match key_or_id.split_once('@') {
+            None => Ok(format!("{key_or_id}@{}", self.cfg.node_name)),
+            Some((_, node)) if node == self.cfg.node_name => Ok(key_or_id.to_string()),
+            Some((_, node)) => Err(self.elsewhere(key_or_id, node)),
+        }
+    }
+
+    fn elsewhere(&self, session: &str, node: &str) -> GatewayError {
+        GatewayError::SessionElsewhere { session: session.to_string(), node: node.to_string(), here: self.cfg.node_name.clone() }
+    }
+
+    /// A session this node holds can take a request now: it is idle and its KV's workers serve.
+    fn check_session(&self, id: &str) -> Result<(), GatewayError> {
+        let s = self.sessions.get(id).ok_or_else(|| self.lost_sessions.missing(id))?;
+        let Some(table) = &s.table else { return Err(GatewayError::SessionBusy(id.to_string())) };
+        if let Some(down) = table.blocks().iter().map(|b| b.0 .0).find(|&w| !self.worker_up.get(w as usize).copied().unwrap_or(true)) {
+            return Err(GatewayError::Unavailable(format!(
+                "session {id}: its KV is on cpu-worker {down}, which is restarting; retry shortly (the session is kept if the worker's arena is)"
+            )));
+        }
+        Ok(())
     }
 }
 
-fn new_session_id() -> String {
+/// A random session key (for sessions created without one).
+fn new_session_key() -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));

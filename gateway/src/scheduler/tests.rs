@@ -16,6 +16,7 @@ use super::{spawn, Command, SchedulerConfig, StepRunner};
 use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, TextModel};
 use crate::balancer::{Overlap, Policy};
 use crate::error::GatewayError;
+use crate::readiness::{Phase, Readiness};
 
 /// The fake model: the token after `history`, never the end-of-generation "\n" (10).
 fn next_token(history: &[u32]) -> u32 {
@@ -48,6 +49,8 @@ struct FakeState {
     steps: u64,
     /// Steps sent while the one before ran (`after_step` set): the two-steps-in-flight pipeline.
     pipelined: u64,
+    /// How long each step takes.
+    step_time: Duration,
 }
 
 /// A gpu-worker with the fake model and the real step protocol: steps run in `after_step`
@@ -121,6 +124,8 @@ impl StepRunner for Runner {
                 }
                 let _ = tokio::time::timeout(Duration::from_millis(50), wait).await;
             }
+            let step_time = gpu.state.lock().unwrap().step_time;
+            tokio::time::sleep(step_time).await;
             let out = gpu.run(&req);
             gpu.state.lock().unwrap().done.insert(req.step);
             gpu.finished.notify_waiters();
@@ -151,11 +156,15 @@ fn harness(blocks: u32) -> Harness {
         model_name: "fake".into(),
         vocab_size: 256,
         gpu_device: "fake".into(),
+        node_name: "here".into(),
         shared_cores: false,
     };
     let gpu = Arc::new(FakeGpu::default());
-    let (commands, _task) = spawn(cfg, text.clone(), Arc::new(Runner(gpu.clone())));
-    Harness { gpu, backend: Backend::new(commands.clone(), text), commands }
+    let (commands, rx) = super::commands();
+    spawn(rx, cfg, text.clone(), Arc::new(Runner(gpu.clone())));
+    let readiness = Readiness::new("here");
+    readiness.set(Phase::Serving);
+    Harness { gpu, backend: Backend::new(commands.clone(), text, readiness), commands }
 }
 
 fn request(prompt: &[u32], max_tokens: u32, session: SessionMode) -> GenerateParams {
@@ -208,7 +217,7 @@ async fn concurrent_requests_complete_with_the_models_tokens_and_free_their_kv()
 async fn a_session_turn_reuses_its_kv() {
     let h = harness(64);
     let p1: Vec<u32> = (50..70).collect();
-    let t1 = run(&h.backend, request(&p1, 6, SessionMode::Create)).await.unwrap();
+    let t1 = run(&h.backend, request(&p1, 6, SessionMode::Create(None))).await.unwrap();
     assert_eq!(t1.ids, expected(&p1, 6));
     let session = t1.session.unwrap();
     let p2 = vec![33, 34, 35];
@@ -225,7 +234,7 @@ async fn an_evicted_session_says_so() {
     // 6 blocks of 16: a session of 40 positions (3 blocks) and a request that needs 4.
     let h = harness(6);
     let p: Vec<u32> = (40..75).collect();
-    let s = run(&h.backend, request(&p, 5, SessionMode::Create)).await.unwrap().session.unwrap();
+    let s = run(&h.backend, request(&p, 5, SessionMode::Create(None))).await.unwrap().session.unwrap();
     let big: Vec<u32> = (33..83).collect();
     assert_eq!(run(&h.backend, request(&big, 5, SessionMode::None)).await.unwrap().ids, expected(&big, 5));
     match run(&h.backend, request(&[40], 3, SessionMode::Continue(s))).await {
@@ -248,7 +257,7 @@ async fn a_step_lost_with_the_gpu_worker_is_run_again() {
 async fn a_restarted_gpu_worker_takes_up_running_requests_and_idle_sessions() {
     let h = harness(64);
     let ps: Vec<u32> = (45..60).collect();
-    let session = run(&h.backend, request(&ps, 4, SessionMode::Create)).await.unwrap();
+    let session = run(&h.backend, request(&ps, 4, SessionMode::Create(None))).await.unwrap();
     let p: Vec<u32> = (70..80).collect();
     let mut rx = h.backend.generate(request(&p, 60, SessionMode::None)).await.unwrap();
     let mut ids = Vec::new();
@@ -275,4 +284,85 @@ async fn a_restarted_gpu_worker_takes_up_running_requests_and_idle_sessions() {
     whole.extend([36, 37]);
     assert_eq!(next.ids, expected(&whole, 4), "the idle session goes on");
     assert!(h.gpu.state.lock().unwrap().taken_up.len() >= 2, "both sequences were taken up from held tokens");
+}
+
+#[tokio::test]
+async fn sessions_are_named_key_at_node_and_other_nodes_sessions_are_refused_by_name() {
+    let h = harness(64);
+    let p: Vec<u32> = (50..60).collect();
+    let s = run(&h.backend, request(&p, 3, SessionMode::Create(Some("k1".into())))).await.unwrap().session.unwrap();
+    assert_eq!(s, "k1@here", "named by the client's key and this node");
+    match run(&h.backend, request(&p, 3, SessionMode::Create(Some("k1".into())))).await {
+        Err(GatewayError::SessionExists(id)) => assert_eq!(id, "k1@here"),
+        other => panic!("expected SessionExists, got {:?}", other.map(|o| o.ids)),
+    }
+    let random = run(&h.backend, request(&p, 3, SessionMode::Create(None))).await.unwrap().session.unwrap();
+    assert!(random.ends_with("@here") && random.len() > 20, "{random}");
+    for mode in [SessionMode::Continue("k1@there".into()), SessionMode::Conversation("k1@there".into())] {
+        match run(&h.backend, request(&[40], 3, mode)).await {
+            Err(GatewayError::SessionElsewhere { session, node, here }) => {
+                assert_eq!((session.as_str(), node.as_str(), here.as_str()), ("k1@there", "there", "here"))
+            }
+            other => panic!("expected SessionElsewhere, got {:?}", other.map(|o| o.ids)),
+        }
+    }
+    assert!(matches!(run(&h.backend, request(&[40], 3, SessionMode::Continue("k9@here".into()))).await, Err(GatewayError::UnknownSession(_))));
+}
+
+#[tokio::test]
+async fn a_conversation_session_keeps_the_shared_prefix_of_each_whole_conversation() {
+    let h = harness(64);
+    let p1: Vec<u32> = (50..70).collect();
+    let t1 = run(&h.backend, request(&p1, 6, SessionMode::Conversation("chat".into()))).await.unwrap();
+    assert_eq!((t1.session.as_deref(), t1.cached), (Some("chat@here"), 0), "created on first use");
+    assert_eq!(t1.ids, expected(&p1, 6));
+    // The client sends the whole conversation again, as OpenAI clients do.
+    let mut whole = p1.clone();
+    whole.extend(&t1.ids);
+    whole.extend([33, 34, 35]);
+    let t2 = run(&h.backend, request(&whole, 6, SessionMode::Conversation("chat@here".into()))).await.unwrap();
+    assert_eq!(t2.cached as usize, p1.len() + 6 - 1, "the conversation's KV is reused");
+    assert_eq!(t2.ids, expected(&whole, 6));
+    // An edited conversation (a different second turn) keeps only the shared prefix.
+    let mut edited = p1.clone();
+    edited.extend([90, 91]);
+    let t3 = run(&h.backend, request(&edited, 4, SessionMode::Conversation("chat".into()))).await.unwrap();
+    assert_eq!(t3.cached as usize, p1.len());
+    assert_eq!(t3.ids, expected(&edited, 4), "what followed the shared prefix is not kept");
+}
+
+#[tokio::test]
+async fn kv_full_is_reported_while_a_request_waits_for_kv_and_a_drain_finishes_it() {
+    // 4 blocks of 16: one request of 40 positions (3 blocks) at a time.
+    let h = harness(4);
+    h.gpu.state.lock().unwrap().step_time = Duration::from_millis(5);
+    let a: Vec<u32> = (40..70).collect();
+    let b: Vec<u32> = (41..71).collect();
+    let mut rx_a = h.backend.generate(request(&a, 10, SessionMode::None)).await.unwrap();
+    let _ = rx_a.recv().await.unwrap().unwrap();
+    let run_b = tokio::spawn({
+        let (backend, b) = (h.backend.clone(), b.clone());
+        async move { run(&backend, request(&b, 10, SessionMode::None)).await }
+    });
+    let mut saw_full = false;
+    for _ in 0..200 {
+        if h.backend.info().await.unwrap().kv_full {
+            saw_full = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(saw_full, "the waiting request is reported");
+    // A drain now lets both the running and the waiting request finish.
+    let (tx, drained) = tokio::sync::oneshot::channel();
+    h.commands.send(Command::Drain { deadline: std::time::Instant::now() + Duration::from_secs(30), reply: tx }).await.unwrap();
+    let mut ids = Vec::new();
+    while let Some(ev) = rx_a.recv().await {
+        if let Event::Token { id, .. } = ev.unwrap() {
+            ids.push(id);
+        }
+    }
+    assert_eq!(ids, expected(&a, 10));
+    assert_eq!(run_b.await.unwrap().unwrap().ids, expected(&b, 10), "the waiting request ran during the drain");
+    drained.await.unwrap();
 }
