@@ -142,27 +142,29 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     println!("duet-gateway http listening on {http_addr}");
     println!("duet-gateway listening on {addr}");
     // On SIGTERM or Ctrl-C: health says "draining" at once; after the grace period the
-    // listeners close and the requests taken in finish (up to a deadline).
-    let drain_commands = commands.clone();
+    // listeners close, and the requests taken in finish (those left after a deadline fail).
+    let deadline_commands = commands.clone();
     let grace = Duration::from_secs(args.drain_grace_secs);
-    let (drained_tx, mut drained_rx) = watch::channel(false);
-    tokio::spawn(async move {
+    let signals = tokio::spawn(async move {
         shutdown_signal().await;
         readiness.set(Phase::Draining);
         if !grace.is_zero() {
             tracing::info!("stopping: health reports draining; the listeners close in {grace:?}");
             tokio::time::sleep(grace).await;
         }
-        tracing::info!("stopping: listeners closed, finishing the requests taken in (up to {DRAIN_DEADLINE:?})");
+        tracing::info!("stopping: listeners closed; finishing the requests taken in (up to {DRAIN_DEADLINE:?})");
         let _ = closing_tx.send(true);
-        let (tx, rx) = oneshot::channel();
-        if drain_commands.send(Command::Drain { deadline: Instant::now() + DRAIN_DEADLINE, reply: tx }).await.is_ok() {
-            let _ = rx.await;
-        }
-        let _ = drained_tx.send(true);
+        tokio::time::sleep(DRAIN_DEADLINE).await;
+        tracing::warn!("requests still running {DRAIN_DEADLINE:?} after the listeners closed: failing them");
+        let _ = deadline_commands.send(Command::Drain { deadline: Instant::now(), reply: oneshot::channel().0 }).await;
     });
+    // The front ends end once their listeners are closed and their connections done.
     let (http, grpc) = tokio::join!(http, grpc);
-    let _ = drained_rx.wait_for(|&d| d).await;
+    signals.abort();
+    let (tx, rx) = oneshot::channel();
+    if commands.send(Command::Drain { deadline: Instant::now(), reply: tx }).await.is_ok() {
+        let _ = rx.await;
+    }
     drop(commands);
     let _ = stop_tx.send(true);
     let _ = watcher.await;

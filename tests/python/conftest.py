@@ -27,12 +27,12 @@ def gateway_binary() -> pathlib.Path:
 class Gateway:
     """A running gateway: `grpc` and `http` are host:port addresses."""
 
-    def __init__(self, extra_args=(), env=None, kv_bytes="64M"):
+    def __init__(self, extra_args=(), env=None, kv_bytes="64M", host="127.0.0.1"):
         self.instance = f"py{os.getpid()}-{int(time.time() * 1000) % 100000}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"duet-{self.instance}-", suffix=".log", delete=False)
         args = [
             str(gateway_binary()), "serve", "--model", MODEL, "--instance", self.instance,
-            "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--kv-bytes", kv_bytes,
+            "--listen", f"{host}:0", "--http-listen", f"{host}:0", "--kv-bytes", kv_bytes,
             "--cpu-workers", "1", *extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=self.log, text=True,

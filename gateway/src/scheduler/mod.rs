@@ -268,13 +268,10 @@ impl Scheduler {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate { params, events, arrived } => {
+                // During a drain too: the listeners are closed by then, so a request that
+                // still arrives was sent on a connection taken in before (the deadline bounds it).
                 metrics::request_received();
-                if self.drain.is_some() {
-                    metrics::request_failed(false);
-                    let _ = events.send(Err(GatewayError::ShuttingDown));
-                } else {
-                    self.waiting.push_back(Waiting { params, events, arrived });
-                }
+                self.waiting.push_back(Waiting { params, events, arrived });
             }
             Command::CloseSession { session_id, reply } => {
                 let result = match self.sessions.get(&session_id) {
@@ -329,7 +326,8 @@ impl Scheduler {
                 }
                 self.gpu_up = true;
             }
-            // The requests already taken in (running or waiting) finish; new ones are refused.
+            // The requests taken in (running, waiting, and any still arriving on connections
+            // open before the listeners closed) finish, up to the deadline.
             Command::Drain { deadline, reply } => {
                 self.drain = Some((deadline, reply));
             }
