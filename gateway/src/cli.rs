@@ -85,6 +85,13 @@ pub struct SimulateArgs {
     /// Print the comparison of T4, A10 and H100 with fp16 and int8 weights (Markdown).
     #[arg(long)]
     pub sweep: bool,
+    /// Print the capacity of clusters of this many nodes (e.g. 1,4,16) behind a balancer
+    /// hashing sessions onto them: sessions, tokens/s and KV held at --context.
+    #[arg(long, value_delimiter = ',', conflicts_with = "sweep", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
+    pub nodes: Vec<usize>,
+    /// With --nodes: the decode speed each generating session should keep, tokens/s.
+    #[arg(long, default_value_t = 10.0)]
+    pub session_tokens_per_s: f64,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,

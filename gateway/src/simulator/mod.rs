@@ -36,6 +36,7 @@
 //!   through the same planner by moving the linear time into the CPU side's fixed cost.
 
 pub mod machines;
+mod nodes;
 mod report;
 
 use serde::Serialize;
@@ -400,6 +401,7 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
         ("--gpu-bandwidth-gbs", args.gpu_bandwidth_gbs),
         ("--gpu-tflops", args.gpu_tflops),
         ("--pcie-gbs", args.pcie_gbs),
+        ("--session-tokens-per-s", Some(args.session_tokens_per_s)),
     ];
     for (flag, v) in positive {
         if let Some(v) = v {
@@ -420,6 +422,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             serde_json::to_string_pretty(&reports)?
         } else {
             report::render_sweep(&reports, &args)
+        }
+    } else if !args.nodes.is_empty() {
+        let gpu = args.gpu.ok_or_else(|| anyhow::anyhow!("--gpu is required (or --sweep)"))?;
+        let setup = setup(&args, gpu, args.weights);
+        let rows = nodes::capacity_table(&setup, args.context, args.session_tokens_per_s, &args.nodes)?;
+        if args.json {
+            serde_json::to_string_pretty(&rows)?
+        } else {
+            nodes::render(&setup, args.context, args.session_tokens_per_s, &rows)
         }
     } else {
         let gpu = args.gpu.ok_or_else(|| anyhow::anyhow!("--gpu is required (or --sweep)"))?;
