@@ -19,6 +19,9 @@ little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp
   block and normal RoPE under another name, GQA 4/2, Q8_0.
 * `phi3_q8_0`  -- phi3: one `attn_qkv` matrix (Q, K, V rows in that order) and one `ffn_up` of
   2 x n_ff rows (gate first, then up; no `ffn_gate`), NeoX RoPE, 4 heads of 16, Q8_0.
+* `gemma3_q8_0` -- gemma3: embeddings scaled by sqrt(n_embd), per-head Q/K RMSNorm, NeoX RoPE,
+  GeGLU, RMSNorms after attention and after the MLP, 6 layers of which 0-4 attend a sliding
+  window of 8 positions (RoPE base 10000 there, 1e6 on layer 5), tied Q8_0 output.
 
 Needs numpy, gguf and llama-cpp-python 0.3.36 (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python==0.3.36`).
@@ -50,6 +53,9 @@ VARIANTS = [
          eps=1e-5, base=10000.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False, fused=True),
     dict(name="mistral3_q8_0", arch="mistral3", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=96, n_layer=2,
          eps=1e-5, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False),
+    # Appended last: the random draws of the variants above stay as they were.
+    dict(name="gemma3_q8_0", arch="gemma3", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=96, n_layer=6,
+         eps=1e-6, base=1e6, wtype=T.Q8_0, tied=True, bias=False, qk_norm=True, post_norms=True, window=8),
 ]
 
 
@@ -73,6 +79,8 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(spec["base"])
     w.add_layer_norm_rms_eps(spec["eps"])
+    if spec.get("window"):
+        w.add_uint32(f"{arch}.attention.sliding_window", spec["window"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(toks)
@@ -113,6 +121,8 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
             vector(f"blk.{l}.attn_q_norm.weight", hd, 1.0, 0.3)
             vector(f"blk.{l}.attn_k_norm.weight", hd, 1.0, 0.3)
         matrix(f"blk.{l}.attn_output.weight", d, H * hd, 0.8)
+        if spec.get("post_norms"):
+            vector(f"blk.{l}.post_attention_norm.weight", d, 1.0, 0.1)
         vector(f"blk.{l}.ffn_norm.weight", d, 1.0, 0.1)
         if fused:
             matrix(f"blk.{l}.ffn_up.weight", 2 * n_ff, d, 1.0)
@@ -120,6 +130,8 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
             matrix(f"blk.{l}.ffn_gate.weight", n_ff, d, 1.0)
             matrix(f"blk.{l}.ffn_up.weight", n_ff, d, 1.0)
         matrix(f"blk.{l}.ffn_down.weight", d, n_ff, 0.8)
+        if spec.get("post_norms"):
+            vector(f"blk.{l}.post_ffw_norm.weight", d, 1.0, 0.1)
     vector("output_norm.weight", d, 1.0, 0.1)
     if not spec["tied"]:
         matrix("output.weight", len(toks), d, 2.5)

@@ -223,3 +223,31 @@ fn decode_group_picks_the_arithmetic_by_context_length() {
     }
     println!("kernels::isa() = {:?}", kernels::isa());
 }
+
+/// With a sliding window (Gemma 3's layers) the AVX-512 prefill kernel, given the window's
+/// rows at their absolute positions, still equals the widened twin bit for bit; and the window
+/// changes the result (it is not ignored).
+#[test]
+fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
+    use duet_common::kernels::attention::{causal_attention, causal_attention_widened_windowed, causal_attention_windowed, AttnShape, KvHead};
+    let mut rng = StdRng::seed_from_u64(4096);
+    for &(group, n_kv, pos0, n_tok, window) in &[(2, 2, 0, 40, 8), (4, 1, 30, 17, 16), (1, 2, 0, 3, 1), (2, 1, 100, 33, 512)] {
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64 };
+        let n_ctx = pos0 + n_tok;
+        let kv_data: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
+            .map(|_| {
+                let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
+                (row(), row())
+            })
+            .collect();
+        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
+        let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * 4.0).collect();
+        let (mut fast, mut twin, mut full) = (vec![0f32; q.len()], vec![0f32; q.len()], vec![0f32; q.len()]);
+        causal_attention_windowed(&q, &kv, shape, pos0, Some(window), &mut fast);
+        causal_attention_widened_windowed(&q, &kv, shape, pos0, Some(window), &mut twin);
+        causal_attention(&q, &kv, shape, pos0, &mut full);
+        let first_bad = fast.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(first_bad.is_none(), "window {window}, group {group} x {n_kv}, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
+        assert_eq!(fast == full, window >= n_ctx, "window {window} of a context of {n_ctx}: changes the result exactly when it cuts");
+    }
+}

@@ -1,7 +1,9 @@
 //! The architectures beyond Llama against llama.cpp itself: tiny random qwen2 (Q/K/V biases,
 //! NeoX RoPE, tied output, Q4_1) and qwen3 (per-head Q/K RMSNorm, NeoX RoPE, head_dim 32 with a
 //! Q width unlike n_embd, Q8_0), phi3 (fused Q/K/V and gate/up matrices, NeoX RoPE, Q8_0) and
-//! mistral3 (llama's block under Mistral 3's name, Q8_0) models from `scripts/gen_tiny_arch.py`, whose logits at every
+//! mistral3 (llama's block under Mistral 3's name, Q8_0) and gemma3 (embedding scale, Q/K
+//! norms, GeGLU, post norms, 5 of 6 layers with a sliding window of 8) models from
+//! `scripts/gen_tiny_arch.py`, whose logits at every
 //! position llama.cpp computed (testdata/tiny/arch/<name>.llamacpp.bin). On the CPU device,
 //! as one batched prefill and as one-token decode steps: the greedy token is llama.cpp's at
 //! every position whose top-2 gap is not a near tie, and log-probabilities are within the
@@ -98,4 +100,17 @@ fn phi3_matches_llama_cpp() {
 #[test]
 fn mistral3_matches_llama_cpp() {
     check("mistral3_q8_0", 2e-3);
+}
+
+/// Every position past the 8th runs the sliding window on layers 0-4 (and llama.cpp's
+/// full-size SWA cache keeps positions in order, so the V lanes agree).
+#[test]
+fn gemma3_matches_llama_cpp() {
+    let engine = Engine::load(&dir().join("gemma3_q8_0.gguf")).unwrap();
+    let c = engine.device.config();
+    let windows: Vec<Option<usize>> = (0..c.n_layer).map(|l| c.window(l)).collect();
+    assert_eq!(windows, [Some(8), Some(8), Some(8), Some(8), Some(8), None], "llama.cpp's default pattern: 5 local layers of 6");
+    assert_eq!((c.embedding_scale, c.q_prescale, c.post_norms), (8.0, 1.0, true));
+    assert_eq!(c.sliding_window.as_ref().unwrap().rope_freq_base, 10000.0);
+    check("gemma3_q8_0", 2e-3);
 }

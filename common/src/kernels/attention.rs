@@ -38,11 +38,30 @@ pub struct AttnShape {
 /// token seeing positions `0..=its own` (causal). `q` and `out` are `[token][head][head_dim]`;
 /// `kv[h]` must hold at least `pos0 + n_tok` positions already written.
 pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
+    causal_attention_windowed(q, kv, shape, pos0, None, out)
+}
+
+/// The first position the token at `pos` attends: 0, or with a sliding `window` the oldest of
+/// the last `window` positions (llama.cpp masks position `p0` when `pos - p0 >= window`).
+pub fn window_start(pos: usize, window: Option<usize>) -> usize {
+    window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
+/// The part of `range` (positions of a context of `n_ctx`) that the context's last token
+/// sees through its sliding `window`: empty when the range lies wholly before the window.
+pub fn windowed(range: Range<usize>, n_ctx: usize, window: Option<usize>) -> Range<usize> {
+    range.start.max(window_start(n_ctx.saturating_sub(1), window))..range.end
+}
+
+/// [`causal_attention`], each token seeing only the positions of its sliding `window` when one
+/// is given ([`window_start`]); the V lanes still follow absolute positions, so the result is
+/// what llama.cpp's masked attention gives.
+pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
     let Causal { n_kv_head, hd, n_tok, n_ctx, group, scale, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
     if n_tok == 1 {
         // Decode: each KV head's query group in one pass over its rows, chunk by chunk, the
         // (head, chunk) pairs in parallel.
-        let query = DecodeQuery { q, range: 0..n_ctx, n_ctx };
+        let query = DecodeQuery { q, range: window_start(n_ctx - 1, window)..n_ctx, n_ctx };
         let rows = |_, h: usize, c: Range<usize>| {
             Ok::<_, std::convert::Infallible>(vec![KvRun { k: &kv[h].k[c.start * hd..c.end * hd], v: &kv[h].v[c.start * hd..c.end * hd] }])
         };
@@ -57,21 +76,27 @@ pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: us
         out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
             let (t, h) = (i / n_kv_head, i % n_kv_head);
             let len = pos0 + t + 1;
-            let run = KvRun { k: &kv[h].k[..len * hd], v: &kv[h].v[..len * hd] };
+            let first = window_start(len - 1, window);
+            let run = KvRun { k: &kv[h].k[first * hd..len * hd], v: &kv[h].v[first * hd..len * hd] };
             let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
             let q = &q[i * group * hd..(i + 1) * group * hd];
             // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-            unsafe { super::attention_avx512::attend_group_hd64(&[run], 0, len, n_padded, scale, true, q, o, &mut lse[..group], scratch) };
+            unsafe { super::attention_avx512::attend_group_hd64(&[run], first, len, n_padded, scale, true, q, o, &mut lse[..group], scratch) };
         });
         return;
     }
-    causal_attention_widened(q, kv, shape, pos0, out);
+    causal_attention_widened_windowed(q, kv, shape, pos0, window, out);
 }
 
 /// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
 /// token at a time: the path of machines without AVX-512 (and of heads other than 64), and the
 /// twin the AVX-512 kernels are tested against.
 pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
+    causal_attention_widened_windowed(q, kv, shape, pos0, None, out)
+}
+
+/// [`causal_attention_widened`] with a sliding window, as [`causal_attention_windowed`].
+pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
     let Causal { n_head, hd, n_tok, n_ctx, group, scale, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
     // Widen each KV head once for all query tokens.
     let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
@@ -87,7 +112,8 @@ pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, 
         let (t, head) = (i / n_head, i % n_head);
         let (k, v) = &widened[head / group];
         let q_row = &q[i * hd..(i + 1) * hd];
-        let job = Job { q: q_row, k, v, start: 0, end: pos0 + t + 1, n_padded, hd, scale, tiled: n_tok >= 2 };
+        let (first, end) = (window_start(pos0 + t, window), pos0 + t + 1);
+        let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scale, tiled: n_tok >= 2 };
         run(&job, o);
     });
 }
@@ -453,3 +479,19 @@ fn round_to_f16(x: &[f32], out: &mut [f32]) {
     buf.convert_to_f32_slice(out);
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sliding_window_keeps_the_last_positions_up_to_the_token() {
+        assert_eq!(window_start(10, None), 0);
+        assert_eq!(window_start(10, Some(4)), 7, "positions 7..=10: pos - p0 < 4");
+        assert_eq!(window_start(2, Some(4)), 0);
+        assert_eq!(windowed(0..20, 20, Some(8)), 12..20);
+        assert_eq!(windowed(16..20, 20, Some(8)), 16..20);
+        assert!(windowed(0..10, 20, Some(8)).is_empty(), "a share wholly before the window");
+        assert_eq!(windowed(0..10, 20, None), 0..10);
+    }
+}

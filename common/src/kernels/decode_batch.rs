@@ -149,6 +149,10 @@ pub fn merge_partials(parts: &[(&[f32], f32)]) -> Vec<f32> {
     assert!(!parts.is_empty(), "merge of no partial results");
     let dim = parts[0].0.len();
     assert!(parts.iter().all(|(o, _)| o.len() == dim), "partial outputs differ in length");
+    // Parts that attended nothing (a range a sliding window cut away) drop out, so that one
+    // remaining part comes back unchanged.
+    let live: Vec<(&[f32], f32)> = parts.iter().copied().filter(|p| p.1 != f32::NEG_INFINITY).collect();
+    let parts = if live.is_empty() { parts } else { &live[..] };
     if let [(o, _)] = parts {
         return o.to_vec();
     }
@@ -205,6 +209,9 @@ mod tests {
         assert!((merge_lse(&[2.0, 2.0]) - (2.0 + 2f32.ln())).abs() < 1e-6);
         assert_eq!(merge_partials(&[(&a, 2.0), (&b, f32::NEG_INFINITY)]), vec![1.0, 0.0]);
         assert_eq!(merge_partials(&[(&a, f32::NEG_INFINITY), (&b, f32::NEG_INFINITY)]), vec![0.0, 0.0]);
+        // One live part among empty ones comes back bit for bit (a sliding window's cut).
+        let odd = [0.1f32, 0.3];
+        assert_eq!(merge_partials(&[(&b, f32::NEG_INFINITY), (&odd, 0.7), (&a, f32::NEG_INFINITY)]), odd.to_vec());
         // Huge log-sum-exps do not overflow.
         let m = merge_partials(&[(&a, 1000.0), (&b, 1001.0)]);
         let wb = 1.0 / (1.0 + (-1f32).exp());

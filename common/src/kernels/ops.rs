@@ -1,5 +1,5 @@
 //! Element-wise and normalisation ops of a Llama layer, with ggml's arithmetic: RMSNorm,
-//! rotary position embedding (normal and llama3-scaled), SwiGLU, log-softmax.
+//! rotary position embedding (normal and llama3-scaled), SwiGLU, GeGLU, log-softmax.
 
 /// `out = x / sqrt(mean(x^2) + eps) * weight` (sum of squares in f64, as ggml does).
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -174,6 +174,36 @@ fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gate = gelu(gate) * up` (Gemma's GeGLU) as ggml's CPU backend computes it: the tanh
+/// approximation of GELU looked up in a table of every f16 input (the gate rounded to f16),
+/// except below -10 (0) and from 10 on (the identity).
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    let table = gelu_table();
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x * u
+        } else {
+            half::f16::from_bits(table[half::f16::from_f32(x).to_bits() as usize]).to_f32() * u
+        };
+    }
+}
+
+/// ggml's `ggml_gelu_f32`: `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))` in f32.
+pub fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+}
+
+/// GELU of every f16 value, rounded to f16 (ggml's `ggml_table_gelu_f16`).
+fn gelu_table() -> &'static [u16] {
+    static TABLE: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| (0..=u16::MAX).map(|b| half::f16::from_f32(gelu(half::f16::from_bits(b).to_f32())).to_bits()).collect())
+}
+
 /// Log-softmax of logits in f64 (for reporting log-probabilities and perplexity).
 pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
@@ -185,6 +215,24 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_mul_follows_the_f16_table_and_its_cut_offs() {
+        let mut g = [-20.0, -10.0, -1.0, 0.0, 0.5, 3.0, 10.0, 12.0];
+        let up = [2.0; 8];
+        gelu_mul(&mut g, &up);
+        assert_eq!(g[..2], [0.0, 0.0]);
+        assert_eq!(g[6..], [20.0, 24.0], "the identity from 10 on");
+        for (x, y) in [(-1.0f32, g[2]), (0.5, g[4]), (3.0, g[5])] {
+            assert!((y - 2.0 * gelu(x)).abs() <= 2.0 * gelu(x).abs() * 2e-3 + 1e-4, "gelu({x}) * 2 = {y}");
+        }
+        assert_eq!(g[3], 0.0);
+        // The table's input is the gate rounded to f16: two gates of one f16 give one output.
+        let (mut a, mut b) = ([0.70001f32], [0.70002f32]);
+        gelu_mul(&mut a, &[1.0]);
+        gelu_mul(&mut b, &[1.0]);
+        assert_eq!(a, b);
+    }
 
     #[test]
     fn llama3_factors_keep_high_frequencies_and_divide_low_ones() {

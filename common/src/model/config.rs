@@ -1,5 +1,5 @@
-//! Hyper-parameters of the Llama-shaped architectures (llama, mistral, qwen2, qwen3, phi3) read from
-//! GGUF metadata, validated before any weight is used.
+//! Hyper-parameters of the Llama-shaped architectures (llama, mistral, qwen2, qwen3, phi3,
+//! gemma3) read from GGUF metadata, validated before any weight is used.
 
 use super::gguf::{GgufError, GgufFile, Value};
 use super::names::{ArchKey, GeneralKey, TensorName};
@@ -16,6 +16,26 @@ pub enum RopeScaling {
     Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_context: f32 },
     /// Divisors stored in the file as `rope_freqs.weight`.
     FreqFactors,
+}
+
+/// The activation of the gated MLP: `act(gate) * up`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// SwiGLU (Llama and most others).
+    Silu,
+    /// GeGLU with the tanh approximation (Gemma).
+    Gelu,
+}
+
+/// Sliding-window attention (Gemma 3): on the layers it marks, the token at position `p`
+/// attends only positions `p - window + 1 ..= p` (llama.cpp's standard SWA mask), and RoPE
+/// uses its own base, unscaled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    pub window: usize,
+    /// Per layer: whether it is a sliding-window layer.
+    pub layers: Vec<bool>,
+    pub rope_freq_base: f32,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +55,17 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     /// NeoX RoPE: rotates the pairs (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1]).
     pub rope_neox: bool,
+    /// The embedding rows are multiplied by this (Gemma: sqrt(n_embd)); 1 elsewhere.
+    pub embedding_scale: f32,
+    /// The queries are multiplied by this before attention, whose kernels scale scores by
+    /// 1/sqrt(head_dim): 1 unless the model's attention scale differs (Gemma 3 27B).
+    pub q_prescale: f32,
+    pub ffn_act: FfnAct,
+    /// RMSNorms on the attention output and on the MLP output before each residual add (Gemma).
+    pub post_norms: bool,
+    pub sliding_window: Option<SlidingWindow>,
+    /// Logits become `cap * tanh(logits / cap)`.
+    pub final_logit_softcap: Option<f32>,
 }
 
 /// Architectures with Llama's block (RMSNorm, attention, SwiGLU): llama and mistral as they
@@ -42,9 +73,11 @@ pub struct LlamaConfig {
 /// phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE, and mistral3 (Mistral Small 3.x,
 /// Ministral) as llama without its long-context YaRN scaling and attention temperature (the
 /// optional tensors are found by the loader).
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3"];
+/// gemma3 adds to qwen3's block an embedding scale, GeGLU, RMSNorms after attention and
+/// after the MLP, and sliding-window attention on 5 layers of 6.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3", "gemma3"];
 /// Those of them whose RoPE is NeoX's.
-const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3"];
+const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3", "gemma3"];
 
 fn get<'a>(g: &'a GgufFile, key: &str) -> Result<&'a Value, GgufError> {
     g.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
@@ -60,6 +93,31 @@ fn get_usize(g: &GgufFile, key: &str) -> Result<usize, GgufError> {
 fn get_f32(g: &GgufFile, key: &str) -> Result<f32, GgufError> {
     let v = get(g, key)?;
     v.as_f64().map(|v| v as f32).ok_or(GgufError::WrongType { key: key.to_string(), expected: "number", found: v.type_name() })
+}
+
+/// Gemma 3's sliding window, as llama.cpp reads it: `attention.sliding_window` (absent or 0:
+/// none), the layers from `attention.sliding_window_pattern` (an array of booleans, or n:
+/// every layer but each n-th; default 6), the RoPE base `rope.freq_base_swa` (default 10000).
+fn sliding_window(g: &GgufFile, arch: &str, n_layer: usize) -> Result<Option<SlidingWindow>, Error> {
+    let k = |key: ArchKey| key.key(arch);
+    let Some(window) = opt(get_usize(g, &k(ArchKey::SlidingWindow)))?.filter(|&w| w > 0) else { return Ok(None) };
+    let pattern_key = k(ArchKey::SlidingWindowPattern);
+    let layers = match g.get(&pattern_key) {
+        Some(Value::Array(items)) => {
+            let flags: Option<Vec<bool>> = items.iter().map(Value::as_bool).collect();
+            match flags {
+                Some(f) if f.len() == n_layer => f,
+                _ => return Err(Error::UnsupportedModel(format!("{pattern_key}: expected {n_layer} booleans"))),
+            }
+        }
+        Some(v) => {
+            let n = v.as_u64().ok_or(GgufError::WrongType { key: pattern_key.clone(), expected: "unsigned integer or array", found: v.type_name() })?;
+            (0..n_layer as u64).map(|l| n == 0 || l % n < n - 1).collect()
+        }
+        None => (0..n_layer).map(|l| l % 6 < 5).collect(),
+    };
+    let rope_freq_base = opt(get_f32(g, &k(ArchKey::RopeFreqBaseSwa)))?.unwrap_or(10000.0);
+    Ok(Some(SlidingWindow { window, layers, rope_freq_base }))
 }
 
 fn opt<T>(r: Result<T, GgufError>) -> Result<Option<T>, GgufError> {
@@ -119,13 +177,32 @@ impl LlamaConfig {
                 other => return Err(Error::UnsupportedModel(format!("rope scaling type {other:?}"))),
             }
         };
+        let n_layer = get_usize(g, &k(ArchKey::BlockCount))?;
+        let gemma = arch == "gemma3";
+        if opt(get_f32(g, &k(ArchKey::AttnLogitSoftcapping)))?.is_some_and(|c| c != 0.0) {
+            return Err(Error::UnsupportedModel(format!("{arch}.attn_logit_softcapping (attention soft-capping, Gemma 2) is not supported yet")));
+        }
+        let sliding_window = if gemma { sliding_window(g, &arch, n_layer)? } else { None };
+        // llama.cpp (after gemma_pytorch): 1/sqrt(n_embd / n_head) for the 62-layer 27B,
+        // 1/sqrt(head_dim) for the others, which is the kernels' own scale.
+        let q_prescale = if gemma && n_layer == 62 { ((head_dim as f32) / (n_embd / n_head) as f32).sqrt() } else { 1.0 };
+        let final_logit_softcap = opt(get_f32(g, &k(ArchKey::FinalLogitSoftcapping)))?.filter(|&c| c != 0.0);
+        if final_logit_softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+            return Err(Error::UnsupportedModel(format!("final logit soft-cap {final_logit_softcap:?}")));
+        }
         Ok(LlamaConfig {
-            n_layer: get_usize(g, &k(ArchKey::BlockCount))?,
+            n_layer,
             n_ff: get_usize(g, &k(ArchKey::FeedForwardLength))?,
             n_ctx_train: get_usize(g, &k(ArchKey::ContextLength))?,
             rms_eps: opt(get_f32(g, &k(ArchKey::RmsEpsilon)))?.unwrap_or(1e-5),
             rope_freq_base: freq_base,
             rope_neox: NEOX_ROPE.contains(&arch.as_str()),
+            embedding_scale: if gemma { (n_embd as f32).sqrt() } else { 1.0 },
+            q_prescale,
+            ffn_act: if gemma { FfnAct::Gelu } else { FfnAct::Silu },
+            post_norms: gemma,
+            sliding_window,
+            final_logit_softcap,
             arch,
             n_embd,
             n_head,
@@ -135,6 +212,11 @@ impl LlamaConfig {
             n_vocab,
             rope_scaling,
         })
+    }
+
+    /// The sliding window of `layer`, if it is a sliding-window layer.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.as_ref().filter(|s| s.layers.get(layer).copied().unwrap_or(false)).map(|s| s.window)
     }
 
     /// Width of the K (and V) projection output.

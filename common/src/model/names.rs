@@ -20,6 +20,11 @@ pub enum ArchKey {
     RopeScalingLowFreqFactor,
     RopeScalingHighFreqFactor,
     VocabSize,
+    SlidingWindow,
+    SlidingWindowPattern,
+    RopeFreqBaseSwa,
+    FinalLogitSoftcapping,
+    AttnLogitSoftcapping,
 }
 
 impl ArchKey {
@@ -41,6 +46,11 @@ impl ArchKey {
             Self::RopeScalingLowFreqFactor => "rope.scaling.low_freq_factor",
             Self::RopeScalingHighFreqFactor => "rope.scaling.high_freq_factor",
             Self::VocabSize => "vocab_size",
+            Self::SlidingWindow => "attention.sliding_window",
+            Self::SlidingWindowPattern => "attention.sliding_window_pattern",
+            Self::RopeFreqBaseSwa => "rope.freq_base_swa",
+            Self::FinalLogitSoftcapping => "final_logit_softcapping",
+            Self::AttnLogitSoftcapping => "attn_logit_softcapping",
         };
         format!("{arch}.{suffix}")
     }
@@ -116,6 +126,8 @@ pub enum TensorName {
     FfnGate(usize),
     FfnUp(usize),
     FfnDown(usize),
+    AttnPostNorm(usize),
+    FfnPostNorm(usize),
 }
 
 impl TensorName {
@@ -143,6 +155,8 @@ impl TensorName {
             Self::FfnGate(l) => layer(l, "ffn_gate"),
             Self::FfnUp(l) => layer(l, "ffn_up"),
             Self::FfnDown(l) => layer(l, "ffn_down"),
+            Self::AttnPostNorm(l) => layer(l, "post_attention_norm"),
+            Self::FfnPostNorm(l) => layer(l, "post_ffw_norm"),
         }
     }
 }

@@ -1,4 +1,6 @@
-//! The CPU device: a Llama-shaped forward pass (Qwen 2's biases, Qwen 3's Q/K norms, NeoX RoPE) over weights memory-mapped from a GGUF file
+//! The CPU device: a Llama-shaped forward pass (Qwen 2's biases, Qwen 3's Q/K norms, NeoX
+//! RoPE, Gemma 3's embedding scale, GeGLU, post norms and sliding-window layers) over weights
+//! memory-mapped from a GGUF file
 //! (Q4_K and Q6_K matrices repacked at load into interleaved rows where the CPU has the kernels for
 //! them), with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from
 //! rayon; attention on the host kernels (`host_attention`).
@@ -10,9 +12,9 @@ use std::time::Instant;
 use duet_common::kernels::dot::vec_dot_type;
 use duet_common::kernels::interleaved::{self, Interleaved};
 use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
-use duet_common::kernels::ops::{rms_norm, silu_mul, Rope};
+use duet_common::kernels::ops::{gelu_mul, rms_norm, silu_mul, Rope};
 use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::model::config::LlamaConfig;
+use duet_common::model::config::{FfnAct, LlamaConfig};
 use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb;
 use rayon::prelude::*;
@@ -100,11 +102,13 @@ impl CpuDevice {
 pub const PREFILL_CHUNK: usize = 512;
 
 /// A batch on its way through the CPU device's layers: the hidden rows, a scratch of their
-/// size, the rows' RoPE tables and the rows whose logits are wanted.
+/// size, the rows' RoPE tables (and those of the sliding-window layers, whose RoPE differs)
+/// and the rows whose logits are wanted.
 pub struct CpuBatch {
     x: Vec<f32>,
     xn: Vec<f32>,
     tables: Vec<Vec<(f32, f32)>>,
+    tables_swa: Option<Vec<Vec<(f32, f32)>>>,
     logit_rows: Vec<usize>,
 }
 
@@ -134,11 +138,16 @@ impl Device for CpuDevice {
         let d = c.n_embd;
         let mut x = vec![0f32; n * d];
         let embd = self.mat(&self.m.token_embd);
+        let scale = c.embedding_scale;
         x.par_chunks_mut(d).zip(tokens).for_each(|(row, &t)| {
             dequantize(embd.ty, embd.row(t as usize), row).expect("embedding row");
+            if scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
         });
         let tables = positions.iter().map(|&p| self.m.rope.table(p)).collect();
-        Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, logit_rows: logit_rows.to_vec() })
+        let tables_swa = self.m.rope_swa.as_ref().map(|r| positions.iter().map(|&p| r.table(p)).collect());
+        Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, tables_swa, logit_rows: logit_rows.to_vec() })
     }
 
     fn qkv(&self, l: usize, b: &mut CpuBatch) -> Result<Qkv> {
@@ -156,19 +165,26 @@ impl Device for CpuDevice {
             Some([qn, kn]) => (Some(qn), Some(kn)),
             None => (None, None),
         };
-        let heads = |x: &mut [f32], width: usize, norm: Option<&Vec<f32>>| {
-            x.par_chunks_mut(width).zip(&b.tables).for_each(|(row, t)| {
+        let tables = match &b.tables_swa {
+            Some(t) if c.window(l).is_some() => t,
+            _ => &b.tables,
+        };
+        let heads = |x: &mut [f32], width: usize, norm: Option<&Vec<f32>>, scale: f32| {
+            x.par_chunks_mut(width).zip(tables).for_each(|(row, t)| {
                 row.chunks_exact_mut(hd).for_each(|h| {
                     if let Some(w) = norm {
                         let raw = h.to_vec();
                         rms_norm(&raw, w, c.rms_eps, h);
                     }
                     rope(t, &mut h[..n_rot]);
+                    if scale != 1.0 {
+                        h.iter_mut().for_each(|v| *v *= scale);
+                    }
                 })
             });
         };
-        heads(&mut q, c.q_dim(), q_norm);
-        heads(&mut k, c.kv_dim(), k_norm);
+        heads(&mut q, c.q_dim(), q_norm, c.q_prescale);
+        heads(&mut k, c.kv_dim(), k_norm, 1.0);
         Ok(Qkv { q, k, v })
     }
 
@@ -187,12 +203,22 @@ impl Device for CpuDevice {
     fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32]) -> Result<()> {
         let c = &self.m.config;
         let layer = &self.m.layers[l];
-        let o = self.linear(&layer.wo, attn);
+        let mut o = self.linear(&layer.wo, attn);
+        if let Some([post_attn, _]) = &layer.post_norms {
+            o = normed(&o, post_attn, c.rms_eps);
+        }
         add(&mut b.x, &o);
         norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
         let [mut g, u] = self.linear_many([&layer.gate, &layer.up], &b.xn);
-        g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| silu_mul(g, u));
-        let down = self.linear(&layer.down, &g);
+        let act = match c.ffn_act {
+            FfnAct::Silu => silu_mul,
+            FfnAct::Gelu => gelu_mul,
+        };
+        g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| act(g, u));
+        let mut down = self.linear(&layer.down, &g);
+        if let Some([_, post_ffn]) = &layer.post_norms {
+            down = normed(&down, post_ffn, c.rms_eps);
+        }
         add(&mut b.x, &down);
         Ok(())
     }
@@ -202,7 +228,12 @@ impl Device for CpuDevice {
         let picked: Vec<f32> = b.logit_rows.iter().flat_map(|&r| b.x[r * d..(r + 1) * d].iter().copied()).collect();
         let mut normed = vec![0f32; picked.len()];
         norm_rows(&picked, &self.m.output_norm, self.m.config.rms_eps, &mut normed);
-        Ok(self.linear(&self.m.output, &normed))
+        let mut logits = self.linear(&self.m.output, &normed);
+        if let Some(cap) = self.m.config.final_logit_softcap {
+            // ggml: scale by 1/cap, tanh, scale by cap, each in f32.
+            logits.par_iter_mut().for_each(|v| *v = (*v * (1.0 / cap)).tanh() * cap);
+        }
+        Ok(logits)
     }
 }
 
@@ -243,6 +274,12 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interle
             "Q4_K and Q6_K weights repacked into interleaved rows"
         );
     }
+    out
+}
+
+fn normed(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    norm_rows(x, w, eps, &mut out);
     out
 }
 

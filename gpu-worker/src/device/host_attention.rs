@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use duet_common::kernels::attention::{causal_attention, KvHead, KV_PADDING};
+use duet_common::kernels::attention::{causal_attention_windowed, windowed, KvHead, KV_PADDING};
 use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_common::model::config::LlamaConfig;
 use half::f16;
@@ -22,8 +22,8 @@ pub fn store(config: &LlamaConfig, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink)
 }
 
 /// Prefill attention of `items` (rows of `q`, `[row][n_head][head_dim]`) over their causal
-/// prefixes in `kv`, into their rows of `out`. Each KV head's context is one slice: in place
-/// when it is one run, else gathered.
+/// prefixes in `kv` (within the layer's sliding window, if it has one), into their rows of
+/// `out`. Each KV head's context is one slice: in place when it is one run, else gathered.
 pub fn prefill(config: &LlamaConfig, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
     let shape = attn_shape(config);
     let q_dim = config.q_dim();
@@ -38,17 +38,31 @@ pub fn prefill(config: &LlamaConfig, layer: usize, q: &[f32], items: &[PrefillIt
             .collect::<Result<Vec<(Cow<'_, [f16]>, Cow<'_, [f16]>)>, KvAccessError>>()?;
         let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
         let rows = it.row0 * q_dim..(it.row0 + it.n) * q_dim;
-        causal_attention(&q[rows.clone()], &views, shape, it.start, &mut out[rows]);
+        causal_attention_windowed(&q[rows.clone()], &views, shape, it.start, config.window(layer), &mut out[rows]);
     }
     Ok(())
 }
 
-/// Decode attention of `items`, one row of `q` each, over their ranges in `kv`: outputs and
-/// per-head log-sum-exps, through the kernels' one decode fan-out.
+/// Decode attention of `items`, one row of `q` each, over their ranges in `kv` (the part
+/// within the layer's sliding window, if it has one): outputs and per-head log-sum-exps,
+/// through the kernels' one decode fan-out. A range wholly outside the window gives zeros
+/// and log-sum-exps of minus infinity, which merges as nothing.
 pub fn decode(config: &LlamaConfig, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
     let q_dim = config.q_dim();
-    let queries: Vec<DecodeQuery<'_>> =
-        items.iter().map(|it| DecodeQuery { q: &q[it.row * q_dim..(it.row + 1) * q_dim], range: it.range.clone(), n_ctx: it.n_ctx }).collect();
-    let rows = |i: usize, h: usize, chunk| kv.runs(items[i].seq, layer, h, chunk);
-    Ok(decode_batch::<KvAccessError>(&queries, attn_shape(config), KV_PADDING, 0, rows)?)
+    let window = config.window(layer);
+    let ranges: Vec<_> = items.iter().map(|it| windowed(it.range.clone(), it.n_ctx, window)).collect();
+    let live: Vec<usize> = (0..items.len()).filter(|&i| !ranges[i].is_empty()).collect();
+    let queries: Vec<DecodeQuery<'_>> = live
+        .iter()
+        .map(|&i| DecodeQuery { q: &q[items[i].row * q_dim..(items[i].row + 1) * q_dim], range: ranges[i].clone(), n_ctx: items[i].n_ctx })
+        .collect();
+    let rows = |j: usize, h: usize, chunk| kv.runs(items[live[j]].seq, layer, h, chunk);
+    let mut done = decode_batch::<KvAccessError>(&queries, attn_shape(config), KV_PADDING, 0, rows)?.into_iter();
+    Ok(ranges
+        .iter()
+        .map(|r| match r.is_empty() {
+            true => (vec![0.0; q_dim], vec![f32::NEG_INFINITY; config.n_head]),
+            false => done.next().expect("one result per live item"),
+        })
+        .collect())
 }

@@ -5,7 +5,7 @@
 
 use duet_common::kernels::ops::{llama3_freq_factors, Rope};
 use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::model::config::{LlamaConfig, RopeScaling};
+use duet_common::model::config::{FfnAct, LlamaConfig, RopeScaling};
 use duet_common::model::gguf::{GgufError, GgufFile};
 use duet_common::model::names::TensorName;
 
@@ -61,6 +61,9 @@ pub struct LayerTensors {
     pub gate: Weight,
     pub up: Weight,
     pub down: Weight,
+    /// RMSNorm weights of the attention output and of the MLP output, applied before each
+    /// residual add (Gemma).
+    pub post_norms: Option<[Vec<f32>; 2]>,
 }
 
 /// Every tensor of the forward pass, checked.
@@ -73,6 +76,8 @@ pub struct ModelTensors {
     pub output_norm: Vec<f32>,
     pub layers: Vec<LayerTensors>,
     pub rope: Rope,
+    /// RoPE of the sliding-window layers (Gemma 3: their own base, unscaled).
+    pub rope_swa: Option<Rope>,
 }
 
 fn shape_err(name: &str, expected: String, found: String) -> WorkerError {
@@ -164,6 +169,7 @@ impl ModelTensors {
                     gate,
                     up,
                     down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
+                    post_norms: all_or_none(f, [(TensorName::AttnPostNorm(l), c.n_embd), (TensorName::FfnPostNorm(l), c.n_embd)])?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -182,8 +188,16 @@ impl ModelTensors {
                 ))));
             }
         }
-        if c.arch == "qwen3" && layers.iter().any(|l| l.qk_norm.is_none()) {
+        if matches!(c.arch.as_str(), "qwen3" | "gemma3") && layers.iter().any(|l| l.qk_norm.is_none()) {
             return Err(WorkerError::from(GgufError::MissingTensor(TensorName::AttnQNorm(0).name())));
+        }
+        // The norms the architecture applies, and no others (unapplied ones would be wrong logits).
+        if let Some(l) = layers.iter().position(|l| l.post_norms.is_some() != c.post_norms) {
+            let name = TensorName::AttnPostNorm(l).name();
+            return Err(WorkerError::Model(match c.post_norms {
+                true => GgufError::MissingTensor(name).into(),
+                false => duet_common::Error::UnsupportedModel(format!("tensor {name}: post-attention norms are not part of {}", c.arch)),
+            }));
         }
         let (freq_scale, factors) = match c.rope_scaling {
             RopeScaling::None => (1.0, None),
@@ -195,14 +209,43 @@ impl ModelTensors {
             ),
         };
         let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
+        let rope_swa = c.sliding_window.as_ref().map(|s| Rope::new(c.n_rot, s.rope_freq_base, 1.0, None));
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
-        Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope })
+        Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope, rope_swa })
+    }
+
+    /// The RoPE of `layer`.
+    pub fn rope_of(&self, layer: usize) -> &Rope {
+        match &self.rope_swa {
+            Some(r) if self.config.window(layer).is_some() => r,
+            _ => &self.rope,
+        }
     }
 
     /// What the plain Llama block lacks that this model uses (Q/K/V biases, Q/K norms, NeoX
-    /// RoPE), for a device that does not implement them yet to refuse the model by name.
+    /// RoPE, Gemma's parts), for a device that does not implement them yet to refuse the
+    /// model by name.
     pub fn extensions(&self) -> Vec<&'static str> {
+        let c = &self.config;
         let mut out = Vec::new();
+        if c.embedding_scale != 1.0 {
+            out.push("embedding scale");
+        }
+        if c.q_prescale != 1.0 {
+            out.push("attention scale");
+        }
+        if c.ffn_act != FfnAct::Silu {
+            out.push("GeGLU");
+        }
+        if c.post_norms {
+            out.push("post-attention and post-MLP norms");
+        }
+        if c.sliding_window.is_some() {
+            out.push("sliding-window attention");
+        }
+        if c.final_logit_softcap.is_some() {
+            out.push("logit soft-capping");
+        }
         if self.layers.iter().any(|l| l.qkv_bias.is_some()) {
             out.push("Q/K/V biases");
         }

@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{AttnShape, KvRun, KV_PADDING};
+use duet_common::kernels::attention::{windowed, AttnShape, KvRun, KV_PADDING};
 use duet_common::kernels::decode_batch::merge_partials;
 use duet_common::rpc::pb;
 use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
@@ -107,7 +107,7 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         let t = Instant::now();
         device.store_kv(layer, qkv, &mut PlanSlots { arenas: self.arenas, plan, block_size: self.block_size })?;
         self.timings.kv_write_ns += ns(t.elapsed());
-        let posted = self.post_jobs(plan, layer as u32, &qkv.q)?;
+        let posted = self.post_jobs(plan, layer as u32, device.config().window(layer), &qkv.q)?;
         Ok(Begun { posted })
     }
 
@@ -120,7 +120,10 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         let hd = self.shape.head_dim;
         let q_dim = self.shape.n_head * hd;
         let t = Instant::now();
-        let mut partials: Vec<Vec<Partial>> = plan.iter().map(|p| vec![Default::default(); p.shares.len()]).collect();
+        // A share the layer's sliding window cuts away entirely counts as nothing; the others
+        // are filled in below.
+        let nothing: Partial = (vec![0.0; q_dim], vec![f32::NEG_INFINITY; self.shape.n_head]);
+        let mut partials: Vec<Vec<Partial>> = plan.iter().map(|p| vec![nothing.clone(); p.shares.len()]).collect();
         // The device's own part: prefill chunks over their whole context, and decode read in
         // place — unsplit tokens over their whole context (`None`) and the device's shares.
         let (mut prefill, mut decode, mut decode_of) = (Vec::new(), Vec::new(), Vec::new());
@@ -211,7 +214,9 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
 
 impl StepAttention<'_> {
     /// Posts one attention job per cpu-worker that has shares in this step.
-    fn post_jobs(&mut self, plan: &[Planned], layer: u32, q: &[f32]) -> Result<Vec<Posted>, StepError> {
+    /// A sliding-window layer's shares are cut to the window; a share wholly before it is not
+    /// posted (`finish` counts it as nothing).
+    fn post_jobs(&mut self, plan: &[Planned], layer: u32, window: Option<usize>, q: &[f32]) -> Result<Vec<Posted>, StepError> {
         let AttnShape { n_head, n_kv_head, head_dim } = self.shape;
         let q_dim = n_head * head_dim;
         let bs = self.block_size;
@@ -221,6 +226,10 @@ impl StepAttention<'_> {
         for (pi, p) in plan.iter().enumerate() {
             for (si, sh) in p.shares.iter().enumerate() {
                 let Some(w) = sh.cpu_worker else { continue };
+                let range = windowed(sh.range.clone(), p.n_ctx(), window);
+                if range.is_empty() {
+                    continue;
+                }
                 let idx = match by_worker.iter().position(|(x, _, _, _)| *x == w) {
                     Some(i) => i,
                     None => {
@@ -229,11 +238,11 @@ impl StepAttention<'_> {
                         by_worker.len() - 1
                     }
                 };
-                let first_block = sh.range.start / bs;
-                let blocks = p.blocks[first_block..sh.range.end.div_ceil(bs)].iter().map(|b| b.1).collect();
+                let first_block = range.start / bs;
+                let blocks = p.blocks[first_block..range.end.div_ceil(bs)].iter().map(|b| b.1).collect();
                 by_worker[idx].1.seqs.push(SeqJob {
-                    start: sh.range.start as u32,
-                    end: sh.range.end as u32,
+                    start: range.start as u32,
+                    end: range.end as u32,
                     n_ctx: p.n_ctx() as u32,
                     first_pos: (first_block * bs) as u32,
                     blocks,
@@ -241,8 +250,8 @@ impl StepAttention<'_> {
                 });
                 by_worker[idx].2.push((pi, si));
                 if layer == 0 {
-                    by_worker[idx].3 += sh.range.len() as u64;
-                    self.timings.cpu_attention_positions += sh.range.len() as u64;
+                    by_worker[idx].3 += range.len() as u64;
+                    self.timings.cpu_attention_positions += range.len() as u64;
                 }
             }
         }
