@@ -22,6 +22,9 @@ little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp
 * `gemma3_q8_0` -- gemma3: embeddings scaled by sqrt(n_embd), per-head Q/K RMSNorm, NeoX RoPE,
   GeGLU, RMSNorms after attention and after the MLP, 6 layers of which 0-4 attend a sliding
   window of 8 positions (RoPE base 10000 there, 1e6 on layer 5), tied Q8_0 output.
+* `gemma2_q8_0` -- gemma2: as gemma3 without Q/K norms, 4 layers of which 0 and 2 attend a
+  window of 8 (same RoPE base), attention scores soft-capped at 3 and logits at 5 (Gemma 2's
+  own caps are 50 and 30; small ones here so that the caps change the result), tied Q8_0.
 
 Needs numpy, gguf and llama-cpp-python 0.3.36 (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python==0.3.36`).
@@ -56,6 +59,9 @@ VARIANTS = [
     # Appended last: the random draws of the variants above stay as they were.
     dict(name="gemma3_q8_0", arch="gemma3", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=96, n_layer=6,
          eps=1e-6, base=1e6, wtype=T.Q8_0, tied=True, bias=False, qk_norm=True, post_norms=True, window=8),
+    dict(name="gemma2_q8_0", arch="gemma2", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=96, n_layer=4,
+         eps=1e-6, base=10000.0, wtype=T.Q8_0, tied=True, bias=False, qk_norm=False, post_norms=True, window=8,
+         attn_softcap=3.0, final_softcap=5.0),
 ]
 
 
@@ -81,6 +87,10 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
     w.add_layer_norm_rms_eps(spec["eps"])
     if spec.get("window"):
         w.add_uint32(f"{arch}.attention.sliding_window", spec["window"])
+    if spec.get("attn_softcap"):
+        w.add_float32(f"{arch}.attn_logit_softcapping", spec["attn_softcap"])
+    if spec.get("final_softcap"):
+        w.add_float32(f"{arch}.final_logit_softcapping", spec["final_softcap"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(toks)

@@ -173,7 +173,7 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
     }
     let mut rng = StdRng::seed_from_u64(1024);
     for &(group, n_kv, pos0, n_tok) in &[(3, 3, 0, 2), (3, 3, 0, 37), (3, 3, 300, 17), (1, 2, 5, 9), (4, 2, 0, 64), (8, 1, 2040, 20), (2, 1, 0, 2100)] {
-        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64 };
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
         let n_ctx = pos0 + n_tok;
         let gain = if n_tok % 2 == 0 { 1.0 } else { 6.0 };
         let kv_data: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
@@ -232,7 +232,7 @@ fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
     use duet_common::kernels::attention::{causal_attention, causal_attention_widened_windowed, causal_attention_windowed, AttnShape, KvHead};
     let mut rng = StdRng::seed_from_u64(4096);
     for &(group, n_kv, pos0, n_tok, window) in &[(2, 2, 0, 40, 8), (4, 1, 30, 17, 16), (1, 2, 0, 3, 1), (2, 1, 100, 33, 512)] {
-        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64 };
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
         let n_ctx = pos0 + n_tok;
         let kv_data: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
             .map(|_| {

@@ -91,7 +91,7 @@ impl Fixture {
 
     /// Paged attention of every query head over `start..end` (all KV heads): outputs and LSEs.
     fn paged(&self, start: usize, end: usize) -> (Vec<f32>, Vec<f32>) {
-        let AttnShape { n_head, n_kv_head, head_dim: hd } = self.shape;
+        let AttnShape { n_head, n_kv_head, head_dim: hd, .. } = self.shape;
         let group = n_head / n_kv_head;
         let bs = self.layout.block_size as usize;
         let first = start / bs;
@@ -124,7 +124,7 @@ impl Fixture {
 
     /// Float64 attention of query head `head` over all n positions: output and LSE.
     fn f64_reference(&self, head: usize) -> (Vec<f64>, f64) {
-        let AttnShape { n_head, n_kv_head, head_dim: hd } = self.shape;
+        let AttnShape { n_head, n_kv_head, head_dim: hd, .. } = self.shape;
         let kvh = head / (n_head / n_kv_head);
         let q: Vec<f64> = self.q[head * hd..(head + 1) * hd].iter().map(|&x| f16::from_f32(x).to_f64()).collect();
         let scale = 1.0 / (hd as f64).sqrt();
@@ -192,7 +192,7 @@ fn check(f: &Fixture, splits: &[&[usize]]) -> (f64, f64) {
 }
 
 /// SmolLM2's shape (9 query heads over 3 KV heads of 64), blocks of 16.
-const SMOLLM2: AttnShape = AttnShape { n_head: 9, n_kv_head: 3, head_dim: 64 };
+const SMOLLM2: AttnShape = AttnShape { n_head: 9, n_kv_head: 3, head_dim: 64, softcap: None };
 
 #[test]
 fn whole_context_is_bit_identical_and_splits_merge() {
@@ -218,12 +218,12 @@ fn whole_context_is_bit_identical_and_splits_merge() {
 #[test]
 fn odd_head_dims_groups_and_block_sizes() {
     let shapes = [
-        (AttnShape { n_head: 1, n_kv_head: 1, head_dim: 1 }, 1),
-        (AttnShape { n_head: 3, n_kv_head: 1, head_dim: 3 }, 5),
-        (AttnShape { n_head: 10, n_kv_head: 2, head_dim: 17 }, 16),
-        (AttnShape { n_head: 7, n_kv_head: 7, head_dim: 65 }, 3),
-        (AttnShape { n_head: 15, n_kv_head: 3, head_dim: 80 }, 7),
-        (AttnShape { n_head: 4, n_kv_head: 2, head_dim: 128 }, 32),
+        (AttnShape { n_head: 1, n_kv_head: 1, head_dim: 1, softcap: None }, 1),
+        (AttnShape { n_head: 3, n_kv_head: 1, head_dim: 3, softcap: None }, 5),
+        (AttnShape { n_head: 10, n_kv_head: 2, head_dim: 17, softcap: None }, 16),
+        (AttnShape { n_head: 7, n_kv_head: 7, head_dim: 65, softcap: None }, 3),
+        (AttnShape { n_head: 15, n_kv_head: 3, head_dim: 80, softcap: None }, 7),
+        (AttnShape { n_head: 4, n_kv_head: 2, head_dim: 128, softcap: None }, 32),
     ];
     for (i, (shape, bs)) in shapes.into_iter().enumerate() {
         for (j, n) in [1usize, 2, 63, 130].into_iter().enumerate() {

@@ -39,6 +39,7 @@ fn job() -> AttnJob {
         n_kv_head: 2,
         head_dim: 8,
         kv_padding: 32,
+        softcap: None,
         seqs: vec![
             seq(0, 40, 40, 0, &[7, 3, 60], q_len, 1.0),
             seq(0, 5, 5, 0, &[0], q_len, 2.0),
@@ -83,6 +84,16 @@ fn request_and_results_round_trip() {
     assert_eq!(read_results(&slot), Ok(results));
     // Writing results leaves the request readable.
     assert_eq!(decode_job(&slot, &layout()), Ok(j.clone()));
+    // A soft-cap (Gemma 2) travels in the header; a bad one is refused on both sides.
+    let capped = AttnJob { softcap: Some(50.0), ..j.clone() };
+    assert_eq!(decode_job(&encoded(&capped, need), &layout()), Ok(capped.clone()));
+    for bad in [f32::NAN, -1.0, f32::INFINITY] {
+        let job = AttnJob { softcap: Some(bad), ..j.clone() };
+        assert_eq!(encode_job(&job, &mut vec![0u8; need]), Err(JobError::BadSoftcap { bits: bad.to_bits() }));
+        let mut slot = encoded(&capped, need);
+        slot[44..48].copy_from_slice(&bad.to_bits().to_le_bytes());
+        assert_eq!(decode_job(&slot, &layout()), Err(JobError::BadSoftcap { bits: bad.to_bits() }));
+    }
     // A job of no sequences is valid and has no results.
     let empty = AttnJob { seqs: vec![], ..j };
     let mut slot = encoded(&empty, 4096);
@@ -218,8 +229,8 @@ fn each_invalid_field_gives_its_error() {
     slot[0] = b'X';
     assert_eq!(decode_job(&slot, &layout), Err(JobError::BadMagic { found: *b"XJOB" }));
     let mut slot = encoded(&job(), 1 << 14);
-    put(&mut slot, 4, 2);
-    assert_eq!(decode_job(&slot, &layout), Err(JobError::UnsupportedVersion { found: 2 }));
+    put(&mut slot, 4, 1);
+    assert_eq!(decode_job(&slot, &layout), Err(JobError::UnsupportedVersion { found: 1 }), "version 1 had no soft-cap field");
     // Results that do not match the job are not written.
     let j = job();
     let mut slot = encoded(&j, 1 << 14);

@@ -144,7 +144,7 @@ fn attention(batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 
             q: (0..N_HEAD * HEAD_DIM).map(|_| rng.random_range(-1.0..1.0)).collect(),
         })
         .collect();
-    let mut job = AttnJob { layer: 0, n_head: N_HEAD, n_kv_head: N_KV_HEAD, head_dim: HEAD_DIM, kv_padding: 32, seqs };
+    let mut job = AttnJob { layer: 0, n_head: N_HEAD, n_kv_head: N_KV_HEAD, head_dim: HEAD_DIM, kv_padding: 32, softcap: None, seqs };
     let t = best(5, || {
         job.layer = (job.layer + 1) % n_layer;
         std::hint::black_box(attend_job(&job, arena.as_slice(), &layout));

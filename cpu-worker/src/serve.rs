@@ -98,7 +98,7 @@ pub const PARALLEL_MIN_POSITIONS: usize = 8192;
 /// fan-out every device uses, `decode_batch`: long contexts as one task per `DECODE_CHUNK`,
 /// merged), each task reading its KV head's rows in place, once for the query group.
 pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &ArenaLayout) -> Vec<SeqResult> {
-    let shape = AttnShape { n_head: job.n_head as usize, n_kv_head: job.n_kv_head as usize, head_dim: job.head_dim as usize };
+    let shape = AttnShape { n_head: job.n_head as usize, n_kv_head: job.n_kv_head as usize, head_dim: job.head_dim as usize, softcap: job.softcap };
     let queries: Vec<DecodeQuery<'_>> =
         job.seqs.iter().map(|s| DecodeQuery { q: &s.q, range: s.start as usize..s.end as usize, n_ctx: s.n_ctx as usize }).collect();
     let runs = |s: usize, h: usize, chunk: std::ops::Range<usize>| {

@@ -99,6 +99,7 @@ fn job(seqs: Vec<SeqJob>) -> AttnJob {
         n_kv_head: SHAPE.n_kv_head as u32,
         head_dim: SHAPE.head_dim as u32,
         kv_padding: KV_PADDING as u32,
+        softcap: None,
         seqs,
     }
 }

@@ -86,6 +86,7 @@ fn post_empty_job(producer: &mut Producer) -> Result<(), JobError> {
         n_kv_head: SHAPE.n_kv_head as u32,
         head_dim: SHAPE.head_dim as u32,
         kv_padding: KV_PADDING as u32,
+        softcap: None,
         seqs: vec![],
     };
     let mut encoded = Ok(());

@@ -1,8 +1,9 @@
 //! The architectures beyond Llama against llama.cpp itself: tiny random qwen2 (Q/K/V biases,
 //! NeoX RoPE, tied output, Q4_1) and qwen3 (per-head Q/K RMSNorm, NeoX RoPE, head_dim 32 with a
 //! Q width unlike n_embd, Q8_0), phi3 (fused Q/K/V and gate/up matrices, NeoX RoPE, Q8_0) and
-//! mistral3 (llama's block under Mistral 3's name, Q8_0) and gemma3 (embedding scale, Q/K
-//! norms, GeGLU, post norms, 5 of 6 layers with a sliding window of 8) models from
+//! mistral3 (llama's block under Mistral 3's name, Q8_0), gemma3 (embedding scale, Q/K
+//! norms, GeGLU, post norms, 5 of 6 layers with a sliding window of 8) and gemma2 (the same
+//! without Q/K norms, every other layer windowed, soft-capped scores and logits) models from
 //! `scripts/gen_tiny_arch.py`, whose logits at every
 //! position llama.cpp computed (testdata/tiny/arch/<name>.llamacpp.bin). On the CPU device,
 //! as one batched prefill and as one-token decode steps: the greedy token is llama.cpp's at
@@ -113,4 +114,17 @@ fn gemma3_matches_llama_cpp() {
     assert_eq!((c.embedding_scale, c.q_prescale, c.post_norms), (8.0, 1.0, true));
     assert_eq!(c.sliding_window.as_ref().unwrap().rope_freq_base, 10000.0);
     check("gemma3_q8_0", 2e-3);
+}
+
+/// Gemma 2: attention scores capped at 3 and logits at 5 (so that both caps matter), the
+/// window on layers 0 and 2 with the global RoPE base.
+#[test]
+fn gemma2_matches_llama_cpp() {
+    let engine = Engine::load(&dir().join("gemma2_q8_0.gguf")).unwrap();
+    let c = engine.device.config();
+    let windows: Vec<Option<usize>> = (0..c.n_layer).map(|l| c.window(l)).collect();
+    assert_eq!(windows, [Some(8), None, Some(8), None], "llama.cpp's default pattern: every other layer");
+    assert_eq!((c.attn_logit_softcap, c.final_logit_softcap), (Some(3.0), Some(5.0)));
+    assert_eq!(c.sliding_window.as_ref().unwrap().rope_freq_base, c.rope_freq_base);
+    check("gemma2_q8_0", 2e-3);
 }

@@ -26,12 +26,47 @@ pub struct KvHead<'a> {
     pub v: &'a [f16],
 }
 
-/// Shape of an attention call.
+/// Shape of an attention call, and its scores' soft-cap.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
     pub n_head: usize,
     pub n_kv_head: usize,
     pub head_dim: usize,
+    /// Scores become `cap * tanh(score / cap)` before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
+}
+
+impl AttnShape {
+    /// How this shape's Q·K products become softmax logits.
+    pub fn scores(&self) -> Scores {
+        Scores { scale: attn_scale(self.head_dim), softcap: self.softcap }
+    }
+}
+
+/// How a Q·K dot product becomes a softmax logit: times `scale`, then with a soft-cap `c`
+/// (Gemma 2) `tanh(s * (1/c)) * c` in f32, as ggml's scale, tanh, scale ops compute it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scores {
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+impl Scores {
+    #[inline(always)]
+    fn of(self, dot: f32) -> f32 {
+        let s = dot * self.scale;
+        match self.softcap {
+            None => s,
+            Some(c) => (s * (1.0 / c)).tanh() * c,
+        }
+    }
+}
+
+/// A plain scale, without a soft-cap.
+impl From<f32> for Scores {
+    fn from(scale: f32) -> Scores {
+        Scores { scale, softcap: None }
+    }
 }
 
 /// Attention of `n_tok` query tokens at positions `pos0..pos0 + n_tok` over the cache, each
@@ -57,7 +92,7 @@ pub fn windowed(range: Range<usize>, n_ctx: usize, window: Option<usize>) -> Ran
 /// is given ([`window_start`]); the V lanes still follow absolute positions, so the result is
 /// what llama.cpp's masked attention gives.
 pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
-    let Causal { n_kv_head, hd, n_tok, n_ctx, group, scale, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
+    let Causal { n_kv_head, hd, n_tok, n_ctx, group, scores, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
     if n_tok == 1 {
         // Decode: each KV head's query group in one pass over its rows, chunk by chunk, the
         // (head, chunk) pairs in parallel.
@@ -70,7 +105,7 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && hd == 64 && group <= super::attention_avx512::MAX_GROUP {
+    if isa() == Isa::Avx512 && hd == 64 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
         // Prefill: per token and KV head, the query group over the token's causal prefix in
         // one pass over the rows, with tinyBLAS's arithmetic.
         out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
@@ -81,7 +116,7 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
             let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
             let q = &q[i * group * hd..(i + 1) * group * hd];
             // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-            unsafe { super::attention_avx512::attend_group_hd64(&[run], first, len, n_padded, scale, true, q, o, &mut lse[..group], scratch) };
+            unsafe { super::attention_avx512::attend_group_hd64(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch) };
         });
         return;
     }
@@ -97,7 +132,7 @@ pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, 
 
 /// [`causal_attention_widened`] with a sliding window, as [`causal_attention_windowed`].
 pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
-    let Causal { n_head, hd, n_tok, n_ctx, group, scale, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
+    let Causal { n_head, hd, n_tok, n_ctx, group, scores, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
     // Widen each KV head once for all query tokens.
     let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
         .par_iter()
@@ -113,7 +148,7 @@ pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: At
         let (k, v) = &widened[head / group];
         let q_row = &q[i * hd..(i + 1) * hd];
         let (first, end) = (window_start(pos0 + t, window), pos0 + t + 1);
-        let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scale, tiled: n_tok >= 2 };
+        let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scores, tiled: n_tok >= 2 };
         run(&job, o);
     });
 }
@@ -136,7 +171,7 @@ pub struct GroupScratch {
 
 /// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
 /// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
-/// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scale` as in
+/// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scores` as in
 /// [`decode_attention_range`], whose results these are, bit for bit, head by head — or, for a
 /// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s.
 /// The range lies within one [`DECODE_CHUNK`]: [`decode_batch`] splits longer ones and merges
@@ -150,12 +185,13 @@ pub fn decode_group(
     runs: &[KvRun<'_>],
     range: Range<usize>,
     n_padded: usize,
-    scale: f32,
+    scores: impl Into<Scores>,
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
     scratch: &mut GroupScratch,
 ) {
+    let scores = scores.into();
     let group = lse.len();
     assert!(group > 0 && q.len() == out.len() && out.len().is_multiple_of(group), "query group slice sizes");
     let hd = out.len() / group;
@@ -165,7 +201,8 @@ pub fn decode_group(
     assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
     let online = n_padded > DECODE_CHUNK;
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP {
+    if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
+        let scale = scores.scale;
         if online {
             // SAFETY: as below.
             unsafe { super::attention_avx512::attend_group_online_hd64(runs, n, scale, q, out, lse, &mut scratch.fast) };
@@ -185,9 +222,9 @@ pub fn decode_group(
     }
     for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
         *l = if online {
-            decode_attention_online(qh, &scratch.k, &scratch.v, n, scale, oh)
+            decode_attention_online(qh, &scratch.k, &scratch.v, n, scores, oh)
         } else {
-            decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scale, oh)
+            decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scores, oh)
         };
     }
 }
@@ -200,19 +237,18 @@ struct Causal {
     n_tok: usize,
     n_ctx: usize,
     group: usize,
-    scale: f32,
+    scores: Scores,
     n_padded: usize,
 }
 
 impl Causal {
     fn of(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &[f32]) -> Causal {
-        let AttnShape { n_head, n_kv_head, head_dim: hd } = shape;
+        let AttnShape { n_head, n_kv_head, head_dim: hd, .. } = shape;
         let n_tok = q.len() / (n_head * hd);
         let n_ctx = pos0 + n_tok;
         assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
         assert_eq!(out.len(), q.len(), "attention output size");
-        let (scale, n_padded) = (attn_scale(hd), padded_len(n_ctx, KV_PADDING));
-        Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group: n_head / n_kv_head, scale, n_padded }
+        Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group: n_head / n_kv_head, scores: shape.scores(), n_padded: padded_len(n_ctx, KV_PADDING) }
     }
 }
 
@@ -240,13 +276,13 @@ pub fn decode_attention_range(
     v: &[f32],
     range: Range<usize>,
     n_padded: usize,
-    scale: f32,
+    scores: impl Into<Scores>,
     out: &mut [f32],
 ) -> f32 {
     let hd = out.len();
     let n = range.end.saturating_sub(range.start);
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
-    let job = Job { q, k, v, start: range.start, end: range.end, n_padded, hd, scale, tiled: false };
+    let job = Job { q, k, v, start: range.start, end: range.end, n_padded, hd, scores: scores.into(), tiled: false };
     run(&job, out)
 }
 
@@ -260,26 +296,27 @@ pub fn decode_attention_range(
 /// fused-multiply-added into one f32 accumulator per dimension, in position order. The output
 /// is the accumulators times `1 / sum`; returns the log-sum-exp. The AVX-512 kernel
 /// (`attend_group_online_hd64`) matches it bit for bit.
-pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32]) -> f32 {
+pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: impl Into<Scores>, out: &mut [f32]) -> f32 {
+    let scores = scores.into();
     let hd = out.len();
     assert!(q.len() == hd && k.len() >= n * hd && v.len() >= n * hd, "decode attention slice sizes");
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        return unsafe { attend_online_fma(q, k, v, n, scale, out, Head64::of(hd, true)) };
+        return unsafe { attend_online_fma(q, k, v, n, scores, out, Head64::of(hd, true)) };
     }
-    attend_online(q, k, v, n, scale, out, None)
+    attend_online(q, k, v, n, scores, out, None)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
-    attend_online(q, k, v, n, scale, out, head64)
+unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out: &mut [f32], head64: Option<Head64>) -> f32 {
+    attend_online(q, k, v, n, scores, out, head64)
 }
 
 /// Safety: `head64`'s function (tinyBLAS's dot product here) as in [`attend`].
 #[inline(always)]
-fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mut [f32], head64: Option<Head64>) -> f32 {
+fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out: &mut [f32], head64: Option<Head64>) -> f32 {
     let hd = out.len();
     let mut q16 = vec![0f32; hd];
     round_to_f16(&q[..hd], &mut q16);
@@ -291,7 +328,7 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scale: f32, out: &mu
         for (i, si) in s.iter_mut().enumerate().take(len) {
             // tinyBLAS's order (llama.cpp's for prompt batches): one fused multiply-add chain
             // per lane, which the AVX-512 kernel computes with fewer instructions than ggml's.
-            *si = score(&q16, &k[(b + i) * hd..(b + i + 1) * hd], true, head64) * scale;
+            *si = scores.of(score(&q16, &k[(b + i) * hd..(b + i + 1) * hd], true, head64));
         }
         let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         if block_max > max {
@@ -345,7 +382,7 @@ struct Job<'a> {
     end: usize,
     n_padded: usize,
     hd: usize,
-    scale: f32,
+    scores: Scores,
     /// llama.cpp multiplies batches of two or more tokens with llamafile's tinyBLAS, whose
     /// lanes differ from `ggml_vec_dot_f16`'s.
     tiled: bool,
@@ -404,7 +441,7 @@ unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> 
 /// Safety: `head64`'s functions need AVX2, FMA and F16C (given only when detected).
 #[inline(always)]
 fn attend(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
-    let Job { q, k, v, start, end, n_padded, hd, scale, tiled } = *job;
+    let Job { q, k, v, start, end, n_padded, hd, scores, tiled } = *job;
     let n = end.saturating_sub(start);
     // Plain loops, no closures: closures would not inherit the caller's FMA target feature.
     let mut q16 = vec![0f32; hd];
@@ -412,7 +449,7 @@ fn attend(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
     // w[i] is position start + i.
     let mut w = vec![0f32; n];
     for (i, s) in w.iter_mut().enumerate() {
-        *s = score(&q16, &k[i * hd..(i + 1) * hd], tiled, head64) * scale;
+        *s = scores.of(score(&q16, &k[i * hd..(i + 1) * hd], tiled, head64));
     }
     let lse = softmax_in_place(&mut w);
     let probs = w.clone();

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::attention::{attn_scale, decode_group, padded_len, AttnShape, GroupScratch, KvRun};
+use super::attention::{decode_group, padded_len, AttnShape, GroupScratch, KvRun};
 
 /// One decode token of [`decode_batch`]: its queries (`[n_head][head_dim]`) attending
 /// positions `range` of its context of `n_ctx` positions (the whole context, or the share of
@@ -43,9 +43,9 @@ pub fn decode_batch<'k, E>(
     serial_below: usize,
     mut rows: impl FnMut(usize, usize, Range<usize>) -> Result<Vec<KvRun<'k>>, E>,
 ) -> Result<Vec<Partial>, E> {
-    let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd } = shape;
+    let AttnShape { n_head, n_kv_head: n_kv, head_dim: hd, .. } = shape;
     let group = n_head / n_kv;
-    let scale = attn_scale(hd);
+    let scores = shape.scores();
     let tasks = chunk_tasks(queries.iter().map(|q| q.range.clone()), n_kv);
     let runs = tasks.iter().map(|t| rows(t.item, t.kv_head, t.chunk.clone())).collect::<Result<Vec<_>, E>>()?;
     let positions: usize = queries.iter().map(|q| q.range.len()).sum::<usize>() * n_kv;
@@ -58,7 +58,7 @@ pub fn decode_batch<'k, E>(
             let query = &queries[*item];
             let q = &query.q[h * group * hd..(h + 1) * group * hd];
             let (mut o, mut l) = (vec![0f32; group * hd], vec![0f32; group]);
-            decode_group(runs, chunk.clone(), padded_len(query.n_ctx, kv_padding), scale, q, &mut o, &mut l, scratch);
+            decode_group(runs, chunk.clone(), padded_len(query.n_ctx, kv_padding), scores, q, &mut o, &mut l, scratch);
             (o, l)
         })
         .collect();

@@ -1,5 +1,5 @@
 //! Hyper-parameters of the Llama-shaped architectures (llama, mistral, qwen2, qwen3, phi3,
-//! gemma3) read from GGUF metadata, validated before any weight is used.
+//! gemma2, gemma3) read from GGUF metadata, validated before any weight is used.
 
 use super::gguf::{GgufError, GgufFile, Value};
 use super::names::{ArchKey, GeneralKey, TensorName};
@@ -27,15 +27,17 @@ pub enum FfnAct {
     Gelu,
 }
 
-/// Sliding-window attention (Gemma 3): on the layers it marks, the token at position `p`
-/// attends only positions `p - window + 1 ..= p` (llama.cpp's standard SWA mask), and RoPE
-/// uses its own base, unscaled.
+/// Sliding-window attention (Gemma 2 and 3): on the layers it marks, the token at position
+/// `p` attends only positions `p - window + 1 ..= p` (llama.cpp's standard SWA mask), and
+/// RoPE uses its own base.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SlidingWindow {
     pub window: usize,
     /// Per layer: whether it is a sliding-window layer.
     pub layers: Vec<bool>,
     pub rope_freq_base: f32,
+    /// Whether the model's RoPE scaling applies on these layers too (Gemma 2) or not (Gemma 3).
+    pub rope_scaled: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +66,8 @@ pub struct LlamaConfig {
     /// RMSNorms on the attention output and on the MLP output before each residual add (Gemma).
     pub post_norms: bool,
     pub sliding_window: Option<SlidingWindow>,
+    /// Attention scores become `cap * tanh(score / cap)` before the softmax (Gemma 2).
+    pub attn_logit_softcap: Option<f32>,
     /// Logits become `cap * tanh(logits / cap)`.
     pub final_logit_softcap: Option<f32>,
 }
@@ -73,11 +77,13 @@ pub struct LlamaConfig {
 /// phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE, and mistral3 (Mistral Small 3.x,
 /// Ministral) as llama without its long-context YaRN scaling and attention temperature (the
 /// optional tensors are found by the loader).
-/// gemma3 adds to qwen3's block an embedding scale, GeGLU, RMSNorms after attention and
-/// after the MLP, and sliding-window attention on 5 layers of 6.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3", "gemma3"];
+/// gemma2 adds to Llama's block an embedding scale, GeGLU, RMSNorms after attention and
+/// after the MLP, sliding-window attention on every other layer, and soft-capped attention
+/// scores and logits; gemma3 has the same without the attention soft-cap, with qwen3's Q/K
+/// norms and the window on 5 layers of 6.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
 /// Those of them whose RoPE is NeoX's.
-const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3", "gemma3"];
+const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
 
 fn get<'a>(g: &'a GgufFile, key: &str) -> Result<&'a Value, GgufError> {
     g.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
@@ -95,12 +101,16 @@ fn get_f32(g: &GgufFile, key: &str) -> Result<f32, GgufError> {
     v.as_f64().map(|v| v as f32).ok_or(GgufError::WrongType { key: key.to_string(), expected: "number", found: v.type_name() })
 }
 
-/// Gemma 3's sliding window, as llama.cpp reads it: `attention.sliding_window` (absent or 0:
-/// none), the layers from `attention.sliding_window_pattern` (an array of booleans, or n:
-/// every layer but each n-th; default 6), the RoPE base `rope.freq_base_swa` (default 10000).
-fn sliding_window(g: &GgufFile, arch: &str, n_layer: usize) -> Result<Option<SlidingWindow>, Error> {
+/// A Gemma sliding window as llama.cpp reads it: the window `attention.sliding_window`
+/// (default `window`), the layers from `attention.sliding_window_pattern` (an array of
+/// booleans, or n: every layer but each n-th; default `pattern`), the RoPE base
+/// `rope.freq_base_swa` (default `rope.0`) and whether RoPE scaling applies there (`rope.1`).
+fn sliding_window(g: &GgufFile, arch: &str, n_layer: usize, window: usize, pattern: u64, rope: (f32, bool)) -> Result<Option<SlidingWindow>, Error> {
     let k = |key: ArchKey| key.key(arch);
-    let Some(window) = opt(get_usize(g, &k(ArchKey::SlidingWindow)))?.filter(|&w| w > 0) else { return Ok(None) };
+    let window = opt(get_usize(g, &k(ArchKey::SlidingWindow)))?.unwrap_or(window);
+    if window == 0 {
+        return Ok(None);
+    }
     let pattern_key = k(ArchKey::SlidingWindowPattern);
     let layers = match g.get(&pattern_key) {
         Some(Value::Array(items)) => {
@@ -112,12 +122,18 @@ fn sliding_window(g: &GgufFile, arch: &str, n_layer: usize) -> Result<Option<Sli
         }
         Some(v) => {
             let n = v.as_u64().ok_or(GgufError::WrongType { key: pattern_key.clone(), expected: "unsigned integer or array", found: v.type_name() })?;
-            (0..n_layer as u64).map(|l| n == 0 || l % n < n - 1).collect()
+            every_nth_global(n_layer, n)
         }
-        None => (0..n_layer).map(|l| l % 6 < 5).collect(),
+        None => every_nth_global(n_layer, pattern),
     };
-    let rope_freq_base = opt(get_f32(g, &k(ArchKey::RopeFreqBaseSwa)))?.unwrap_or(10000.0);
-    Ok(Some(SlidingWindow { window, layers, rope_freq_base }))
+    let rope_freq_base = opt(get_f32(g, &k(ArchKey::RopeFreqBaseSwa)))?.unwrap_or(rope.0);
+    Ok(Some(SlidingWindow { window, layers, rope_freq_base, rope_scaled: rope.1 }))
+}
+
+/// llama.cpp's `set_swa_pattern`: every layer is a sliding-window one but each `n`-th (the
+/// last of each group of `n`); `n = 0`: all of them.
+fn every_nth_global(n_layer: usize, n: u64) -> Vec<bool> {
+    (0..n_layer as u64).map(|l| n == 0 || l % n < n - 1).collect()
 }
 
 fn opt<T>(r: Result<T, GgufError>) -> Result<Option<T>, GgufError> {
@@ -178,18 +194,29 @@ impl LlamaConfig {
             }
         };
         let n_layer = get_usize(g, &k(ArchKey::BlockCount))?;
-        let gemma = arch == "gemma3";
-        if opt(get_f32(g, &k(ArchKey::AttnLogitSoftcapping)))?.is_some_and(|c| c != 0.0) {
-            return Err(Error::UnsupportedModel(format!("{arch}.attn_logit_softcapping (attention soft-capping, Gemma 2) is not supported yet")));
+        let (gemma2, gemma) = (arch == "gemma2", arch.starts_with("gemma"));
+        // llama.cpp's defaults: Gemma 2 caps attention scores at 50 and logits at 30.
+        let attn_logit_softcap = opt(get_f32(g, &k(ArchKey::AttnLogitSoftcapping)))?.or(gemma2.then_some(50.0)).filter(|&c| c != 0.0);
+        if attn_logit_softcap.is_some() && !gemma2 {
+            return Err(Error::UnsupportedModel(format!("{arch}.attn_logit_softcapping: attention soft-capping is Gemma 2's, not {arch}'s")));
         }
-        let sliding_window = if gemma { sliding_window(g, &arch, n_layer)? } else { None };
-        // llama.cpp (after gemma_pytorch): 1/sqrt(n_embd / n_head) for the 62-layer 27B,
-        // 1/sqrt(head_dim) for the others, which is the kernels' own scale.
-        let q_prescale = if gemma && n_layer == 62 { ((head_dim as f32) / (n_embd / n_head) as f32).sqrt() } else { 1.0 };
-        let final_logit_softcap = opt(get_f32(g, &k(ArchKey::FinalLogitSoftcapping)))?.filter(|&c| c != 0.0);
-        if final_logit_softcap.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
-            return Err(Error::UnsupportedModel(format!("final logit soft-cap {final_logit_softcap:?}")));
+        let final_logit_softcap = opt(get_f32(g, &k(ArchKey::FinalLogitSoftcapping)))?.or(gemma2.then_some(30.0)).filter(|&c| c != 0.0);
+        for cap in [attn_logit_softcap, final_logit_softcap].into_iter().flatten() {
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(Error::UnsupportedModel(format!("soft-cap {cap} (must be a finite number > 0)")));
+            }
         }
+        let sliding_window = match arch.as_str() {
+            "gemma2" => sliding_window(g, &arch, n_layer, 4096, 2, (freq_base, true))?,
+            // Gemma 3 without the key has no window (llama.cpp's default 0).
+            "gemma3" => sliding_window(g, &arch, n_layer, 0, 6, (10000.0, false))?,
+            _ => None,
+        };
+        // llama.cpp (after gemma_pytorch): 1/sqrt(n_embd / n_head) for the 27B models (46
+        // layers of Gemma 2, 62 of Gemma 3), 1/sqrt(head_dim) for the others, which is the
+        // kernels' own scale.
+        let big = (gemma2 && n_layer == 46) || (arch == "gemma3" && n_layer == 62);
+        let q_prescale = if big { ((head_dim as f32) / (n_embd / n_head) as f32).sqrt() } else { 1.0 };
         Ok(LlamaConfig {
             n_layer,
             n_ff: get_usize(g, &k(ArchKey::FeedForwardLength))?,
@@ -202,6 +229,7 @@ impl LlamaConfig {
             ffn_act: if gemma { FfnAct::Gelu } else { FfnAct::Silu },
             post_norms: gemma,
             sliding_window,
+            attn_logit_softcap,
             final_logit_softcap,
             arch,
             n_embd,

@@ -15,7 +15,7 @@
 //! | offset | type | field | written by |
 //! |---|---|---|---|
 //! | 0 | `[u8; 4]` | magic `DJOB` | producer |
-//! | 4 | u32 | version (1) | producer |
+//! | 4 | u32 | version (2) | producer |
 //! | 8 | u32 | status: 0 posted, 1 done, 2 rejected | producer (0), worker |
 //! | 12 | u32 | error kind ([`JobError::kind`]) when rejected | worker |
 //! | 16 | u32 | request bytes (header + sequence records) | producer |
@@ -25,7 +25,7 @@
 //! | 32 | u32 | n_kv_head | producer |
 //! | 36 | u32 | head_dim | producer |
 //! | 40 | u32 | KV padding unit (32: llama.cpp's) | producer |
-//! | 44 | 4 bytes | reserved, zero | |
+//! | 44 | f32 | attention logit soft-cap (Gemma 2), 0 for none | producer |
 //! | 48 | u64 | busy ns: the worker's time attending the job, when done | worker |
 //! | 56 | 8 bytes | reserved, zero | |
 //! | 64 | 192 bytes | error message, UTF-8, zero-padded, when rejected | worker |
@@ -52,7 +52,7 @@ use crate::kv::{ArenaLayout, BlockId, KvDtype};
 /// Magic bytes of a job.
 pub const JOB_MAGIC: [u8; 4] = *b"DJOB";
 /// The job format version this build writes and reads.
-pub const JOB_VERSION: u32 = 1;
+pub const JOB_VERSION: u32 = 2;
 /// Bytes of the job header; the first sequence record starts here.
 pub const HEADER_BYTES: usize = 256;
 /// Bytes of a sequence record before its block ids.
@@ -74,6 +74,7 @@ const OFF_N_HEAD: usize = 28;
 const OFF_N_KV_HEAD: usize = 32;
 const OFF_HEAD_DIM: usize = 36;
 const OFF_KV_PADDING: usize = 40;
+const OFF_SOFTCAP: usize = 44;
 const OFF_BUSY_NS: usize = 48;
 const OFF_MESSAGE: usize = 64;
 const RESULTS_ALIGN: usize = 64;
@@ -115,6 +116,8 @@ pub enum JobError {
     RangeNotCovered { seq: usize, start: u32, end: u32, first_pos: u32, covered_end: u64 },
     #[error("attending the job failed inside the cpu-worker: {0}")]
     Internal(String),
+    #[error("attention logit soft-cap {} (it must be a finite number > 0, or 0 for none)", f32::from_bits(*bits))]
+    BadSoftcap { bits: u32 },
     #[error("cpu-worker rejected the job (kind {kind}): {message}")]
     Rejected { kind: u32, message: String },
     #[error("the job has no result yet (status still posted)")]
@@ -144,6 +147,7 @@ impl JobError {
             JobError::RangeNotCovered { .. } => 15,
             JobError::Internal(_) => 18,
             JobError::TooManyBlocks { .. } => 19,
+            JobError::BadSoftcap { .. } => 20,
             JobError::Rejected { kind, .. } => *kind,
             JobError::NotDone => 16,
             JobError::BadStatus(_) => 17,
@@ -160,6 +164,8 @@ pub struct AttnJob {
     pub head_dim: u32,
     /// The KV padding unit of the reference ([`KV_PADDING`](crate::kernels::attention::KV_PADDING)).
     pub kv_padding: u32,
+    /// Scores become `cap * tanh(score / cap)` before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
     pub seqs: Vec<SeqJob>,
 }
 
@@ -224,6 +230,7 @@ impl AttnJob {
     /// sequence's [`SeqJob::paged_range`] fits the layout.
     pub fn validate(&self, layout: &ArenaLayout) -> Result<(), JobError> {
         check_shape(self.n_head, self.n_kv_head, self.head_dim, self.kv_padding)?;
+        check_softcap(self.softcap)?;
         if layout.dtype != KvDtype::F16 {
             return Err(JobError::UnsupportedDtype(layout.dtype));
         }
@@ -277,6 +284,13 @@ fn check_shape(n_head: u32, n_kv_head: u32, head_dim: u32, kv_padding: u32) -> R
     Ok(())
 }
 
+fn check_softcap(softcap: Option<f32>) -> Result<(), JobError> {
+    match softcap {
+        Some(c) if !(c.is_finite() && c > 0.0) => Err(JobError::BadSoftcap { bits: c.to_bits() }),
+        _ => Ok(()),
+    }
+}
+
 /// Where the results start for a request of `request_bytes`.
 fn results_offset(request_bytes: usize) -> Option<usize> {
     request_bytes.checked_next_multiple_of(RESULTS_ALIGN)
@@ -291,6 +305,7 @@ fn results_bytes(n_seq: u64, n_head: u32, head_dim: u32) -> Option<u64> {
 /// or the job with its results does not fit the slot; the slot is then left unchanged.
 pub fn encode_job(job: &AttnJob, slot: &mut [u8]) -> Result<(), JobError> {
     check_shape(job.n_head, job.n_kv_head, job.head_dim, job.kv_padding)?;
+    check_softcap(job.softcap)?;
     if let Some((i, s)) = job.seqs.iter().enumerate().find(|(_, s)| s.q.len() != job.q_len()) {
         return Err(JobError::QueryLength { seq: i, len: s.q.len(), need: job.q_len() });
     }
@@ -310,6 +325,7 @@ pub fn encode_job(job: &AttnJob, slot: &mut [u8]) -> Result<(), JobError> {
     for v in [job.layer, job.seqs.len() as u32, job.n_head, job.n_kv_head, job.head_dim, job.kv_padding] {
         w.u32(v);
     }
+    w.f32(job.softcap.unwrap_or(0.0));
     w.at = HEADER_BYTES;
     for s in &job.seqs {
         for v in [s.start, s.end, s.n_ctx, s.first_pos, s.blocks.len() as u32, 0] {
@@ -335,6 +351,7 @@ struct Header {
     n_kv_head: u32,
     head_dim: u32,
     kv_padding: u32,
+    softcap: Option<f32>,
 }
 
 fn read_header(slot: &[u8]) -> Result<(Header, u32), JobError> {
@@ -358,8 +375,10 @@ fn read_header(slot: &[u8]) -> Result<(Header, u32), JobError> {
         n_kv_head: u(OFF_N_KV_HEAD),
         head_dim: u(OFF_HEAD_DIM),
         kv_padding: u(OFF_KV_PADDING),
+        softcap: Some(f32::from_bits(u(OFF_SOFTCAP))).filter(|&c| c != 0.0),
     };
     check_shape(h.n_head, h.n_kv_head, h.head_dim, h.kv_padding)?;
+    check_softcap(h.softcap)?;
     if h.request_bytes < HEADER_BYTES {
         return Err(JobError::LengthMismatch { stated: h.request_bytes, parsed: HEADER_BYTES });
     }
@@ -414,6 +433,7 @@ pub fn decode_job(slot: &[u8], layout: &ArenaLayout) -> Result<AttnJob, JobError
         n_kv_head: h.n_kv_head,
         head_dim: h.head_dim,
         kv_padding: h.kv_padding,
+        softcap: h.softcap,
         seqs,
     };
     job.validate(layout)?;

@@ -14,7 +14,7 @@ use duet_common::kv::ArenaLayout;
 use duet_common::shm::{Producer, Ring, Segment};
 use duet_cpu_worker::{arena_name, ring_name};
 
-pub const SHAPE: AttnShape = AttnShape { n_head: 6, n_kv_head: 2, head_dim: 64 };
+pub const SHAPE: AttnShape = AttnShape { n_head: 6, n_kv_head: 2, head_dim: 64, softcap: None };
 pub const N_LAYER: u32 = 2;
 pub const BLOCK_SIZE: usize = 16;
 pub const WAIT: Duration = Duration::from_secs(20);

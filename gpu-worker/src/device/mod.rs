@@ -92,7 +92,7 @@ pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<AnyDevice> {
 /// The attention heads of a model: the rows of Q and of the attention output are
 /// `n_head · head_dim` wide, those of K and V `n_kv_head · head_dim`.
 pub fn attn_shape(c: &LlamaConfig) -> AttnShape {
-    AttnShape { n_head: c.n_head, n_kv_head: c.n_kv_head, head_dim: c.head_dim }
+    AttnShape { n_head: c.n_head, n_kv_head: c.n_kv_head, head_dim: c.head_dim, softcap: c.attn_logit_softcap }
 }
 
 /// A batch's queries, keys and values for one layer, RoPE applied, on the host:

@@ -76,7 +76,7 @@ pub struct ModelTensors {
     pub output_norm: Vec<f32>,
     pub layers: Vec<LayerTensors>,
     pub rope: Rope,
-    /// RoPE of the sliding-window layers (Gemma 3: their own base, unscaled).
+    /// RoPE of the sliding-window layers (their own base; Gemma 3's unscaled).
     pub rope_swa: Option<Rope>,
 }
 
@@ -208,8 +208,11 @@ impl ModelTensors {
                 Some(llama3_freq_factors(c.n_rot, c.rope_freq_base, factor, low_freq_factor, high_freq_factor, original_context)),
             ),
         };
+        let rope_swa = c.sliding_window.as_ref().map(|s| match s.rope_scaled {
+            true => Rope::new(c.n_rot, s.rope_freq_base, freq_scale, factors.clone()),
+            false => Rope::new(c.n_rot, s.rope_freq_base, 1.0, None),
+        });
         let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
-        let rope_swa = c.sliding_window.as_ref().map(|s| Rope::new(c.n_rot, s.rope_freq_base, 1.0, None));
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
         Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope, rope_swa })
     }
@@ -242,6 +245,9 @@ impl ModelTensors {
         }
         if c.sliding_window.is_some() {
             out.push("sliding-window attention");
+        }
+        if c.attn_logit_softcap.is_some() {
+            out.push("attention soft-capping");
         }
         if c.final_logit_softcap.is_some() {
             out.push("logit soft-capping");

@@ -217,7 +217,7 @@ impl StepAttention<'_> {
     /// A sliding-window layer's shares are cut to the window; a share wholly before it is not
     /// posted (`finish` counts it as nothing).
     fn post_jobs(&mut self, plan: &[Planned], layer: u32, window: Option<usize>, q: &[f32]) -> Result<Vec<Posted>, StepError> {
-        let AttnShape { n_head, n_kv_head, head_dim } = self.shape;
+        let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
         let q_dim = n_head * head_dim;
         let bs = self.block_size;
         // Per cpu-worker: its job and what each of the job's sequences answers.
@@ -233,7 +233,7 @@ impl StepAttention<'_> {
                 let idx = match by_worker.iter().position(|(x, _, _, _)| *x == w) {
                     Some(i) => i,
                     None => {
-                        let job = AttnJob { layer, n_head: n_head as u32, n_kv_head: n_kv_head as u32, head_dim: head_dim as u32, kv_padding: KV_PADDING as u32, seqs: vec![] };
+                        let job = AttnJob { layer, n_head: n_head as u32, n_kv_head: n_kv_head as u32, head_dim: head_dim as u32, kv_padding: KV_PADDING as u32, softcap, seqs: vec![] };
                         by_worker.push((w, job, vec![], 0));
                         by_worker.len() - 1
                     }
