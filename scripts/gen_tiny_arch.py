@@ -25,6 +25,12 @@ little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp
 * `gemma2_q8_0` -- gemma2: as gemma3 without Q/K norms, 4 layers of which 0 and 2 attend a
   window of 8 (same RoPE base), attention scores soft-capped at 3 and logits at 5 (Gemma 2's
   own caps are 50 and 30; small ones here so that the caps change the result), tied Q8_0.
+* `phi3_longrope_q8_0` -- phi3 with LongRoPE (Phi-3.x 128k): `rope_factors_long`/`_short`
+  divisors, original context 32 of 128 (so llama.cpp, like Duet, takes the long ones), and
+  `rope.scaling.attn_factor` 1.19 on cos and sin.
+* `mistral3_yarn_q8_0` -- mistral3 with YaRN (Ministral 3): factor 4 over an original
+  context of 16, beta 32/1, RoPE base 100 and heads of 64 (so that the ramp spans pairs 0-7 of
+  32), and Llama 4's attention temperature 0.1 (queries scaled from position 16 on).
 
 Needs numpy, gguf and llama-cpp-python 0.3.36 (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python==0.3.36`).
@@ -62,6 +68,12 @@ VARIANTS = [
     dict(name="gemma2_q8_0", arch="gemma2", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=96, n_layer=4,
          eps=1e-6, base=10000.0, wtype=T.Q8_0, tied=True, bias=False, qk_norm=False, post_norms=True, window=8,
          attn_softcap=3.0, final_softcap=5.0),
+    dict(name="phi3_longrope_q8_0", arch="phi3", n_embd=64, n_head=4, n_kv_head=4, head_dim=16, n_ff=96, n_layer=2,
+         eps=1e-5, base=10000.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False, fused=True,
+         longrope=dict(original=32, attn_factor=1.19)),
+    dict(name="mistral3_yarn_q8_0", arch="mistral3", n_embd=64, n_head=4, n_kv_head=2, head_dim=64, n_ff=96, n_layer=2,
+         eps=1e-5, base=100.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False,
+         yarn=dict(factor=4.0, original=16, beta_fast=32.0, beta_slow=1.0), temperature=0.1),
 ]
 
 
@@ -87,6 +99,19 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
     w.add_layer_norm_rms_eps(spec["eps"])
     if spec.get("window"):
         w.add_uint32(f"{arch}.attention.sliding_window", spec["window"])
+    if spec.get("longrope"):
+        w.add_string(f"{arch}.rope.scaling.type", "longrope")
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", spec["longrope"]["original"])
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", spec["longrope"]["attn_factor"])
+    if spec.get("yarn"):
+        y = spec["yarn"]
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", y["factor"])
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", y["original"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_fast", y["beta_fast"])
+        w.add_float32(f"{arch}.rope.scaling.yarn_beta_slow", y["beta_slow"])
+    if spec.get("temperature"):
+        w.add_float32(f"{arch}.attention.temperature_scale", spec["temperature"])
     if spec.get("attn_softcap"):
         w.add_float32(f"{arch}.attn_logit_softcapping", spec["attn_softcap"])
     if spec.get("final_softcap"):
@@ -142,6 +167,11 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
         matrix(f"blk.{l}.ffn_down.weight", d, n_ff, 0.8)
         if spec.get("post_norms"):
             vector(f"blk.{l}.post_ffw_norm.weight", d, 1.0, 0.1)
+    if spec.get("longrope"):
+        # Divisors of each pair's frequency (n_rot / 2 of them), as Phi-3.5's grow with the pair.
+        half = hd // 2
+        w.add_tensor("rope_factors_long.weight", (1.0 + 3.0 * np.arange(half) / half + 0.2 * rng.random(half)).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * np.arange(half) / half).astype(np.float32))
     vector("output_norm.weight", d, 1.0, 0.1)
     if not spec["tied"]:
         matrix("output.weight", len(toks), d, 2.5)

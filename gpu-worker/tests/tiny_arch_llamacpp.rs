@@ -3,7 +3,8 @@
 //! Q width unlike n_embd, Q8_0), phi3 (fused Q/K/V and gate/up matrices, NeoX RoPE, Q8_0) and
 //! mistral3 (llama's block under Mistral 3's name, Q8_0), gemma3 (embedding scale, Q/K
 //! norms, GeGLU, post norms, 5 of 6 layers with a sliding window of 8) and gemma2 (the same
-//! without Q/K norms, every other layer windowed, soft-capped scores and logits) models from
+//! without Q/K norms, every other layer windowed, soft-capped scores and logits) models, and
+//! phi3 with LongRoPE and mistral3 with YaRN and attention temperature, from
 //! `scripts/gen_tiny_arch.py`, whose logits at every
 //! position llama.cpp computed (testdata/tiny/arch/<name>.llamacpp.bin). On the CPU device,
 //! as one batched prefill and as one-token decode steps: the greedy token is llama.cpp's at
@@ -12,6 +13,7 @@
 
 use std::path::PathBuf;
 
+use duet_common::model::config::RopeScaling;
 use duet_common::testutil::workspace_root;
 use duet_gpu_worker::device::Device;
 use duet_gpu_worker::runner::{Engine, KvCache, Logits};
@@ -127,4 +129,25 @@ fn gemma2_matches_llama_cpp() {
     assert_eq!((c.attn_logit_softcap, c.final_logit_softcap), (Some(3.0), Some(5.0)));
     assert_eq!(c.sliding_window.as_ref().unwrap().rope_freq_base, c.rope_freq_base);
     check("gemma2_q8_0", 2e-3);
+}
+
+/// Phi-3.x's LongRoPE: the long divisors (the context served, 128, exceeds the original 32)
+/// and the attention factor on cos and sin.
+#[test]
+fn phi3_longrope_matches_llama_cpp() {
+    let engine = Engine::load(&dir().join("phi3_longrope_q8_0.gguf")).unwrap();
+    let c = engine.device.config();
+    assert_eq!(c.rope_scaling, RopeScaling::LongRope { original_context: 32 });
+    assert_eq!(c.rope_attn_factor, 1.19);
+    check("phi3_longrope_q8_0", 1e-2);
+}
+
+/// Ministral 3's YaRN (factor 4 over an original context of 16) and attention temperature.
+#[test]
+fn mistral3_yarn_matches_llama_cpp() {
+    let engine = Engine::load(&dir().join("mistral3_yarn_q8_0.gguf")).unwrap();
+    let c = engine.device.config();
+    assert!(matches!(c.rope_scaling, RopeScaling::Yarn { factor: 4.0, original_context: 16, .. }), "{:?}", c.rope_scaling);
+    assert_eq!(c.attn_temperature.map(|t| (t.scale, t.floor)), Some((0.1, 16)));
+    check("mistral3_yarn_q8_0", 2e-3);
 }

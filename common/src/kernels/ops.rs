@@ -19,13 +19,31 @@ pub struct Rope {
     theta_scale: f32,
     freq_scale: f32,
     freq_factors: Option<Vec<f32>>,
+    /// YaRN's extrapolation mix (0: none) and the pairs its ramp runs between.
+    ext_factor: f32,
+    corr_dims: [f32; 2],
+    /// cos and sin are multiplied by this (ggml's `attn_factor`).
+    mscale: f32,
 }
 
 impl Rope {
     /// `freq_factors`, when given, holds `n_dims / 2` divisors of each pair's frequency.
     pub fn new(n_dims: usize, freq_base: f32, freq_scale: f32, freq_factors: Option<Vec<f32>>) -> Self {
         let theta_scale = freq_base.powf(-2.0 / n_dims as f32);
-        Rope { n_dims, theta_scale, freq_scale, freq_factors }
+        Rope { n_dims, theta_scale, freq_scale, freq_factors, ext_factor: 0.0, corr_dims: [0.0; 2], mscale: 1.0 }
+    }
+
+    /// cos and sin scaled by `mscale` (ggml's `attn_factor`: LongRoPE's and YaRN's magnitude).
+    pub fn with_mscale(self, mscale: f32) -> Self {
+        Rope { mscale, ..self }
+    }
+
+    /// YaRN (ggml's `rope_yarn` with `ext_factor`): between the pairs whose wavelengths make
+    /// `beta_fast` and `beta_slow` rotations over `n_ctx_orig` positions, a ramp from
+    /// extrapolated (unscaled) to interpolated angles; `freq_base` as given to [`Rope::new`].
+    pub fn with_yarn(self, ext_factor: f32, n_ctx_orig: usize, freq_base: f32, beta_fast: f32, beta_slow: f32) -> Self {
+        let corr_dims = yarn_corr_dims(self.n_dims, n_ctx_orig, freq_base, beta_fast, beta_slow);
+        Rope { ext_factor, corr_dims, ..self }
     }
 
     /// (cos, sin) for each pair at position `pos`, computed as ggml's `rope_cache_init`.
@@ -34,9 +52,19 @@ impl Rope {
         (0..self.n_dims / 2)
             .map(|i| {
                 let ff = self.freq_factors.as_ref().map_or(1.0, |f| f[i]);
-                let t = self.freq_scale * (theta / ff);
+                let extrap = theta / ff;
+                let interp = self.freq_scale * extrap;
                 theta *= self.theta_scale;
-                (t.cos(), t.sin())
+                let (mut t, mut mscale) = (interp, self.mscale);
+                if self.ext_factor != 0.0 {
+                    let [low, high] = self.corr_dims;
+                    let ramp = 1.0 - ((i as f32 - low) / (high - low).max(0.001)).clamp(0.0, 1.0);
+                    let mix = ramp * self.ext_factor;
+                    t = interp * (1.0 - mix) + extrap * mix;
+                    // (GCC contracts ggml's `1 + 0.1 * logf(...)` into a multiply-add.)
+                    mscale *= 0.1f32.mul_add((1.0 / self.freq_scale).ln(), 1.0);
+                }
+                (t.cos() * mscale, t.sin() * mscale)
             })
             .collect()
     }
@@ -95,6 +123,12 @@ fn rope_body(table: &[(f32, f32)], head: &mut [f32]) {
         pair[0] = x0.mul_add(c, -(x1 * s));
         pair[1] = x0.mul_add(s, x1 * c);
     }
+}
+
+/// ggml's `ggml_rope_yarn_corr_dims`: the first and last pair YaRN's ramp runs between.
+fn yarn_corr_dims(n_dims: usize, n_ctx_orig: usize, freq_base: f32, beta_fast: f32, beta_slow: f32) -> [f32; 2] {
+    let corr_dim = |n_rot: f32| n_dims as f32 * (n_ctx_orig as f32 / (n_rot * 2.0 * std::f32::consts::PI)).ln() / (2.0 * freq_base.ln());
+    [corr_dim(beta_fast).floor().max(0.0), corr_dim(beta_slow).ceil().min(n_dims as f32 - 1.0)]
 }
 
 /// Llama-3 frequency divisors (what llama.cpp's converter stores as `rope_freqs.weight`).

@@ -16,6 +16,29 @@ pub enum RopeScaling {
     Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_context: f32 },
     /// Divisors stored in the file as `rope_freqs.weight`.
     FreqFactors,
+    /// YaRN: angles interpolated by `factor` on the long wavelengths and extrapolated on the
+    /// short ones (a ramp between the pairs making `beta_fast` and `beta_slow` rotations over
+    /// `original_context` positions), magnitudes scaled (`log_mul`: `yarn_log_multiplier`).
+    Yarn { factor: f32, original_context: usize, beta_fast: f32, beta_slow: f32, log_mul: f32 },
+    /// LongRoPE (Phi-3.x): per-pair divisors, `rope_factors_long.weight` when the context
+    /// served is longer than `original_context`, else `rope_factors_short.weight`.
+    LongRope { original_context: usize },
+}
+
+/// Llama 4's attention temperature (Mistral 3): each query is multiplied by
+/// `ln(floor(pos / floor) + 1) * scale + 1`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnTemperature {
+    pub scale: f32,
+    pub floor: usize,
+}
+
+impl AttnTemperature {
+    /// The factor of the query at `pos`, as llama.cpp computes it (in f64, stored as f32).
+    pub fn at(&self, pos: usize) -> f32 {
+        let steps = (pos as f32 / self.floor as f32).floor();
+        ((f64::from(steps) + 1.0).ln() * f64::from(self.scale) + 1.0) as f32
+    }
 }
 
 /// The activation of the gated MLP: `act(gate) * up`.
@@ -54,6 +77,10 @@ pub struct LlamaConfig {
     pub n_ctx_train: usize,
     pub rope_freq_base: f32,
     pub rope_scaling: RopeScaling,
+    /// `rope.scaling.attn_factor`: cos and sin are multiplied by it (with YaRN's own factor).
+    pub rope_attn_factor: f32,
+    /// Mistral 3's position-dependent query scale.
+    pub attn_temperature: Option<AttnTemperature>,
     pub rms_eps: f32,
     /// NeoX RoPE: rotates the pairs (x[i], x[i + n_rot/2]) instead of (x[2i], x[2i+1]).
     pub rope_neox: bool,
@@ -74,10 +101,10 @@ pub struct LlamaConfig {
 
 /// Architectures with Llama's block (RMSNorm, attention, SwiGLU): llama and mistral as they
 /// are, qwen2 with Q/K/V biases and NeoX RoPE, qwen3 with per-head Q/K RMSNorm and NeoX RoPE
-/// phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE, and mistral3 (Mistral Small 3.x,
-/// Ministral) as llama without its long-context YaRN scaling and attention temperature (the
-/// optional tensors are found by the loader).
-/// gemma2 adds to Llama's block an embedding scale, GeGLU, RMSNorms after attention and
+/// phi3 with fused Q/K/V and gate/up matrices and NeoX RoPE (and the 128k models' LongRoPE),
+/// and mistral3 (Mistral Small 3.x, Ministral) as llama with Llama 4's attention temperature
+/// (the optional tensors are found by the loader). Any of them may scale RoPE (linear,
+/// llama3, yarn, longrope). gemma2 adds to Llama's block an embedding scale, GeGLU, RMSNorms after attention and
 /// after the MLP, sliding-window attention on every other layer, and soft-capped attention
 /// scores and logits; gemma3 has the same without the attention soft-cap, with qwen3's Q/K
 /// norms and the window on 5 layers of 6.
@@ -155,9 +182,6 @@ impl LlamaConfig {
             return Err(Error::UnsupportedModel(format!("architecture {arch:?} (supported: {})", SUPPORTED_ARCHITECTURES.join(", "))));
         }
         let k = |key: ArchKey| key.key(&arch);
-        if g.get(&format!("{arch}.attention.temperature_scale")).and_then(Value::as_f64).is_some_and(|t| t != 0.0) {
-            return Err(Error::UnsupportedModel(format!("{arch}.attention.temperature_scale (Mistral 3's long-context attention temperature) is not supported yet")));
-        }
         let n_embd = get_usize(g, &k(ArchKey::EmbeddingLength))?;
         let n_head = get_usize(g, &k(ArchKey::HeadCount))?;
         let n_kv_head = opt(get_usize(g, &k(ArchKey::HeadCountKv)))?.unwrap_or(n_head);
@@ -178,6 +202,9 @@ impl LlamaConfig {
         let freq_base = opt(get_f32(g, &k(ArchKey::RopeFreqBase)))?.unwrap_or(10000.0);
         let scaling_type = g.get(&k(ArchKey::RopeScalingType)).and_then(Value::as_str).unwrap_or("none");
         let factor = opt(get_f32(g, &k(ArchKey::RopeScalingFactor)))?.unwrap_or(1.0);
+        let n_ctx_train = get_usize(g, &k(ArchKey::ContextLength))?;
+        // llama.cpp's n_ctx_orig_yarn: the original context, else the training one.
+        let original_context = opt(get_usize(g, &k(ArchKey::RopeScalingOriginalContext)))?.unwrap_or(n_ctx_train);
         let rope_scaling = if g.tensor_info(&TensorName::RopeFreqs.name()).is_some() {
             RopeScaling::FreqFactors
         } else {
@@ -190,6 +217,14 @@ impl LlamaConfig {
                     high_freq_factor: opt(get_f32(g, &k(ArchKey::RopeScalingHighFreqFactor)))?.unwrap_or(4.0),
                     original_context: opt(get_f32(g, &k(ArchKey::RopeScalingOriginalContext)))?.unwrap_or(8192.0),
                 },
+                "yarn" => RopeScaling::Yarn {
+                    factor,
+                    original_context,
+                    beta_fast: opt(get_f32(g, &k(ArchKey::RopeScalingYarnBetaFast)))?.unwrap_or(32.0),
+                    beta_slow: opt(get_f32(g, &k(ArchKey::RopeScalingYarnBetaSlow)))?.unwrap_or(1.0),
+                    log_mul: opt(get_f32(g, &k(ArchKey::RopeScalingYarnLogMul)))?.unwrap_or(0.0),
+                },
+                "longrope" => RopeScaling::LongRope { original_context },
                 other => return Err(Error::UnsupportedModel(format!("rope scaling type {other:?}"))),
             }
         };
@@ -217,10 +252,25 @@ impl LlamaConfig {
         // kernels' own scale.
         let big = (gemma2 && n_layer == 46) || (arch == "gemma3" && n_layer == 62);
         let q_prescale = if big { ((head_dim as f32) / (n_embd / n_head) as f32).sqrt() } else { 1.0 };
+        if matches!(rope_scaling, RopeScaling::Yarn { factor, .. } | RopeScaling::Linear { factor } if !(factor.is_finite() && factor > 0.0)) {
+            return Err(Error::UnsupportedModel(format!("rope scaling factor {factor}")));
+        }
+        // Read by llama.cpp for mistral3 only (and Llama 4, which Duet does not load).
+        let attn_temperature = match opt(get_f32(g, &k(ArchKey::AttnTemperatureScale)))? {
+            Some(scale) if scale != 0.0 && arch == "mistral3" => {
+                if original_context == 0 {
+                    return Err(Error::UnsupportedModel("attention temperature with an original context of 0".into()));
+                }
+                Some(AttnTemperature { scale, floor: original_context })
+            }
+            _ => None,
+        };
         Ok(LlamaConfig {
             n_layer,
             n_ff: get_usize(g, &k(ArchKey::FeedForwardLength))?,
-            n_ctx_train: get_usize(g, &k(ArchKey::ContextLength))?,
+            n_ctx_train,
+            rope_attn_factor: opt(get_f32(g, &k(ArchKey::RopeScalingAttnFactor)))?.unwrap_or(1.0),
+            attn_temperature,
             rms_eps: opt(get_f32(g, &k(ArchKey::RmsEpsilon)))?.unwrap_or(1e-5),
             rope_freq_base: freq_base,
             rope_neox: NEOX_ROPE.contains(&arch.as_str()),

@@ -109,6 +109,7 @@ pub struct CpuBatch {
     xn: Vec<f32>,
     tables: Vec<Vec<(f32, f32)>>,
     tables_swa: Option<Vec<Vec<(f32, f32)>>>,
+    positions: Vec<usize>,
     logit_rows: Vec<usize>,
 }
 
@@ -147,7 +148,7 @@ impl Device for CpuDevice {
         });
         let tables = positions.iter().map(|&p| self.m.rope.table(p)).collect();
         let tables_swa = self.m.rope_swa.as_ref().map(|r| positions.iter().map(|&p| r.table(p)).collect());
-        Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, tables_swa, logit_rows: logit_rows.to_vec() })
+        Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, tables_swa, positions: positions.to_vec(), logit_rows: logit_rows.to_vec() })
     }
 
     fn qkv(&self, l: usize, b: &mut CpuBatch) -> Result<Qkv> {
@@ -185,6 +186,12 @@ impl Device for CpuDevice {
         };
         heads(&mut q, c.q_dim(), q_norm, c.q_prescale);
         heads(&mut k, c.kv_dim(), k_norm, 1.0);
+        if let Some(t) = c.attn_temperature {
+            q.par_chunks_mut(c.q_dim()).zip(&b.positions).for_each(|(row, &p)| {
+                let f = t.at(p);
+                row.iter_mut().for_each(|v| *v *= f);
+            });
+        }
         Ok(Qkv { q, k, v })
     }
 

@@ -180,11 +180,12 @@ impl ModelTensors {
                 return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!("tensor {name}: this bias is not supported yet"))));
             }
         }
-        for long_rope in [TensorName::RopeFactorsLong, TensorName::RopeFactorsShort] {
-            if f.tensor_info(&long_rope.name()).is_some() {
+        // LongRoPE's divisors unused would be wrong angles: they come with its scaling type.
+        if !matches!(c.rope_scaling, RopeScaling::LongRope { .. }) {
+            if let Some(t) = [TensorName::RopeFactorsLong, TensorName::RopeFactorsShort].into_iter().find(|t| f.tensor_info(&t.name()).is_some()) {
                 return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!(
-                    "{}: LongRoPE (Phi-3.x long-context models) is not supported yet",
-                    long_rope.name()
+                    "{}: LongRoPE divisors without rope.scaling.type = longrope",
+                    t.name()
                 ))));
             }
         }
@@ -207,12 +208,23 @@ impl ModelTensors {
                 1.0,
                 Some(llama3_freq_factors(c.n_rot, c.rope_freq_base, factor, low_freq_factor, high_freq_factor, original_context)),
             ),
+            RopeScaling::Yarn { factor, .. } => (1.0 / factor, None),
+            // Duet serves the whole trained context: the long divisors when it exceeds the
+            // original one (llama.cpp's choice for a context that long).
+            RopeScaling::LongRope { original_context } => {
+                let which = if c.n_ctx_train > original_context { TensorName::RopeFactorsLong } else { TensorName::RopeFactorsShort };
+                (1.0, Some(vector(f, which, c.n_rot / 2)?))
+            }
         };
+        let rope_magnitude = rope_magnitude(c);
         let rope_swa = c.sliding_window.as_ref().map(|s| match s.rope_scaled {
             true => Rope::new(c.n_rot, s.rope_freq_base, freq_scale, factors.clone()),
             false => Rope::new(c.n_rot, s.rope_freq_base, 1.0, None),
         });
-        let rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors);
+        let mut rope = Rope::new(c.n_rot, c.rope_freq_base, freq_scale, factors).with_mscale(rope_magnitude);
+        if let RopeScaling::Yarn { original_context, beta_fast, beta_slow, .. } = c.rope_scaling {
+            rope = rope.with_yarn(1.0, original_context, c.rope_freq_base, beta_fast, beta_slow);
+        }
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
         Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope, rope_swa })
     }
@@ -249,6 +261,9 @@ impl ModelTensors {
         if c.attn_logit_softcap.is_some() {
             out.push("attention soft-capping");
         }
+        if c.attn_temperature.is_some() {
+            out.push("attention temperature");
+        }
         if c.final_logit_softcap.is_some() {
             out.push("logit soft-capping");
         }
@@ -275,6 +290,20 @@ impl ModelTensors {
             .chain((!tied).then_some(&self.output))
             .chain(self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]))
     }
+}
+
+/// The factor RoPE's cos and sin are multiplied by: llama.cpp's `yarn_attn_factor` (YaRN's
+/// magnitude correction, divided by the `1 + 0.1 ln(factor)` its kernel multiplies back in)
+/// times `rope.scaling.attn_factor`, with llama.cpp's f32 operations.
+fn rope_magnitude(c: &LlamaConfig) -> f32 {
+    let mut m = 1.0f32;
+    if let RopeScaling::Yarn { factor: key, log_mul, .. } = c.rope_scaling {
+        let factor = 1.0 / (1.0 / key);
+        let mscale = |scale: f32, m: f32| if scale <= 1.0 { 1.0 } else { (0.1 * m).mul_add(scale.ln(), 1.0) };
+        m = if log_mul != 0.0 { mscale(factor, 1.0) / mscale(factor, log_mul) } else { mscale(factor, 1.0) };
+        m *= 1.0 / 0.1f32.mul_add(factor.ln(), 1.0);
+    }
+    m * c.rope_attn_factor
 }
 
 /// Checks a batch — `tokens[i]` at position `positions[i]`, logits of `logit_rows` — as
