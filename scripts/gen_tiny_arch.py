@@ -31,6 +31,11 @@ little-endian `[position][vocab]`, plus `<name>.json` (tokens, shapes, llama.cpp
 * `mistral3_yarn_q8_0` -- mistral3 with YaRN (Ministral 3): factor 4 over an original
   context of 16, beta 32/1, RoPE base 100 and heads of 64 (so that the ramp spans pairs 0-7 of
   32), and Llama 4's attention temperature 0.1 (queries scaled from position 16 on).
+* `mixtral_q8_0`, `qwen3moe_q8_0`, `olmoe_q8_0` -- mixture-of-experts MLPs as llama.cpp's
+  converter writes them (an F32 router `ffn_gate_inp`, stacked `ffn_{gate,up,down}_exps`):
+  Mixtral as `llama` (8 experts of 32, 2 used, weights renormalised), Qwen3-MoE (Qwen 3's
+  Q/K norms, `expert_feed_forward_length`), OLMoE (Q/K norms over the whole row, weights not
+  renormalised).
 
 Needs numpy, gguf and llama-cpp-python 0.3.36 (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
 llama-cpp-python==0.3.36`).
@@ -74,6 +79,12 @@ VARIANTS = [
     dict(name="mistral3_yarn_q8_0", arch="mistral3", n_embd=64, n_head=4, n_kv_head=2, head_dim=64, n_ff=96, n_layer=2,
          eps=1e-5, base=100.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False,
          yarn=dict(factor=4.0, original=16, beta_fast=32.0, beta_slow=1.0), temperature=0.1),
+    dict(name="mixtral_q8_0", arch="llama", n_embd=64, n_head=4, n_kv_head=2, head_dim=16, n_ff=32, n_layer=2,
+         eps=1e-5, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=False, moe=dict(n_expert=8, n_used=2)),
+    dict(name="qwen3moe_q8_0", arch="qwen3moe", n_embd=64, n_head=4, n_kv_head=2, head_dim=32, n_ff=32, n_layer=2,
+         eps=1e-6, base=1e6, wtype=T.Q8_0, tied=False, bias=False, qk_norm=True, moe=dict(n_expert=8, n_used=3, ff_key=True)),
+    dict(name="olmoe_q8_0", arch="olmoe", n_embd=64, n_head=4, n_kv_head=4, head_dim=16, n_ff=32, n_layer=2,
+         eps=1e-5, base=10000.0, wtype=T.Q8_0, tied=False, bias=False, qk_norm="row", moe=dict(n_expert=8, n_used=2)),
 ]
 
 
@@ -99,6 +110,11 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
     w.add_layer_norm_rms_eps(spec["eps"])
     if spec.get("window"):
         w.add_uint32(f"{arch}.attention.sliding_window", spec["window"])
+    if spec.get("moe"):
+        w.add_expert_count(spec["moe"]["n_expert"])
+        w.add_expert_used_count(spec["moe"]["n_used"])
+        if spec["moe"].get("ff_key"):
+            w.add_expert_feed_forward_length(n_ff)
     if spec.get("longrope"):
         w.add_string(f"{arch}.rope.scaling.type", "longrope")
         w.add_uint32(f"{arch}.rope.scaling.original_context_length", spec["longrope"]["original"])
@@ -152,19 +168,29 @@ def build(spec: dict, rng: np.random.Generator, tokens: list[int]) -> dict:
             vector(f"blk.{l}.attn_q.bias", H * hd, 0.0, 0.8)
             vector(f"blk.{l}.attn_k.bias", KV * hd, 0.0, 0.8)
             vector(f"blk.{l}.attn_v.bias", KV * hd, 0.0, 0.5)
-        if spec["qk_norm"]:
+        if spec["qk_norm"] == "row":
+            vector(f"blk.{l}.attn_q_norm.weight", H * hd, 1.0, 0.3)
+            vector(f"blk.{l}.attn_k_norm.weight", KV * hd, 1.0, 0.3)
+        elif spec["qk_norm"]:
             vector(f"blk.{l}.attn_q_norm.weight", hd, 1.0, 0.3)
             vector(f"blk.{l}.attn_k_norm.weight", hd, 1.0, 0.3)
         matrix(f"blk.{l}.attn_output.weight", d, H * hd, 0.8)
         if spec.get("post_norms"):
             vector(f"blk.{l}.post_attention_norm.weight", d, 1.0, 0.1)
         vector(f"blk.{l}.ffn_norm.weight", d, 1.0, 0.1)
-        if fused:
+        if spec.get("moe"):
+            E = spec["moe"]["n_expert"]
+            w.add_tensor(f"blk.{l}.ffn_gate_inp.weight", (rng.standard_normal((E, d)) * 2.0 / np.sqrt(d)).astype(np.float32))
+            for tname, rows, cols, gain in (("ffn_gate_exps", n_ff, d, 1.0), ("ffn_up_exps", n_ff, d, 1.0), ("ffn_down_exps", d, n_ff, 0.8)):
+                a = (rng.standard_normal((E, rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+                w.add_tensor(f"blk.{l}.{tname}.weight", gguf.quants.quantize(a, spec["wtype"]), raw_dtype=spec["wtype"])
+        elif fused:
             matrix(f"blk.{l}.ffn_up.weight", 2 * n_ff, d, 1.0)
         else:
             matrix(f"blk.{l}.ffn_gate.weight", n_ff, d, 1.0)
             matrix(f"blk.{l}.ffn_up.weight", n_ff, d, 1.0)
-        matrix(f"blk.{l}.ffn_down.weight", d, n_ff, 0.8)
+        if not spec.get("moe"):
+            matrix(f"blk.{l}.ffn_down.weight", d, n_ff, 0.8)
         if spec.get("post_norms"):
             vector(f"blk.{l}.post_ffw_norm.weight", d, 1.0, 0.1)
     if spec.get("longrope"):

@@ -2,7 +2,8 @@
 //! (Q/K/V biases, NeoX RoPE), qwen3 (Q/K norms, NeoX RoPE), phi3 (fused Q/K/V and gate/up;
 //! and with LongRoPE), mistral3 (and with YaRN and attention temperature), gemma3 and gemma2 (sliding-window layers, whose attention jobs the gpu-worker
 //! cuts to the window, with `ratio:0.5` the gpu-worker's prefix share lying wholly before it;
-//! gemma2's soft-capped scores, whose cap the jobs carry to the cpu-worker) models of
+//! gemma2's soft-capped scores, whose cap the jobs carry to the cpu-worker) and the
+//! mixture-of-experts mixtral, qwen3moe and olmoe (experts on the gpu-worker) models of
 //! testdata/tiny/arch,
 //! which match llama.cpp's logits exactly in the single-process runner
 //! (gpu-worker/tests/tiny_arch_llamacpp.rs), give the runner's greedy tokens with decode
@@ -15,7 +16,20 @@ use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qwen_models_decode_in_the_system_as_in_the_single_process_runner() {
-    for name in ["qwen2_q4_1", "qwen3_q8_0", "phi3_q8_0", "phi3_longrope_q8_0", "mistral3_q8_0", "mistral3_yarn_q8_0", "gemma3_q8_0", "gemma2_q8_0"] {
+    let models = [
+        "qwen2_q4_1",
+        "qwen3_q8_0",
+        "phi3_q8_0",
+        "phi3_longrope_q8_0",
+        "mistral3_q8_0",
+        "mistral3_yarn_q8_0",
+        "gemma3_q8_0",
+        "gemma2_q8_0",
+        "mixtral_q8_0",
+        "qwen3moe_q8_0",
+        "olmoe_q8_0",
+    ];
+    for name in models {
         let dir = workspace_root().join("testdata/tiny/arch");
         let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap()).unwrap();
         let prompt: Vec<u32> = meta["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();

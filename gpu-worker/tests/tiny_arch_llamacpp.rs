@@ -50,7 +50,7 @@ fn check(name: &str, tol: f64) -> f64 {
     let engine = Engine::load(&dir().join(format!("{name}.gguf"))).unwrap();
     let c = engine.device.config();
     assert_eq!(c.arch, meta["arch"].as_str().unwrap());
-    assert_eq!(c.rope_neox, c.arch != "mistral3", "{name}: Qwen's and Phi-3's RoPE is NeoX's, Mistral's normal");
+    assert_eq!(c.rope_neox, !matches!(c.arch.as_str(), "mistral3" | "llama"), "{name}: the NeoX RoPE of all but Llama's and Mistral's");
 
     let n = tokens.len();
     let mut kv = KvCache::new(c, n);
@@ -150,4 +150,25 @@ fn mistral3_yarn_matches_llama_cpp() {
     assert!(matches!(c.rope_scaling, RopeScaling::Yarn { factor: 4.0, original_context: 16, .. }), "{:?}", c.rope_scaling);
     assert_eq!(c.attn_temperature.map(|t| (t.scale, t.floor)), Some((0.1, 16)));
     check("mistral3_yarn_q8_0", 2e-3);
+}
+
+/// Mixture-of-experts MLPs: the router's softmax and top-k, each chosen expert's MLP, the
+/// weighted sum in choice order; Mixtral (as llama) and Qwen3-MoE renormalise the weights.
+#[test]
+fn mixtral_matches_llama_cpp() {
+    check("mixtral_q8_0", 2e-3);
+}
+
+#[test]
+fn qwen3moe_matches_llama_cpp() {
+    check("qwen3moe_q8_0", 2e-3);
+}
+
+/// OLMoE: Q/K norms over the whole row, the chosen experts' weights not renormalised.
+#[test]
+fn olmoe_matches_llama_cpp() {
+    let engine = Engine::load(&dir().join("olmoe_q8_0.gguf")).unwrap();
+    let e = engine.device.config().experts.unwrap();
+    assert_eq!((e.n_expert, e.n_used, e.norm_weights), (8, 2, false));
+    check("olmoe_q8_0", 2e-3);
 }

@@ -132,6 +132,29 @@ pub fn softmax_in_place(x: &mut [f32]) -> f32 {
     (max as f64 + sum.ln()) as f32
 }
 
+/// ggml's `ggml_soft_max` of one row of any length as its AVX-512 build computes it: whole
+/// chunks of 16 with ggml's `exp` summed by `reduce16`, the tail with libm's `expf` summed one
+/// by one (in f64), then scaled by `1 / sum` (the MoE router's probabilities).
+pub fn soft_max_row(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let whole = x.len() / 16 * 16;
+    let mut sum = 0f64;
+    for chunk in x[..whole].chunks_exact_mut(16) {
+        let mut lanes = [0f32; 16];
+        for (l, v) in lanes.iter_mut().zip(chunk.iter_mut()) {
+            *v = expf(*v - max);
+            *l = *v;
+        }
+        sum += reduce16(&lanes) as f64;
+    }
+    for v in &mut x[whole..] {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

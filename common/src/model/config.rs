@@ -25,6 +25,18 @@ pub enum RopeScaling {
     LongRope { original_context: usize },
 }
 
+/// A mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks `n_used` of
+/// `n_expert` experts per token (softmax, top-k), whose outputs are summed weighted by their
+/// router probabilities, renormalised to sum to 1 where `norm_weights`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Experts {
+    pub n_expert: usize,
+    pub n_used: usize,
+    /// Each expert's hidden width.
+    pub n_ff: usize,
+    pub norm_weights: bool,
+}
+
 /// Llama 4's attention temperature (Mistral 3): each query is multiplied by
 /// `ln(floor(pos / floor) + 1) * scale + 1`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -97,6 +109,8 @@ pub struct LlamaConfig {
     pub attn_logit_softcap: Option<f32>,
     /// Logits become `cap * tanh(logits / cap)`.
     pub final_logit_softcap: Option<f32>,
+    /// The MLP of every layer is a mixture of experts.
+    pub experts: Option<Experts>,
 }
 
 /// Architectures with Llama's block (RMSNorm, attention, SwiGLU): llama and mistral as they
@@ -108,9 +122,10 @@ pub struct LlamaConfig {
 /// after the MLP, sliding-window attention on every other layer, and soft-capped attention
 /// scores and logits; gemma3 has the same without the attention soft-cap, with qwen3's Q/K
 /// norms and the window on 5 layers of 6.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
+/// llama (Mixtral) and qwen3moe and olmoe may have mixture-of-experts MLPs.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "mistral3", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe"];
 /// Those of them whose RoPE is NeoX's.
-const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3", "gemma2", "gemma3"];
+const NEOX_ROPE: &[&str] = &["qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "olmoe"];
 
 fn get<'a>(g: &'a GgufFile, key: &str) -> Result<&'a Value, GgufError> {
     g.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
@@ -265,7 +280,24 @@ impl LlamaConfig {
             }
             _ => None,
         };
+        let experts = match opt(get_usize(g, &k(ArchKey::ExpertCount)))?.filter(|&n| n > 0) {
+            None if matches!(arch.as_str(), "qwen3moe" | "olmoe") => return Err(GgufError::MissingKey { key: k(ArchKey::ExpertCount) }.into()),
+            None => None,
+            Some(n_expert) => {
+                let n_used = get_usize(g, &k(ArchKey::ExpertUsedCount))?;
+                if n_used == 0 || n_used > n_expert {
+                    return Err(Error::UnsupportedModel(format!("{n_used} experts used of {n_expert}")));
+                }
+                let n_ff = opt(get_usize(g, &k(ArchKey::ExpertFeedForwardLength)))?.map_or_else(|| get_usize(g, &k(ArchKey::FeedForwardLength)), Ok)?;
+                // llama.cpp renormalises the chosen experts' weights for Mixtral and Qwen3-MoE, not OLMoE.
+                Some(Experts { n_expert, n_used, n_ff, norm_weights: arch != "olmoe" })
+            }
+        };
+        if experts.is_some() && !matches!(arch.as_str(), "llama" | "qwen3moe" | "olmoe") {
+            return Err(Error::UnsupportedModel(format!("{arch} with mixture-of-experts layers")));
+        }
         Ok(LlamaConfig {
+            experts,
             n_layer,
             n_ff: get_usize(g, &k(ArchKey::FeedForwardLength))?,
             n_ctx_train,

@@ -24,6 +24,9 @@ pub enum ArchKey {
     RopeScalingYarnBetaSlow,
     RopeScalingYarnLogMul,
     AttnTemperatureScale,
+    ExpertCount,
+    ExpertUsedCount,
+    ExpertFeedForwardLength,
     VocabSize,
     SlidingWindow,
     SlidingWindowPattern,
@@ -55,6 +58,9 @@ impl ArchKey {
             Self::RopeScalingYarnBetaSlow => "rope.scaling.yarn_beta_slow",
             Self::RopeScalingYarnLogMul => "rope.scaling.yarn_log_multiplier",
             Self::AttnTemperatureScale => "attention.temperature_scale",
+            Self::ExpertCount => "expert_count",
+            Self::ExpertUsedCount => "expert_used_count",
+            Self::ExpertFeedForwardLength => "expert_feed_forward_length",
             Self::VocabSize => "vocab_size",
             Self::SlidingWindow => "attention.sliding_window",
             Self::SlidingWindowPattern => "attention.sliding_window_pattern",
@@ -138,6 +144,10 @@ pub enum TensorName {
     FfnDown(usize),
     AttnPostNorm(usize),
     FfnPostNorm(usize),
+    FfnGateInp(usize),
+    FfnGateExps(usize),
+    FfnUpExps(usize),
+    FfnDownExps(usize),
 }
 
 impl TensorName {
@@ -167,6 +177,10 @@ impl TensorName {
             Self::FfnDown(l) => layer(l, "ffn_down"),
             Self::AttnPostNorm(l) => layer(l, "post_attention_norm"),
             Self::FfnPostNorm(l) => layer(l, "post_ffw_norm"),
+            Self::FfnGateInp(l) => layer(l, "ffn_gate_inp"),
+            Self::FfnGateExps(l) => layer(l, "ffn_gate_exps"),
+            Self::FfnUpExps(l) => layer(l, "ffn_up_exps"),
+            Self::FfnDownExps(l) => layer(l, "ffn_down_exps"),
         }
     }
 }

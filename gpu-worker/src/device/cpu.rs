@@ -12,6 +12,7 @@ use std::time::Instant;
 use duet_common::kernels::dot::vec_dot_type;
 use duet_common::kernels::interleaved::{self, Interleaved};
 use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
+use duet_common::kernels::ggml_exact::soft_max_row;
 use duet_common::kernels::ops::{gelu_mul, rms_norm, silu_mul, Rope};
 use duet_common::kernels::quant::{dequantize, GgmlType};
 use duet_common::model::config::{FfnAct, LlamaConfig};
@@ -19,7 +20,7 @@ use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb;
 use rayon::prelude::*;
 
-use super::model::{check_batch, ModelTensors, Weight};
+use super::model::{check_batch, Ffn, ModelTensors, Weight};
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::Result;
 
@@ -98,6 +99,68 @@ impl CpuDevice {
     }
 }
 
+impl CpuDevice {
+    /// `down(act(gate(x)) * up(x))` of rows `x`.
+    fn gated_mlp(&self, [gate, up, down]: [&Weight; 3], x: &[f32]) -> Vec<f32> {
+        let [mut g, u] = self.linear_many([gate, up], x);
+        let act = match self.m.config.ffn_act {
+            FfnAct::Silu => silu_mul,
+            FfnAct::Gelu => gelu_mul,
+        };
+        g.par_chunks_mut(gate.rows).zip(u.par_chunks(up.rows)).for_each(|(g, u)| act(g, u));
+        self.linear(down, &g)
+    }
+
+    /// A mixture of experts over rows `x`, as llama.cpp's `build_moe_ffn` computes it: the
+    /// router's softmax, the `n_used` likeliest experts (their probabilities renormalised to
+    /// sum 1 where the architecture does, the sum clamped at f16's smallest normal), each
+    /// expert's MLP on the rows routed to it, and per row the weighted outputs added in the
+    /// order the experts were chosen.
+    fn moe(&self, router: &Weight, experts: &[[Weight; 3]], x: &[f32]) -> Vec<f32> {
+        let e = self.m.config.experts.expect("an MoE layer has its experts' counts");
+        let d = router.cols;
+        let n = x.len() / d;
+        let mut probs = self.linear(router, x);
+        let routes: Vec<Vec<(usize, f32)>> = probs
+            .chunks_mut(e.n_expert)
+            .map(|p| {
+                soft_max_row(p);
+                let mut order: Vec<usize> = (0..e.n_expert).collect();
+                order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+                let mut chosen: Vec<(usize, f32)> = order[..e.n_used].iter().map(|&i| (i, p[i])).collect();
+                if e.norm_weights {
+                    let sum = (chosen.iter().map(|&(_, w)| f64::from(w)).sum::<f64>() as f32).max(6.103_515_6e-5);
+                    chosen.iter_mut().for_each(|(_, w)| *w /= sum);
+                }
+                chosen
+            })
+            .collect();
+        // Each expert once, on the rows routed to it; then each row's parts in choice order.
+        let mut parts: Vec<Vec<Vec<f32>>> = routes.iter().map(|r| vec![Vec::new(); r.len()]).collect();
+        for (ex, [gate, up, down]) in experts.iter().enumerate() {
+            let rows: Vec<(usize, usize)> =
+                routes.iter().enumerate().flat_map(|(t, r)| r.iter().position(|&(i, _)| i == ex).map(|k| (t, k))).collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let xs: Vec<f32> = rows.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
+            let out = self.gated_mlp([gate, up, down], &xs);
+            for (&(t, k), o) in rows.iter().zip(out.chunks_exact(d)) {
+                let w = routes[t][k].1;
+                parts[t][k] = o.iter().map(|&v| v * w).collect();
+            }
+        }
+        let mut y = vec![0f32; n * d];
+        for (row, p) in y.chunks_exact_mut(d).zip(&parts) {
+            row.copy_from_slice(&p[0]);
+            for more in &p[1..] {
+                add(row, more);
+            }
+        }
+        y
+    }
+}
+
 /// The longest prompt slice of one forward pass on the CPU device.
 pub const PREFILL_CHUNK: usize = 512;
 
@@ -172,8 +235,13 @@ impl Device for CpuDevice {
         };
         let heads = |x: &mut [f32], width: usize, norm: Option<&Vec<f32>>, scale: f32| {
             x.par_chunks_mut(width).zip(tables).for_each(|(row, t)| {
+                // A norm as wide as the row (OLMoE) normalises it whole, before the heads.
+                if let Some(w) = norm.filter(|w| w.len() == width && width != hd) {
+                    let raw = row.to_vec();
+                    rms_norm(&raw, w, c.rms_eps, row);
+                }
                 row.chunks_exact_mut(hd).for_each(|h| {
-                    if let Some(w) = norm {
+                    if let Some(w) = norm.filter(|w| w.len() == hd) {
                         let raw = h.to_vec();
                         rms_norm(&raw, w, c.rms_eps, h);
                     }
@@ -216,13 +284,10 @@ impl Device for CpuDevice {
         }
         add(&mut b.x, &o);
         norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
-        let [mut g, u] = self.linear_many([&layer.gate, &layer.up], &b.xn);
-        let act = match c.ffn_act {
-            FfnAct::Silu => silu_mul,
-            FfnAct::Gelu => gelu_mul,
+        let mut down = match &layer.ffn {
+            Ffn::Dense { gate, up, down } => self.gated_mlp([gate, up, down], &b.xn),
+            Ffn::Moe { router, experts } => self.moe(router, experts, &b.xn),
         };
-        g.par_chunks_mut(c.n_ff).zip(u.par_chunks(c.n_ff)).for_each(|(g, u)| act(g, u));
-        let mut down = self.linear(&layer.down, &g);
         if let Some([_, post_ffn]) = &layer.post_norms {
             down = normed(&down, post_ffn, c.rms_eps);
         }

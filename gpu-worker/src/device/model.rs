@@ -58,12 +58,30 @@ pub struct LayerTensors {
     /// Per-head RMSNorm weights of Q and K, applied before RoPE (Qwen 3).
     pub qk_norm: Option<[Vec<f32>; 2]>,
     pub ffn_norm: Vec<f32>,
-    pub gate: Weight,
-    pub up: Weight,
-    pub down: Weight,
+    pub ffn: Ffn,
     /// RMSNorm weights of the attention output and of the MLP output, applied before each
     /// residual add (Gemma).
     pub post_norms: Option<[Vec<f32>; 2]>,
+}
+
+/// A layer's MLP.
+#[derive(Debug)]
+pub enum Ffn {
+    /// `down(act(gate(x)) * up(x))`.
+    Dense { gate: Weight, up: Weight, down: Weight },
+    /// A mixture of experts: the router (`n_expert` rows) and each expert's three matrices
+    /// (parts of the stacked `ffn_*_exps` tensors).
+    Moe { router: Weight, experts: Vec<[Weight; 3]> },
+}
+
+impl Ffn {
+    /// Every matrix of the MLP.
+    pub fn weights(&self) -> Vec<&Weight> {
+        match self {
+            Ffn::Dense { gate, up, down } => vec![gate, up, down],
+            Ffn::Moe { router, experts } => std::iter::once(router).chain(experts.iter().flatten()).collect(),
+        }
+    }
 }
 
 /// Every tensor of the forward pass, checked.
@@ -92,6 +110,17 @@ fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result
         return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
     }
     Ok(Weight { name, ty: info.ty, rows, cols, first_row: 0 })
+}
+
+/// A stack of `n` matrices of `rows` x `cols` (ggml dims `[cols, rows, n]`), as one matrix of
+/// `n * rows` rows whose parts are the experts.
+fn stacked(file: &GgufFile, name: TensorName, cols: usize, rows: usize, n: usize) -> Result<Weight> {
+    let name = name.name();
+    let info = file.tensor_info(&name).ok_or_else(|| WorkerError::from(GgufError::MissingTensor(name.clone())))?;
+    if info.dims != [cols as u64, rows as u64, n as u64] {
+        return Err(shape_err(&name, format!("[{cols}, {rows}, {n}]"), format!("{:?}", info.dims)));
+    }
+    Ok(Weight { name, ty: info.ty, rows: rows * n, cols, first_row: 0 })
 }
 
 /// A 1-D tensor of `n` elements, dequantised to f32, when the file has it.
@@ -151,12 +180,28 @@ impl ModelTensors {
                         weight(f, TensorName::AttnV(l), c.n_embd, c.kv_dim())?,
                     ]
                 };
-                let [gate, up] = if c.arch == "phi3" {
-                    let gate_up = weight(f, TensorName::FfnUp(l), c.n_embd, 2 * c.n_ff)?;
-                    [gate_up.part(0, c.n_ff), gate_up.part(c.n_ff, c.n_ff)]
-                } else {
-                    [weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?, weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?]
+                let ffn = match c.experts {
+                    Some(e) => Ffn::Moe {
+                        router: weight(f, TensorName::FfnGateInp(l), c.n_embd, e.n_expert)?,
+                        experts: {
+                            let gate = stacked(f, TensorName::FfnGateExps(l), c.n_embd, e.n_ff, e.n_expert)?;
+                            let up = stacked(f, TensorName::FfnUpExps(l), c.n_embd, e.n_ff, e.n_expert)?;
+                            let down = stacked(f, TensorName::FfnDownExps(l), e.n_ff, c.n_embd, e.n_expert)?;
+                            (0..e.n_expert).map(|x| [gate.part(x * e.n_ff, e.n_ff), up.part(x * e.n_ff, e.n_ff), down.part(x * c.n_embd, c.n_embd)]).collect()
+                        },
+                    },
+                    None if c.arch == "phi3" => {
+                        let gate_up = weight(f, TensorName::FfnUp(l), c.n_embd, 2 * c.n_ff)?;
+                        Ffn::Dense { gate: gate_up.part(0, c.n_ff), up: gate_up.part(c.n_ff, c.n_ff), down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)? }
+                    }
+                    None => Ffn::Dense {
+                        gate: weight(f, TensorName::FfnGate(l), c.n_embd, c.n_ff)?,
+                        up: weight(f, TensorName::FfnUp(l), c.n_embd, c.n_ff)?,
+                        down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
+                    },
                 };
+                // Q/K norms per head (Qwen 3, Gemma 3) or over the whole row (OLMoE).
+                let qk_norm_width = if c.arch == "olmoe" { [c.q_dim(), c.kv_dim()] } else { [c.head_dim, c.head_dim] };
                 Ok(LayerTensors {
                     attn_norm: vector(f, TensorName::AttnNorm(l), c.n_embd)?,
                     wq,
@@ -164,11 +209,9 @@ impl ModelTensors {
                     wv,
                     wo: weight(f, TensorName::AttnOutput(l), c.q_dim(), c.n_embd)?,
                     qkv_bias: all_or_none(f, [(TensorName::AttnQBias(l), c.q_dim()), (TensorName::AttnKBias(l), c.kv_dim()), (TensorName::AttnVBias(l), c.kv_dim())])?,
-                    qk_norm: all_or_none(f, [(TensorName::AttnQNorm(l), c.head_dim), (TensorName::AttnKNorm(l), c.head_dim)])?,
+                    qk_norm: all_or_none(f, [(TensorName::AttnQNorm(l), qk_norm_width[0]), (TensorName::AttnKNorm(l), qk_norm_width[1])])?,
                     ffn_norm: vector(f, TensorName::FfnNorm(l), c.n_embd)?,
-                    gate,
-                    up,
-                    down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)?,
+                    ffn,
                     post_norms: all_or_none(f, [(TensorName::AttnPostNorm(l), c.n_embd), (TensorName::FfnPostNorm(l), c.n_embd)])?,
                 })
             })
@@ -189,7 +232,7 @@ impl ModelTensors {
                 ))));
             }
         }
-        if matches!(c.arch.as_str(), "qwen3" | "gemma3") && layers.iter().any(|l| l.qk_norm.is_none()) {
+        if matches!(c.arch.as_str(), "qwen3" | "gemma3" | "qwen3moe" | "olmoe") && layers.iter().any(|l| l.qk_norm.is_none()) {
             return Err(WorkerError::from(GgufError::MissingTensor(TensorName::AttnQNorm(0).name())));
         }
         // The norms the architecture applies, and no others (unapplied ones would be wrong logits).
@@ -264,6 +307,9 @@ impl ModelTensors {
         if c.attn_temperature.is_some() {
             out.push("attention temperature");
         }
+        if c.experts.is_some() {
+            out.push("mixture-of-experts MLPs");
+        }
         if c.final_logit_softcap.is_some() {
             out.push("logit soft-capping");
         }
@@ -288,7 +334,7 @@ impl ModelTensors {
         let tied = self.output.name == self.token_embd.name;
         std::iter::once(&self.token_embd)
             .chain((!tied).then_some(&self.output))
-            .chain(self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]))
+            .chain(self.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo].into_iter().chain(l.ffn.weights())))
     }
 }
 

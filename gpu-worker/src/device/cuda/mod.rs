@@ -30,7 +30,7 @@ pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FIL
 pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
-use super::model::{check_batch, ModelTensors};
+use super::model::{check_batch, Ffn, ModelTensors};
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::{Result, WorkerError};
 
@@ -122,6 +122,9 @@ impl CudaDevice {
         let n_layer = m.layers.len();
         let mut layers = Vec::with_capacity(n_layer);
         for (i, l) in m.layers.iter().enumerate() {
+            let Ffn::Dense { gate, up: up_w, down } = &l.ffn else {
+                return Err(WorkerError::Model(duet_common::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
+            };
             layers.push(GpuLayer {
                 attn_norm: vec_up(&l.attn_norm)?,
                 wq: up(&l.wq)?,
@@ -129,9 +132,9 @@ impl CudaDevice {
                 wv: up(&l.wv)?,
                 wo: up(&l.wo)?,
                 ffn_norm: vec_up(&l.ffn_norm)?,
-                gate: up(&l.gate)?,
-                up: up(&l.up)?,
-                down: up(&l.down)?,
+                gate: up(gate)?,
+                up: up(up_w)?,
+                down: up(down)?,
             });
             if (i + 1) % n_layer.div_ceil(4).max(1) == 0 {
                 tracing::info!("uploading weights: layer {}/{n_layer}", i + 1);
