@@ -12,8 +12,8 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::numa::{self, NodeInfo};
-use crate::stale::{lock_owner, OwnerLock};
-use crate::WorkerError;
+use crate::owner_lock::{lock_owner, OwnerLock};
+use crate::CpuWorkerError;
 
 /// A created KV arena; its segment is removed when this drops, and only then is its owner
 /// lock released (fields drop in declaration order), so a `--replace` that finds the lock
@@ -35,7 +35,7 @@ pub struct ArenaSetup {
 }
 
 impl Arena {
-    /// Creates `/dev/shm/<name>` for `layout`, takes its owner lock (see `stale`), binds it
+    /// Creates `/dev/shm/<name>` for `layout`, takes its owner lock (see `owner_lock`), binds it
     /// to `numa_node` when given and present (else warns), first-touches every page from
     /// `pool`'s (pinned) threads, writes the header and locks the segment (warning if the
     /// memlock limit refuses).
@@ -45,7 +45,7 @@ impl Arena {
         model_id: u64,
         numa_node: Option<u32>,
         pool: &rayon::ThreadPool,
-    ) -> Result<(Arena, ArenaSetup), WorkerError> {
+    ) -> Result<(Arena, ArenaSetup), CpuWorkerError> {
         let header = layout.encode_header()?;
         let len = layout.total_bytes()?;
         let seg = Segment::create(name, len)?;
@@ -74,7 +74,7 @@ impl Arena {
         layout: ArenaLayout,
         model_id: u64,
         numa_node: Option<u32>,
-    ) -> Result<Result<(Arena, ArenaSetup), String>, WorkerError> {
+    ) -> Result<Result<(Arena, ArenaSetup), String>, CpuWorkerError> {
         let mut seg = Segment::open(name)?;
         let owner = lock_owner(seg.path())?;
         let total = layout.total_bytes()?;

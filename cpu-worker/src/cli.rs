@@ -8,7 +8,7 @@ use duet_common::kv::KvShape;
 use duet_common::rpc::Address;
 use duet_common::topology::parse_cpu_list;
 
-use crate::{kv_shape_of, Config, KvSize, WorkerError};
+use crate::{kv_shape_of, Config, KvSize, CpuWorkerError};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -82,25 +82,25 @@ pub struct Args {
 
 impl Args {
     /// The configuration these flags describe (reads the model's metadata for its shape).
-    pub fn into_config(self) -> Result<Config, WorkerError> {
+    pub fn into_config(self) -> Result<Config, CpuWorkerError> {
         let shape = match (self.n_layer, self.n_kv_head, self.head_dim, &self.model) {
             (Some(n_layer), Some(n_kv_head), Some(head_dim), _) => KvShape { n_layer, n_kv_head, head_dim },
             (None, None, None, Some(model)) => kv_shape_of(model)?,
             (None, None, None, None) => {
-                return Err(WorkerError::Config("give --model, or --n-layer, --n-kv-head and --head-dim".into()))
+                return Err(CpuWorkerError::Config("give --model, or --n-layer, --n-kv-head and --head-dim".into()))
             }
-            _ => return Err(WorkerError::Config("--n-layer, --n-kv-head and --head-dim go together".into())),
+            _ => return Err(CpuWorkerError::Config("--n-layer, --n-kv-head and --head-dim go together".into())),
         };
         let kv_size = match (self.kv_blocks, self.kv_bytes) {
             (Some(n), None) => KvSize::Blocks(n),
             (None, Some(bytes)) => KvSize::Bytes(bytes),
-            (None, None) => return Err(WorkerError::Config("give the KV arena size: --kv-blocks or --kv-bytes".into())),
-            (Some(_), Some(_)) => return Err(WorkerError::Config("--kv-blocks and --kv-bytes exclude each other".into())),
+            (None, None) => return Err(CpuWorkerError::Config("give the KV arena size: --kv-blocks or --kv-bytes".into())),
+            (Some(_), Some(_)) => return Err(CpuWorkerError::Config("--kv-blocks and --kv-bytes exclude each other".into())),
         };
-        let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(|e| WorkerError::Config(e.to_string()))?;
+        let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(|e| CpuWorkerError::Config(e.to_string()))?;
         let model_id = self.model.as_deref().map(crate::model_identity).transpose()?.unwrap_or(0);
         if self.reattach && model_id == 0 {
-            return Err(WorkerError::Config("--reattach needs --model: the arena's model is checked before its K/V is kept".into()));
+            return Err(CpuWorkerError::Config("--reattach needs --model: the arena's model is checked before its K/V is kept".into()));
         }
         Ok(Config {
             instance: self.instance,
@@ -175,7 +175,7 @@ mod tests {
         }
         assert!(Args::try_parse_from(["w", "--kv-blocks", "1", "--kv-bytes", "1M"]).is_err());
         let partial = Args::try_parse_from(["w", "--n-layer", "2", "--kv-blocks", "1"]).unwrap();
-        assert!(matches!(partial.into_config(), Err(WorkerError::Config(_))));
+        assert!(matches!(partial.into_config(), Err(CpuWorkerError::Config(_))));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
 
 use crate::serve::JobCounters;
-use crate::WorkerError;
+use crate::CpuWorkerError;
 
 /// How long open connections (e.g. a health Watch) may take to close after a stop before
 /// they are dropped.
@@ -71,15 +71,15 @@ pub struct ControlPlane {
 impl ControlPlane {
     /// Builds the runtime and binds `address` (a Unix socket is made 0600; a stale socket
     /// file is replaced, a live one is an error).
-    pub fn bind(address: &Address) -> Result<ControlPlane, WorkerError> {
+    pub fn bind(address: &Address) -> Result<ControlPlane, CpuWorkerError> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .thread_name("duet-cpu-control")
             .build()
-            .map_err(WorkerError::Runtime)?;
+            .map_err(CpuWorkerError::Runtime)?;
         let listener = runtime
             .block_on(Listener::bind(address))
-            .map_err(|source| WorkerError::Listen { address: address.clone(), source })?;
+            .map_err(|source| CpuWorkerError::Listen { address: address.clone(), source })?;
         let socket = SocketFile(match address {
             Address::Unix(path) => Some(path.clone()),
             Address::Tcp(_) => None,
@@ -101,7 +101,7 @@ impl ControlPlane {
         scope: &'scope Scope<'scope, '_>,
         service: InfoService,
         shutdown: &'scope AtomicBool,
-    ) -> Result<Serving<'scope>, WorkerError> {
+    ) -> Result<Serving<'scope>, CpuWorkerError> {
         let (stop_tx, stop_rx) = watch::channel(false);
         let ControlPlane { runtime, listener, address, socket } = self;
         let thread = std::thread::Builder::new()
@@ -118,7 +118,7 @@ impl ControlPlane {
                 }
                 result
             })
-            .map_err(WorkerError::Runtime)?;
+            .map_err(CpuWorkerError::Runtime)?;
         Ok(Serving { stop: stop_tx, thread })
     }
 }
@@ -127,20 +127,20 @@ impl ControlPlane {
 #[derive(Debug)]
 pub struct Serving<'scope> {
     stop: watch::Sender<bool>,
-    thread: ScopedJoinHandle<'scope, Result<(), WorkerError>>,
+    thread: ScopedJoinHandle<'scope, Result<(), CpuWorkerError>>,
 }
 
 impl Serving<'_> {
     /// Reports NOT_SERVING to health watchers and ends their streams, stops accepting,
     /// waits up to [`GRACE`] for open connections, then removes the socket file.
-    pub fn stop(self) -> Result<(), WorkerError> {
+    pub fn stop(self) -> Result<(), CpuWorkerError> {
         // An error means the server already stopped (and said why through the join).
         let _ = self.stop.send(true);
-        self.thread.join().map_err(|_| WorkerError::ControlPanic)?
+        self.thread.join().map_err(|_| CpuWorkerError::ControlPanic)?
     }
 }
 
-async fn serve(listener: Listener, service: InfoService, mut stop: watch::Receiver<bool>) -> Result<(), WorkerError> {
+async fn serve(listener: Listener, service: InfoService, mut stop: watch::Receiver<bool>) -> Result<(), CpuWorkerError> {
     let (mut reporter, health) = tonic_health::server::health_reporter();
     for name in HEALTH_NAMES {
         reporter.set_service_status(name, ServingStatus::Serving).await;
@@ -159,7 +159,7 @@ async fn serve(listener: Listener, service: InfoService, mut stop: watch::Receiv
     };
     let served = listener.serve(router, stopping);
     tokio::select! {
-        result = served => result.map_err(WorkerError::Serve),
+        result = served => result.map_err(CpuWorkerError::Serve),
         () = async {
             let _ = grace.wait_for(|stopped| *stopped).await;
             tokio::time::sleep(GRACE).await;

@@ -13,7 +13,7 @@ pub mod cli;
 pub mod control;
 pub mod numa;
 pub mod serve;
-pub mod stale;
+pub mod owner_lock;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -32,7 +32,7 @@ pub use serve::{JobCounters, ServeStats};
 
 /// Everything that can stop a cpu-worker, named by the step that failed.
 #[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
+pub enum CpuWorkerError {
     #[error("configuration: {0}")]
     Config(String),
     #[error("reading the model shape from {path}: {source}")]
@@ -70,8 +70,8 @@ pub fn ring_name(instance: &str, worker: u32) -> String {
 }
 
 /// The model's KV shape read from a GGUF file's metadata (what the arena layout needs).
-pub fn kv_shape_of(path: &Path) -> Result<KvShape, WorkerError> {
-    let model_err = |source| WorkerError::Model { path: path.to_path_buf(), source };
+pub fn kv_shape_of(path: &Path) -> Result<KvShape, CpuWorkerError> {
+    let model_err = |source| CpuWorkerError::Model { path: path.to_path_buf(), source };
     let gguf = GgufFile::open(path).map_err(|e| model_err(e.into()))?;
     LlamaConfig::from_gguf(&gguf).and_then(|c| c.kv_shape()).map_err(model_err)
 }
@@ -79,9 +79,9 @@ pub fn kv_shape_of(path: &Path) -> Result<KvShape, WorkerError> {
 /// A model file's identity for the arena header: FNV-1a over its length and its first MiB
 /// (the GGUF header, metadata and tensor table), so a restarted worker re-attaches only to an
 /// arena filled by the same model.
-pub fn model_identity(path: &Path) -> Result<u64, WorkerError> {
+pub fn model_identity(path: &Path) -> Result<u64, CpuWorkerError> {
     use std::io::Read;
-    let io_err = |e: std::io::Error| WorkerError::Model {
+    let io_err = |e: std::io::Error| CpuWorkerError::Model {
         path: path.to_path_buf(),
         source: duet_common::Error::Io { path: path.display().to_string(), source: e },
     };
@@ -146,7 +146,7 @@ impl Config {
     pub const DEFAULT_POLL: Duration = Duration::from_millis(100);
 
     /// The arena layout this configuration gives (f16 KV).
-    pub fn layout(&self) -> Result<ArenaLayout, WorkerError> {
+    pub fn layout(&self) -> Result<ArenaLayout, CpuWorkerError> {
         let KvShape { n_layer, n_kv_head, head_dim } = self.shape;
         let mut layout =
             ArenaLayout { n_layer, n_kv_head, head_dim, block_size: self.block_size, dtype: KvDtype::F16, n_blocks: 1 };
@@ -156,7 +156,7 @@ impl Config {
         };
         if layout.n_blocks == 0 {
             let block = layout.block_bytes()?;
-            return Err(WorkerError::Config(format!(
+            return Err(CpuWorkerError::Config(format!(
                 "the KV arena holds no block: {:?} is less than the {} header bytes plus one block of {block}",
                 self.kv_size,
                 layout.header_bytes()
@@ -171,10 +171,10 @@ impl Config {
 /// `replace`), serves the control plane when `listen` is set, serves jobs until `shutdown`
 /// is set (or the producer closes the ring), then stops the control plane, closes the ring
 /// and removes both segments.
-pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerError> {
+pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, CpuWorkerError> {
     let layout = config.layout()?;
     if config.slot_bytes < JOB_HEADER_BYTES + 64 || config.ring_slots == 0 {
-        return Err(WorkerError::Config(format!(
+        return Err(CpuWorkerError::Config(format!(
             "{} ring slots of {} bytes: need at least one slot of {} bytes",
             config.ring_slots,
             config.slot_bytes,
@@ -192,7 +192,7 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
     let pool = build_pool(threads, cpus.clone())?;
     let arena_name = arena_name(&config.instance, config.worker);
     let ring_name = ring_name(&config.instance, config.worker);
-    let kept = stale::clear_leftovers(&arena_name, &ring_name, config.replace, config.reattach)?;
+    let kept = owner_lock::clear_leftovers(&arena_name, &ring_name, config.replace, config.reattach)?;
     let reattached = match kept {
         true => match arena::Arena::reattach(&arena_name, layout, config.model_id, config.numa_node)? {
             Ok(found) => Some(found),
@@ -209,7 +209,7 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
         None => arena::Arena::create(&arena_name, layout, config.model_id, config.numa_node, &pool)?,
     };
     let ring_bytes = Ring::bytes_needed(config.ring_slots, config.slot_bytes)
-        .ok_or_else(|| WorkerError::Config("exchange ring size overflows".into()))?;
+        .ok_or_else(|| CpuWorkerError::Config("exchange ring size overflows".into()))?;
     let ring_seg = Segment::create(&ring_name, ring_bytes)?;
     let ring_locked = ring_seg.lock().is_ok();
     let mut consumer = Ring::create(ring_seg, config.ring_slots, config.slot_bytes)?.consumer();
@@ -267,16 +267,16 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, WorkerEr
 
 /// The CPUs to pin to: `--cpus` (each must be allowed to this process), else the CPUs of
 /// `--numa-node` this process may use, else none (no pinning).
-fn resolve_cpus(config: &Config) -> Result<Option<Vec<usize>>, WorkerError> {
+fn resolve_cpus(config: &Config) -> Result<Option<Vec<usize>>, CpuWorkerError> {
     let allowed = numa::allowed_cpus();
     if let Some(cpus) = &config.cpus {
         if cpus.is_empty() {
-            return Err(WorkerError::Config("empty CPU list".into()));
+            return Err(CpuWorkerError::Config("empty CPU list".into()));
         }
         if let Some(allowed) = &allowed {
             let denied: Vec<usize> = cpus.iter().copied().filter(|c| !allowed.contains(c)).collect();
             if !denied.is_empty() {
-                return Err(WorkerError::Config(format!(
+                return Err(CpuWorkerError::Config(format!(
                     "CPUs {denied:?} are not available to this process (allowed: {allowed:?})"
                 )));
             }
@@ -300,7 +300,7 @@ fn resolve_cpus(config: &Config) -> Result<Option<Vec<usize>>, WorkerError> {
 }
 
 /// The worker's thread pool; thread `i` is pinned to `cpus[i % len]` when CPUs are given.
-fn build_pool(threads: usize, cpus: Option<Vec<usize>>) -> Result<rayon::ThreadPool, WorkerError> {
+fn build_pool(threads: usize, cpus: Option<Vec<usize>>) -> Result<rayon::ThreadPool, CpuWorkerError> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .thread_name(|i| format!("duet-cpu-{i}"))
@@ -313,5 +313,5 @@ fn build_pool(threads: usize, cpus: Option<Vec<usize>>) -> Result<rayon::ThreadP
             }
         })
         .build()
-        .map_err(|e| WorkerError::ThreadPool(e.to_string()))
+        .map_err(|e| CpuWorkerError::ThreadPool(e.to_string()))
 }

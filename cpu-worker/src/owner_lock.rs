@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use duet_common::shm::{Segment, SHM_DIR};
 
-use crate::WorkerError;
+use crate::CpuWorkerError;
 
 /// The owner lock on a worker's arena file; released when this drops (after the segment
 /// was removed, see `Arena`).
@@ -21,13 +21,13 @@ pub struct OwnerLock {
 }
 
 /// Takes the owner lock on the arena segment this process has just created at `path`.
-pub fn lock_owner(path: &Path) -> Result<OwnerLock, WorkerError> {
-    let lock_err = |source| WorkerError::OwnerLock { path: path.to_path_buf(), source };
+pub fn lock_owner(path: &Path) -> Result<OwnerLock, CpuWorkerError> {
+    let lock_err = |source| CpuWorkerError::OwnerLock { path: path.to_path_buf(), source };
     let file = open_no_follow(path).map_err(lock_err)?;
     match try_lock(&file) {
         Ok(true) => Ok(OwnerLock { _file: file }),
         // Another worker of the same name locked it between our creating and locking it.
-        Ok(false) => Err(WorkerError::SegmentInUse { path: path.to_path_buf() }),
+        Ok(false) => Err(CpuWorkerError::SegmentInUse { path: path.to_path_buf() }),
         Err(e) => Err(lock_err(e)),
     }
 }
@@ -48,12 +48,12 @@ enum Found {
 /// a dead worker's leftovers are removed when `replace` is set, with a warning naming each,
 /// and are a `StaleSegment` error suggesting `--replace` when not. The ring has no lock of its
 /// own: it goes with the arena's owner.
-pub fn clear_leftovers(arena: &str, ring: &str, replace: bool, keep_arena: bool) -> Result<bool, WorkerError> {
+pub fn clear_leftovers(arena: &str, ring: &str, replace: bool, keep_arena: bool) -> Result<bool, CpuWorkerError> {
     let arena_path = Path::new(SHM_DIR).join(arena);
     let ring_path = Path::new(SHM_DIR).join(ring);
     let arena_found = probe(&arena_path)?;
     if arena_found == Found::Live {
-        return Err(WorkerError::SegmentInUse { path: arena_path });
+        return Err(CpuWorkerError::SegmentInUse { path: arena_path });
     }
     let kept = keep_arena && arena_found == Found::Stale;
     let mut leftovers: Vec<(&str, PathBuf)> = Vec::new();
@@ -64,7 +64,7 @@ pub fn clear_leftovers(arena: &str, ring: &str, replace: bool, keep_arena: bool)
         leftovers.push((ring, ring_path));
     }
     if let Some((_, path)) = leftovers.first().filter(|_| !replace && !keep_arena) {
-        return Err(WorkerError::StaleSegment { path: path.clone() });
+        return Err(CpuWorkerError::StaleSegment { path: path.clone() });
     }
     let flag = if replace { "--replace" } else { "--reattach" };
     for (name, path) in leftovers {
@@ -84,7 +84,7 @@ fn exists(path: &Path) -> bool {
 }
 
 /// What is at `path`: nothing, a file nobody holds the owner lock on, or a live worker's.
-fn probe(path: &Path) -> Result<Found, WorkerError> {
+fn probe(path: &Path) -> Result<Found, CpuWorkerError> {
     let file = match open_no_follow(path) {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Found::Nothing),
@@ -93,13 +93,13 @@ fn probe(path: &Path) -> Result<Found, WorkerError> {
         Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM | libc::ELOOP)) => {
             return Ok(Found::Stale)
         }
-        Err(e) => return Err(WorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
+        Err(e) => return Err(CpuWorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
     };
     // Our probe's lock, if taken, is released when `file` closes at the end of this call.
     match try_lock(&file) {
         Ok(true) => Ok(Found::Stale),
         Ok(false) => Ok(Found::Live),
-        Err(e) => Err(WorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
+        Err(e) => Err(CpuWorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
     }
 }
 
@@ -138,10 +138,10 @@ mod tests {
         let lock = lock_owner(seg.path()).unwrap();
         for replace in [false, true] {
             let e = clear_leftovers(&arena, &ring, replace, false).unwrap_err();
-            assert!(matches!(e, WorkerError::SegmentInUse { .. }), "{e}");
+            assert!(matches!(e, CpuWorkerError::SegmentInUse { .. }), "{e}");
         }
         assert!(seg.path().exists());
-        assert!(matches!(lock_owner(seg.path()), Err(WorkerError::SegmentInUse { .. })));
+        assert!(matches!(lock_owner(seg.path()), Err(CpuWorkerError::SegmentInUse { .. })));
 
         // The owner is gone but the files stay (as after SIGKILL).
         drop(lock);
@@ -152,7 +152,7 @@ mod tests {
         ring_seg.persist();
         drop(ring_seg);
         let e = clear_leftovers(&arena, &ring, false, false).unwrap_err();
-        assert!(matches!(e, WorkerError::StaleSegment { .. }) && e.to_string().contains("--replace"), "{e}");
+        assert!(matches!(e, CpuWorkerError::StaleSegment { .. }) && e.to_string().contains("--replace"), "{e}");
         clear_leftovers(&arena, &ring, true, false).unwrap();
         for n in [&arena, &ring] {
             assert!(!Path::new(SHM_DIR).join(n).exists(), "{n} was not removed");
@@ -162,7 +162,7 @@ mod tests {
         let mut ring_seg = Segment::create(&ring, 4096).unwrap();
         ring_seg.persist();
         drop(ring_seg);
-        assert!(matches!(clear_leftovers(&arena, &ring, false, false), Err(WorkerError::StaleSegment { .. })));
+        assert!(matches!(clear_leftovers(&arena, &ring, false, false), Err(CpuWorkerError::StaleSegment { .. })));
         clear_leftovers(&arena, &ring, true, false).unwrap();
         assert!(!Path::new(SHM_DIR).join(&ring).exists());
     }

@@ -14,7 +14,7 @@ use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_result
 use duet_common::shm::{Consumer, ShmError};
 
 use crate::arena::Arena;
-use crate::WorkerError;
+use crate::CpuWorkerError;
 
 /// What a worker did until it stopped.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -49,7 +49,7 @@ pub fn serve(
     shutdown: &AtomicBool,
     poll: Duration,
     counters: &JobCounters,
-) -> Result<ServeStats, WorkerError> {
+) -> Result<ServeStats, CpuWorkerError> {
     while !shutdown.load(Ordering::Relaxed) {
         let (seq, slot) = match consumer.next_job_timeout(poll) {
             Ok(job) => job,

@@ -16,5 +16,5 @@ pub mod scheduler;
 pub mod sequence;
 pub mod serve;
 pub mod simulator;
-pub mod stop;
+pub mod text_stream;
 pub mod supervisor;

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use crate::backend::{Event, Sampling, StopReason, Usage};
 use crate::balancer::planner::{SeqDemand, Share};
 use crate::error::GatewayError;
-use crate::stop::TextStream;
+use crate::text_stream::TextStream;
 
 /// What the planner needs of a sequence whose decode token is at `pos`: its context and
 /// which cpu-worker holds which positions (the gpu-worker reads any of them from the arenas).

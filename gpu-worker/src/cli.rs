@@ -11,7 +11,7 @@ use duet_common::model::tokenizer::Tokenizer;
 use serde_json::json;
 
 use crate::device::{AnyDevice, Device, DeviceChoice};
-use crate::runner::{Engine, GenerateRequest};
+use crate::runner::{Runner, GenerateRequest};
 use crate::sampler::SamplingParams;
 
 #[derive(Debug, Parser)]
@@ -195,9 +195,9 @@ async fn shutdown_signal() {
     }
 }
 
-fn load(model: &ModelArg, device: DeviceChoice) -> anyhow::Result<Engine<AnyDevice>> {
+fn load(model: &ModelArg, device: DeviceChoice) -> anyhow::Result<Runner<AnyDevice>> {
     let start = std::time::Instant::now();
-    let engine = Engine::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
+    let engine = Runner::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
     tracing::info!(model = %model.model.display(), device = %engine.device.describe(), ms = start.elapsed().as_millis() as u64, "model loaded");
     Ok(engine)
 }

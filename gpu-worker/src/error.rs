@@ -1,7 +1,7 @@
 //! The error type of duet-gpu-worker, one variant per step that can fail.
 
 #[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
+pub enum GpuWorkerError {
     #[error("model: {0}")]
     Model(#[from] duet_common::Error),
     #[error("invalid request: {0}")]
@@ -18,10 +18,10 @@ pub enum WorkerError {
     DeviceUnavailable { device: &'static str, why: String },
 }
 
-impl From<duet_common::model::gguf::GgufError> for WorkerError {
+impl From<duet_common::model::gguf::GgufError> for GpuWorkerError {
     fn from(e: duet_common::model::gguf::GgufError) -> Self {
-        WorkerError::Model(e.into())
+        GpuWorkerError::Model(e.into())
     }
 }
 
-pub type Result<T, E = WorkerError> = std::result::Result<T, E>;
+pub type Result<T, E = GpuWorkerError> = std::result::Result<T, E>;

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 
 use crate::device::{Device, Qkv};
-use crate::error::WorkerError;
+use crate::error::GpuWorkerError;
 
 /// A layer's attention for one (sub-)batch, in two halves so that sub-batches interleave:
 /// [`LayerAttention::begin`] stores the new K/V rows and starts whatever others compute,
@@ -16,7 +16,7 @@ use crate::error::WorkerError;
 pub trait LayerAttention<D: Device + ?Sized> {
     /// A begun layer, to be finished.
     type Begun;
-    type Error: From<WorkerError>;
+    type Error: From<GpuWorkerError>;
 
     fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Self::Begun, Self::Error>;
     /// `q` is the layer's queries of the sub-batch (`Qkv::q` of [`LayerAttention::begin`]).

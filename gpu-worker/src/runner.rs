@@ -18,12 +18,12 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::device::cpu::CpuDevice;
 use crate::device::{AnyDevice, DecodeItem, Device, DeviceChoice, KvAccessError, KvSink, KvSource, PrefillItem, Qkv};
-use crate::error::{Result, WorkerError};
+use crate::error::{Result, GpuWorkerError};
 use crate::forward::{run_layers, LayerAttention};
 use crate::sampler::{Sampler, SamplingParams};
 
 /// A model loaded onto a device, with its tokenizer and (if the file has one) chat template.
-pub struct Engine<D: Device = CpuDevice> {
+pub struct Runner<D: Device = CpuDevice> {
     pub device: D,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
@@ -41,7 +41,7 @@ pub enum Logits {
 /// Why generation stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum StopReason {
+pub enum GenerationEnd {
     EndOfGeneration,
     MaxTokens,
     ContextFull,
@@ -54,7 +54,7 @@ pub struct Generation {
     pub text: String,
     /// For each generated position, the `top_n` most likely tokens with log-probabilities.
     pub top: Vec<Vec<(u32, f64)>>,
-    pub stop: StopReason,
+    pub stop: GenerationEnd,
     pub prefill_time: Duration,
     pub decode_time: Duration,
 }
@@ -77,21 +77,21 @@ pub struct Perplexity {
     pub chunks: usize,
 }
 
-impl Engine<CpuDevice> {
-    /// Loads a GGUF model onto the CPU device (see [`Engine::load_with`]).
+impl Runner<CpuDevice> {
+    /// Loads a GGUF model onto the CPU device (see [`Runner::load_with`]).
     pub fn load(path: &Path) -> Result<Self> {
-        Engine::load_with(path, CpuDevice::load)
+        Runner::load_with(path, CpuDevice::load)
     }
 }
 
-impl Engine<AnyDevice> {
+impl Runner<AnyDevice> {
     /// Loads a GGUF model onto the device `choice` names.
     pub fn load_on(path: &Path, choice: DeviceChoice) -> Result<Self> {
-        Engine::load_with(path, |file| crate::device::open(choice, file))
+        Runner::load_with(path, |file| crate::device::open(choice, file))
     }
 }
 
-impl<D: Device> Engine<D> {
+impl<D: Device> Runner<D> {
     /// Loads a GGUF model with `open` putting its weights on a device; the tokenizer comes
     /// from a `tokenizer.json` beside the file when there is one, else from the GGUF's own
     /// metadata.
@@ -113,13 +113,13 @@ impl<D: Device> Engine<D> {
         };
         let device = open(file)?;
         if tokenizer.vocab_size() != device.config().n_vocab {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(GpuWorkerError::InvalidRequest(format!(
                 "tokenizer has {} tokens but the model's vocabulary is {}",
                 tokenizer.vocab_size(),
                 device.config().n_vocab
             )));
         }
-        Ok(Engine { device, tokenizer, chat_template })
+        Ok(Runner { device, tokenizer, chat_template })
     }
 
     /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
@@ -128,10 +128,10 @@ impl<D: Device> Engine<D> {
         let n = tokens.len();
         let pos0 = kv.len;
         if n == 0 {
-            return Err(WorkerError::InvalidRequest("empty batch".into()));
+            return Err(GpuWorkerError::InvalidRequest("empty batch".into()));
         }
         if pos0 + n > kv.capacity {
-            return Err(WorkerError::ContextFull { needed: pos0 + n, capacity: kv.capacity });
+            return Err(GpuWorkerError::ContextFull { needed: pos0 + n, capacity: kv.capacity });
         }
         let positions: Vec<usize> = (pos0..pos0 + n).collect();
         let rows: Vec<usize> = match logits {
@@ -148,15 +148,15 @@ impl<D: Device> Engine<D> {
     pub fn generate(&self, req: &GenerateRequest, mut on_text: impl FnMut(&str)) -> Result<Generation> {
         let sampler = Sampler::new(req.sampling)?;
         if req.prompt_ids.is_empty() {
-            return Err(WorkerError::InvalidRequest("the prompt is empty".into()));
+            return Err(GpuWorkerError::InvalidRequest("the prompt is empty".into()));
         }
         if req.max_tokens == 0 {
-            return Err(WorkerError::InvalidRequest("max_tokens must be at least 1".into()));
+            return Err(GpuWorkerError::InvalidRequest("max_tokens must be at least 1".into()));
         }
         self.tokenizer.check_ids(&req.prompt_ids)?;
         let n_ctx = self.device.config().n_ctx_train;
         if req.prompt_ids.len() >= n_ctx {
-            return Err(WorkerError::PromptTooLong { prompt: req.prompt_ids.len(), context: n_ctx });
+            return Err(GpuWorkerError::PromptTooLong { prompt: req.prompt_ids.len(), context: n_ctx });
         }
         let capacity = (req.prompt_ids.len() + req.max_tokens).min(n_ctx);
         let mut kv = KvCache::new(self.device.config(), capacity);
@@ -175,7 +175,7 @@ impl<D: Device> Engine<D> {
             generated_ids: Vec::new(),
             text: String::new(),
             top: Vec::new(),
-            stop: StopReason::MaxTokens,
+            stop: GenerationEnd::MaxTokens,
             prefill_time,
             decode_time: Duration::ZERO,
         };
@@ -192,14 +192,14 @@ impl<D: Device> Engine<D> {
             on_text(&piece);
             out.text.push_str(&piece);
             if self.tokenizer.end_of_generation.contains(&token) {
-                out.stop = StopReason::EndOfGeneration;
+                out.stop = GenerationEnd::EndOfGeneration;
                 break;
             }
             if out.generated_ids.len() >= req.max_tokens {
                 break;
             }
             if kv.len() >= kv.capacity() {
-                out.stop = StopReason::ContextFull;
+                out.stop = GenerationEnd::ContextFull;
                 break;
             }
             logits = self.forward(&[token], kv, Logits::Last)?;
@@ -216,12 +216,12 @@ impl<D: Device> Engine<D> {
     pub fn perplexity(&self, tokens: &[u32], n_ctx: usize, mut progress: impl FnMut(usize, usize, f64)) -> Result<Perplexity> {
         let n_ctx_train = self.device.config().n_ctx_train;
         if n_ctx < 4 || n_ctx > n_ctx_train {
-            return Err(WorkerError::InvalidRequest(format!("ctx must be in 4..={n_ctx_train}, got {n_ctx}")));
+            return Err(GpuWorkerError::InvalidRequest(format!("ctx must be in 4..={n_ctx_train}, got {n_ctx}")));
         }
         self.tokenizer.check_ids(tokens)?;
         let chunks = tokens.len() / n_ctx;
         if chunks == 0 {
-            return Err(WorkerError::InvalidRequest(format!("{} tokens are fewer than one chunk of {n_ctx}", tokens.len())));
+            return Err(GpuWorkerError::InvalidRequest(format!("{} tokens are fewer than one chunk of {n_ctx}", tokens.len())));
         }
         let first = n_ctx / 2;
         let mut kv = KvCache::new(self.device.config(), n_ctx);
@@ -345,7 +345,7 @@ impl KvSource for KvCache {
 
 impl<D: Device> LayerAttention<D> for CacheAttention<'_> {
     type Begun = ();
-    type Error = WorkerError;
+    type Error = GpuWorkerError;
 
     fn begin(&mut self, device: &D, _sub: usize, layer: usize, qkv: &Qkv) -> Result<()> {
         device.store_kv(layer, qkv, self)

@@ -5,7 +5,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::error::{Result, WorkerError};
+use crate::error::{Result, GpuWorkerError};
 
 /// Sampling parameters, validated by [`SamplingParams::validate`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,16 +35,16 @@ impl Default for SamplingParams {
 impl SamplingParams {
     pub fn validate(&self) -> Result<()> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(WorkerError::InvalidRequest(format!("temperature must be a finite number >= 0, got {}", self.temperature)));
+            return Err(GpuWorkerError::InvalidRequest(format!("temperature must be a finite number >= 0, got {}", self.temperature)));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(WorkerError::InvalidRequest(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(GpuWorkerError::InvalidRequest(format!("top_p must be in (0, 1], got {}", self.top_p)));
         }
         if !(self.min_p >= 0.0 && self.min_p < 1.0) {
-            return Err(WorkerError::InvalidRequest(format!("min_p must be in [0, 1), got {}", self.min_p)));
+            return Err(GpuWorkerError::InvalidRequest(format!("min_p must be in [0, 1), got {}", self.min_p)));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(WorkerError::InvalidRequest(format!(
+            return Err(GpuWorkerError::InvalidRequest(format!(
                 "repetition_penalty must be a finite number > 0, got {}",
                 self.repetition_penalty
             )));
@@ -189,7 +189,7 @@ mod tests {
             SamplingParams { repetition_penalty: 0.0, ..Default::default() },
             SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() },
         ] {
-            assert!(matches!(Sampler::new(p), Err(WorkerError::InvalidRequest(_))), "{p:?}");
+            assert!(matches!(Sampler::new(p), Err(GpuWorkerError::InvalidRequest(_))), "{p:?}");
         }
     }
 

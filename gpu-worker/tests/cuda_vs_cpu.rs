@@ -7,7 +7,7 @@
 //! without a GPU or without the model (`DUET_REQUIRE_CUDA=1` makes either a failure).
 
 use duet_gpu_worker::device::{Device, DeviceChoice};
-use duet_gpu_worker::runner::{Engine, KvCache, Logits};
+use duet_gpu_worker::runner::{Runner, KvCache, Logits};
 
 fn skip(why: &str) {
     if std::env::var("DUET_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
@@ -27,7 +27,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 }
 
 /// `n` greedy tokens after `prompt`, each with the top-2 gap of the logits it came from.
-fn greedy<D: Device>(e: &Engine<D>, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
+fn greedy<D: Device>(e: &Runner<D>, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
     let mut kv = KvCache::new(e.device.config(), prompt.len() + n + 1);
     let mut logits = e.forward(prompt, &mut kv, Logits::Last).unwrap();
     let mut out = Vec::new();
@@ -44,11 +44,11 @@ fn cuda_logits_and_greedy_tokens_match_the_cpu_device_on_a_real_shape() {
     let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
         return skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
     };
-    let cuda = match Engine::load_on(std::path::Path::new(&path), DeviceChoice::Cuda) {
+    let cuda = match Runner::load_on(std::path::Path::new(&path), DeviceChoice::Cuda) {
         Ok(e) => e,
         Err(e) => return skip(&format!("the CUDA device: {e}")),
     };
-    let cpu = Engine::load(std::path::Path::new(&path)).unwrap();
+    let cpu = Runner::load(std::path::Path::new(&path)).unwrap();
     let c = cpu.device.config().clone();
     println!("{} vs {}", cuda.device.describe(), cpu.device.describe());
     let n = 48;

@@ -14,7 +14,7 @@ use duet_common::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use duet_gpu_worker::error::Result;
-use duet_gpu_worker::runner::{Engine, GenerateRequest};
+use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
 
 mod support;
@@ -116,11 +116,11 @@ const GENERATED: usize = 5;
 
 /// The runner's greedy generation on the plain CPU device: ids and their log-probabilities.
 fn reference() -> Vec<(u32, f64)> {
-    let engine = Engine::load(&model_path()).unwrap();
+    let engine = Runner::load(&model_path()).unwrap();
     generate(&engine)
 }
 
-fn generate<D: Device>(engine: &Engine<D>) -> Vec<(u32, f64)> {
+fn generate<D: Device>(engine: &Runner<D>) -> Vec<(u32, f64)> {
     let req = GenerateRequest { prompt_ids: PROMPT.to_vec(), max_tokens: GENERATED, sampling: SamplingParams::default(), top_n: 1 };
     let g = engine.generate(&req, |_| {}).unwrap();
     g.generated_ids.iter().zip(&g.top).map(|(&id, top)| (id, top.iter().find(|t| t.0 == id).unwrap().1)).collect()
@@ -139,7 +139,7 @@ fn expected(n_layer: usize, batches: usize, prefill_calls: usize, prefill_items:
 fn the_runner_reaches_the_device_only_through_the_trait() {
     let want = reference();
     let calls = Arc::new(Calls::default());
-    let engine = Engine::load_with(&model_path(), counting(&calls)).unwrap();
+    let engine = Runner::load_with(&model_path(), counting(&calls)).unwrap();
     let n_layer = engine.device.config().n_layer;
     assert_eq!(calls.snapshot(), [0; 9], "loading computes nothing");
     let got = generate(&engine);

@@ -2,7 +2,7 @@
 //! equal up to llama.cpp's first near tie, chosen-token log-probabilities within tolerance.
 
 use duet_common::testutil::{golden, model_path};
-use duet_gpu_worker::runner::{Engine, GenerateRequest};
+use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
 use serde_json::Value;
 
@@ -17,7 +17,7 @@ fn ids(v: &Value) -> Vec<u32> {
 
 #[test]
 fn greedy_matches_llama_cpp_on_every_golden_prompt() {
-    let engine = Engine::load(&model_path()).unwrap();
+    let engine = Runner::load(&model_path()).unwrap();
     let data: Value = serde_json::from_str(&std::fs::read_to_string(golden("greedy.json")).unwrap()).unwrap();
     let items = data["items"].as_array().unwrap();
     let (mut diffs, mut report, mut failures) = (Vec::new(), String::new(), Vec::new());

@@ -11,18 +11,18 @@ use std::path::PathBuf;
 use duet_common::testutil::workspace_root;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::Device;
-use duet_gpu_worker::runner::{Engine, KvCache, Logits};
+use duet_gpu_worker::runner::{Runner, KvCache, Logits};
 
 fn model() -> PathBuf {
     workspace_root().join("testdata/tiny/random_q4_k_m.gguf")
 }
 
-fn engine(repack: bool) -> Engine<CpuDevice> {
-    Engine::load_with(&model(), |file| CpuDevice::load_with_repack(file, repack)).expect("the tiny Q4_K_M model loads")
+fn engine(repack: bool) -> Runner<CpuDevice> {
+    Runner::load_with(&model(), |file| CpuDevice::load_with_repack(file, repack)).expect("the tiny Q4_K_M model loads")
 }
 
 /// Logits of the whole prompt as one prefill, in chunks, and token by token.
-fn runs(engine: &Engine<CpuDevice>, tokens: &[u32]) -> [Vec<f32>; 3] {
+fn runs(engine: &Runner<CpuDevice>, tokens: &[u32]) -> [Vec<f32>; 3] {
     let c = engine.device.config();
     let mut kv = KvCache::new(c, tokens.len());
     let batched = engine.forward(tokens, &mut kv, Logits::From(0)).unwrap();

@@ -2,13 +2,13 @@
 //! llama.cpp's llama-perplexity (PPL 18.3541 over 14 chunks).
 
 use duet_common::testutil::{golden, model_path};
-use duet_gpu_worker::runner::Engine;
+use duet_gpu_worker::runner::Runner;
 
 const LLAMA_CPP_PPL: f64 = 18.3541;
 
 #[test]
 fn perplexity_matches_llama_cpp_within_half_a_percent() {
-    let engine = Engine::load(&model_path()).unwrap();
+    let engine = Runner::load(&model_path()).unwrap();
     let text = std::fs::read_to_string(golden("ppl.txt")).unwrap();
     let tokens = engine.tokenizer.encode_prompt(&text, false).unwrap();
     assert_eq!(tokens.len(), 7639, "llama.cpp tokenises ppl.txt to 7,639 tokens");

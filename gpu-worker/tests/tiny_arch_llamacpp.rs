@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use duet_common::model::config::RopeScaling;
 use duet_common::testutil::workspace_root;
 use duet_gpu_worker::device::Device;
-use duet_gpu_worker::runner::{Engine, KvCache, Logits};
+use duet_gpu_worker::runner::{Runner, KvCache, Logits};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
@@ -47,7 +47,7 @@ fn check(name: &str, tol: f64) -> f64 {
     let want: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
     assert_eq!(want.len(), tokens.len() * n_vocab);
 
-    let engine = Engine::load(&dir().join(format!("{name}.gguf"))).unwrap();
+    let engine = Runner::load(&dir().join(format!("{name}.gguf"))).unwrap();
     let c = engine.device.config();
     assert_eq!(c.arch, meta["arch"].as_str().unwrap());
     assert_eq!(c.rope_neox, !matches!(c.arch.as_str(), "mistral3" | "llama"), "{name}: the NeoX RoPE of all but Llama's and Mistral's");
@@ -109,7 +109,7 @@ fn mistral3_matches_llama_cpp() {
 /// full-size SWA cache keeps positions in order, so the V lanes agree).
 #[test]
 fn gemma3_matches_llama_cpp() {
-    let engine = Engine::load(&dir().join("gemma3_q8_0.gguf")).unwrap();
+    let engine = Runner::load(&dir().join("gemma3_q8_0.gguf")).unwrap();
     let c = engine.device.config();
     let windows: Vec<Option<usize>> = (0..c.n_layer).map(|l| c.window(l)).collect();
     assert_eq!(windows, [Some(8), Some(8), Some(8), Some(8), Some(8), None], "llama.cpp's default pattern: 5 local layers of 6");
@@ -122,7 +122,7 @@ fn gemma3_matches_llama_cpp() {
 /// window on layers 0 and 2 with the global RoPE base.
 #[test]
 fn gemma2_matches_llama_cpp() {
-    let engine = Engine::load(&dir().join("gemma2_q8_0.gguf")).unwrap();
+    let engine = Runner::load(&dir().join("gemma2_q8_0.gguf")).unwrap();
     let c = engine.device.config();
     let windows: Vec<Option<usize>> = (0..c.n_layer).map(|l| c.window(l)).collect();
     assert_eq!(windows, [Some(8), None, Some(8), None], "llama.cpp's default pattern: every other layer");
@@ -135,7 +135,7 @@ fn gemma2_matches_llama_cpp() {
 /// and the attention factor on cos and sin.
 #[test]
 fn phi3_longrope_matches_llama_cpp() {
-    let engine = Engine::load(&dir().join("phi3_longrope_q8_0.gguf")).unwrap();
+    let engine = Runner::load(&dir().join("phi3_longrope_q8_0.gguf")).unwrap();
     let c = engine.device.config();
     assert_eq!(c.rope_scaling, RopeScaling::LongRope { original_context: 32 });
     assert_eq!(c.rope_attn_factor, 1.19);
@@ -145,7 +145,7 @@ fn phi3_longrope_matches_llama_cpp() {
 /// Ministral 3's YaRN (factor 4 over an original context of 16) and attention temperature.
 #[test]
 fn mistral3_yarn_matches_llama_cpp() {
-    let engine = Engine::load(&dir().join("mistral3_yarn_q8_0.gguf")).unwrap();
+    let engine = Runner::load(&dir().join("mistral3_yarn_q8_0.gguf")).unwrap();
     let c = engine.device.config();
     assert!(matches!(c.rope_scaling, RopeScaling::Yarn { factor: 4.0, original_context: 16, .. }), "{:?}", c.rope_scaling);
     assert_eq!(c.attn_temperature.map(|t| (t.scale, t.floor)), Some((0.1, 16)));
@@ -167,7 +167,7 @@ fn qwen3moe_matches_llama_cpp() {
 /// OLMoE: Q/K norms over the whole row, the chosen experts' weights not renormalised.
 #[test]
 fn olmoe_matches_llama_cpp() {
-    let engine = Engine::load(&dir().join("olmoe_q8_0.gguf")).unwrap();
+    let engine = Runner::load(&dir().join("olmoe_q8_0.gguf")).unwrap();
     let e = engine.device.config().experts.unwrap();
     assert_eq!((e.n_expert, e.n_used, e.norm_weights), (8, 2, false));
     check("olmoe_q8_0", 2e-3);

@@ -36,7 +36,7 @@ use duet_common::model::config::RopeScaling;
 use duet_common::testutil::workspace_root;
 use duet_gpu_worker::device::{Device, DeviceChoice};
 use duet_gpu_worker::runner::{KvCache, Logits};
-use duet_gpu_worker::runner::Engine;
+use duet_gpu_worker::runner::Runner;
 use serde_json::Value;
 
 fn dir() -> PathBuf {
@@ -93,7 +93,7 @@ fn argmax(row: &[f32]) -> usize {
 /// decode, which differ only in attention's f16 lane order (llama.cpp's tinyBLAS for batches,
 /// `ggml_vec_dot_f16` for one token), i.e. at f32-ulp level until a rounding flips.
 fn check(name: &str, tol_paths: f64) {
-    let engine = Engine::load(&dir().join(format!("{name}.gguf"))).unwrap();
+    let engine = Runner::load(&dir().join(format!("{name}.gguf"))).unwrap();
     check_engine(name, &engine, Some(tol_paths));
 }
 
@@ -105,7 +105,7 @@ fn check(name: &str, tol_paths: f64) {
 /// by as much as that tolerance.
 fn check_cuda(name: &str) {
     let path = dir().join(format!("{name}.gguf"));
-    let engine = match Engine::load_on(&path, DeviceChoice::Cuda) {
+    let engine = match Runner::load_on(&path, DeviceChoice::Cuda) {
         Ok(engine) => engine,
         Err(e) => {
             if std::env::var("DUET_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
@@ -118,7 +118,7 @@ fn check_cuda(name: &str) {
 }
 
 /// `tol_paths`: `None` for a device that does not round as ggml does (see [`check_cuda`]).
-fn check_engine<D: Device>(name: &str, engine: &Engine<D>, tol_paths: Option<f64>) {
+fn check_engine<D: Device>(name: &str, engine: &Runner<D>, tol_paths: Option<f64>) {
     let r = reference(name);
     let rounded = read_f32(&format!("{name}.rounded.bin"));
     assert_eq!(rounded.len(), r.logits.len());

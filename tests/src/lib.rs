@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use duet_common::rpc::pb::inference_client::InferenceClient;
 use duet_common::rpc::{channel, pb, Address};
-use duet_gpu_worker::runner::{Engine, GenerateRequest};
+use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
 use tonic::transport::Channel;
 
@@ -191,7 +191,7 @@ pub async fn generate(client: &mut InferenceClient<Channel>, req: pb::GenerateRe
 
 /// The single-process reference's greedy generation with the top-2 log-probabilities.
 pub struct Reference {
-    engine: Engine,
+    engine: Runner,
 }
 
 /// One reference generation: ids and, per position, the margin between the two most likely tokens.
@@ -207,7 +207,7 @@ impl Reference {
     }
 
     pub fn load_model(model: &std::path::Path) -> Reference {
-        Reference { engine: Engine::load(model).expect("loading the model") }
+        Reference { engine: Runner::load(model).expect("loading the model") }
     }
 
     pub fn generate(&self, prompt_ids: &[u32], max_tokens: usize) -> RefGeneration {

@@ -22,7 +22,7 @@ use crate::metrics;
 use crate::balancer::stats::StepStats;
 use crate::balancer::{Overlap, Policy};
 use crate::sequence::{common_prefix, Events, Seq, Session};
-use crate::stop::TextStream;
+use crate::text_stream::TextStream;
 
 mod gpu;
 mod lost;

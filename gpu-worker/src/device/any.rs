@@ -8,7 +8,7 @@ use duet_common::rpc::pb;
 use super::cpu::{CpuBatch, CpuDevice};
 use super::cuda::{CudaBatch, CudaDevice};
 use super::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
-use crate::error::{Result, WorkerError};
+use crate::error::{Result, GpuWorkerError};
 
 /// The CPU or the CUDA device.
 #[derive(Debug)]
@@ -24,8 +24,8 @@ pub enum AnyBatch {
     Cuda(CudaBatch),
 }
 
-fn foreign_batch() -> WorkerError {
-    WorkerError::InvalidRequest("a batch started on another device".into())
+fn foreign_batch() -> GpuWorkerError {
+    GpuWorkerError::InvalidRequest("a batch started on another device".into())
 }
 
 /// Forwards a per-batch call to the device that owns the batch.

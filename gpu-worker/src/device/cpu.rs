@@ -50,7 +50,7 @@ impl CpuDevice {
     /// file's own layout).
     pub fn load_with_repack(file: Arc<GgufFile>, repack: bool) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
-        super::warm::warm_weights(&file);
+        super::page_in::page_in_weights(&file);
         let interleaved = if repack {
             repack_matrices(&file, &m)
         } else {

@@ -28,7 +28,7 @@ pub mod cpu;
 pub mod cuda;
 mod host_attention;
 pub mod model;
-mod warm;
+mod page_in;
 
 pub use any::{AnyBatch, AnyDevice};
 
@@ -41,7 +41,7 @@ use duet_common::model::config::LlamaConfig;
 use duet_common::model::gguf::GgufFile;
 use duet_common::rpc::pb;
 
-use crate::error::{Result, WorkerError};
+use crate::error::{Result, GpuWorkerError};
 
 /// The device a `--device` flag asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -63,7 +63,7 @@ pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<AnyDevice> {
     match choice {
         DeviceChoice::Cpu => cpu(file),
         DeviceChoice::Cuda => {
-            let gpu = cuda::probe(0).map_err(|why| WorkerError::DeviceUnavailable { device: "cuda", why: format!("{why}; use --device cpu or auto") })?;
+            let gpu = cuda::probe(0).map_err(|why| GpuWorkerError::DeviceUnavailable { device: "cuda", why: format!("{why}; use --device cpu or auto") })?;
             Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file)?))
         }
         DeviceChoice::Auto => match cuda::probe(0) {
@@ -78,7 +78,7 @@ pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<AnyDevice> {
                         tracing::info!("device auto: the CUDA device on {name}");
                         Ok(AnyDevice::Cuda(d))
                     }
-                    Err(WorkerError::Cuda(e)) => {
+                    Err(GpuWorkerError::Cuda(e)) => {
                         tracing::warn!("device auto: the CPU device (the model did not load onto {name}: {e})");
                         cpu(file)
                     }

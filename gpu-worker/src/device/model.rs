@@ -9,7 +9,7 @@ use duet_common::model::config::{FfnAct, LlamaConfig, RopeScaling};
 use duet_common::model::gguf::{GgufError, GgufFile};
 use duet_common::model::names::TensorName;
 
-use crate::error::{Result, WorkerError};
+use crate::error::{Result, GpuWorkerError};
 
 /// A weight matrix: the tensor's name in the file and its checked shape (`rows` outputs of
 /// `cols` inputs each), starting at row `first_row` of the tensor (not 0 for a part of a fused
@@ -98,14 +98,14 @@ pub struct ModelTensors {
     pub rope_swa: Option<Rope>,
 }
 
-fn shape_err(name: &str, expected: String, found: String) -> WorkerError {
-    WorkerError::Model(duet_common::Error::TensorShape { name: name.to_string(), expected, found })
+fn shape_err(name: &str, expected: String, found: String) -> GpuWorkerError {
+    GpuWorkerError::Model(duet_common::Error::TensorShape { name: name.to_string(), expected, found })
 }
 
 /// Looks a matrix up and checks it is `cols` wide (ggml dim 0) and `rows` tall.
 fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result<Weight> {
     let name = name.name();
-    let info = file.tensor_info(&name).ok_or_else(|| WorkerError::from(GgufError::MissingTensor(name.clone())))?;
+    let info = file.tensor_info(&name).ok_or_else(|| GpuWorkerError::from(GgufError::MissingTensor(name.clone())))?;
     if info.dims != [cols as u64, rows as u64] {
         return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
     }
@@ -116,7 +116,7 @@ fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result
 /// `n * rows` rows whose parts are the experts.
 fn stacked(file: &GgufFile, name: TensorName, cols: usize, rows: usize, n: usize) -> Result<Weight> {
     let name = name.name();
-    let info = file.tensor_info(&name).ok_or_else(|| WorkerError::from(GgufError::MissingTensor(name.clone())))?;
+    let info = file.tensor_info(&name).ok_or_else(|| GpuWorkerError::from(GgufError::MissingTensor(name.clone())))?;
     if info.dims != [cols as u64, rows as u64, n as u64] {
         return Err(shape_err(&name, format!("[{cols}, {rows}, {n}]"), format!("{:?}", info.dims)));
     }
@@ -139,7 +139,7 @@ fn all_or_none<const N: usize>(file: &GgufFile, names: [(TensorName, usize); N])
         return Ok(None);
     }
     match found.iter().position(Option::is_none) {
-        Some(i) => Err(WorkerError::from(GgufError::MissingTensor(names[i].0.name()))),
+        Some(i) => Err(GpuWorkerError::from(GgufError::MissingTensor(names[i].0.name()))),
         None => Ok(Some(std::array::from_fn(|i| found[i].clone().expect("all present")))),
     }
 }
@@ -147,7 +147,7 @@ fn all_or_none<const N: usize>(file: &GgufFile, names: [(TensorName, usize); N])
 /// A 1-D tensor of `n` elements, dequantised to f32.
 fn vector(file: &GgufFile, name: TensorName, n: usize) -> Result<Vec<f32>> {
     let name = name.name();
-    let view = file.tensor(&name).map_err(|e| WorkerError::Model(e.into()))?;
+    let view = file.tensor(&name).map_err(|e| GpuWorkerError::Model(e.into()))?;
     if view.info.dims != [n as u64] {
         return Err(shape_err(&name, format!("[{n}]"), format!("{:?}", view.info.dims)));
     }
@@ -220,25 +220,25 @@ impl ModelTensors {
         for bias in ["attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_qkv.bias"] {
             let name = format!("blk.0.{bias}");
             if f.tensor_info(&name).is_some() {
-                return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!("tensor {name}: this bias is not supported yet"))));
+                return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel(format!("tensor {name}: this bias is not supported yet"))));
             }
         }
         // LongRoPE's divisors unused would be wrong angles: they come with its scaling type.
         if !matches!(c.rope_scaling, RopeScaling::LongRope { .. }) {
             if let Some(t) = [TensorName::RopeFactorsLong, TensorName::RopeFactorsShort].into_iter().find(|t| f.tensor_info(&t.name()).is_some()) {
-                return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!(
+                return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel(format!(
                     "{}: LongRoPE divisors without rope.scaling.type = longrope",
                     t.name()
                 ))));
             }
         }
         if matches!(c.arch.as_str(), "qwen3" | "gemma3" | "qwen3moe" | "olmoe") && layers.iter().any(|l| l.qk_norm.is_none()) {
-            return Err(WorkerError::from(GgufError::MissingTensor(TensorName::AttnQNorm(0).name())));
+            return Err(GpuWorkerError::from(GgufError::MissingTensor(TensorName::AttnQNorm(0).name())));
         }
         // The norms the architecture applies, and no others (unapplied ones would be wrong logits).
         if let Some(l) = layers.iter().position(|l| l.post_norms.is_some() != c.post_norms) {
             let name = TensorName::AttnPostNorm(l).name();
-            return Err(WorkerError::Model(match c.post_norms {
+            return Err(GpuWorkerError::Model(match c.post_norms {
                 true => GgufError::MissingTensor(name).into(),
                 false => duet_common::Error::UnsupportedModel(format!("tensor {name}: post-attention norms are not part of {}", c.arch)),
             }));
@@ -357,13 +357,13 @@ fn rope_magnitude(c: &LlamaConfig) -> f32 {
 pub fn check_batch(config: &LlamaConfig, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<()> {
     let n = tokens.len();
     if n == 0 || positions.len() != n {
-        return Err(WorkerError::InvalidRequest(format!("a batch of {n} tokens with {} positions", positions.len())));
+        return Err(GpuWorkerError::InvalidRequest(format!("a batch of {n} tokens with {} positions", positions.len())));
     }
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= config.n_vocab) {
-        return Err(WorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: config.n_vocab }));
+        return Err(GpuWorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: config.n_vocab }));
     }
     if let Some(&bad) = logit_rows.iter().find(|&&r| r >= n) {
-        return Err(WorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
+        return Err(GpuWorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
     }
     Ok(())
 }

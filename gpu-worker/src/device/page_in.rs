@@ -19,7 +19,7 @@ enum Progress {
 }
 
 /// Touches every page of every tensor; returns the bytes read.
-pub fn warm_weights(file: &GgufFile) -> u64 {
+pub fn page_in_weights(file: &GgufFile) -> u64 {
     let total: u64 = file.tensors.iter().map(|t| t.size_bytes).sum();
     let mut progress = if std::io::stderr().is_terminal() {
         let bar = ProgressBar::new(total);

@@ -105,7 +105,7 @@ pub struct Executor<D: Device = crate::device::cpu::CpuDevice> {
 
 impl<D: Device> Executor<D> {
     pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
-        let shape = device.config().kv_shape().map_err(crate::error::WorkerError::Model)?;
+        let shape = device.config().kv_shape().map_err(crate::error::GpuWorkerError::Model)?;
         Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None })
     }
 

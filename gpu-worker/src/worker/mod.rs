@@ -1,15 +1,15 @@
 //! Worker mode: the gpu-worker as one process of the Duet service. It maps the cpu-workers'
 //! KV arenas and exchange rings ([`arenas`]), executes the gateway's steps ([`executor`],
-//! their attention in `step_attention`) in the gateway's order (`order`) and serves them
+//! their attention in `step_attention`) in the gateway's order (`step_order`) and serves them
 //! over gRPC ([`service`]).
 
 pub mod arenas;
 pub mod executor;
-mod order;
+mod step_order;
 pub mod service;
 mod step_attention;
 
-use crate::error::WorkerError;
+use crate::error::GpuWorkerError;
 
 /// Why a step (or an attachment) failed, by the part that failed.
 #[derive(Debug, thiserror::Error)]
@@ -27,5 +27,5 @@ pub enum StepError {
     #[error("cpu-worker {worker} failed: {what}")]
     CpuWorker { worker: u32, what: String },
     #[error(transparent)]
-    Model(#[from] WorkerError),
+    Model(#[from] GpuWorkerError),
 }

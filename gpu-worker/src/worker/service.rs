@@ -17,10 +17,10 @@ use duet_common::rpc::{pb, Listener};
 use tonic::{Request, Response, Status};
 
 use super::executor::Executor;
-use super::order::Ordered;
+use super::step_order::Ordered;
 use super::StepError;
 use crate::device::{AnyDevice, Device, DeviceChoice, KvAccessError};
-use crate::error::WorkerError;
+use crate::error::GpuWorkerError;
 
 /// The service state.
 pub struct GpuWorkerService<D: Device> {
@@ -35,7 +35,7 @@ const ORDER_WAIT: Duration = Duration::from_secs(60);
 impl GpuWorkerService<AnyDevice> {
     /// Loads the model at `path` onto the device `choice` names.
     pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration) -> Result<Self, StepError> {
-        let file = Arc::new(GgufFile::open(path).map_err(WorkerError::from)?);
+        let file = Arc::new(GgufFile::open(path).map_err(GpuWorkerError::from)?);
         let name = file
             .get(GeneralKey::Name.key())
             .and_then(|v| v.as_str())
@@ -120,15 +120,15 @@ impl Drop for CancelOnDrop {
 pub fn status(e: StepError) -> Status {
     let msg = e.to_string();
     match e {
-        StepError::Invalid(_) | StepError::Model(WorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
-        StepError::Model(WorkerError::Model(duet_common::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
+        StepError::Invalid(_) | StepError::Model(GpuWorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
+        StepError::Model(GpuWorkerError::Model(duet_common::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
         StepError::UnknownSequence(_) | StepError::Attach { .. } | StepError::Order(_) => Status::failed_precondition(msg),
         StepError::Kv(KvAccessError::WorkerNotAttached(_))
-        | StepError::Model(WorkerError::Kv(KvAccessError::WorkerNotAttached(_)))
+        | StepError::Model(GpuWorkerError::Kv(KvAccessError::WorkerNotAttached(_)))
         | StepError::CpuWorker { .. } => Status::unavailable(msg),
-        StepError::Kv(KvAccessError::NoBlock { .. }) | StepError::Model(WorkerError::Kv(KvAccessError::NoBlock { .. })) => Status::invalid_argument(msg),
+        StepError::Kv(KvAccessError::NoBlock { .. }) | StepError::Model(GpuWorkerError::Kv(KvAccessError::NoBlock { .. })) => Status::invalid_argument(msg),
         StepError::Kv(KvAccessError::NoRow { .. }) => Status::internal(msg),
-        StepError::Model(WorkerError::DeviceUnavailable { .. }) => Status::unavailable(msg),
+        StepError::Model(GpuWorkerError::DeviceUnavailable { .. }) => Status::unavailable(msg),
         StepError::Model(_) => Status::internal(msg),
     }
 }

@@ -32,7 +32,7 @@ pub use probe::{probe, Gpu};
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
 use super::model::{check_batch, Ffn, ModelTensors};
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
-use crate::error::{Result, WorkerError};
+use crate::error::{Result, GpuWorkerError};
 
 /// What went wrong on the GPU side.
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +94,7 @@ impl CudaDevice {
         let m = ModelTensors::load(&file)?;
         let missing = m.extensions();
         if !missing.is_empty() {
-            return Err(WorkerError::Model(duet_common::Error::UnsupportedModel(format!(
+            return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel(format!(
                 "architecture {:?} on the CUDA device: its {} are not implemented there yet (use --device cpu)",
                 m.config.arch,
                 missing.join(", ")
@@ -113,7 +113,7 @@ impl CudaDevice {
         let k = Launcher::new(stream.clone(), kernels::Kernels::load(&gpu.ctx, gpu.arch)?, WORKSPACE_ELEMS)?;
         tracing::info!(ms = started.elapsed().as_millis() as u64, arch = gpu.arch, "CUDA kernels ready");
         let up = |w: &super::model::Weight| -> Result<GpuWeight> {
-            let t = file.tensor(&w.name).map_err(|e| WorkerError::Model(e.into()))?;
+            let t = file.tensor(&w.name).map_err(|e| GpuWorkerError::Model(e.into()))?;
             Ok(GpuWeight::upload(&stream, w, w.bytes(t.data))?)
         };
         let vec_up = |v: &[f32]| -> Result<CudaSlice<f32>> { Ok(stream.clone_htod(v).map_err(CudaError::from)?) };
@@ -123,7 +123,7 @@ impl CudaDevice {
         let mut layers = Vec::with_capacity(n_layer);
         for (i, l) in m.layers.iter().enumerate() {
             let Ffn::Dense { gate, up: up_w, down } = &l.ffn else {
-                return Err(WorkerError::Model(duet_common::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
+                return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
             };
             layers.push(GpuLayer {
                 attn_norm: vec_up(&l.attn_norm)?,
