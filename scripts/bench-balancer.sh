@@ -25,4 +25,4 @@ for _ in $(seq 600); do grep -q "^duet-gateway listening on" "$dir/gw.out" 2>/de
 addr=$(sed -n 's/^duet-gateway listening on //p' "$dir/gw.out")
 [ -n "$addr" ] || { echo "the gateway did not come up:"; cat "$dir/gw.log"; exit 1; }
 echo "gpu-worker on core 0 (1 thread), cpu-worker on core 1; $sessions sessions x $context tokens, $tokens decode tokens per policy"
-$bin/duet-gateway bench --addr "$addr" --concurrency "$sessions" --context "$context" --max-tokens "$tokens" --policies "$policies"
+$bin/duet bench --addr "$addr" --concurrency "$sessions" --context "$context" --max-tokens "$tokens" --policies "$policies"

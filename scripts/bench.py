@@ -3,7 +3,7 @@
 
 * the kernel rows of `cargo bench -p duet-cpu-worker --bench kernels` (read bandwidth measured
   in the same run, decode attention, matrix-vector per weight type);
-* whole-system rows, measured on a `duet-gateway serve` started here with `duet-gateway bench`:
+* whole-system rows, measured on a `duet-gateway serve` started here with `duet bench`:
   prefill of a 512-token prompt, decode at depth 0 / 1K / 4K with one stream, aggregate decode
   of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed), and
   decode at depth 0 and 16 sessions with every stream constrained to a JSON schema (structured
@@ -99,7 +99,7 @@ class Server:
             sys.exit("the gateway did not come up; its log: " + open(os.path.join(self.dir, "gw.log")).read())
 
     def bench(self, *args):
-        cmd = [os.path.join(BIN, "duet-gateway"), "bench", "--addr", self.addr, "--json", *args]
+        cmd = [os.path.join(BIN, "duet"), "bench", "--addr", self.addr, "--json", *args]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 

@@ -9,7 +9,7 @@ Rows (names match scripts/bench.sh):
                     tokens per llama_decode call (one per sequence), greedy; all tokens / time
 
 Prompts are random ordinary token ids (1000..40000) and end-of-generation is ignored, as in
-`duet-gateway bench`. llama.cpp's own defaults otherwise (flash attention "auto").
+`duet bench`. llama.cpp's own defaults otherwise (flash attention "auto").
 Prints one JSON object {row: tokens_per_s}.
 """
 

@@ -5,9 +5,7 @@
 pub mod api;
 pub mod backend;
 pub mod balancer;
-pub mod bench;
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod error;
 pub mod metrics;
@@ -15,6 +13,5 @@ pub mod readiness;
 pub mod scheduler;
 pub mod sequence;
 pub mod serve;
-pub mod simulator;
 pub mod text_stream;
 pub mod supervisor;

@@ -62,7 +62,7 @@ pub const ALIGN: usize = 64;
 /// `block_size` rows in a row, and the runs of a sequence's next block lie a whole block
 /// further: at 16 tokens (2 KiB runs of the default model, a new page every 16 positions)
 /// decode attention at depth 4096 ran at 108 tok/s, at 64 tokens at 136–140, at 256 at
-/// 138–143 (`duet-gateway bench --context 4096 --policies gpu`, 2 threads).
+/// 138–143 (`duet bench --context 4096 --policies gpu`, 2 threads).
 pub const DEFAULT_BLOCK_SIZE: u32 = 64;
 
 /// Element type of the cached K and V values.

@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use super::machines::{GpuPreset, WeightDtype};
 use super::{Capacity, Outcome, Policy, Setup, GIB};
-use crate::cli::SimulateArgs;
+use crate::args::SimulateArgs;
 
 /// The planner's cost model at the report's batch, in seconds.
 #[derive(Debug, Clone, Serialize)]

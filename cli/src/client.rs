@@ -8,7 +8,7 @@ use duet_common::rpc::{channel, pb};
 use tokio::io::AsyncBufReadExt;
 use tonic::transport::Channel;
 
-use crate::cli::{ChatArgs, ClientArgs, GenerateArgs};
+use crate::args::{ChatArgs, ClientArgs, GenerateArgs};
 
 fn request(c: &ClientArgs, prompt: pb::generate_request::Prompt) -> pb::GenerateRequest {
     pb::GenerateRequest {

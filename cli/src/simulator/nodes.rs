@@ -1,4 +1,4 @@
-//! `duet-gateway simulate --nodes 1,4,16`: the capacity of several Duet nodes behind a
+//! `duet simulate --nodes 1,4,16`: the capacity of several Duet nodes behind a
 //! balancer that hashes sessions onto them (deploy/nginx/duet.conf: nginx's consistent
 //! hashing, 160 points per node on a 32-bit ring). A node is full when its sessions' KV
 //! fills its host arenas (the `lp` policy keeps every session's KV there; the GPU mirrors a

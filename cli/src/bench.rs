@@ -1,4 +1,4 @@
-//! `duet-gateway bench`: load from a client's side against a running gateway. For each
+//! `duet bench`: load from a client's side against a running gateway. For each
 //! concurrency level it starts that many greedy streams at once (distinct random prompts of
 //! a fixed length, end-of-generation ignored so every stream generates exactly
 //! `--max-tokens`) and reports time to first token, per-stream decode speed and the
@@ -17,7 +17,7 @@ use duet_common::rpc::{channel, pb};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use crate::cli::BenchArgs;
+use crate::args::BenchArgs;
 
 /// Token ids the random prompts draw from (ordinary vocabulary, no special tokens).
 const PROMPT_IDS: std::ops::Range<u32> = 1000..40000;

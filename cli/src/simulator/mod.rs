@@ -1,4 +1,4 @@
-//! The simulator (`duet-gateway simulate`): derives the balancer's cost model analytically
+//! The simulator (`duet simulate`): derives the balancer's cost model analytically
 //! for a machine we do not have (a GPU with one or more CPU sockets) and a model shape, then
 //! replays the planner on a uniform decode batch and reports step time, tokens/s and the
 //! largest context and batch each attention policy fits.
@@ -41,8 +41,8 @@ mod report;
 
 use serde::Serialize;
 
-use crate::balancer::planner::{realise, solve, CostModel, Plan, SeqDemand};
-use crate::cli::SimulateArgs;
+use duet_gateway::balancer::planner::{realise, solve, CostModel, Plan, SeqDemand};
+use crate::args::SimulateArgs;
 use machines::{CpuSpec, GpuPreset, GpuSpec, ModelShape, WeightDtype};
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -413,7 +413,7 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs `duet-gateway simulate`: prints the report (or the sweep) as text or JSON.
+/// Runs `duet simulate`: prints the report (or the sweep) as text or JSON.
 pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     check(&args)?;
     let text = if args.sweep {
@@ -504,14 +504,14 @@ mod tests {
 
     #[test]
     fn a_bad_gpu_name_is_a_clap_error() {
-        let err = crate::cli::Cli::try_parse_from(["duet-gateway", "simulate", "--gpu", "v100"]).unwrap_err();
+        let err = crate::args::Cli::try_parse_from(["duet", "simulate", "--gpu", "v100"]).unwrap_err();
         assert_eq!(err.kind(), clap::error::ErrorKind::InvalidValue);
         let text = err.to_string();
         assert!(text.contains("v100") && text.contains("t4") && text.contains("h100"), "{text}");
-        let err = crate::cli::Cli::try_parse_from(["duet-gateway", "simulate"]).unwrap_err();
+        let err = crate::args::Cli::try_parse_from(["duet", "simulate"]).unwrap_err();
         assert_eq!(err.kind(), clap::error::ErrorKind::MissingRequiredArgument);
-        assert!(crate::cli::Cli::try_parse_from(["duet-gateway", "simulate", "--sweep"]).is_ok());
-        assert!(crate::cli::Cli::try_parse_from(["duet-gateway", "simulate", "--gpu", "a10", "--sockets", "1", "--model", "llama-2-7b", "--weights", "int4"]).is_ok());
+        assert!(crate::args::Cli::try_parse_from(["duet", "simulate", "--sweep"]).is_ok());
+        assert!(crate::args::Cli::try_parse_from(["duet", "simulate", "--gpu", "a10", "--sockets", "1", "--model", "llama-2-7b", "--weights", "int4"]).is_ok());
     }
 
     #[test]
