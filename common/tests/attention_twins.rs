@@ -21,6 +21,16 @@ fn uneven_runs<'a>(k: &'a [f16], v: &'a [f16], n: usize, rng: &mut StdRng) -> Ve
     runs
 }
 
+/// Random K and V rows (heads of 64) of `n_ctx` positions for each of `n_kv` KV heads.
+fn random_kv(rng: &mut StdRng, n_kv: usize, n_ctx: usize) -> Vec<(Vec<f16>, Vec<f16>)> {
+    (0..n_kv)
+        .map(|_| {
+            let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
+            (row(), row())
+        })
+        .collect()
+}
+
 fn widened(x: &[f16]) -> Vec<f32> {
     x.iter().map(|x| x.to_f32()).collect()
 }
@@ -176,12 +186,7 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
         let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
         let n_ctx = pos0 + n_tok;
         let gain = if n_tok % 2 == 0 { 1.0 } else { 6.0 };
-        let kv_data: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
-            .map(|_| {
-                let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
-                (row(), row())
-            })
-            .collect();
+        let kv_data = random_kv(&mut rng, n_kv, n_ctx);
         let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
         let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
         let (mut fast, mut twin) = (vec![0f32; q.len()], vec![0f32; q.len()]);
@@ -234,12 +239,7 @@ fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
     for &(group, n_kv, pos0, n_tok, window) in &[(2, 2, 0, 40, 8), (4, 1, 30, 17, 16), (1, 2, 0, 3, 1), (2, 1, 100, 33, 512)] {
         let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
         let n_ctx = pos0 + n_tok;
-        let kv_data: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
-            .map(|_| {
-                let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
-                (row(), row())
-            })
-            .collect();
+        let kv_data = random_kv(&mut rng, n_kv, n_ctx);
         let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
         let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * 4.0).collect();
         let (mut fast, mut twin, mut full) = (vec![0f32; q.len()], vec![0f32; q.len()], vec![0f32; q.len()]);

@@ -149,10 +149,12 @@ pub fn merge_partials(parts: &[(&[f32], f32)]) -> Vec<f32> {
     assert!(!parts.is_empty(), "merge of no partial results");
     let dim = parts[0].0.len();
     assert!(parts.iter().all(|(o, _)| o.len() == dim), "partial outputs differ in length");
-    // Parts that attended nothing (a range a sliding window cut away) drop out, so that one
-    // remaining part comes back unchanged.
-    let live: Vec<(&[f32], f32)> = parts.iter().copied().filter(|p| p.1 != f32::NEG_INFINITY).collect();
-    let parts = if live.is_empty() { parts } else { &live[..] };
+    // A single part, or a single part that attended anything (the others being ranges a
+    // sliding window cut away, which weigh nothing), comes back unchanged.
+    let mut live = parts.iter().filter(|p| p.1 != f32::NEG_INFINITY);
+    if let (Some((o, _)), None) = (live.next(), live.next()) {
+        return o.to_vec();
+    }
     if let [(o, _)] = parts {
         return o.to_vec();
     }
