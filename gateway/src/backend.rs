@@ -66,6 +66,17 @@ pub fn check_session_key(key: &str) -> Result<(), GatewayError> {
 /// balancer to route on and the gateway to name sessions by.
 pub const SESSION_HEADER: &str = "x-session-id";
 
+/// The response header (HTTP) and metadata key (gRPC) that report the seed a request sampled
+/// with: the one it gave, or the fresh one drawn for it; sent back as `seed`, it reproduces
+/// the request.
+pub const SEED_HEADER: &str = "x-duet-seed";
+
+/// A fresh seed for a request that gives none, so that retries and best-of-N get different
+/// samples; below 2^63, so that it can be sent back as OpenAI's `seed` (a signed integer).
+pub fn fresh_seed() -> u64 {
+    rand::random::<u64>() >> 1
+}
+
 /// Sampling parameters (see `SamplingParams` in inference.proto).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampling {

@@ -49,6 +49,17 @@ def test_sampling_without_a_seed_differs(stubs, gateway):
     assert len(texts) == 3, f"three unseeded samples at temperature 1 were not all different: {texts}"
 
 
+def test_the_seed_drawn_is_in_the_response_metadata_and_reproduces_the_sample(stubs, gateway):
+    pb, pb_grpc = stubs
+    request = dict(text="Tell me a story:", max_tokens=32)
+    with grpc.insecure_channel(gateway.grpc) as channel:
+        call = pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(**request, sampling=pb.SamplingParams(temperature=1.0)))
+        seed = int(dict(call.initial_metadata())["x-duet-seed"])
+        ids = [m.token.id for m in call if m.WhichOneof("event") == "token"]
+    again, _ = grpc_generate(stubs, gateway.grpc, **request, sampling=pb.SamplingParams(temperature=1.0, seed=seed))
+    assert again == ids
+
+
 def test_output_constraint_over_grpc(stubs, gateway):
     pb, _ = stubs
     sampling = pb.SamplingParams(temperature=1.0, seed=5, constraint=pb.OutputConstraint(regex=r"(red|green|blue)!"))

@@ -51,6 +51,16 @@ def test_sampling_without_a_seed_differs_and_with_one_repeats(client, model):
     assert len(seeded) == 1, f"the same seed gave different samples: {seeded}"
 
 
+def test_the_seed_drawn_for_a_request_is_reported_and_reproduces_it(client, model):
+    story = dict(model=model, prompt="Tell me a story:", max_tokens=32, temperature=1.0)
+    raw = client.completions.with_raw_response.create(**story)
+    seed = int(raw.headers["x-duet-seed"])
+    again = client.completions.create(**story, seed=seed)
+    assert again.choices[0].text == raw.parse().choices[0].text
+    given = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, seed=11)
+    assert given.headers["x-duet-seed"] == "11"
+
+
 def test_streamed_completion_equals_whole(client, model):
     whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0)
     chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True))

@@ -206,35 +206,43 @@ mod avx512 {
 
     /// A `vpshufb` index picking, in every 32-bit lane, the lane's own bytes `spec` names
     /// (one per output byte, 0–3; 0x80: zero). `vpshufb` indexes within 128-bit quarters, so
-    /// lane `i` of a quarter adds `4i`.
-    #[inline(always)]
-    unsafe fn lane_bytes(spec: [u8; 4]) -> __m512i {
+    /// lane `i` of a quarter adds `4i`. Built at compile time: built at run time, the tables
+    /// cost a few thousand scalar instructions per kernel call (one per 16-row group).
+    const fn lane_bytes(spec: [u8; 4]) -> [u8; 64] {
         let mut idx = [0u8; 64];
-        for (k, b) in idx.iter_mut().enumerate() {
+        let mut k = 0;
+        while k < 64 {
             let s = spec[k % 4];
-            *b = if s & 0x80 != 0 { 0x80 } else { s + 4 * ((k / 4) % 4) as u8 };
+            idx[k] = if s & 0x80 != 0 { 0x80 } else { s + 4 * ((k / 4) % 4) as u8 };
+            k += 1;
         }
-        _mm512_loadu_si512(idx.as_ptr().cast())
+        idx
     }
 
-    /// Byte `j` of every 32-bit lane, zero-extended.
-    #[inline(always)]
-    unsafe fn byte_of_lane(j: u8) -> __m512i {
-        lane_bytes([j, 0x80, 0x80, 0x80])
-    }
+    /// Byte `j` of every 32-bit lane, zero-extended, j = 0..3.
+    static BYTE_OF_LANE: [[u8; 64]; 4] = [
+        lane_bytes([0, 0x80, 0x80, 0x80]),
+        lane_bytes([1, 0x80, 0x80, 0x80]),
+        lane_bytes([2, 0x80, 0x80, 0x80]),
+        lane_bytes([3, 0x80, 0x80, 0x80]),
+    ];
 
-    /// Bytes `2k` and `2k + 1` of every 32-bit lane as two zero-extended 16-bit halves.
+    /// Bytes `2k` and `2k + 1` of every 32-bit lane as two zero-extended 16-bit halves, k = 0, 1.
+    static BYTE_PAIR_OF_LANE: [[u8; 64]; 2] = [lane_bytes([0, 0x80, 1, 0x80]), lane_bytes([2, 0x80, 3, 0x80])];
+
     #[inline(always)]
-    unsafe fn byte_pair_of_lane(k: u8) -> __m512i {
-        lane_bytes([2 * k, 0x80, 2 * k + 1, 0x80])
+    unsafe fn table(t: &[u8; 64]) -> __m512i {
+        _mm512_loadu_si512(t.as_ptr().cast())
     }
 
     /// The activation block's sub-block sums (ggml's two `bsums` of 16 added) in 16-bit
-    /// pairs: word `k` = sums of sub-blocks `2k` (low half) and `2k + 1` (high half).
+    /// pairs: word `k` = sums of sub-blocks `2k` (low half) and `2k + 1` (high half). Written
+    /// out: an array `map` here compiled to an out-of-line call per block.
     #[inline(always)]
     fn bsum_pairs(y: &BlockQ8K) -> [i32; 4] {
         let s = |j: usize| (y.bsum(2 * j) + y.bsum(2 * j + 1)) as u16 as u32;
-        [0, 1, 2, 3].map(|k| (s(2 * k) | (s(2 * k + 1) << 16)) as i32)
+        let pair = |k: usize| (s(2 * k) | (s(2 * k + 1) << 16)) as i32;
+        [pair(0), pair(1), pair(2), pair(3)]
     }
 
     /// Four activation bytes at `p` broadcast to every lane.
@@ -269,8 +277,8 @@ mod avx512 {
         let low4 = _mm512_set1_epi8(0x0F);
         let high4 = _mm512_set1_epi8(0xF0u8 as i8);
         let (low6, low2) = (_mm512_set1_epi8(0x3F), _mm512_set1_epi8(0x03));
-        let scale_idx = [byte_of_lane(0), byte_of_lane(1), byte_of_lane(2), byte_of_lane(3)];
-        let min_idx = [byte_pair_of_lane(0), byte_pair_of_lane(1)];
+        let scale_idx = [table(&BYTE_OF_LANE[0]), table(&BYTE_OF_LANE[1]), table(&BYTE_OF_LANE[2]), table(&BYTE_OF_LANE[3])];
+        let min_idx = [table(&BYTE_PAIR_OF_LANE[0]), table(&BYTE_PAIR_OF_LANE[1])];
         // The scalar twin's `.sum()` over blocks starts from −0.0.
         let mut total = [_mm512_set1_ps(-0.0); T];
         for b in 0..nb {

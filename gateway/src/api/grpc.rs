@@ -11,7 +11,7 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::auth::ApiKey;
-use crate::backend::{check_session_key, session_key, Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, SESSION_HEADER};
+use crate::backend::{check_session_key, fresh_seed, session_key, Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, SEED_HEADER, SESSION_HEADER};
 use crate::error::GatewayError;
 use crate::readiness::Phase;
 
@@ -50,8 +50,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         top_p: s.top_p.unwrap_or(d.top_p),
         min_p: s.min_p.unwrap_or(d.min_p),
         repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
-        // No seed: a fresh one, so that retries and best-of-N get different samples.
-        seed: s.seed.unwrap_or_else(rand::random),
+        seed: s.seed.unwrap_or_else(fresh_seed),
         grammar: s.constraint.as_ref().map(Grammar::try_from).transpose().map_err(GatewayError::InvalidArgument)?,
     };
     let session = match (r.session_id, r.create_session) {
@@ -134,6 +133,7 @@ impl Inference for InferenceService {
         if let (SessionMode::Create(name), Some(key)) = (&mut params.session, key) {
             *name = Some(session_key(&key).to_string());
         }
+        let seed = params.sampling.seed;
         let mut rx = self.backend.generate(params).await?;
         // The first event decides the status: a request refused before it starts (bad
         // prompt, unknown session, too large) fails the call itself.
@@ -146,7 +146,10 @@ impl Inference for InferenceService {
         let this = InferenceService { backend: self.backend.clone() };
         let rest = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
             .map(move |ev| ev.map(|e| this.response(e)).map_err(Status::from));
-        Ok(Response::new(Box::pin(tokio_stream::once(Ok(first)).chain(rest))))
+        let mut response = Response::new(Box::pin(tokio_stream::once(Ok(first)).chain(rest)) as GenerateStream);
+        // The seed it samples with, in the response's metadata (see SEED_HEADER).
+        response.metadata_mut().insert(SEED_HEADER, seed.into());
+        Ok(response)
     }
 
     async fn tokenize(&self, req: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {

@@ -25,7 +25,7 @@ use futures_util::{Stream, StreamExt};
 use super::auth::ApiKey;
 use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptTokens, UsageOut};
 use super::tools::{Reply, Tools};
-use crate::backend::{check_session_key, session_key, Backend, Event, GenerateParams, SessionMode, SESSION_HEADER};
+use crate::backend::{check_session_key, session_key, Backend, Event, GenerateParams, SessionMode, SEED_HEADER, SESSION_HEADER};
 use crate::error::GatewayError;
 
 /// What the handlers share.
@@ -366,8 +366,10 @@ async fn chat_completions(
 }
 
 /// Answers a generation; with a session, the `x-session-id` response header names it
-/// (`key@node`: send it back to continue the session on this node).
+/// (`key@node`: send it back to continue the session on this node); `x-duet-seed` reports the
+/// seed it sampled with.
 async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, stream: bool) -> Result<Response, ApiError> {
+    let seed = params.sampling.seed;
     let (prompt_tokens, session, rx) = start(&s, params).await?;
     let id = new_id(match shape.endpoint {
         Endpoint::Completion => "cmpl",
@@ -382,6 +384,7 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, stream:
     if let Some(v) = session.and_then(|id| header::HeaderValue::from_str(&id).ok()) {
         response.headers_mut().insert(SESSION_HEADER, v);
     }
+    response.headers_mut().insert(SEED_HEADER, header::HeaderValue::from(seed));
     Ok(response)
 }
 

@@ -8,7 +8,7 @@ use duet_common::model::chat::ChatMessage;
 use duet_common::model::grammar::Grammar;
 
 use super::tools::{self, ToolSpec, ToolSyntax, Tools};
-use crate::backend::{GenerateParams, Prompt, Sampling, SessionMode, StopReason, TextModel};
+use crate::backend::{fresh_seed, GenerateParams, Prompt, Sampling, SessionMode, StopReason, TextModel};
 use crate::error::GatewayError;
 
 /// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).
@@ -157,8 +157,7 @@ impl CommonFields {
         let d = Sampling::default();
         let seed = match self.seed {
             Some(s) => u64::try_from(s).map_err(|_| invalid(format!("seed must be >= 0, got {s}")))?,
-            // No seed: a fresh one, so that retries and best-of-N get different samples.
-            None => rand::random(),
+            None => fresh_seed(),
         };
         Ok(Sampling {
             // OpenAI's default temperature is 1.
