@@ -33,14 +33,22 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int) -> dict[str, int]:
+    """Resident memory of a process in KiB: private (anonymous), file pages (the model) and
+    shared memory (the arenas, which every process that maps them counts)."""
+    out = {"RssAnon": 0, "RssFile": 0, "RssShmem": 0}
     try:
         for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+            key = line.split(":")[0]
+            if key in out:
+                out[key] = int(line.split()[1])
     except OSError:
         pass
-    return 0
+    return out
+
+
+def mib(rss: dict[str, int]) -> str:
+    return f"private {rss.get('RssAnon', 0) / 1024:.0f} + file {rss.get('RssFile', 0) / 1024:.0f} + shared {rss.get('RssShmem', 0) / 1024:.0f} MiB"
 
 
 def processes(instance: str) -> dict[str, int]:
@@ -179,7 +187,7 @@ def main() -> int:
     for k, v in errors.most_common():
         print(f"  error x{v}: {k}")
     for role in sorted(set(rss_start) | set(rss_end)):
-        print(f"  RSS {role:>16}: {rss_start.get(role, 0) / 1024:.0f} MiB at start, {rss_end.get(role, 0) / 1024:.0f} MiB at end")
+        print(f"  RSS {role:>16}: {mib(rss_start.get(role, {}))} at start, {mib(rss_end.get(role, {}))} at end")
     lost = counts["session lost"]
     print(f"  sessions lost: {lost} (target 0)")
     return 1 if lost else 0
