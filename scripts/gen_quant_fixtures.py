@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # Generates testdata/quant/: a GGUF of every weight type Duet loads, and gguf-py's dequantisation of it.
-"""Fixtures for `common/tests/dequant_vs_gguf_py.rs`.
+"""Fixtures for `model/tests/dequant_vs_gguf_py.rs`.
 
 Writes, deterministically (fixed seed), into `testdata/quant/`:
 

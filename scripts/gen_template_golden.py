@@ -4,7 +4,7 @@ renders them (transformers' chat_template_utils: an ImmutableSandboxedEnvironmen
 trim_blocks, lstrip_blocks and loop controls, its tojson, raise_exception and strftime_now; the
 special tokens and `tools` passed as keyword arguments), for a set of conversations with and
 without tools, and writes testdata/templates/golden.json (or, given a folder of templates such
-as models/llama.cpp/templates, renders every template there into that folder's golden.json). common/tests/chat_template_hf.rs checks
+as models/llama.cpp/templates, renders every template there into that folder's golden.json). model/tests/chat_template_hf.rs checks
 that Duet's minijinja renders every case byte for byte alike (or fails where this raised).
 
 The templates were copied from llama.cpp's models/templates (vendored in the PyPI source

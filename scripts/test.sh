@@ -46,7 +46,7 @@ export DUET_REQUIRE_LLAMA_CPP_SRC=1
 cargo build --workspace --locked --bins
 cargo test --workspace --locked "$@"
 echo "== the kernel twins again without VNNI (the maddubs + madd kernels of CPUs that lack it)"
-DUET_NO_VNNI=1 cargo test --locked -p duet-common --test kernel_twins "$@"
+DUET_NO_VNNI=1 cargo test --locked -p duet-kernels --test kernel_twins "$@"
 echo "== Python tests (tests/python)"
 python3 -m pytest -v tests/python
 echo "== deployment (systemd units, install script): tests/deploy.sh"

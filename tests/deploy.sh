@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tests deploy/: installs with deploy/install.sh --prefix into temporary roots (stub
 # binaries; the NUMA nodes of the one-, two- and four-node sysfs fixtures in
-# common/tests/fixtures/sysfs), checks what landed, runs `systemd-analyze verify --root` on
+# topology/tests/fixtures/sysfs), checks what landed, runs `systemd-analyze verify --root` on
 # the installed units (failing on any message, since verify exits 0 on many warnings), and
 # checks every key of deploy/duet.toml.example against `duet-gateway serve`'s flags.
 #
@@ -24,7 +24,7 @@ for b in duet-gateway duet-gpu-worker duet-cpu-worker; do
     printf '#!/bin/sh\necho stub %s\n' "$b" > "$tmp/bin/$b"
     chmod 0755 "$tmp/bin/$b"
 done
-fixtures=common/tests/fixtures/sysfs
+fixtures=topology/tests/fixtures/sysfs
 
 # `systemd-analyze verify --root=ROOT UNIT...` must exit 0 and say nothing at all.
 verify() {

@@ -9,8 +9,8 @@
 //! (gpu-worker/tests/tiny_arch_llamacpp.rs), give the runner's greedy tokens with decode
 //! attention on the cpu-worker (K/V in its arena) and on the gpu-worker.
 
-use duet_common::testutil::workspace_root;
-use duet_common::rpc::pb;
+use duet_model::testutil::workspace_root;
+use duet_proto::pb;
 use duet_tests::{generate, greedy, Gateway, Reference};
 use serde_json::Value;
 

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use duet_common::rpc::pb;
+use duet_proto::pb;
 use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration};
 use tonic::Code;
 
@@ -60,7 +60,7 @@ fn serve_with_an_unusable_device_fails_with_the_reason() {
     let out = std::process::Command::new(duet_tests::bin("duet-gateway"))
         .args(["serve", "--device", "cuda", "--cpu-workers", "1", "--kv-bytes", "64M", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
         .args(["--instance", &instance, "--model"])
-        .arg(duet_common::testutil::model_path())
+        .arg(duet_model::testutil::model_path())
         .env_remove("DUET_DEVICE")
         .output()
         .expect("starting duet-gateway");
@@ -301,7 +301,7 @@ async fn a_gateway_serves_with_workers_started_elsewhere() {
     let instance = format!("ext{}", std::process::id());
     let dir = std::env::temp_dir().join(format!("duet-test-{instance}"));
     std::fs::create_dir_all(&dir).unwrap();
-    let model = duet_common::testutil::model_path();
+    let model = duet_model::testutil::model_path();
     let (cpu_sock, gpu_sock) = (format!("unix:{}/cpu0.sock", dir.display()), format!("unix:{}/gpu.sock", dir.display()));
     let cpu = Command::new(duet_tests::bin("duet-cpu-worker"))
         .args(["--instance", &instance, "--worker", "0", "--kv-bytes", "64M", "--listen", &cpu_sock])

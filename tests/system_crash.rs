@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use duet_common::rpc::pb;
+use duet_proto::pb;
 use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration};
 
 const STREAMS: usize = 8;

@@ -5,12 +5,12 @@
 //! gpu-worker and two cpu-workers, and as the lp balancer decides (overlapped sub-batches
 //! included).
 
-use duet_common::testutil::golden;
+use duet_model::testutil::golden;
 use duet_tests::{generate, greedy, same_up_to_near_tie, Gateway, Reference};
 use serde_json::Value;
 
 /// A split (log-sum-exp merged) attention rounds differently from the unsplit reference
-/// (within 2^-10 of the values; common/tests/paged_attention.rs). This model quantises its
+/// (within 2^-10 of the values; kv/tests/paged_attention.rs). This model quantises its
 /// activations to 8 bits per block of 32 and turns such last-bit differences into
 /// log-probability shifts of 0.1-0.3 (see issue 2's note), so a split run may choose
 /// differently only where the reference's two best tokens are this close. A wrong merge

@@ -2,7 +2,7 @@
 //! from a client's side) and `simulate` (the balancer's cost model on machines we do not have).
 
 use clap::{Args, Parser, Subcommand};
-use duet_common::rpc::Address;
+use duet_proto::Address;
 
 #[derive(Debug, Parser)]
 #[command(name = "duet", version, about = "Duet's client tools: generate, chat, bench a running gateway; simulate machines we do not have")]

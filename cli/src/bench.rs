@@ -12,8 +12,8 @@
 
 use std::time::{Duration, Instant};
 
-use duet_common::rpc::pb::inference_client::InferenceClient;
-use duet_common::rpc::{channel, pb};
+use duet_proto::pb::inference_client::InferenceClient;
+use duet_proto::{channel, pb};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 

@@ -3,8 +3,8 @@
 
 use std::io::Write;
 
-use duet_common::rpc::pb::inference_client::InferenceClient;
-use duet_common::rpc::{channel, pb};
+use duet_proto::pb::inference_client::InferenceClient;
+use duet_proto::{channel, pb};
 use tokio::io::AsyncBufReadExt;
 use tonic::transport::Channel;
 

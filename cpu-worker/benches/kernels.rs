@@ -8,11 +8,11 @@
 
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::interleaved::{self, Interleaved};
-use duet_common::kernels::matmul::{matmul, QMatrix, QuantizedActs};
-use duet_common::kernels::quant::GgmlType;
-use duet_common::kv::{ArenaLayout, BlockId, KvDtype};
-use duet_common::shm::job::{AttnJob, SeqJob};
+use duet_kernels::interleaved::{self, Interleaved};
+use duet_kernels::matmul::{matmul, QMatrix, QuantizedActs};
+use duet_kernels::quant::GgmlType;
+use duet_kv::{ArenaLayout, BlockId, KvDtype};
+use duet_kv::shm::job::{AttnJob, SeqJob};
 use duet_cpu_worker::serve::attend_job;
 use half::f16;
 use rand::{Rng, SeedableRng};
@@ -22,7 +22,7 @@ use rayon::prelude::*;
 const N_HEAD: u32 = 9;
 const N_KV_HEAD: u32 = 3;
 const HEAD_DIM: u32 = 64;
-const BLOCK: u32 = duet_common::kv::layout::DEFAULT_BLOCK_SIZE;
+const BLOCK: u32 = duet_kv::layout::DEFAULT_BLOCK_SIZE;
 
 struct Args {
     threads: usize,
@@ -213,7 +213,7 @@ fn main() {
     let a = args();
     rayon::ThreadPoolBuilder::new().num_threads(a.threads).build_global().expect("thread pool");
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    println!("Duet kernel benchmark: {} threads, kernels {:?}", a.threads, duet_common::kernels::isa());
+    println!("Duet kernel benchmark: {} threads, kernels {:?}", a.threads, duet_kernels::isa());
     // Bandwidth before and after the kernels (this VM's drifts between phases): the fractions
     // are of the better of the two.
     let bw_before = read_bandwidth(a.quick);

@@ -4,10 +4,10 @@
 
 use std::sync::atomic::Ordering;
 
-use duet_common::kv::layout::{HEADER_BYTES, OFF_GENERATION, OFF_MODEL_ID};
-use duet_common::kv::paged::ArenaRows;
-use duet_common::kv::ArenaLayout;
-use duet_common::shm::Segment;
+use duet_kv::layout::{HEADER_BYTES, OFF_GENERATION, OFF_MODEL_ID};
+use duet_kv::paged::ArenaRows;
+use duet_kv::ArenaLayout;
+use duet_kv::shm::Segment;
 use half::f16;
 use rayon::prelude::*;
 

@@ -4,9 +4,9 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use duet_common::kv::KvShape;
-use duet_common::rpc::Address;
-use duet_common::topology::parse_cpu_list;
+use duet_kv::KvShape;
+use duet_proto::Address;
+use duet_topology::parse_cpu_list;
 
 use crate::{kv_shape_of, Config, KvSize, CpuWorkerError};
 
@@ -39,7 +39,7 @@ pub struct Args {
     #[arg(long, env = "DUET_HEAD_DIM")]
     pub head_dim: Option<u32>,
     /// Tokens per KV block.
-    #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = duet_common::kv::layout::DEFAULT_BLOCK_SIZE)]
+    #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = duet_kv::layout::DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
     /// KV arena size in blocks (or give --kv-bytes).
     #[arg(long, env = "DUET_KV_BLOCKS", conflicts_with = "kv_bytes")]
@@ -143,7 +143,7 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use duet_common::kv::layout::DEFAULT_BLOCK_SIZE;
+    use duet_kv::layout::DEFAULT_BLOCK_SIZE;
 
     fn args(extra: &[&str]) -> Args {
         let base = ["duet-cpu-worker", "--instance", "t", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8"];

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::Duration;
 
-use duet_common::rpc::pb::cpu_worker_server::{CpuWorker, CpuWorkerServer};
-use duet_common::rpc::pb::{CpuInfoRequest, CpuInfoResponse};
-use duet_common::rpc::{Address, Listener};
+use duet_proto::pb::cpu_worker_server::{CpuWorker, CpuWorkerServer};
+use duet_proto::pb::{CpuInfoRequest, CpuInfoResponse};
+use duet_proto::{Address, Listener};
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 use tonic::server::NamedService;

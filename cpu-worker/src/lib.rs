@@ -20,13 +20,13 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use duet_common::kv::{ArenaLayout, KvDtype, KvError, KvShape};
-use duet_common::model::config::LlamaConfig;
-use duet_common::model::gguf::GgufFile;
-use duet_common::rpc::pb::CpuInfoResponse;
-use duet_common::rpc::Address;
-use duet_common::shm::job::HEADER_BYTES as JOB_HEADER_BYTES;
-use duet_common::shm::{Ring, Segment, ShmError};
+use duet_kv::{ArenaLayout, KvDtype, KvError, KvShape};
+use duet_model::config::LlamaConfig;
+use duet_model::gguf::GgufFile;
+use duet_proto::pb::CpuInfoResponse;
+use duet_proto::Address;
+use duet_kv::shm::job::HEADER_BYTES as JOB_HEADER_BYTES;
+use duet_kv::shm::{Ring, Segment, ShmError};
 
 pub use serve::{JobCounters, ServeStats};
 
@@ -36,7 +36,7 @@ pub enum CpuWorkerError {
     #[error("configuration: {0}")]
     Config(String),
     #[error("reading the model shape from {path}: {source}")]
-    Model { path: PathBuf, source: duet_common::Error },
+    Model { path: PathBuf, source: duet_model::Error },
     #[error("KV arena layout: {0}")]
     Kv(#[from] KvError),
     #[error("shared memory: {0}")]
@@ -83,7 +83,7 @@ pub fn model_identity(path: &Path) -> Result<u64, CpuWorkerError> {
     use std::io::Read;
     let io_err = |e: std::io::Error| CpuWorkerError::Model {
         path: path.to_path_buf(),
-        source: duet_common::Error::Io { path: path.display().to_string(), source: e },
+        source: duet_model::Error::Io { path: path.display().to_string(), source: e },
     };
     let mut file = std::fs::File::open(path).map_err(io_err)?;
     let len = file.metadata().map_err(io_err)?.len();

@@ -1,14 +1,14 @@
 //! Where the worker runs and where its memory lives: the CPUs and existence of a NUMA node
 //! (from `/sys/devices/system/node`), pinning a thread (`sched_setaffinity`) and binding a
 //! mapping to a node (`mbind`, `MPOL_BIND`). CPU lists (`0-3,8`) are parsed by
-//! [`duet_common::topology::parse_cpu_list`].
+//! [`duet_topology::parse_cpu_list`].
 
 use std::path::Path;
 
-use duet_common::shm::Segment;
-use duet_common::topology::{parse_cpu_list, MAX_CPUS, SYSFS_NODE_DIR};
-// The affinity query lives in duet-common (the topology's no-NUMA fallback uses it too).
-pub use duet_common::topology::allowed_cpus;
+use duet_kv::shm::Segment;
+use duet_topology::{parse_cpu_list, MAX_CPUS, SYSFS_NODE_DIR};
+// The affinity query lives in duet-topology (the topology's no-NUMA fallback uses it too).
+pub use duet_topology::allowed_cpus;
 
 /// Restricts the calling thread to `cpus` (each below [`MAX_CPUS`], as
 /// [`parse_cpu_list`] guarantees).

@@ -9,7 +9,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use duet_common::shm::{Segment, SHM_DIR};
+use duet_kv::shm::{Segment, SHM_DIR};
 
 use crate::CpuWorkerError;
 

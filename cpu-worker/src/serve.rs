@@ -6,12 +6,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{AttnShape, KvRun};
-use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
-use duet_common::kv::paged::{rows, ArenaRows, PagedRange};
-use duet_common::kv::ArenaLayout;
-use duet_common::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
-use duet_common::shm::{Consumer, ShmError};
+use duet_kernels::attention::{AttnShape, KvRun};
+use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
+use duet_kv::paged::{rows, ArenaRows, PagedRange};
+use duet_kv::ArenaLayout;
+use duet_kv::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
+use duet_kv::shm::{Consumer, ShmError};
 
 use crate::arena::Arena;
 use crate::CpuWorkerError;

@@ -8,11 +8,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{causal_attention, KvHead, KV_PADDING};
-use duet_common::kernels::decode_batch::{merge_lse, merge_partials};
-use duet_common::kv::{ArenaLayout, BlockId};
-use duet_common::shm::job::{encode_job, read_results, AttnJob, JobError, SeqJob, SeqResult};
-use duet_common::shm::{Producer, Segment, ShmError, SHM_DIR};
+use duet_kernels::attention::{causal_attention, KvHead, KV_PADDING};
+use duet_kernels::decode_batch::{merge_lse, merge_partials};
+use duet_kv::{ArenaLayout, BlockId};
+use duet_kv::shm::job::{encode_job, read_results, AttnJob, JobError, SeqJob, SeqResult};
+use duet_kv::shm::{Producer, Segment, ShmError, SHM_DIR};
 use duet_cpu_worker::{arena_name, ring_name};
 use half::f16;
 use rand::rngs::StdRng;
@@ -27,7 +27,7 @@ const KV_BLOCKS: u32 = 400;
 /// The layer the jobs read; the other layer holds different values, to catch wrong offsets.
 const LAYER: u32 = 1;
 /// Split-and-merged against unsplit: two f16 roundings of the softmax weights, 2 · 2^-11
-/// · max|v| with |v| <= 1 (see common/tests/paged_attention.rs).
+/// · max|v| with |v| <= 1 (see kv/tests/paged_attention.rs).
 const SPLIT_TOL: f32 = 2.0 / 2048.0 * 1.01;
 
 /// One sequence: its K/V (per KV head, contiguous) written into its arena blocks.

@@ -12,12 +12,12 @@ use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::KV_PADDING;
-use duet_common::rpc::pb::cpu_worker_client::CpuWorkerClient;
-use duet_common::rpc::pb::{CpuInfoRequest, CpuInfoResponse};
-use duet_common::rpc::{channel, Address};
-use duet_common::shm::job::{encode_job, read_results, AttnJob, JobError};
-use duet_common::shm::Producer;
+use duet_kernels::attention::KV_PADDING;
+use duet_proto::pb::cpu_worker_client::CpuWorkerClient;
+use duet_proto::pb::{CpuInfoRequest, CpuInfoResponse};
+use duet_proto::{channel, Address};
+use duet_kv::shm::job::{encode_job, read_results, AttnJob, JobError};
+use duet_kv::shm::Producer;
 use duet_cpu_worker::{arena_name, ring_name};
 use support::{attach, wait_exit, TempDir, Worker, BLOCK_SIZE, SHAPE, WAIT};
 use tokio::runtime::Runtime;

@@ -9,8 +9,8 @@ use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::Duration;
 
-use duet_common::kv::layout::{HEADER_BYTES, OFF_GENERATION, OFF_MODEL_ID};
-use duet_common::testutil::workspace_root;
+use duet_kv::layout::{HEADER_BYTES, OFF_GENERATION, OFF_MODEL_ID};
+use duet_model::testutil::workspace_root;
 use support::{attach, Worker, WAIT};
 
 fn model(name: &str) -> String {
@@ -62,7 +62,7 @@ fn a_restarted_worker_keeps_its_arena_only_for_the_same_model_and_layout() {
     assert_ne!(id_a, 0, "the model's identity is in the header");
     assert!(block.iter().all(|&b| b == 0));
     // K/V written as the gpu-worker writes it, straight into the arena.
-    let arena = duet_common::shm::Segment::open(&duet_cpu_worker::arena_name(&instance, 0)).unwrap();
+    let arena = duet_kv::shm::Segment::open(&duet_cpu_worker::arena_name(&instance, 0)).unwrap();
     let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
     // SAFETY: no job is posted while the test writes block 0.
     unsafe { arena.slice_mut::<u8>(HEADER_BYTES, 4096) }.copy_from_slice(&pattern);

@@ -5,8 +5,8 @@
 
 #![no_main]
 
-use duet_common::kv::layout::{ArenaLayout, KvDtype};
-use duet_common::shm::job::{decode_job, encode_job, read_results};
+use duet_kv::layout::{ArenaLayout, KvDtype};
+use duet_kv::shm::job::{decode_job, encode_job, read_results};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -5,7 +5,7 @@
 
 #![no_main]
 
-use duet_common::model::chat::{ChatMessage, ChatTemplate};
+use duet_model::chat::{ChatMessage, ChatTemplate};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -5,7 +5,7 @@
 
 use std::hint::black_box;
 
-use duet_common::model::gguf::{GgufFile, Value};
+use duet_model::gguf::{GgufFile, Value};
 use libfuzzer_sys::fuzz_target;
 
 /// Visits a value and everything nested in it through the public accessors.

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use duet_common::model::chat::{ChatMessage, ChatTemplate};
-use duet_common::model::grammar::{Grammar, Grammars};
-use duet_common::model::tokenizer::Tokenizer;
+use duet_model::chat::{ChatMessage, ChatTemplate};
+use duet_model::grammar::{Grammar, Grammars};
+use duet_model::tokenizer::Tokenizer;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::GatewayError;

@@ -7,7 +7,7 @@ use std::ffi::OsString;
 use std::net::SocketAddr;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use duet_common::rpc::Address;
+use duet_proto::Address;
 
 use crate::balancer::{Overlap, Policy};
 
@@ -42,7 +42,7 @@ pub struct ServeArgs {
     #[arg(long, env = "DUET_CONFIG")]
     pub config: Option<PathBuf>,
     /// GGUF model file (the gateway reads its tokenizer and chat template; local workers load it).
-    #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
+    #[arg(long, env = "DUET_MODEL", default_value = duet_model::DEFAULT_MODEL_PATH)]
     pub model: PathBuf,
     /// A Jinja chat template file used instead of the model's own (e.g. a model's tool-use
     /// template, or one for a GGUF that has none).

@@ -64,11 +64,11 @@ impl From<GatewayError> for Status {
     }
 }
 
-impl From<duet_common::Error> for GatewayError {
+impl From<duet_model::Error> for GatewayError {
     /// What a request's own text, token ids or messages cause is the client's error; the
     /// model's files (read at start) failing is the server's.
-    fn from(e: duet_common::Error) -> Self {
-        use duet_common::Error as E;
+    fn from(e: duet_model::Error) -> Self {
+        use duet_model::Error as E;
         match e {
             E::TokenOutOfRange { .. } | E::Encode(_) | E::Template(_) => GatewayError::InvalidArgument(e.to_string()),
             E::Gguf(_) | E::UnsupportedModel(_) | E::TensorShape { .. } | E::Tokenizer(_) | E::Io { .. } => GatewayError::Internal(e.to_string()),
@@ -82,7 +82,7 @@ mod tests {
 
     #[test]
     fn the_clients_errors_are_invalid_arguments_and_the_models_are_internal() {
-        use duet_common::Error as E;
+        use duet_model::Error as E;
         let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
         for client in [E::TokenOutOfRange { id: 9, n_vocab: 4 }, E::Encode("bad".into()), E::Template("raised".into())] {
             assert_eq!(Status::from(GatewayError::from(client)).code(), tonic::Code::InvalidArgument);

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use duet_common::rpc::pb;
+use duet_proto::pb;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 

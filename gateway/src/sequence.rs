@@ -4,9 +4,9 @@
 
 use std::time::Instant;
 
-use duet_common::kv::{BlockTable, WorkerId};
-use duet_common::model::chat::ChatMessage;
-use duet_common::rpc::pb;
+use duet_kv::{BlockTable, WorkerId};
+use duet_model::chat::ChatMessage;
+use duet_proto::pb;
 use tokio::sync::mpsc;
 
 use crate::backend::{Event, Sampling, StopReason, Usage};
@@ -191,14 +191,14 @@ mod tests {
     use super::*;
     use crate::balancer::planner::CostModel;
     use crate::balancer::Policy;
-    use duet_common::kv::KvPool;
+    use duet_kv::KvPool;
 
     #[test]
     fn shares_cover_the_context_once() {
         let pool = KvPool::new(4, &[8, 8]);
         let mut table = pool.new_table();
-        table.append_tokens(6, duet_common::kv::Placement::Worker(WorkerId(0))).unwrap();
-        table.append_tokens(4, duet_common::kv::Placement::Worker(WorkerId(1))).unwrap();
+        table.append_tokens(6, duet_kv::Placement::Worker(WorkerId(0))).unwrap();
+        table.append_tokens(4, duet_kv::Placement::Worker(WorkerId(1))).unwrap();
         // Positions 0..8 on worker 0, 8..10 on worker 1; the token at 9.
         let demand = attention_demand(&table, 9);
         assert_eq!(demand.held, vec![(0, 0..8), (1, 8..10)]);

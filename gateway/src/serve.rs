@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use duet_common::model::chat::ChatTemplate;
-use duet_common::model::gguf::GgufFile;
-use duet_common::model::grammar::Grammars;
-use duet_common::model::tokenizer::Tokenizer;
-use duet_common::rpc::{pb, Listener};
+use duet_model::chat::ChatTemplate;
+use duet_model::gguf::GgufFile;
+use duet_model::grammar::Grammars;
+use duet_model::tokenizer::Tokenizer;
+use duet_proto::{pb, Listener};
 use tokio::sync::{oneshot, watch};
 
 use crate::api::auth::ApiKey;
@@ -181,7 +181,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// that do not fit together or with the gateway's tokenizer.
 fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: &Readiness, text: &TextModel, local: bool) -> anyhow::Result<SchedulerConfig> {
     let g = &workers.gpu_info;
-    let block_size = workers.cpu_infos.first().map_or(duet_common::kv::layout::DEFAULT_BLOCK_SIZE as usize, |i| i.block_size as usize);
+    let block_size = workers.cpu_infos.first().map_or(duet_kv::layout::DEFAULT_BLOCK_SIZE as usize, |i| i.block_size as usize);
     if workers.cpu_infos.iter().any(|i| i.block_size as usize != block_size) {
         anyhow::bail!("the cpu-workers use different KV block sizes");
     }

@@ -10,10 +10,10 @@ use std::process::Stdio;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use duet_common::rpc::pb::cpu_worker_client::CpuWorkerClient;
-use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
-use duet_common::rpc::{channel, pb, Address};
-use duet_common::topology::{NumaNode, Topology};
+use duet_proto::pb::cpu_worker_client::CpuWorkerClient;
+use duet_proto::pb::gpu_worker_client::GpuWorkerClient;
+use duet_proto::{channel, pb, Address};
+use duet_topology::{NumaNode, Topology};
 use tokio::process::{Child, Command as Process};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::Channel;
@@ -416,7 +416,7 @@ mod tests {
     use super::*;
 
     fn fixture(name: &str) -> Topology {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../common/tests/fixtures/sysfs").join(name);
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../topology/tests/fixtures/sysfs").join(name);
         Topology::read_from(&dir).unwrap()
     }
 

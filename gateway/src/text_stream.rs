@@ -2,7 +2,7 @@
 //! except a tail that could be the start of a stop string, which is held back until it is
 //! known not to be one; at a stop string the text ends just before it.
 
-use duet_common::model::tokenizer::StreamDecoder;
+use duet_model::tokenizer::StreamDecoder;
 
 /// One generation's text stream.
 #[derive(Debug, Default)]

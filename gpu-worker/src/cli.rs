@@ -5,9 +5,9 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use duet_common::model::chat::ChatMessage;
-use duet_common::model::gguf::GgufFile;
-use duet_common::model::tokenizer::Tokenizer;
+use duet_model::chat::ChatMessage;
+use duet_model::gguf::GgufFile;
+use duet_model::tokenizer::Tokenizer;
 use serde_json::json;
 
 use crate::device::{AnyDevice, Device, DeviceChoice};
@@ -43,7 +43,7 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct ModelArg {
     /// GGUF model file.
-    #[arg(long, env = "DUET_MODEL", default_value = duet_common::DEFAULT_MODEL_PATH)]
+    #[arg(long, env = "DUET_MODEL", default_value = duet_model::DEFAULT_MODEL_PATH)]
     pub model: PathBuf,
 }
 
@@ -53,7 +53,7 @@ pub struct ServeArgs {
     pub model: ModelArg,
     /// Address to serve on: unix:PATH (default for local processes) or HOST:PORT.
     #[arg(long, env = "DUET_GPU_LISTEN")]
-    pub listen: duet_common::rpc::Address,
+    pub listen: duet_proto::Address,
     /// Longest wait, in milliseconds, for a cpu-worker's answer to one attention job before
     /// the step fails and the worker counts as down.
     #[arg(long, env = "DUET_JOB_TIMEOUT_MS", default_value_t = 10_000)]
@@ -168,7 +168,7 @@ fn serve(args: ServeArgs, device: DeviceChoice) -> anyhow::Result<()> {
     tracing::info!(model = %args.model.model.display(), device = %service.device(), ms = start.elapsed().as_millis() as u64, "model loaded");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async {
-        let listener = duet_common::rpc::Listener::bind(&args.listen)
+        let listener = duet_proto::Listener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
         tracing::info!(listen = %args.listen, "gpu-worker serving");

@@ -3,7 +3,7 @@
 #[derive(Debug, thiserror::Error)]
 pub enum GpuWorkerError {
     #[error("model: {0}")]
-    Model(#[from] duet_common::Error),
+    Model(#[from] duet_model::Error),
     #[error("invalid request: {0}")]
     InvalidRequest(String),
     #[error("the prompt of {prompt} tokens does not fit the model's context of {context} tokens (one position must stay free to generate)")]
@@ -18,8 +18,8 @@ pub enum GpuWorkerError {
     DeviceUnavailable { device: &'static str, why: String },
 }
 
-impl From<duet_common::model::gguf::GgufError> for GpuWorkerError {
-    fn from(e: duet_common::model::gguf::GgufError) -> Self {
+impl From<duet_model::gguf::GgufError> for GpuWorkerError {
+    fn from(e: duet_model::gguf::GgufError) -> Self {
         GpuWorkerError::Model(e.into())
     }
 }

@@ -7,12 +7,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::ops::log_softmax;
-use duet_common::model::chat::ChatTemplate;
-use duet_common::model::gguf::GgufFile;
-use duet_common::model::tokenizer::{StreamDecoder, Tokenizer};
+use duet_kernels::ops::log_softmax;
+use duet_model::chat::ChatTemplate;
+use duet_model::gguf::GgufFile;
+use duet_model::tokenizer::{StreamDecoder, Tokenizer};
 
-use duet_common::kernels::attention::KvRun;
+use duet_kernels::attention::KvRun;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -283,7 +283,7 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(config: &duet_common::model::config::LlamaConfig, capacity: usize) -> Self {
+    pub fn new(config: &duet_model::config::LlamaConfig, capacity: usize) -> Self {
         let make = || vec![vec![vec![f16::ZERO; capacity * config.head_dim]; config.n_kv_head]; config.n_layer];
         KvCache { k: make(), v: make(), head_dim: config.head_dim, capacity, len: 0 }
     }

@@ -4,9 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use duet_common::model::gguf::GgufFile;
-use duet_common::model::tokenizer::Tokenizer;
-use duet_common::testutil::{golden, model_path};
+use duet_model::gguf::GgufFile;
+use duet_model::tokenizer::Tokenizer;
+use duet_model::testutil::{golden, model_path};
 use serde_json::Value;
 
 /// The model's training context (`llama.context_length`).

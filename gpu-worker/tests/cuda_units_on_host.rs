@@ -12,8 +12,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::testutil::{block_f16_fields, workspace_root};
+use duet_kernels::quant::{dequantize, GgmlType};
+use duet_model::testutil::workspace_root;
 use half::f16;
 use rand::{Rng, SeedableRng};
 
@@ -153,7 +153,7 @@ fn block_decoding_of_every_quantised_type_matches_the_cpu() {
             let mut row: Vec<u8> = (0..ty.row_bytes(cols)).map(|_| rng.random()).collect();
             let block = ty.row_bytes(ty.block_size());
             for b in row.chunks_exact_mut(block) {
-                for &off in block_f16_fields(ty) {
+                for &off in ty.f16_field_offsets() {
                     // Zero scales too, and negative ones, now and then.
                     let v = if rng.random_range(0..8) == 0 { 0.0 } else { rng.random_range(-0.05f32..0.05) };
                     b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());

@@ -7,10 +7,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use duet_common::model::config::LlamaConfig;
-use duet_common::model::gguf::GgufFile;
-use duet_common::rpc::pb;
-use duet_common::testutil::model_path;
+use duet_model::config::LlamaConfig;
+use duet_model::gguf::GgufFile;
+use duet_proto::pb;
+use duet_model::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use duet_gpu_worker::error::Result;

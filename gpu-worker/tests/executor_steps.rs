@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use duet_common::model::gguf::GgufFile;
-use duet_common::rpc::pb;
-use duet_common::shm::{Ring, Segment};
-use duet_common::testutil::model_path;
+use duet_model::gguf::GgufFile;
+use duet_proto::pb;
+use duet_kv::shm::{Ring, Segment};
+use duet_model::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::worker::executor::Executor;
 

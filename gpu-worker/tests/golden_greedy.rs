@@ -1,7 +1,7 @@
 //! Greedy generation against llama.cpp's reference (`testdata/golden/greedy.json`): tokens
 //! equal up to llama.cpp's first near tie, chosen-token log-probabilities within tolerance.
 
-use duet_common::testutil::{golden, model_path};
+use duet_model::testutil::{golden, model_path};
 use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
 use serde_json::Value;

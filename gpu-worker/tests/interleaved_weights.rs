@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use duet_common::testutil::workspace_root;
+use duet_model::testutil::workspace_root;
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::Device;
 use duet_gpu_worker::runner::{Runner, KvCache, Logits};
@@ -44,7 +44,7 @@ fn repacked_weights_give_the_same_logits_bit_for_bit() {
     let packed = engine(true);
     let plain = engine(false);
     assert_eq!(plain.device.repacked_matrices(), 0);
-    if !duet_common::kernels::interleaved::available() {
+    if !duet_kernels::interleaved::available() {
         assert_eq!(packed.device.repacked_matrices(), 0, "no kernels, no repacking");
         return eprintln!("skipped: the interleaved kernels need AVX-512; nothing was repacked");
     }

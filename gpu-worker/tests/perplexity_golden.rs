@@ -1,7 +1,7 @@
 //! Perplexity of the default model on `testdata/golden/ppl.txt` at ctx 512, against
 //! llama.cpp's llama-perplexity (PPL 18.3541 over 14 chunks).
 
-use duet_common::testutil::{golden, model_path};
+use duet_model::testutil::{golden, model_path};
 use duet_gpu_worker::runner::Runner;
 
 const LLAMA_CPP_PPL: f64 = 18.3541;

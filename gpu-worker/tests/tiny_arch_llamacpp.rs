@@ -13,8 +13,8 @@
 
 use std::path::PathBuf;
 
-use duet_common::model::config::RopeScaling;
-use duet_common::testutil::workspace_root;
+use duet_model::config::RopeScaling;
+use duet_model::testutil::workspace_root;
 use duet_gpu_worker::device::Device;
 use duet_gpu_worker::runner::{Runner, KvCache, Logits};
 use serde_json::Value;

@@ -31,9 +31,9 @@
 
 use std::path::PathBuf;
 
-use duet_common::kernels::ops::llama3_freq_factors;
-use duet_common::model::config::RopeScaling;
-use duet_common::testutil::workspace_root;
+use duet_kernels::ops::llama3_freq_factors;
+use duet_model::config::RopeScaling;
+use duet_model::testutil::workspace_root;
 use duet_gpu_worker::device::{Device, DeviceChoice};
 use duet_gpu_worker::runner::{KvCache, Logits};
 use duet_gpu_worker::runner::Runner;

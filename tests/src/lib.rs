@@ -8,8 +8,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_common::rpc::pb::inference_client::InferenceClient;
-use duet_common::rpc::{channel, pb, Address};
+use duet_proto::pb::inference_client::InferenceClient;
+use duet_proto::{channel, pb, Address};
 use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
 use tonic::transport::Channel;
@@ -39,7 +39,7 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 impl Gateway {
     /// Starts `duet-gateway serve` on the default model with `extra` flags and waits until it listens.
     pub fn start(extra: &[&str]) -> Gateway {
-        Self::start_with_model(&duet_common::testutil::model_path(), extra)
+        Self::start_with_model(&duet_model::testutil::model_path(), extra)
     }
 
     /// Starts `duet-gateway serve` on `model` with `extra` flags and waits until it listens.
@@ -203,7 +203,7 @@ pub struct RefGeneration {
 
 impl Reference {
     pub fn load() -> Reference {
-        Self::load_model(&duet_common::testutil::model_path())
+        Self::load_model(&duet_model::testutil::model_path())
     }
 
     pub fn load_model(model: &std::path::Path) -> Reference {

@@ -90,7 +90,7 @@ impl Default for Assumptions {
             cpu_bandwidth_fraction: 0.8,
             layer_sync_s: 10e-6,
             kv_dtype_bytes: 2.0,
-            block_size: duet_common::kv::layout::DEFAULT_BLOCK_SIZE as usize,
+            block_size: duet_kv::layout::DEFAULT_BLOCK_SIZE as usize,
         }
     }
 }

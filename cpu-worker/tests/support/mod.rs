@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::AttnShape;
-use duet_common::kv::layout::HEADER_BYTES as ARENA_HEADER_BYTES;
-use duet_common::kv::ArenaLayout;
-use duet_common::shm::{Producer, Ring, Segment};
+use duet_kernels::attention::AttnShape;
+use duet_kv::layout::HEADER_BYTES as ARENA_HEADER_BYTES;
+use duet_kv::ArenaLayout;
+use duet_kv::shm::{Producer, Ring, Segment};
 use duet_cpu_worker::{arena_name, ring_name};
 
 pub const SHAPE: AttnShape = AttnShape { n_head: 6, n_kv_head: 2, head_dim: 64, softcap: None };
@@ -86,7 +86,7 @@ impl Worker {
     /// The worker's segment files in /dev/shm.
     pub fn segment_paths(&self) -> [PathBuf; 2] {
         [arena_name(&self.instance, self.worker), ring_name(&self.instance, self.worker)]
-            .map(|name| Path::new(duet_common::shm::SHM_DIR).join(name))
+            .map(|name| Path::new(duet_kv::shm::SHM_DIR).join(name))
     }
 }
 

@@ -3,10 +3,10 @@
 
 use std::pin::Pin;
 
-use duet_common::model::chat::ChatMessage;
-use duet_common::model::grammar::Grammar;
-use duet_common::rpc::pb::inference_server::{Inference, InferenceServer};
-use duet_common::rpc::{pb, Listener};
+use duet_model::chat::ChatMessage;
+use duet_model::grammar::Grammar;
+use duet_proto::pb::inference_server::{Inference, InferenceServer};
+use duet_proto::{pb, Listener};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 

@@ -4,8 +4,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use duet_common::model::chat::ChatMessage;
-use duet_common::model::grammar::Grammar;
+use duet_model::chat::ChatMessage;
+use duet_model::grammar::Grammar;
 
 use super::tools::{self, ToolSpec, ToolSyntax, Tools};
 use crate::backend::{fresh_seed, GenerateParams, Prompt, Sampling, SessionMode, StopReason, TextModel};

@@ -9,9 +9,9 @@
 //! native-format model chooses freely, and a generic-format one is constrained to the two
 //! reply shapes.
 
-use duet_common::model::chat::ChatTemplate;
-use duet_common::model::grammar::Grammar;
-use duet_common::model::tokenizer::Tokenizer;
+use duet_model::chat::ChatTemplate;
+use duet_model::grammar::Grammar;
+use duet_model::tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 
-use duet_common::rpc::pb;
+use duet_proto::pb;
 
 use super::planner::CostModel;
 

@@ -1,8 +1,8 @@
 //! What the scheduler needs of the gpu-worker — run one step — behind a trait: the gRPC client
 //! in the service, a fake in the scheduler's unit tests (scheduler/tests.rs).
 
-use duet_common::rpc::pb;
-use duet_common::rpc::pb::gpu_worker_client::GpuWorkerClient;
+use duet_proto::pb;
+use duet_proto::pb::gpu_worker_client::GpuWorkerClient;
 use futures_util::future::BoxFuture;
 use tonic::transport::Channel;
 

@@ -12,8 +12,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use duet_common::kv::{KvPool, WorkerId};
-use duet_common::model::chat::ChatMessage;
+use duet_kv::{KvPool, WorkerId};
+use duet_model::chat::ChatMessage;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel, DEFAULT_MAX_TOKENS};
@@ -401,7 +401,7 @@ impl Scheduler {
 
     /// Drops the idle sessions with KV on `worker` (its arena was not kept), recording why.
     fn drop_sessions_on(&mut self, worker: u32, why: &str) {
-        let on_worker = |t: &duet_common::kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
+        let on_worker = |t: &duet_kv::BlockTable| t.blocks().iter().any(|b| b.0 == WorkerId(worker));
         let dead: Vec<String> =
             self.sessions.iter().filter(|(_, s)| s.table.as_ref().is_some_and(on_worker)).map(|(k, _)| k.clone()).collect();
         for id in dead {

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 /// watch looks every 250 ms).
 const GPU_FAILURE_PAUSE: Duration = Duration::from_secs(2);
 
-use duet_common::kv::{BlockTable, KvError, Placement, WorkerId};
-use duet_common::model::chat::ChatMessage;
-use duet_common::rpc::pb;
+use duet_kv::{BlockTable, KvError, Placement, WorkerId};
+use duet_model::chat::ChatMessage;
+use duet_proto::pb;
 
 use super::Scheduler;
 use crate::backend::{Event, StopReason};
@@ -260,7 +260,7 @@ impl Scheduler {
         if let Some(w) = choice {
             return table.append_tokens(n, Placement::Worker(w));
         }
-        let most_free = |pool: &duet_common::kv::KvPool| {
+        let most_free = |pool: &duet_kv::KvPool| {
             (0..pool.n_workers()).filter(|&w| up[w]).max_by_key(|&w| (pool.n_free(WorkerId(w as u32)), std::cmp::Reverse(w))).map(|w| WorkerId(w as u32))
         };
         let mut left = n;

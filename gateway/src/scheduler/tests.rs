@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use duet_common::rpc::pb;
+use duet_proto::pb;
 use futures_util::future::BoxFuture;
 use tokio::sync::{mpsc, Notify};
 

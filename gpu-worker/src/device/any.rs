@@ -2,8 +2,8 @@
 //! CUDA device (candle's `Storage` enum is the model), so the runner, the executor and the
 //! service are built once, over [`AnyDevice`].
 
-use duet_common::model::config::LlamaConfig;
-use duet_common::rpc::pb;
+use duet_model::config::LlamaConfig;
+use duet_proto::pb;
 
 use super::cpu::{CpuBatch, CpuDevice};
 use super::cuda::{CudaBatch, CudaDevice};

@@ -9,15 +9,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use duet_common::kernels::dot::vec_dot_type;
-use duet_common::kernels::interleaved::{self, Interleaved};
-use duet_common::kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
-use duet_common::kernels::ggml_exact::soft_max_row;
-use duet_common::kernels::ops::{gelu_mul, rms_norm, silu_mul, Rope};
-use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::model::config::{FfnAct, LlamaConfig};
-use duet_common::model::gguf::GgufFile;
-use duet_common::rpc::pb;
+use duet_kernels::dot::vec_dot_type;
+use duet_kernels::interleaved::{self, Interleaved};
+use duet_kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
+use duet_kernels::ggml_exact::soft_max_row;
+use duet_kernels::ops::{gelu_mul, rms_norm, silu_mul, Rope};
+use duet_kernels::quant::{dequantize, GgmlType};
+use duet_model::config::{FfnAct, LlamaConfig};
+use duet_model::gguf::GgufFile;
+use duet_proto::pb;
 use rayon::prelude::*;
 
 use super::model::{check_batch, Ffn, ModelTensors, Weight};
@@ -184,7 +184,7 @@ impl Device for CpuDevice {
     }
 
     fn describe(&self) -> String {
-        format!("cpu ({:?})", duet_common::kernels::isa()).to_lowercase()
+        format!("cpu ({:?})", duet_kernels::isa()).to_lowercase()
     }
 
     fn config(&self) -> &LlamaConfig {

@@ -4,9 +4,9 @@
 
 use std::borrow::Cow;
 
-use duet_common::kernels::attention::{causal_attention_windowed, windowed, KvHead, KV_PADDING};
-use duet_common::kernels::decode_batch::{decode_batch, DecodeQuery};
-use duet_common::model::config::LlamaConfig;
+use duet_kernels::attention::{causal_attention_windowed, windowed, KvHead, KV_PADDING};
+use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
+use duet_model::config::LlamaConfig;
 use half::f16;
 
 use super::{attn_shape, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};

@@ -35,11 +35,11 @@ pub use any::{AnyBatch, AnyDevice};
 use std::ops::Range;
 use std::sync::Arc;
 
-use duet_common::kernels::attention::{AttnShape, KvRun};
-pub use duet_common::kernels::decode_batch::Partial;
-use duet_common::model::config::LlamaConfig;
-use duet_common::model::gguf::GgufFile;
-use duet_common::rpc::pb;
+use duet_kernels::attention::{AttnShape, KvRun};
+pub use duet_kernels::decode_batch::Partial;
+use duet_model::config::LlamaConfig;
+use duet_model::gguf::GgufFile;
+use duet_proto::pb;
 
 use crate::error::{Result, GpuWorkerError};
 

@@ -3,11 +3,11 @@
 //! reads or uploads their bytes itself), norm vectors dequantised to f32, and the RoPE
 //! frequencies. Also the checks every device makes on a batch before it starts.
 
-use duet_common::kernels::ops::{llama3_freq_factors, Rope};
-use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::model::config::{FfnAct, LlamaConfig, RopeScaling};
-use duet_common::model::gguf::{GgufError, GgufFile};
-use duet_common::model::names::TensorName;
+use duet_kernels::ops::{llama3_freq_factors, Rope};
+use duet_kernels::quant::{dequantize, GgmlType};
+use duet_model::config::{FfnAct, LlamaConfig, RopeScaling};
+use duet_model::gguf::{GgufError, GgufFile};
+use duet_model::names::TensorName;
 
 use crate::error::{Result, GpuWorkerError};
 
@@ -99,7 +99,7 @@ pub struct ModelTensors {
 }
 
 fn shape_err(name: &str, expected: String, found: String) -> GpuWorkerError {
-    GpuWorkerError::Model(duet_common::Error::TensorShape { name: name.to_string(), expected, found })
+    GpuWorkerError::Model(duet_model::Error::TensorShape { name: name.to_string(), expected, found })
 }
 
 /// Looks a matrix up and checks it is `cols` wide (ggml dim 0) and `rows` tall.
@@ -220,13 +220,13 @@ impl ModelTensors {
         for bias in ["attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_qkv.bias"] {
             let name = format!("blk.0.{bias}");
             if f.tensor_info(&name).is_some() {
-                return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel(format!("tensor {name}: this bias is not supported yet"))));
+                return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel(format!("tensor {name}: this bias is not supported yet"))));
             }
         }
         // LongRoPE's divisors unused would be wrong angles: they come with its scaling type.
         if !matches!(c.rope_scaling, RopeScaling::LongRope { .. }) {
             if let Some(t) = [TensorName::RopeFactorsLong, TensorName::RopeFactorsShort].into_iter().find(|t| f.tensor_info(&t.name()).is_some()) {
-                return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel(format!(
+                return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel(format!(
                     "{}: LongRoPE divisors without rope.scaling.type = longrope",
                     t.name()
                 ))));
@@ -240,7 +240,7 @@ impl ModelTensors {
             let name = TensorName::AttnPostNorm(l).name();
             return Err(GpuWorkerError::Model(match c.post_norms {
                 true => GgufError::MissingTensor(name).into(),
-                false => duet_common::Error::UnsupportedModel(format!("tensor {name}: post-attention norms are not part of {}", c.arch)),
+                false => duet_model::Error::UnsupportedModel(format!("tensor {name}: post-attention norms are not part of {}", c.arch)),
             }));
         }
         let (freq_scale, factors) = match c.rope_scaling {
@@ -360,7 +360,7 @@ pub fn check_batch(config: &LlamaConfig, tokens: &[u32], positions: &[usize], lo
         return Err(GpuWorkerError::InvalidRequest(format!("a batch of {n} tokens with {} positions", positions.len())));
     }
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= config.n_vocab) {
-        return Err(GpuWorkerError::Model(duet_common::Error::TokenOutOfRange { id: bad, n_vocab: config.n_vocab }));
+        return Err(GpuWorkerError::Model(duet_model::Error::TokenOutOfRange { id: bad, n_vocab: config.n_vocab }));
     }
     if let Some(&bad) = logit_rows.iter().find(|&&r| r >= n) {
         return Err(GpuWorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));

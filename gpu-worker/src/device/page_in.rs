@@ -6,7 +6,7 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 
-use duet_common::model::gguf::GgufFile;
+use duet_model::gguf::GgufFile;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Bytes between two reads: one per page is enough to fault every page in.

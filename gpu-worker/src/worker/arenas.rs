@@ -4,9 +4,9 @@
 
 use std::ops::Range;
 
-use duet_common::kernels::attention::KvRun;
-use duet_common::kv::{ArenaLayout, BlockId, KvDtype, KvShape};
-use duet_common::shm::{Producer, Ring, Segment};
+use duet_kernels::attention::KvRun;
+use duet_kv::{ArenaLayout, BlockId, KvDtype, KvShape};
+use duet_kv::shm::{Producer, Ring, Segment};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -49,7 +49,7 @@ impl KvArenas {
     pub fn attach(&mut self, worker: u32, arena_name: &str, ring_name: &str, pid: Option<u32>) -> Result<u32, StepError> {
         let attach_err = |what: String| StepError::Attach { worker, what };
         let arena = Segment::open(arena_name).map_err(|e| attach_err(e.to_string()))?;
-        let header_len = duet_common::kv::layout::HEADER_BYTES.min(arena.len());
+        let header_len = duet_kv::layout::HEADER_BYTES.min(arena.len());
         // SAFETY: the header is written once by the worker before its ring exists and never
         // changes; the slice lives only for this call.
         let header = unsafe { arena.slice::<u8>(0, header_len) };

@@ -16,10 +16,10 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::ops::log_softmax;
-use duet_common::kv::BlockId;
-use duet_common::model::grammar::{self, Grammar, Grammars};
-use duet_common::rpc::pb;
+use duet_kernels::ops::log_softmax;
+use duet_kv::BlockId;
+use duet_model::grammar::{self, Grammar, Grammars};
+use duet_proto::pb;
 use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
 

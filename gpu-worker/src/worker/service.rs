@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use duet_common::model::gguf::GgufFile;
-use duet_common::model::grammar::Grammars;
-use duet_common::model::names::GeneralKey;
-use duet_common::model::tokenizer::Tokenizer;
-use duet_common::rpc::pb::gpu_worker_server::{GpuWorker, GpuWorkerServer};
-use duet_common::rpc::{pb, Listener};
+use duet_model::gguf::GgufFile;
+use duet_model::grammar::Grammars;
+use duet_model::names::GeneralKey;
+use duet_model::tokenizer::Tokenizer;
+use duet_proto::pb::gpu_worker_server::{GpuWorker, GpuWorkerServer};
+use duet_proto::{pb, Listener};
 use tonic::{Request, Response, Status};
 
 use super::executor::Executor;
@@ -121,7 +121,7 @@ pub fn status(e: StepError) -> Status {
     let msg = e.to_string();
     match e {
         StepError::Invalid(_) | StepError::Model(GpuWorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
-        StepError::Model(GpuWorkerError::Model(duet_common::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
+        StepError::Model(GpuWorkerError::Model(duet_model::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
         StepError::UnknownSequence(_) | StepError::Attach { .. } | StepError::Order(_) => Status::failed_precondition(msg),
         StepError::Kv(KvAccessError::WorkerNotAttached(_))
         | StepError::Model(GpuWorkerError::Kv(KvAccessError::WorkerNotAttached(_)))

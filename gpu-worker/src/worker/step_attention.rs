@@ -8,10 +8,10 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_common::kernels::attention::{windowed, AttnShape, KvRun, KV_PADDING};
-use duet_common::kernels::decode_batch::merge_partials;
-use duet_common::rpc::pb;
-use duet_common::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
+use duet_kernels::attention::{windowed, AttnShape, KvRun, KV_PADDING};
+use duet_kernels::decode_batch::merge_partials;
+use duet_proto::pb;
+use duet_kv::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
 
 use super::arenas::KvArenas;
 use super::executor::{ns, Planned};
@@ -29,7 +29,7 @@ fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration
     loop {
         match w.producer.wait_done_timeout(seqno, LIVENESS_CHECK.min(timeout)) {
             Ok(_) => return Ok(()),
-            Err(duet_common::shm::ShmError::TimedOut { .. }) => {}
+            Err(duet_kv::shm::ShmError::TimedOut { .. }) => {}
             Err(e) => return Err(format!("no answer to its attention job ({e})")),
         }
         if !w.alive() {

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use duet_common::kv::{ArenaLayout, KvDtype};
-use duet_common::shm::{Ring, Segment};
+use duet_kv::{ArenaLayout, KvDtype};
+use duet_kv::shm::{Ring, Segment};
 use duet_gpu_worker::device::Device;
 use duet_gpu_worker::worker::executor::Executor;
 

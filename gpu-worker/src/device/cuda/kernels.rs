@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction};
 use cudarc::nvrtc::{CompileOptions, Ptx};
-use duet_common::kernels::quant::GgmlType;
+use duet_kernels::quant::GgmlType;
 
 use super::CudaError;
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
-use duet_common::kernels::quant::GgmlType;
+use duet_kernels::quant::GgmlType;
 
 use super::kernels::{quant_suffix, Kernels};
 use super::CudaError;

@@ -21,10 +21,10 @@ mod twins;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use duet_common::kernels::quant::GgmlType;
-use duet_common::model::config::LlamaConfig;
-use duet_common::model::gguf::GgufFile;
-use duet_common::rpc::pb;
+use duet_kernels::quant::GgmlType;
+use duet_model::config::LlamaConfig;
+use duet_model::gguf::GgufFile;
+use duet_proto::pb;
 
 pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FILES as KERNEL_FILES};
 pub use probe::{probe, Gpu};
@@ -94,7 +94,7 @@ impl CudaDevice {
         let m = ModelTensors::load(&file)?;
         let missing = m.extensions();
         if !missing.is_empty() {
-            return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel(format!(
+            return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel(format!(
                 "architecture {:?} on the CUDA device: its {} are not implemented there yet (use --device cpu)",
                 m.config.arch,
                 missing.join(", ")
@@ -123,7 +123,7 @@ impl CudaDevice {
         let mut layers = Vec::with_capacity(n_layer);
         for (i, l) in m.layers.iter().enumerate() {
             let Ffn::Dense { gate, up: up_w, down } = &l.ffn else {
-                return Err(GpuWorkerError::Model(duet_common::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
+                return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
             };
             layers.push(GpuLayer {
                 attn_norm: vec_up(&l.attn_norm)?,

@@ -5,9 +5,8 @@
 //! roundings); the row-wise ops within a few f32 ulps of the CPU's. Needs a GPU: without one
 //! each test says it was skipped and why, and `DUET_REQUIRE_CUDA=1` makes that a failure.
 
-use duet_common::kernels::ops::{rms_norm, silu_mul_scalar, Rope};
-use duet_common::kernels::quant::{dequantize, GgmlType};
-use duet_common::testutil::block_f16_fields;
+use duet_kernels::ops::{rms_norm, silu_mul_scalar, Rope};
+use duet_kernels::quant::{dequantize, GgmlType};
 use half::f16;
 use rand::{Rng, SeedableRng};
 
@@ -59,7 +58,7 @@ fn random_weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut rand::rngs::S
             let mut data: Vec<u8> = (0..bytes).map(|_| rng.random()).collect();
             let block = ty.row_bytes(ty.block_size());
             for b in data.chunks_exact_mut(block) {
-                for &off in block_f16_fields(ty) {
+                for &off in ty.f16_field_offsets() {
                     b[off..off + 2].copy_from_slice(&f16::from_f32(rng.random_range(-0.05f32..0.05)).to_le_bytes());
                 }
             }

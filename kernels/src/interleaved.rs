@@ -1,0 +1,471 @@
+//! Q4_K and Q6_K weights repacked at load into groups of sixteen interleaved rows, and the
+//! AVX-512 products of such a matrix with one to four Q8_K activation rows at a time: each of
+//! a register's sixteen 32-bit lanes is one weight row, so a block's integer sums, its float
+//! epilogue and the sum over blocks all run sixteen rows wide with no horizontal reduction.
+//! The results are bit-identical to the scalar twin `dot::vec_dot_scalar` on the original
+//! rows (the same integers, and the same float operations in the same order, lane by lane).
+//!
+//! llama.cpp's CPU "repack" buffers do the same for its AVX2/AVX-512 kernels (`block_q4_Kx8`:
+//! eight rows); sixteen rows fill a 512-bit register's lanes.
+//!
+//! Layout: per group of sixteen rows, its blocks in order; in a group's block, every field of
+//! the rows' ggml blocks cut into words (1, 2 or 4 bytes), word `i` of row `r` at
+//! `at + 16·size·i + size·r`, so that one 64-byte line holds a 4-byte word of all sixteen rows
+//! ([`Field`]; the tables [`Q4K_FIELDS`] and [`Q6K_FIELDS`]). A line of quants is then one
+//! `vpdpbusd` operand against a broadcast word of activations.
+
+use rayon::prelude::*;
+
+use super::quant::{GgmlType, QK_K};
+
+/// Rows per interleaved group: one per 32-bit lane of a 512-bit register.
+pub const GROUP_ROWS: usize = 16;
+
+/// One field of a ggml block in the interleaved layout: `len` bytes from `from` in the row's
+/// block, in words of `size` bytes; word `i` of row `r` at `at + 16·size·i + size·r` in the
+/// group's block.
+struct Field {
+    from: usize,
+    len: usize,
+    size: usize,
+    at: usize,
+}
+
+/// Q4_K (144-byte blocks; group block 2304 bytes): `d` and `dmin` (f16), the twelve bytes of
+/// 6-bit scales and mins as three words, the 128 bytes of nibbles as 32 words (word `8p + c`:
+/// low nibbles four quants of sub-block `2p`, high nibbles four of sub-block `2p + 1`).
+const Q4K_FIELDS: [Field; 4] = [
+    Field { from: 0, len: 2, size: 2, at: 0 },
+    Field { from: 2, len: 2, size: 2, at: 32 },
+    Field { from: 4, len: 12, size: 4, at: 64 },
+    Field { from: 16, len: 128, size: 4, at: 256 },
+];
+
+/// Q6_K (210-byte blocks; group block 3392 bytes, the last 32 padding so every group block
+/// starts on a cache line): the low four bits `ql` as 32 words, the high two bits `qh` as 16,
+/// the sixteen 8-bit scales one byte each (scale `j` of the sixteen rows in 16 bytes, widened
+/// by one `vpmovsxbd`), `d` (f16).
+const Q6K_FIELDS: [Field; 4] = [
+    Field { from: 0, len: 128, size: 4, at: 0 },
+    Field { from: 128, len: 64, size: 4, at: 2048 },
+    Field { from: 192, len: 16, size: 1, at: 3072 },
+    Field { from: 208, len: 2, size: 2, at: 3328 },
+];
+
+/// The layout of a type: its fields and the bytes of a group's block.
+fn layout(ty: GgmlType) -> Option<(&'static [Field], usize)> {
+    match ty {
+        GgmlType::Q4K => Some((&Q4K_FIELDS, 2304)),
+        GgmlType::Q6K => Some((&Q6K_FIELDS, 3392)),
+        _ => None,
+    }
+}
+
+/// A Q4_K or Q6_K matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
+pub struct Interleaved {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    /// Anonymous memory (page-aligned, so every group block starts on a cache line), in
+    /// transparent huge pages where the kernel allows.
+    bytes: memmap2::MmapMut,
+}
+
+impl std::fmt::Debug for Interleaved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interleaved").field("ty", &self.ty).field("rows", &self.rows).field("cols", &self.cols).finish_non_exhaustive()
+    }
+}
+
+impl Interleaved {
+    /// Repacks `rows` rows of `cols` columns of type `ty` (`data`, ggml's layout), in
+    /// parallel; `None` for another type, rows that do not fill whole groups, `data` that is
+    /// not that matrix, or no memory for the copy.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
+        let (fields, group_block) = layout(ty)?;
+        if rows == 0 || !rows.is_multiple_of(GROUP_ROWS) || !cols.is_multiple_of(QK_K) || data.len() != rows * ty.row_bytes(cols) {
+            return None;
+        }
+        let (nb, block) = (cols / QK_K, ty.block_bytes());
+        let mut bytes = memmap2::MmapMut::map_anon(rows / GROUP_ROWS * nb * group_block).ok()?;
+        // Streamed once per token: 4 KiB pages cost a TLB miss every 4 KiB. Advice only.
+        #[cfg(target_os = "linux")]
+        let _ = bytes.advise(memmap2::Advice::HugePage);
+        let row_bytes = ty.row_bytes(cols);
+        bytes.par_chunks_mut(nb * group_block).zip(data.par_chunks(GROUP_ROWS * row_bytes)).for_each(|(out, rows)| {
+            for (b, out) in out.chunks_exact_mut(group_block).enumerate() {
+                for r in 0..GROUP_ROWS {
+                    let x = &rows[r * row_bytes + b * block..][..block];
+                    for f in fields {
+                        for i in 0..f.len / f.size {
+                            out[f.at + 16 * f.size * i + f.size * r..][..f.size].copy_from_slice(&x[f.from + f.size * i..][..f.size]);
+                        }
+                    }
+                }
+            }
+        });
+        Some(Interleaved { ty, rows, cols, bytes })
+    }
+
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Whether the interleaved kernels are the faster way to multiply this matrix with
+    /// `n_rows` activation rows on this machine. Measured (`cargo bench -p duet-cpu-worker
+    /// --bench kernels -- --only Q`, 4096 columns, 2 threads): Q4_K 23.6 → 29.8 GB/s at one
+    /// row (the row kernel's per-block horizontal sums and scalar epilogue were the limit),
+    /// 115 → 232 G multiply-adds/s at 8 rows; Q6_K 32.5 → 28.3 GB/s at one row (its row
+    /// kernel already streams near the bandwidth), 65 → 143 at 8 rows, 133 → 193 at 16. So a
+    /// Q6_K matrix keeps its rows for batches of one.
+    pub fn serves(&self, n_rows: usize) -> bool {
+        available() && (self.ty == GgmlType::Q4K || n_rows >= 2)
+    }
+
+    /// The packed bytes of group `g` (all its blocks).
+    fn group(&self, g: usize) -> &[u8] {
+        let group_block = layout(self.ty).expect("a packed type").1;
+        let group_bytes = self.cols / QK_K * group_block;
+        &self.bytes[g * group_bytes..(g + 1) * group_bytes]
+    }
+
+    /// Row `r`'s block `b` as ggml lays it out (the inverse of the packing; for tests).
+    pub fn block(&self, r: usize, b: usize) -> Vec<u8> {
+        let (fields, group_block) = layout(self.ty).expect("a packed type");
+        let p = &self.group(r / GROUP_ROWS)[b * group_block..(b + 1) * group_block];
+        let l = r % GROUP_ROWS;
+        let mut out = vec![0u8; self.ty.block_bytes()];
+        for f in fields {
+            for i in 0..f.len / f.size {
+                out[f.from + f.size * i..][..f.size].copy_from_slice(&p[f.at + 16 * f.size * i + f.size * l..][..f.size]);
+            }
+        }
+        out
+    }
+}
+
+/// Whether this machine runs the interleaved kernels (AVX-512 F/BW/VL/DQ): elsewhere a
+/// repacked copy would only cost memory.
+pub fn available() -> bool {
+    super::isa() == super::Isa::Avx512
+}
+
+/// `out[t * out_stride + r] = row r · acts[t]` for the rows of groups `groups` of `w` and
+/// every activation row (Q8_K, `w.cols()` columns), four activation rows at a time.
+/// Panics if the kernels are not [`available`] or the sizes disagree (caller bugs).
+///
+/// # Safety
+/// `out` is valid for writes of `acts.len()` rows of `out_stride` floats.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, acts: &[&[u8]], out: *mut f32, out_stride: usize) {
+    assert!(available(), "the interleaved kernels need AVX-512");
+    assert!(groups.end * GROUP_ROWS <= w.rows && out_stride >= w.rows);
+    let nb = w.cols / QK_K;
+    assert!(acts.iter().all(|a| a.len() == GgmlType::Q8K.row_bytes(w.cols)));
+    let kernel = avx512::kernel(w.ty, super::has_vnni());
+    for g in groups {
+        let packed = w.group(g);
+        for (c, chunk) in acts.chunks(4).enumerate() {
+            // SAFETY: the kernel's CPU features were detected; `packed` is `nb` group blocks
+            // of `w.ty`, every activation row `nb` Q8_K blocks (asserted); the caller's `out`
+            // holds `acts.len()` rows of `out_stride` floats, of which this writes group `g`'s.
+            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+// Lanes and activation rows are indexed by number: the loops are unrolled by the compiler.
+#[allow(clippy::needless_range_loop)]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::GgmlType;
+    use crate::quant::{BlockQ8K, ByteBlock};
+
+    /// How far ahead of the block being read its group's stream is prefetched.
+    const AHEAD: usize = crate::matvec_avx512::LINEAR_AHEAD;
+
+    /// `acc + Σ` of four products of unsigned bytes `u` and signed bytes `s` per lane.
+    #[inline(always)]
+    unsafe fn dpbusd<const VNNI: bool>(acc: __m512i, u: __m512i, s: __m512i) -> __m512i {
+        if VNNI {
+            _mm512_dpbusd_epi32(acc, u, s)
+        } else {
+            _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+        }
+    }
+
+    /// A `vpshufb` index picking, in every 32-bit lane, the lane's own bytes `spec` names
+    /// (one per output byte, 0–3; 0x80: zero). `vpshufb` indexes within 128-bit quarters, so
+    /// lane `i` of a quarter adds `4i`. Built at compile time: built at run time, the tables
+    /// cost a few thousand scalar instructions per kernel call (one per 16-row group).
+    const fn lane_bytes(spec: [u8; 4]) -> [u8; 64] {
+        let mut idx = [0u8; 64];
+        let mut k = 0;
+        while k < 64 {
+            let s = spec[k % 4];
+            idx[k] = if s & 0x80 != 0 { 0x80 } else { s + 4 * ((k / 4) % 4) as u8 };
+            k += 1;
+        }
+        idx
+    }
+
+    /// Byte `j` of every 32-bit lane, zero-extended, j = 0..3.
+    static BYTE_OF_LANE: [[u8; 64]; 4] = [
+        lane_bytes([0, 0x80, 0x80, 0x80]),
+        lane_bytes([1, 0x80, 0x80, 0x80]),
+        lane_bytes([2, 0x80, 0x80, 0x80]),
+        lane_bytes([3, 0x80, 0x80, 0x80]),
+    ];
+
+    /// Bytes `2k` and `2k + 1` of every 32-bit lane as two zero-extended 16-bit halves, k = 0, 1.
+    static BYTE_PAIR_OF_LANE: [[u8; 64]; 2] = [lane_bytes([0, 0x80, 1, 0x80]), lane_bytes([2, 0x80, 3, 0x80])];
+
+    #[inline(always)]
+    unsafe fn table(t: &[u8; 64]) -> __m512i {
+        _mm512_loadu_si512(t.as_ptr().cast())
+    }
+
+    /// The activation block's sub-block sums (ggml's two `bsums` of 16 added) in 16-bit
+    /// pairs: word `k` = sums of sub-blocks `2k` (low half) and `2k + 1` (high half). Written
+    /// out: an array `map` here compiled to an out-of-line call per block.
+    #[inline(always)]
+    fn bsum_pairs(y: &BlockQ8K) -> [i32; 4] {
+        let s = |j: usize| (y.bsum(2 * j) + y.bsum(2 * j + 1)) as u16 as u32;
+        let pair = |k: usize| (s(2 * k) | (s(2 * k + 1) << 16)) as i32;
+        [pair(0), pair(1), pair(2), pair(3)]
+    }
+
+    /// Four activation bytes at `p` broadcast to every lane.
+    #[inline(always)]
+    unsafe fn word(p: *const u8) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).read_unaligned())
+    }
+
+    /// Prefetches a group block's lines `AHEAD` bytes on, into L2 only: prefetching into L1
+    /// as the row kernels do measured 9.7 GB/s on one thread against 20.7–23.4 this way (the
+    /// kernels outrun a single L1 stream). A lone 256 MiB matrix streams 14 % faster with no
+    /// software prefetch at all, but a model's matrices (a few MiB, cut into tasks) do not:
+    /// the 1B-shape model decoded 22.5–25.2 tok/s without against 29.2–34.5 with (runner, 2
+    /// threads, alternating), and 4 KiB, 16 KiB, every other line or into L1 were no better.
+    #[inline(always)]
+    unsafe fn prefetch<const BYTES: usize>(p: *const u8) {
+        for off in (0..BYTES).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD + off).cast());
+        }
+    }
+
+    /// Bytes of a Q4_K group block, and where its fields start.
+    const Q4K_BLOCK: usize = 2304;
+    const Q4K_SCALES: usize = 64;
+    const Q4K_QS: usize = 256;
+
+    /// Sixteen Q4_K rows · `T` activation rows.
+    #[inline(always)]
+    unsafe fn q4k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], out: *mut f32, stride: usize) {
+        debug_assert!(packed.len() == nb * Q4K_BLOCK && acts.len() == T);
+        let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
+        let low4 = _mm512_set1_epi8(0x0F);
+        let high4 = _mm512_set1_epi8(0xF0u8 as i8);
+        let (low6, low2) = (_mm512_set1_epi8(0x3F), _mm512_set1_epi8(0x03));
+        let scale_idx = [table(&BYTE_OF_LANE[0]), table(&BYTE_OF_LANE[1]), table(&BYTE_OF_LANE[2]), table(&BYTE_OF_LANE[3])];
+        let min_idx = [table(&BYTE_PAIR_OF_LANE[0]), table(&BYTE_PAIR_OF_LANE[1])];
+        // The scalar twin's `.sum()` over blocks starts from −0.0.
+        let mut total = [_mm512_set1_ps(-0.0); T];
+        for b in 0..nb {
+            let p = packed.as_ptr().add(b * Q4K_BLOCK);
+            prefetch::<Q4K_BLOCK>(p);
+            // The sixteen rows' 6-bit scales and mins, byte j of a lane for sub-block j mod 4
+            // (ggml's `scale_min_k4`, as `k4_scales_mins` decodes one row).
+            let u0 = _mm512_load_si512(p.add(Q4K_SCALES).cast());
+            let u1 = _mm512_load_si512(p.add(Q4K_SCALES + 64).cast());
+            let u2 = _mm512_load_si512(p.add(Q4K_SCALES + 128).cast());
+            let sc_lo = _mm512_and_si512(u0, low6);
+            let mn_lo = _mm512_and_si512(u1, low6);
+            let sc_hi = _mm512_or_si512(_mm512_and_si512(u2, low4), _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), low2)));
+            let mn_hi =
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(u2), low4), _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), low2)));
+            let y: [&BlockQ8K; T] = std::array::from_fn(|t| &ys[t][b]);
+            let mut sum_sc = [_mm512_setzero_si512(); T];
+            for pair in 0..4 {
+                let scales = if pair < 2 { sc_lo } else { sc_hi };
+                let sc_even = _mm512_shuffle_epi8(scales, scale_idx[2 * (pair % 2)]);
+                let sc_odd = _mm512_shuffle_epi8(scales, scale_idx[2 * (pair % 2) + 1]);
+                let mut lo = [_mm512_setzero_si512(); T];
+                let mut hi = [_mm512_setzero_si512(); T];
+                for c in 0..8 {
+                    let raw = _mm512_load_si512(p.add(Q4K_QS + 64 * (8 * pair + c)).cast());
+                    let ql = _mm512_and_si512(raw, low4);
+                    // With VNNI the high nibbles stay in place (16 × the quant): `vpdpbusd`
+                    // does not saturate, so the sum is 16 × the twin's, shifted back below
+                    // (exact) — one instruction per line fewer than shifting each line
+                    // (one row from L3, 2 threads: 62.9–67.8 → 71.3–71.9 GB/s).
+                    let qh = if VNNI { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
+                    for t in 0..T {
+                        let q = y[t].qs.as_ptr().add(64 * pair + 4 * c);
+                        lo[t] = dpbusd::<VNNI>(lo[t], ql, word(q));
+                        hi[t] = dpbusd::<VNNI>(hi[t], qh, word(q.add(32)));
+                    }
+                }
+                if VNNI {
+                    // |Σ| ≤ 32 · 240 · 128 per lane: no overflow, and a multiple of 16.
+                    for h in &mut hi {
+                        *h = _mm512_srai_epi32::<4>(*h);
+                    }
+                }
+                for t in 0..T {
+                    let s = _mm512_add_epi32(_mm512_mullo_epi32(lo[t], sc_even), _mm512_mullo_epi32(hi[t], sc_odd));
+                    sum_sc[t] = _mm512_add_epi32(sum_sc[t], s);
+                }
+            }
+            let d = _mm512_cvtph_ps(_mm256_load_si256(p.cast()));
+            let dmin = _mm512_cvtph_ps(_mm256_load_si256(p.add(32).cast()));
+            // Mins of sub-blocks (2k, 2k + 1) as 16-bit halves of each lane, k = 0..3.
+            let mins = [
+                _mm512_shuffle_epi8(mn_lo, min_idx[0]),
+                _mm512_shuffle_epi8(mn_lo, min_idx[1]),
+                _mm512_shuffle_epi8(mn_hi, min_idx[0]),
+                _mm512_shuffle_epi8(mn_hi, min_idx[1]),
+            ];
+            for t in 0..T {
+                let pairs = bsum_pairs(y[t]);
+                let mut sum_m = _mm512_setzero_si512();
+                for k in 0..4 {
+                    sum_m = _mm512_add_epi32(sum_m, _mm512_madd_epi16(mins[k], _mm512_set1_epi32(pairs[k])));
+                }
+                // The twin: ys · (d · sum_sc) − ys · dmin · sum_m, then added to the total.
+                let ys = _mm512_set1_ps(y[t].scale());
+                let a = _mm512_mul_ps(ys, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum_sc[t])));
+                let m = _mm512_mul_ps(_mm512_mul_ps(ys, dmin), _mm512_cvtepi32_ps(sum_m));
+                total[t] = _mm512_add_ps(total[t], _mm512_sub_ps(a, m));
+            }
+        }
+        for (t, v) in total.iter().enumerate() {
+            _mm512_storeu_ps(out.add(t * stride), *v);
+        }
+    }
+
+    /// Bytes of a Q6_K group block, and where its fields start.
+    const Q6K_BLOCK: usize = 3392;
+    const Q6K_QH: usize = 2048;
+    const Q6K_SCALES: usize = 3072;
+    const Q6K_D: usize = 3328;
+
+    /// Sixteen Q6_K rows · `T` activation rows: the quants offset to 0..63 for the unsigned
+    /// byte product, each group of sixteen's sum started at −32 × its activation sum (ggml's
+    /// `bsums`) to take the offset back, then scaled — the twin's integer `sumi`.
+    #[inline(always)]
+    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], out: *mut f32, stride: usize) {
+        debug_assert!(packed.len() == nb * Q6K_BLOCK && acts.len() == T);
+        let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
+        let low4 = _mm512_set1_epi8(0x0F);
+        let bits45 = _mm512_set1_epi8(0x30);
+        let mut total = [_mm512_set1_ps(-0.0); T];
+        for b in 0..nb {
+            let p = packed.as_ptr().add(b * Q6K_BLOCK);
+            prefetch::<Q6K_BLOCK>(p);
+            let y: [&BlockQ8K; T] = std::array::from_fn(|t| &ys[t][b]);
+            let mut sumi = [_mm512_setzero_si512(); T];
+            // Half n of the block (128 quants), quarter h of each 32 (the scale groups
+            // 8n + 2m + h, m = 0..3).
+            for n in 0..2 {
+                for h in 0..2 {
+                    let mut acc = [[_mm512_setzero_si512(); 4]; T];
+                    for t in 0..T {
+                        for m in 0..4 {
+                            acc[t][m] = _mm512_set1_epi32(-32 * y[t].bsum(8 * n + 2 * m + h));
+                        }
+                    }
+                    for c in 4 * h..4 * h + 4 {
+                        let a = _mm512_load_si512(p.add(64 * (16 * n + c)).cast());
+                        let bq = _mm512_load_si512(p.add(64 * (16 * n + 8 + c)).cast());
+                        let hb = _mm512_load_si512(p.add(Q6K_QH + 64 * (8 * n + c)).cast());
+                        let q = [
+                            _mm512_or_si512(_mm512_and_si512(a, low4), _mm512_and_si512(_mm512_slli_epi16::<4>(hb), bits45)),
+                            _mm512_or_si512(_mm512_and_si512(bq, low4), _mm512_and_si512(_mm512_slli_epi16::<2>(hb), bits45)),
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(a), low4), _mm512_and_si512(hb, bits45)),
+                            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(bq), low4), _mm512_and_si512(_mm512_srli_epi16::<2>(hb), bits45)),
+                        ];
+                        for t in 0..T {
+                            let yq = y[t].qs.as_ptr().add(128 * n + 4 * c);
+                            for m in 0..4 {
+                                acc[t][m] = dpbusd::<VNNI>(acc[t][m], q[m], word(yq.add(32 * m)));
+                            }
+                        }
+                    }
+                    for m in 0..4 {
+                        let j = 8 * n + 2 * m + h;
+                        let sc = _mm512_cvtepi8_epi32(_mm_load_si128(p.add(Q6K_SCALES + 16 * j).cast()));
+                        for t in 0..T {
+                            sumi[t] = _mm512_add_epi32(sumi[t], _mm512_mullo_epi32(acc[t][m], sc));
+                        }
+                    }
+                }
+            }
+            // The twin: d · ys · sumi, then added to the total.
+            let d = _mm512_cvtph_ps(_mm256_load_si256(p.add(Q6K_D).cast()));
+            for t in 0..T {
+                let v = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(y[t].scale())), _mm512_cvtepi32_ps(sumi[t]));
+                total[t] = _mm512_add_ps(total[t], v);
+            }
+        }
+        for (t, v) in total.iter().enumerate() {
+            _mm512_storeu_ps(out.add(t * stride), *v);
+        }
+    }
+
+    /// A kernel for one group against 1–4 activation rows.
+    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], *mut f32, usize);
+
+    macro_rules! kernels {
+        ($($name:ident: $body:ident, $t:literal, $vnni:literal, $features:literal;)*) => {$(
+            /// # Safety
+            /// The CPU features named; `packed` the group's `nb` blocks (64-byte aligned),
+            /// every row of `acts` `nb` Q8_K blocks, `out` `T` rows of 16 floats `stride` apart.
+            #[target_feature(enable = $features)]
+            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], out: *mut f32, stride: usize) {
+                $body::<$t, $vnni>(packed, nb, acts, out, stride)
+            }
+        )*};
+    }
+
+    kernels! {
+        q4k_1_vnni: q4k, 1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_2_vnni: q4k, 2, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_3_vnni: q4k, 3, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_4_vnni: q4k, 4, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_1: q4k, 1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_2: q4k, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_3: q4k, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_4: q4k, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_1_vnni: q6k, 1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_2_vnni: q6k, 2, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_3_vnni: q6k, 3, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_4_vnni: q6k, 4, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_1: q6k, 1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_2: q6k, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_3: q6k, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_4: q6k, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+    }
+
+    /// The kernels for 1, 2, 3 and 4 activation rows of a packed type, with `vpdpbusd` or
+    /// with `maddubs` + `madd` (no quant product pair saturates: 2 · 63 · 128 < 32768).
+    pub fn kernel(ty: GgmlType, vnni: bool) -> [GroupKernel; 4] {
+        match (ty, vnni) {
+            (GgmlType::Q4K, true) => [q4k_1_vnni, q4k_2_vnni, q4k_3_vnni, q4k_4_vnni],
+            (GgmlType::Q4K, false) => [q4k_1, q4k_2, q4k_3, q4k_4],
+            (GgmlType::Q6K, true) => [q6k_1_vnni, q6k_2_vnni, q6k_3_vnni, q6k_4_vnni],
+            (GgmlType::Q6K, false) => [q6k_1, q6k_2, q6k_3, q6k_4],
+            (other, _) => panic!("{other} is never interleaved"),
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! Decode and prefill attention kernels against their twins, bit for bit: the AVX-512 group
+//! kernels (two-pass, ggml's arithmetic; one-pass, online softmax) against the per-head
+//! widened twins, the dispatched prefill path against the widened one, and the one-pass
+//! arithmetic against the two-pass one and f64 attention. Inputs are random, the seeds fixed.
+
+use duet_kernels::attention::KvRun;
+use duet_kernels::{self as kernels, Isa};
+use half::f16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Runs of 1 to 40 rows covering the `n` rows of 64 of `k` and `v`, as paged blocks give them.
+fn uneven_runs<'a>(k: &'a [f16], v: &'a [f16], n: usize, rng: &mut StdRng) -> Vec<KvRun<'a>> {
+    let mut runs = Vec::new();
+    let mut at = 0;
+    while at < n {
+        let len = rng.random_range(1..=40).min(n - at);
+        runs.push(KvRun { k: &k[at * 64..(at + len) * 64], v: &v[at * 64..(at + len) * 64] });
+        at += len;
+    }
+    runs
+}
+
+/// Random K and V rows (heads of 64) of `n_ctx` positions for each of `n_kv` KV heads.
+fn random_kv(rng: &mut StdRng, n_kv: usize, n_ctx: usize) -> Vec<(Vec<f16>, Vec<f16>)> {
+    (0..n_kv)
+        .map(|_| {
+            let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
+            (row(), row())
+        })
+        .collect()
+}
+
+fn widened(x: &[f16]) -> Vec<f32> {
+    x.iter().map(|x| x.to_f32()).collect()
+}
+
+/// Each head's output (`[head][64]`) and log-sum-exp against `twin(head, out) -> lse`, bit for bit.
+fn assert_heads_equal(out: &[f32], lse: &[f32], what: &str, mut twin: impl FnMut(usize, &mut [f32]) -> f32) {
+    for (g, &l) in lse.iter().enumerate() {
+        let mut expected = vec![0f32; 64];
+        let expected_lse = twin(g, &mut expected);
+        let fast = &out[g * 64..(g + 1) * 64];
+        assert!(fast.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "{what} head {g}: outputs differ");
+        assert_eq!(l.to_bits(), expected_lse.to_bits(), "{what} head {g}: lse");
+    }
+}
+
+/// The AVX-512 group kernel against `decode_attention_range` run per query head on widened
+/// rows (itself bit-identical to the scalar twins): every group size it is built for,
+/// ranges that start and end inside 64-position lane chunks, ranges in the f64 tail only,
+/// several V windows (contexts past 2048), runs of uneven length, sharp and flat softmaxes.
+#[test]
+fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
+    use duet_kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
+    use duet_kernels::attention_avx512::{attend_group_hd64, FastScratch};
+    if kernels::isa() < Isa::Avx512 {
+        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the AVX-512 attention kernel is not run");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(512);
+    let mut scratch = FastScratch::default();
+    let cases: &[(usize, usize, usize)] = &[
+        (1, 0, 1),
+        (17, 0, 17),
+        (64, 0, 64),
+        (65, 0, 65),
+        (200, 37, 200),
+        (200, 0, 130),
+        (1000, 999, 1000),
+        (1000, 960, 1000),
+        (300, 250, 300),
+        (130, 100, 130),
+        (3000, 0, 3000),
+        (5000, 1, 5000),
+        (5000, 2100, 4993),
+    ];
+    for (case, &(n_ctx, start, end)) in cases.iter().enumerate() {
+        for group in 1..=8 {
+            let n = end - start;
+            let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
+            let k: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+            let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+            let q: Vec<f32> = (0..group * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+            let runs = uneven_runs(&k, &v, n, &mut rng);
+            let n_padded = padded_len(n_ctx, KV_PADDING);
+            let scale = attn_scale(64);
+            let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
+            // SAFETY: AVX-512 was detected (checked above).
+            unsafe { attend_group_hd64(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
+            let (kw, vw) = (widened(&k), widened(&v));
+            assert_heads_equal(&out, &lse, &format!("n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
+                decode_attention_range(&q[g * 64..(g + 1) * 64], &kw, &vw, start..end, n_padded, scale, twin)
+            });
+        }
+    }
+}
+
+/// The one-pass (online softmax) AVX-512 group kernel against `decode_attention_online` run
+/// per query head on widened rows: every group size, blocks whole and partial (ranges of 1
+/// to 2048 positions), runs of uneven length, sharp and flat softmaxes, and scores rising
+/// along the range (the running maximum raised, and the sums rescaled, in most blocks).
+#[test]
+fn avx512_online_group_attention_equals_twin_bit_for_bit() {
+    use duet_kernels::attention::{attn_scale, decode_attention_online};
+    use duet_kernels::attention_avx512::{attend_group_online_hd64, FastScratch};
+    if kernels::isa() < Isa::Avx512 {
+        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the one-pass AVX-512 attention kernel is not run");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(2048);
+    let mut scratch = FastScratch::default();
+    for (case, &n) in [1usize, 5, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
+        for group in 1..=8 {
+            let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
+            let rising = (case + group) % 3 == 0;
+            let k: Vec<f16> = (0..n * 64)
+                .map(|i| {
+                    let x = rng.random_range(-1.0f32..1.0);
+                    // Keys growing with the position: later blocks score higher.
+                    f16::from_f32(if rising { x.abs() * (1.0 + (i / 64) as f32 / 64.0) } else { x })
+                })
+                .collect();
+            let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+            let q: Vec<f32> = (0..group * 64).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
+            let runs = uneven_runs(&k, &v, n, &mut rng);
+            let scale = attn_scale(64);
+            let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
+            // SAFETY: AVX-512 was detected (checked above).
+            unsafe { attend_group_online_hd64(&runs, n, scale, &q, &mut out, &mut lse, &mut scratch) };
+            let (kw, vw) = (widened(&k), widened(&v));
+            assert_heads_equal(&out, &lse, &format!("n {n} group {group} (rising {rising})"), |g, twin| {
+                decode_attention_online(&q[g * 64..(g + 1) * 64], &kw, &vw, n, scale, twin)
+            });
+        }
+    }
+}
+
+/// The one-pass arithmetic computes the same attention as llama.cpp's two passes, to float
+/// rounding: `decode_attention_online` against `decode_attention_range` (output within 2e-6
+/// of the largest |V|-weighted value, log-sum-exp within 1e-5), on flat, sharp and rising
+/// score profiles.
+#[test]
+fn online_decode_attention_matches_two_pass_attention() {
+    use duet_kernels::attention::{attn_scale, decode_attention_online, decode_attention_range};
+    let mut rng = StdRng::seed_from_u64(4096);
+    for &(n, gain, rising) in &[(1usize, 1.0f32, false), (40, 1.0, false), (700, 8.0, false), (2048, 1.0, true), (1500, 12.0, true)] {
+        let k: Vec<f32> = (0..n * 64)
+            .map(|i| {
+                let x = rng.random_range(-1.0f32..1.0);
+                f16::from_f32(if rising { x.abs() * (1.0 + (i / 64) as f32 / 256.0) } else { x }).to_f32()
+            })
+            .collect();
+        let v: Vec<f32> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0)).to_f32()).collect();
+        let q: Vec<f32> = (0..64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+        let (mut online, mut two_pass) = (vec![0f32; 64], vec![0f32; 64]);
+        let scale = attn_scale(64);
+        let lse_online = decode_attention_online(&q, &k, &v, n, scale, &mut online);
+        let lse_two = decode_attention_range(&q, &k, &v, 0..n, n.next_multiple_of(32), scale, &mut two_pass);
+        let worst = online.iter().zip(&two_pass).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        // The two-pass weights are rounded to f16 (relative 2^-11): that is the difference.
+        assert!(worst < 1e-3, "n {n} gain {gain} rising {rising}: outputs differ by {worst}");
+        assert!((lse_online - lse_two).abs() < 1e-4 * lse_two.abs().max(1.0), "n {n}: lse {lse_online} vs {lse_two}");
+        // Exact (f64) attention: the one-pass result is the closer of the two.
+        let s: Vec<f64> = (0..n).map(|i| (0..64).map(|d| f16::from_f32(q[d]).to_f64() * k[i * 64 + d] as f64).sum::<f64>() * scale as f64).collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+        let exact: Vec<f64> = (0..64).map(|d| (0..n).map(|i| (s[i] - m).exp() / z * v[i * 64 + d] as f64).sum()).collect();
+        let err = |o: &[f32]| o.iter().zip(&exact).map(|(a, e)| (*a as f64 - e).abs()).fold(0f64, f64::max);
+        assert!(err(&online) < 2e-6, "n {n} gain {gain} rising {rising}: one-pass error {} (two-pass {})", err(&online), err(&two_pass));
+    }
+}
+
+/// Prefill attention (several query tokens, causal, after `pos0` cached positions) on the
+/// dispatched path — the AVX-512 group kernel with tinyBLAS's arithmetic where the CPU has
+/// it — against the widened one-head-at-a-time path, bit for bit: first prompts and second
+/// turns, group sizes 1 to 8, prompts crossing the kernel's 2048-position windows.
+#[test]
+fn prefill_attention_equals_widened_twin_bit_for_bit() {
+    use duet_kernels::attention::{causal_attention, causal_attention_widened, AttnShape, KvHead};
+    if kernels::isa() < Isa::Avx512 {
+        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; prefill runs the widened path itself");
+    }
+    let mut rng = StdRng::seed_from_u64(1024);
+    for &(group, n_kv, pos0, n_tok) in &[(3, 3, 0, 2), (3, 3, 0, 37), (3, 3, 300, 17), (1, 2, 5, 9), (4, 2, 0, 64), (8, 1, 2040, 20), (2, 1, 0, 2100)] {
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
+        let n_ctx = pos0 + n_tok;
+        let gain = if n_tok % 2 == 0 { 1.0 } else { 6.0 };
+        let kv_data = random_kv(&mut rng, n_kv, n_ctx);
+        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
+        let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+        let (mut fast, mut twin) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        causal_attention(&q, &kv, shape, pos0, &mut fast);
+        causal_attention_widened(&q, &kv, shape, pos0, &mut twin);
+        let first_bad = fast.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(first_bad.is_none(), "group {group} x {n_kv} kv heads, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
+    }
+}
+
+/// `decode_group` (the one entry every decode path takes) picks the arithmetic by the context:
+/// a context that fits in one `DECODE_CHUNK` gets ggml's two passes, each chunk of a longer
+/// one the one-pass online softmax — on any instruction set (per-head twins here).
+#[test]
+fn decode_group_picks_the_arithmetic_by_context_length() {
+    use duet_kernels::attention::{attn_scale, decode_attention_online, decode_attention_range, decode_group, padded_len, GroupScratch, DECODE_CHUNK, KV_PADDING};
+    let mut rng = StdRng::seed_from_u64(77);
+    let mut scratch = GroupScratch::default();
+    let group = 3;
+    // (context, range): one chunk; the first and the last chunk of a longer context.
+    for &(n_ctx, start, end) in &[(1500usize, 0usize, 1500usize), (DECODE_CHUNK + 500, 0, DECODE_CHUNK), (DECODE_CHUNK + 500, DECODE_CHUNK, DECODE_CHUNK + 500)] {
+        let n = end - start;
+        let k: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let q: Vec<f32> = (0..group * 64).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let n_padded = padded_len(n_ctx, KV_PADDING);
+        let scale = attn_scale(64);
+        let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
+        decode_group(&[KvRun { k: &k, v: &v }], start..end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
+        let (kw, vw) = (widened(&k), widened(&v));
+        assert_heads_equal(&out, &lse, &format!("context {n_ctx} range {start}..{end}"), |g, twin| {
+            let qh = &q[g * 64..(g + 1) * 64];
+            if n_ctx > DECODE_CHUNK {
+                decode_attention_online(qh, &kw, &vw, n, scale, twin)
+            } else {
+                decode_attention_range(qh, &kw, &vw, start..end, n_padded, scale, twin)
+            }
+        });
+    }
+    println!("kernels::isa() = {:?}", kernels::isa());
+}
+
+/// With a sliding window (Gemma 3's layers) the AVX-512 prefill kernel, given the window's
+/// rows at their absolute positions, still equals the widened twin bit for bit; and the window
+/// changes the result (it is not ignored).
+#[test]
+fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
+    use duet_kernels::attention::{causal_attention, causal_attention_widened_windowed, causal_attention_windowed, AttnShape, KvHead};
+    let mut rng = StdRng::seed_from_u64(4096);
+    for &(group, n_kv, pos0, n_tok, window) in &[(2, 2, 0, 40, 8), (4, 1, 30, 17, 16), (1, 2, 0, 3, 1), (2, 1, 100, 33, 512)] {
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
+        let n_ctx = pos0 + n_tok;
+        let kv_data = random_kv(&mut rng, n_kv, n_ctx);
+        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
+        let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * 4.0).collect();
+        let (mut fast, mut twin, mut full) = (vec![0f32; q.len()], vec![0f32; q.len()], vec![0f32; q.len()]);
+        causal_attention_windowed(&q, &kv, shape, pos0, Some(window), &mut fast);
+        causal_attention_widened_windowed(&q, &kv, shape, pos0, Some(window), &mut twin);
+        causal_attention(&q, &kv, shape, pos0, &mut full);
+        let first_bad = fast.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(first_bad.is_none(), "window {window}, group {group} x {n_kv}, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
+        assert_eq!(fast == full, window >= n_ctx, "window {window} of a context of {n_ctx}: changes the result exactly when it cuts");
+    }
+}

@@ -1,0 +1,43 @@
+//! The KV cache between processes: its bookkeeping, apart from the memory it describes — the
+//! byte layout of a cpu-worker's KV arena ([`layout`]), which blocks of which worker hold
+//! which sequence's tokens ([`blocks`]) and where a sequence's range lies in an arena
+//! ([`paged`]) — and the shared-memory transport that carries it ([`shm`]: segments, the
+//! exchange ring, attention jobs).
+//!
+//! All three are pure (no shared memory, no I/O, no async; [`shm`] is the one module with memory) so that every rule is asserted
+//! and unit-tested on its own, as llama.cpp keeps `llama-kv-cells.h` and vLLM keeps
+//! `KVCacheBlocks` apart from the tensors. The shared-memory segments and the workers use
+//! these types and never recompute an offset or a slot themselves; the attention kernels
+//! take the rows as slices and know nothing of them.
+
+pub mod blocks;
+pub mod layout;
+pub mod paged;
+pub mod shm;
+
+pub use blocks::{BlockId, BlockTable, KvPool, Placement, TokenSlot, WorkerId};
+pub use layout::{ArenaLayout, KvDtype, KvShape};
+
+/// Everything that can go wrong in KV bookkeeping: a bad arena header or layout, or a
+/// request for more blocks than a worker has free.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("KV arena header is {len} bytes, shorter than the {need} bytes of a header")]
+    HeaderTruncated { len: usize, need: usize },
+    #[error("not a Duet KV arena: magic is {found:02x?}, expected {expected:02x?}")]
+    BadMagic { found: [u8; 8], expected: [u8; 8] },
+    #[error("unsupported KV arena version {found} (this build reads version {supported})")]
+    UnsupportedVersion { found: u32, supported: u32 },
+    #[error("unknown KV dtype code {0} (0 = f16, 1 = bf16, 2 = f32)")]
+    UnknownDtype(u32),
+    #[error("KV layout field {field} is zero")]
+    ZeroDimension { field: &'static str },
+    #[error("KV layout is too large: its {what} overflows the address space")]
+    SizeOverflow { what: &'static str },
+    #[error("KV arena header field {field} says {stored} but the layout gives {computed}")]
+    HeaderMismatch { field: &'static str, stored: u64, computed: u64 },
+    #[error("out of KV blocks: {wanted} wanted, {free} free")]
+    OutOfBlocks { wanted: usize, free: usize },
+    #[error("no KV worker {worker} (the pool has {n_workers})")]
+    UnknownWorker { worker: WorkerId, n_workers: usize },
+}
