@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod metrics;
 pub mod readiness;
+pub mod request;
 pub mod scheduler;
 pub mod sequence;
 pub mod serve;

@@ -8,7 +8,7 @@ use duet_proto::pb;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::backend::{StopReason, Usage};
+use crate::request::{StopReason, Usage};
 
 const REQUESTS: &str = "duet_requests_total";
 const REQUESTS_FINISHED: &str = "duet_requests_finished_total";

@@ -6,8 +6,6 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use crate::backend::Backend;
-
 /// Where the node is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
@@ -40,7 +38,11 @@ pub struct Health {
 }
 
 impl Health {
-    fn not_serving(status: &'static str, detail: impl Into<String>) -> Health {
+    pub fn serving() -> Health {
+        Health { serving: true, status: "ok", detail: "serving".into() }
+    }
+
+    pub fn not_serving(status: &'static str, detail: impl Into<String>) -> Health {
         Health { serving: false, status, detail: detail.into() }
     }
 }
@@ -73,20 +75,5 @@ impl Readiness {
     /// Resolves at each change of phase.
     pub fn subscribe(&self) -> watch::Receiver<Phase> {
         self.phase.subscribe()
-    }
-
-    /// The node's health now: its phase, then (while serving) the scheduler's state.
-    pub async fn check(&self, backend: &Backend) -> Health {
-        match self.phase() {
-            Phase::Loading => return Health::not_serving("loading", "starting the workers and loading the model"),
-            Phase::Draining => return Health::not_serving("draining", "shutting down: finishing the requests in flight"),
-            Phase::Serving => {}
-        }
-        match backend.info().await {
-            Ok(i) if !i.cpu_workers.iter().any(|w| w.ready) => Health::not_serving("no_cpu_worker", "no cpu-worker is serving"),
-            Ok(i) if i.kv_full => Health::not_serving("kv_full", "requests are waiting for KV cache space"),
-            Ok(_) => Health { serving: true, status: "ok", detail: "serving".into() },
-            Err(e) => Health::not_serving("unavailable", e.to_string()),
-        }
     }
 }

@@ -9,7 +9,7 @@ use duet_model::chat::ChatMessage;
 use duet_proto::pb;
 use tokio::sync::mpsc;
 
-use crate::backend::{Event, Sampling, StopReason, Usage};
+use crate::request::{Event, Sampling, StopReason, Usage};
 use crate::balancer::planner::{SeqDemand, Share};
 use crate::error::GatewayError;
 use crate::text_stream::TextStream;

@@ -1,23 +1,115 @@
-//! `duet-gateway serve`: brings the service up (local workers or given ones), serves the
-//! public API, and on SIGTERM or Ctrl-C drains the running streams, stops the workers and
-//! removes their sockets and segments.
+//! `duet-gateway serve` and its flags: brings the service up (local workers or given ones),
+//! serves the public API on the listeners it is given ([`run`]; tests bind port 0), and when
+//! told to stop (SIGTERM or Ctrl-C for [`serve`]) drains the running streams, stops the
+//! workers and removes their sockets and segments.
 
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use clap::Args;
 
 use duet_model::chat::ChatTemplate;
 use duet_model::gguf::GgufFile;
 use duet_model::grammar::Grammars;
 use duet_model::tokenizer::Tokenizer;
-use duet_proto::{pb, Listener};
+use duet_proto::{pb, Address, Listener};
 use tokio::sync::{oneshot, watch};
 
 use crate::api::auth::ApiKey;
-use crate::backend::{Backend, TextModel};
+use crate::backend::SchedulerBackend;
+use crate::balancer::{Overlap, Policy};
 use crate::readiness::{Phase, Readiness};
-use crate::cli::ServeArgs;
+use crate::request::TextModel;
 use crate::scheduler::{self, Command, SchedulerConfig};
 use crate::supervisor::{self, LocalWorkers};
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// TOML configuration file whose keys are these flags' names with `_` for `-`
+    /// (flags and environment variables override it).
+    #[arg(long, env = "DUET_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// GGUF model file (the gateway reads its tokenizer and chat template; local workers load it).
+    #[arg(long, env = "DUET_MODEL", default_value = duet_model::DEFAULT_MODEL_PATH)]
+    pub model: PathBuf,
+    /// A Jinja chat template file used instead of the model's own (e.g. a model's tool-use
+    /// template, or one for a GGUF that has none).
+    #[arg(long, env = "DUET_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
+    /// Public gRPC address.
+    #[arg(long, env = "DUET_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: Address,
+    /// OpenAI-compatible HTTP address (/v1/completions, /v1/chat/completions, /v1/models,
+    /// /health, /metrics).
+    #[arg(long, env = "DUET_HTTP_LISTEN", default_value = "127.0.0.1:8000")]
+    pub http_listen: SocketAddr,
+    /// Require this bearer token on the HTTP /v1 endpoints and on gRPC Inference calls.
+    #[arg(long, env = "DUET_API_KEY", hide_env_values = true, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// Read the API key from the first line of this file.
+    #[arg(long, env = "DUET_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// cpu-workers to spawn (default: one per NUMA node).
+    #[arg(long, env = "DUET_CPU_WORKERS")]
+    pub cpu_workers: Option<u32>,
+    /// KV arena size of each spawned cpu-worker, e.g. 512M or 8G.
+    #[arg(long, env = "DUET_KV_BYTES", default_value = "1G")]
+    pub kv_bytes: String,
+    /// Where decode attention runs: lp (the split that minimises the predicted step time,
+    /// from measured costs), cpu (the cpu-workers holding the KV), gpu, or ratio:R (that
+    /// fraction of each context on the gpu-worker). Changeable at run time (SetPolicy).
+    #[arg(long, env = "DUET_POLICY", default_value = "lp")]
+    pub policy: Policy,
+    /// When a decode step runs as two interleaved sub-batches (the gpu-worker's linear
+    /// layers for one while the cpu-workers attend the other): auto (when lp predicts it
+    /// faster), always, never.
+    #[arg(long, env = "DUET_OVERLAP", default_value = "auto")]
+    pub overlap: Overlap,
+    /// Tokens per step: decode tokens plus prompt chunks.
+    #[arg(long, env = "DUET_MAX_STEP_TOKENS", default_value_t = 2048)]
+    pub max_step_tokens: usize,
+    /// Requests generating at once; more wait in line.
+    #[arg(long, env = "DUET_MAX_RUNNING", default_value_t = 64)]
+    pub max_running: usize,
+    /// Seconds an HTTP client may take to send a request's head (or leave a keep-alive
+    /// connection idle), and may let a request body stall, before the connection is closed.
+    #[arg(long, env = "DUET_HTTP_TIMEOUT_SECS", default_value_t = 30, value_parser = clap::builder::RangedU64ValueParser::<u64>::new().range(1..))]
+    pub http_timeout_secs: u64,
+    /// Seconds a session may sit idle before it is closed and its KV freed.
+    #[arg(long, env = "DUET_SESSION_IDLE_SECS", default_value_t = 600)]
+    pub session_idle_secs: u64,
+    /// This node's name, in the ids of its sessions (`key@node`), so that another node a
+    /// balancer sends one of them to can say where it is (default: the host name).
+    #[arg(long, env = "DUET_NODE_NAME", value_parser = parse_node_name)]
+    pub node_name: Option<String>,
+    /// Seconds between SIGTERM and closing the listeners: /health and gRPC health already
+    /// report NOT_SERVING (draining) while requests are still served, so that a balancer's
+    /// health checks or Kubernetes' endpoints see the drain before connections close.
+    #[arg(long, env = "DUET_DRAIN_GRACE_SECS", default_value_t = 0)]
+    pub drain_grace_secs: u64,
+    /// Instance name in the shared-memory segment names (default: duet-<pid>).
+    #[arg(long, env = "DUET_INSTANCE")]
+    pub instance: Option<String>,
+    /// Private directory for the worker sockets (default: $XDG_RUNTIME_DIR/duet-<instance>, else /tmp).
+    #[arg(long, env = "DUET_RUNTIME_DIR")]
+    pub runtime_dir: Option<PathBuf>,
+    /// Threads of the spawned gpu-worker's CPU device (default: all cores).
+    #[arg(long, env = "DUET_GPU_THREADS")]
+    pub gpu_threads: Option<usize>,
+    /// The spawned gpu-worker's device: auto (CUDA where usable, else the CPU, saying why),
+    /// cpu, or cuda (fails if it cannot be used). The gpu-worker's own `--device` values.
+    #[arg(long, env = "DUET_DEVICE", default_value = "auto", value_parser = ["auto", "cpu", "cuda"], conflicts_with = "gpu_worker")]
+    pub device: String,
+    /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
+    #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]
+    pub gpu_worker: Option<Address>,
+    /// A running cpu-worker's address, in worker order (repeat the flag; with --gpu-worker).
+    #[arg(long = "cpu-worker", env = "DUET_CPU_WORKER_ADDRS", value_delimiter = ',', requires = "gpu_worker")]
+    pub cpu_worker: Vec<Address>,
+}
 
 /// The longest a drain waits for running streams at shutdown.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(30);
@@ -41,7 +133,31 @@ pub fn load_text_model(path: &std::path::Path, chat_template: Option<&std::path:
     Ok(TextModel { tokenizer, chat_template, grammars })
 }
 
+/// The public API's listeners: gRPC and OpenAI HTTP.
+pub struct Listeners {
+    pub grpc: Listener,
+    pub http: tokio::net::TcpListener,
+}
+
+impl Listeners {
+    /// Binds the addresses of `--listen` and `--http-listen`.
+    pub async fn bind(args: &ServeArgs) -> anyhow::Result<Listeners> {
+        let grpc = Listener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
+        let http = tokio::net::TcpListener::bind(args.http_listen).await.map_err(|e| anyhow::anyhow!("listening on {} (HTTP): {e}", args.http_listen))?;
+        Ok(Listeners { grpc, http })
+    }
+}
+
+/// `duet-gateway serve`: binds the flags' addresses and runs until SIGTERM or Ctrl-C.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let listeners = Listeners::bind(&args).await?;
+    run(args, listeners, shutdown_signal()).await
+}
+
+/// Runs the service on `listeners` until `shutdown` resolves, then drains (health says
+/// "draining" at once; after `--drain-grace-secs` the listeners close and the requests taken
+/// in finish) and stops the workers it started.
+pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let api_key = match (&args.api_key, &args.api_key_file) {
         (Some(k), _) => Some(ApiKey::new(k).map_err(anyhow::Error::msg)?),
         (None, Some(path)) => Some(ApiKey::from_file(path).map_err(anyhow::Error::msg)?),
@@ -49,16 +165,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let metrics = crate::metrics::install();
     let text = Arc::new(load_text_model(&args.model, args.chat_template.as_deref())?);
-    let readiness = Readiness::new(&args.node_name.clone().unwrap_or_else(crate::cli::host_node_name));
+    let readiness = Readiness::new(&args.node_name.clone().unwrap_or_else(host_node_name));
     let (commands, commands_rx) = scheduler::commands();
-    let backend = Backend::new(commands.clone(), text.clone(), readiness.clone());
+    let backend: Arc<dyn crate::backend::Backend> = Arc::new(SchedulerBackend::new(commands.clone(), text.clone(), readiness.clone()));
 
     // The front ends first, answering health with "loading" (and requests with 503) while
     // the workers start; they stop taking connections when `closing` is set.
-    let listener = Listener::bind(&args.listen).await.map_err(|e| anyhow::anyhow!("listening on {}: {e}", args.listen))?;
+    let Listeners { grpc: listener, http: http_listener } = listeners;
     let addr = listener.local_address()?;
-    let http_listener =
-        tokio::net::TcpListener::bind(args.http_listen).await.map_err(|e| anyhow::anyhow!("listening on {} (HTTP): {e}", args.http_listen))?;
     let http_addr = http_listener.local_addr()?;
     let (closing_tx, closing_rx) = watch::channel(false);
     let closing = move || {
@@ -146,7 +260,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let deadline_commands = commands.clone();
     let grace = Duration::from_secs(args.drain_grace_secs);
     let signals = tokio::spawn(async move {
-        shutdown_signal().await;
+        shutdown.await;
         readiness.set(Phase::Draining);
         if !grace.is_zero() {
             tracing::info!("stopping: health reports draining; the listeners close in {grace:?}");
@@ -232,4 +346,19 @@ async fn shutdown_signal() {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
+}
+
+/// A node name: 1 to 64 letters, digits, `.`, `_` or `-`.
+pub fn parse_node_name(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 64 || !s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+        return Err(format!("a node name is 1 to 64 letters, digits, '.', '_' or '-', got {s:?}"));
+    }
+    Ok(s.to_string())
+}
+
+/// The host name as a node name (characters a node name cannot hold become `-`).
+pub fn host_node_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String = host.trim().chars().take(64).map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '-' }).collect();
+    if name.is_empty() { "duet".into() } else { name }
 }

@@ -57,13 +57,13 @@ const READY_TIMEOUT: Duration = Duration::from_secs(300);
 /// How often the watcher polls the workers.
 const WATCH_PERIOD: Duration = Duration::from_millis(250);
 
-/// Finds a sibling binary: next to this executable, else on PATH.
+/// Finds a sibling binary: next to this executable, or one folder up (a test binary of
+/// `target/*/deps` running the gateway in-process), else on PATH.
 pub fn worker_binary(name: &str) -> PathBuf {
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent().map(|d| d.join(name)))
-        .filter(|p| p.exists())
-        .unwrap_or_else(|| PathBuf::from(name))
+    let exe = std::env::current_exe().ok();
+    let dir = exe.as_deref().and_then(std::path::Path::parent);
+    let found = [dir, dir.and_then(std::path::Path::parent)].into_iter().flatten().map(|d| d.join(name)).find(|p| p.exists());
+    found.unwrap_or_else(|| PathBuf::from(name))
 }
 
 fn cpu_count() -> usize {

@@ -1,7 +1,8 @@
-//! The public gRPC API, `duet.v1.Inference`, over the [`Backend`] handle; plus gRPC health
+//! The public gRPC API, `duet.v1.Inference`, over a [`Backend`]; plus gRPC health
 //! checking and server reflection on the same port.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use duet_model::chat::ChatMessage;
 use duet_model::grammar::Grammar;
@@ -11,17 +12,18 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
 use super::auth::ApiKey;
-use crate::backend::{check_session_key, fresh_seed, session_key, Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, SEED_HEADER, SESSION_HEADER};
+use crate::backend::Backend;
+use crate::request::{check_session_key, fresh_seed, session_key, Event, GenerateParams, Prompt, Sampling, SessionMode, StopReason, SEED_HEADER, SESSION_HEADER};
 use crate::error::GatewayError;
 use crate::readiness::Phase;
 
 /// The service.
 pub struct InferenceService {
-    backend: Backend,
+    backend: Arc<dyn Backend>,
 }
 
 impl InferenceService {
-    pub fn new(backend: Backend) -> Self {
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
         InferenceService { backend }
     }
 }
@@ -101,7 +103,7 @@ impl InferenceService {
                 id,
                 text,
                 logprob,
-                top_logprobs: top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.backend.text.piece(id) }).collect(),
+                top_logprobs: top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.backend.text().piece(id) }).collect(),
             }),
             Event::Finished { reason, text, usage } => E::Finished(pb::Finished {
                 reason: stop_reason(reason) as i32,
@@ -154,17 +156,17 @@ impl Inference for InferenceService {
 
     async fn tokenize(&self, req: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
         let r = req.into_inner();
-        let tok = &self.backend.text.tokenizer;
+        let tok = &self.backend.text().tokenizer;
         let parse_special = r.parse_special.unwrap_or(true);
         let ids = if r.add_special.unwrap_or(true) { tok.encode_prompt(&r.text, parse_special) } else { tok.encode(&r.text, parse_special) }
             .map_err(GatewayError::from)?;
-        let pieces = ids.iter().map(|&id| self.backend.text.piece(id)).collect();
+        let pieces = ids.iter().map(|&id| self.backend.text().piece(id)).collect();
         Ok(Response::new(pb::TokenizeResponse { ids, pieces }))
     }
 
     async fn detokenize(&self, req: Request<pb::DetokenizeRequest>) -> Result<Response<pb::DetokenizeResponse>, Status> {
         let ids = req.into_inner().ids;
-        let text = self.backend.text.tokenizer.decode(&ids).map_err(GatewayError::from)?;
+        let text = self.backend.text().tokenizer.decode(&ids).map_err(GatewayError::from)?;
         Ok(Response::new(pb::DetokenizeResponse { text }))
     }
 
@@ -215,13 +217,13 @@ impl Inference for InferenceService {
 
 /// Keeps gRPC health (the server as a whole, "", and `duet.v1.Inference`) saying what
 /// `/health` says: checked at each change of phase and every second; ends once draining.
-async fn report_health(reporter: tonic_health::server::HealthReporter, backend: Backend) {
+async fn report_health(reporter: tonic_health::server::HealthReporter, backend: Arc<dyn Backend>) {
     use tonic_health::ServingStatus;
-    let mut phase = backend.readiness.subscribe();
+    let mut phase = backend.readiness().subscribe();
     let mut last = None;
     loop {
-        let now = backend.readiness.phase();
-        let health = backend.readiness.check(&backend).await;
+        let now = backend.readiness().phase();
+        let health = backend.health().await;
         let status = if health.serving { ServingStatus::Serving } else { ServingStatus::NotServing };
         if last != Some(status) {
             tracing::info!(status = health.status, detail = %health.detail, "health");
@@ -230,7 +232,7 @@ async fn report_health(reporter: tonic_health::server::HealthReporter, backend: 
             }
             last = Some(status);
         }
-        backend.readiness.reported(now);
+        backend.readiness().reported(now);
         if now == Phase::Draining {
             return;
         }
@@ -244,7 +246,7 @@ async fn report_health(reporter: tonic_health::server::HealthReporter, backend: 
 /// Serves the public API with health and reflection on `listener` until `shutdown`; with an
 /// API key, Inference calls must carry it (health and reflection stay open for probes).
 pub async fn serve(
-    backend: Backend,
+    backend: Arc<dyn Backend>,
     listener: Listener,
     api_key: Option<ApiKey>,
     shutdown: impl std::future::Future<Output = ()> + Send,

@@ -25,12 +25,13 @@ use futures_util::{Stream, StreamExt};
 use super::auth::ApiKey;
 use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptTokens, UsageOut};
 use super::tools::{Reply, Tools};
-use crate::backend::{check_session_key, session_key, Backend, Event, GenerateParams, SessionMode, SEED_HEADER, SESSION_HEADER};
+use crate::backend::Backend;
+use crate::request::{check_session_key, session_key, Event, GenerateParams, SessionMode, SEED_HEADER, SESSION_HEADER};
 use crate::error::GatewayError;
 
 /// What the handlers share.
 struct AppState {
-    backend: Backend,
+    backend: Arc<dyn Backend>,
     model: String,
     created: u64,
     metrics: PrometheusHandle,
@@ -101,7 +102,7 @@ impl IntoResponse for ApiError {
 }
 
 /// The HTTP application over `backend`.
-pub fn router(backend: Backend, model: String, api_key: Option<ApiKey>, metrics: PrometheusHandle) -> Router {
+pub fn router(backend: Arc<dyn Backend>, model: String, api_key: Option<ApiKey>, metrics: PrometheusHandle) -> Router {
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let state = Arc::new(AppState { backend, model, created, metrics });
     // The key is checked on everything under /v1, unknown paths included: without it, a
@@ -146,9 +147,9 @@ async fn require_key(State(key): State<Option<Arc<ApiKey>>>, headers: HeaderMap,
 /// 200 while this node should be sent requests, else 503; the body says why, and names the
 /// node (balancers and Kubernetes probes read the status).
 async fn health(State(s): State<Arc<AppState>>) -> Response {
-    let h = s.backend.readiness.check(&s.backend).await;
+    let h = s.backend.health().await;
     let code = if h.serving { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (code, Json(json!({ "status": h.status, "detail": h.detail, "node": &*s.backend.readiness.node }))).into_response()
+    (code, Json(json!({ "status": h.status, "detail": h.detail, "node": &*s.backend.readiness().node }))).into_response()
 }
 
 async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
@@ -229,7 +230,7 @@ struct Piece {
 
 impl Piece {
     fn of(s: &AppState, id: u32) -> Piece {
-        let bytes = s.backend.text.piece_bytes(id);
+        let bytes = s.backend.text().piece_bytes(id);
         Piece { text: String::from_utf8_lossy(&bytes).into_owned(), bytes }
     }
 }
@@ -357,9 +358,9 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&s, req.common.model.as_deref())?;
-    let mut params = req.params(&s.backend.text)?;
+    let mut params = req.params(s.backend.text())?;
     params.session = session_of(&headers)?;
-    let tools = req.tools(&s.backend.text)?;
+    let tools = req.tools(s.backend.text())?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
     let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools };
     respond(s, shape, params, req.common.stream).await

@@ -8,7 +8,7 @@ use duet_model::chat::ChatMessage;
 use duet_model::grammar::Grammar;
 
 use super::tools::{self, ToolSpec, ToolSyntax, Tools};
-use crate::backend::{fresh_seed, GenerateParams, Prompt, Sampling, SessionMode, StopReason, TextModel};
+use crate::request::{fresh_seed, GenerateParams, Prompt, Sampling, SessionMode, StopReason, TextModel};
 use crate::error::GatewayError;
 
 /// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).

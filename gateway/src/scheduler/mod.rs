@@ -16,7 +16,7 @@ use duet_kv::{KvPool, WorkerId};
 use duet_model::chat::ChatMessage;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::backend::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel, DEFAULT_MAX_TOKENS};
+use crate::request::{CpuWorkerStatus, Event, GenerateParams, Prompt, ServerInfo, SessionMode, TextModel, DEFAULT_MAX_TOKENS};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::stats::StepStats;

@@ -14,7 +14,7 @@ use duet_model::chat::ChatMessage;
 use duet_proto::pb;
 
 use super::Scheduler;
-use crate::backend::{Event, StopReason};
+use crate::request::{Event, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::planner::{Plan, SeqDemand, Share};

@@ -13,7 +13,8 @@ use futures_util::future::BoxFuture;
 use tokio::sync::{mpsc, Notify};
 
 use super::{spawn, Command, SchedulerConfig, StepRunner};
-use crate::backend::{Backend, Event, GenerateParams, Prompt, Sampling, SessionMode, TextModel};
+use crate::backend::{Backend, SchedulerBackend};
+use crate::request::{Event, GenerateParams, Prompt, Sampling, SessionMode, TextModel};
 use crate::balancer::{Overlap, Policy};
 use crate::error::GatewayError;
 use crate::readiness::{Phase, Readiness};
@@ -137,7 +138,7 @@ impl StepRunner for Runner {
 struct Harness {
     gpu: Arc<FakeGpu>,
     commands: mpsc::Sender<Command>,
-    backend: Backend,
+    backend: SchedulerBackend,
 }
 
 fn harness(blocks: u32) -> Harness {
@@ -164,7 +165,7 @@ fn harness(blocks: u32) -> Harness {
     spawn(rx, cfg, text.clone(), Arc::new(Runner(gpu.clone())));
     let readiness = Readiness::new("here");
     readiness.set(Phase::Serving);
-    Harness { gpu, backend: Backend::new(commands.clone(), text, readiness), commands }
+    Harness { gpu, backend: SchedulerBackend::new(commands.clone(), text, readiness), commands }
 }
 
 fn request(prompt: &[u32], max_tokens: u32, session: SessionMode) -> GenerateParams {
@@ -186,7 +187,7 @@ struct Outcome {
     cached: u32,
 }
 
-async fn run(backend: &Backend, params: GenerateParams) -> Result<Outcome, GatewayError> {
+async fn run(backend: &SchedulerBackend, params: GenerateParams) -> Result<Outcome, GatewayError> {
     let mut rx = backend.generate(params).await?;
     let mut out = Outcome { ids: vec![], session: None, cached: 0 };
     while let Some(ev) = rx.recv().await {
