@@ -118,16 +118,7 @@ pub trait KvSource {
     fn runs(&self, seq: usize, layer: usize, kv_head: usize, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError>;
 }
 
-/// Why KV rows could not be reached.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KvAccessError {
-    #[error("position {position} has no KV block")]
-    NoBlock { position: usize },
-    #[error("cpu-worker {0} is not attached")]
-    WorkerNotAttached(u32),
-    #[error("batch row {row} belongs to no sequence of the step")]
-    NoRow { row: usize },
-}
+pub use crate::error::KvAccessError;
 
 /// Prefill attention of one sequence's rows `row0..row0 + n` (positions `start..start + n`),
 /// each over its causal prefix of the sequence's context.

@@ -13,7 +13,6 @@
 //! to the logits before sampling, and the sampled token advances the matcher.
 
 use std::collections::{HashMap, HashSet};
-use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use duet_kernels::ops::log_softmax;
@@ -24,6 +23,7 @@ use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
 
 use super::arenas::KvArenas;
+use super::plan::{ns, Planned, Share};
 use super::step_attention::StepAttention;
 use super::StepError;
 use crate::device::Device;
@@ -49,13 +49,6 @@ struct Sequence {
     matcher: Option<Matcher>,
 }
 
-/// One device's share of a decode token's attention.
-#[derive(Debug, Clone)]
-pub(super) struct Share {
-    pub cpu_worker: Option<u32>,
-    pub range: Range<usize>,
-}
-
 /// One sub-batch of a step: its sequences (rows numbered within it), tokens, positions.
 #[derive(Debug, Default)]
 struct SubBatch {
@@ -68,28 +61,6 @@ impl SubBatch {
     /// The rows whose logits are sampled, in plan order.
     fn logit_rows(&self) -> Vec<usize> {
         self.plan.iter().filter(|p| p.sample).map(|p| p.row0 + p.n - 1).collect()
-    }
-}
-
-/// A sequence's part of the running step.
-#[derive(Debug)]
-pub(super) struct Planned {
-    pub seq_id: u64,
-    /// Its first row in its (sub-)batch.
-    pub row0: usize,
-    /// Its rows (input tokens).
-    pub n: usize,
-    /// Position of its first row.
-    pub start: usize,
-    pub blocks: Vec<(u32, BlockId)>,
-    /// Decode attention split by device; empty: attention over the whole context here.
-    pub shares: Vec<Share>,
-    pub sample: bool,
-}
-
-impl Planned {
-    pub fn n_ctx(&self) -> usize {
-        self.start + self.n
     }
 }
 
@@ -386,8 +357,3 @@ fn masks(matchers: Vec<(u64, Matcher)>) -> Vec<(u64, Matcher, Result<SimpleVob, 
         })
         .collect()
 }
-
-pub(super) fn ns(d: Duration) -> u64 {
-    d.as_nanos().min(u64::MAX as u128) as u64
-}
-

@@ -14,7 +14,7 @@ use duet_proto::pb;
 use duet_kv::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
 
 use super::arenas::KvArenas;
-use super::executor::{ns, Planned};
+use super::plan::{ns, Planned};
 use super::StepError;
 use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::forward::LayerAttention;

@@ -21,7 +21,6 @@ mod twins;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use duet_kernels::quant::GgmlType;
 use duet_model::config::LlamaConfig;
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
@@ -34,24 +33,7 @@ use super::model::{check_batch, Ffn, ModelTensors};
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::{Result, GpuWorkerError};
 
-/// What went wrong on the GPU side.
-#[derive(Debug, thiserror::Error)]
-pub enum CudaError {
-    #[error("CUDA driver: {0}")]
-    Driver(#[from] cudarc::driver::DriverError),
-    #[error("cuBLAS: {0:?}")]
-    Blas(#[from] cudarc::cublas::result::CublasError),
-    #[error("NVRTC could not compile {file}: {log}")]
-    Compile { file: &'static str, log: String },
-    #[error("NVRTC version unknown ({0})")]
-    NvrtcVersion(String),
-    #[error("no kernel named {0} was loaded")]
-    NoKernel(String),
-    #[error("tensor {tensor} is {ty:?}, a type the CUDA device has no kernels for")]
-    UnsupportedType { tensor: String, ty: GgmlType },
-    #[error("the weights need {need} bytes of GPU memory; {gpu} has {free} free")]
-    OutOfMemory { need: usize, free: usize, gpu: String },
-}
+pub use crate::error::CudaError;
 
 /// The longest prompt slice of one forward pass on the CUDA device (as the CPU's: the
 /// gateway's scheduling and the runner's chunks stay the same across devices).

@@ -1,0 +1,41 @@
+//! A sequence's part of a step as the executor accepted it: what the layer loop, the
+//! attention jobs and the sampler read of it.
+
+use std::ops::Range;
+use std::time::Duration;
+
+use duet_kv::BlockId;
+
+/// One device's share of a decode token's attention.
+#[derive(Debug, Clone)]
+pub(crate) struct Share {
+    pub cpu_worker: Option<u32>,
+    pub range: Range<usize>,
+}
+
+/// A sequence's part of the running step.
+#[derive(Debug)]
+pub(crate) struct Planned {
+    pub seq_id: u64,
+    /// Its first row in its (sub-)batch.
+    pub row0: usize,
+    /// Its rows (input tokens).
+    pub n: usize,
+    /// Position of its first row.
+    pub start: usize,
+    pub blocks: Vec<(u32, BlockId)>,
+    /// Decode attention split by device; empty: attention over the whole context here.
+    pub shares: Vec<Share>,
+    pub sample: bool,
+}
+
+impl Planned {
+    pub fn n_ctx(&self) -> usize {
+        self.start + self.n
+    }
+}
+
+/// A duration in nanoseconds (saturating), as the step's statistics report it.
+pub(crate) fn ns(d: Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
+}
