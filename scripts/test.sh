@@ -43,6 +43,8 @@ echo "== llama.cpp's tokenizer suite and chat templates (models/llama.cpp), rend
 ./scripts/fetch-llama-cpp-src.sh
 python3 scripts/gen_template_golden.py models/llama.cpp/templates
 export DUET_REQUIRE_LLAMA_CPP_SRC=1
+echo "== module structure: no import cycles (scripts/check_module_cycles.py)"
+python3 scripts/check_module_cycles.py
 cargo build --workspace --locked --bins
 cargo test --workspace --locked "$@"
 echo "== the kernel twins again without VNNI (the maddubs + madd kernels of CPUs that lack it)"

@@ -8,7 +8,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use duet_kernels::attention::{causal_attention, KvHead, KV_PADDING};
+use duet_kernels::attention::{KvHead, KV_PADDING};
+use duet_kernels::causal::causal_attention;
 use duet_kernels::decode_batch::{merge_lse, merge_partials};
 use duet_kv::{ArenaLayout, BlockId};
 use duet_kv::shm::job::{encode_job, read_results, AttnJob, JobError, SeqJob, SeqResult};

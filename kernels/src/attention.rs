@@ -1,18 +1,17 @@
-//! Grouped-query causal attention over an f16 KV cache, computed as llama.cpp's CPU path does
-//! (non-flash): Q rounded to f16 and dotted with K in ggml's lane order, softmax with ggml's
-//! `exp` over the KV length padded to 32, weights rounded to f16 and dotted with V. Decode over
-//! a context longer than [`DECODE_CHUNK`] runs chunks merged by log-sum-exp, each in one pass
-//! with an online softmax ([`decode_attention_online`]).
+//! Attention's shapes and its scalar twins: one query head over a range of one KV head's
+//! positions, computed as llama.cpp's CPU path does (non-flash): Q rounded to f16 and dotted
+//! with K in ggml's lane order, softmax with ggml's `exp` over the KV length padded to 32,
+//! weights rounded to f16 and dotted with V ([`decode_attention_range`]), or in one pass with
+//! an online softmax ([`decode_attention_online`], each chunk of a context longer than
+//! `decode_batch::DECODE_CHUNK`). The whole-sequence entry points are in `causal`, the
+//! decode fan-out in `decode_batch`, the AVX-512 group kernels in `attention_avx512`.
 
 use std::ops::Range;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use rayon::prelude::*;
 
 use super::ggml_exact::{dot_f16, dot_tiled, expf, reduce16, reduce64, softmax_in_place};
-pub use super::decode_batch::DECODE_CHUNK;
-use super::decode_batch::{decode_batch, DecodeQuery};
 use super::{isa, Isa};
 
 /// llama.cpp (without flash attention) pads the attended KV length to a multiple of this,
@@ -69,13 +68,6 @@ impl From<f32> for Scores {
     }
 }
 
-/// Attention of `n_tok` query tokens at positions `pos0..pos0 + n_tok` over the cache, each
-/// token seeing positions `0..=its own` (causal). `q` and `out` are `[token][head][head_dim]`;
-/// `kv[h]` must hold at least `pos0 + n_tok` positions already written.
-pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
-    causal_attention_windowed(q, kv, shape, pos0, None, out)
-}
-
 /// The first position the token at `pos` attends: 0, or with a sliding `window` the oldest of
 /// the last `window` positions (llama.cpp masks position `p0` when `pos - p0 >= window`).
 pub fn window_start(pos: usize, window: Option<usize>) -> usize {
@@ -88,168 +80,11 @@ pub fn windowed(range: Range<usize>, n_ctx: usize, window: Option<usize>) -> Ran
     range.start.max(window_start(n_ctx.saturating_sub(1), window))..range.end
 }
 
-/// [`causal_attention`], each token seeing only the positions of its sliding `window` when one
-/// is given ([`window_start`]); the V lanes still follow absolute positions, so the result is
-/// what llama.cpp's masked attention gives.
-pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
-    let Causal { n_kv_head, hd, n_tok, n_ctx, group, scores, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
-    if n_tok == 1 {
-        // Decode: each KV head's query group in one pass over its rows, chunk by chunk, the
-        // (head, chunk) pairs in parallel.
-        let query = DecodeQuery { q, range: window_start(n_ctx - 1, window)..n_ctx, n_ctx };
-        let rows = |_, h: usize, c: Range<usize>| {
-            Ok::<_, std::convert::Infallible>(vec![KvRun { k: &kv[h].k[c.start * hd..c.end * hd], v: &kv[h].v[c.start * hd..c.end * hd] }])
-        };
-        let Ok(mut parts) = decode_batch(&[query], shape, KV_PADDING, 0, rows);
-        out.copy_from_slice(&parts.remove(0).0);
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && hd == 64 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
-        // Prefill: per token and KV head, the query group over the token's causal prefix in
-        // one pass over the rows, with tinyBLAS's arithmetic.
-        out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
-            let (t, h) = (i / n_kv_head, i % n_kv_head);
-            let len = pos0 + t + 1;
-            let first = window_start(len - 1, window);
-            let run = KvRun { k: &kv[h].k[first * hd..len * hd], v: &kv[h].v[first * hd..len * hd] };
-            let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
-            let q = &q[i * group * hd..(i + 1) * group * hd];
-            // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-            unsafe { super::attention_avx512::attend_group_hd64(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch) };
-        });
-        return;
-    }
-    causal_attention_widened_windowed(q, kv, shape, pos0, window, out);
-}
-
-/// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
-/// token at a time: the path of machines without AVX-512 (and of heads other than 64), and the
-/// twin the AVX-512 kernels are tested against.
-pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
-    causal_attention_widened_windowed(q, kv, shape, pos0, None, out)
-}
-
-/// [`causal_attention_widened`] with a sliding window, as [`causal_attention_windowed`].
-pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
-    let Causal { n_head, hd, n_tok, n_ctx, group, scores, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
-    // Widen each KV head once for all query tokens.
-    let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
-        .par_iter()
-        .map(|h| {
-            let (mut k, mut v) = (vec![0f32; n_ctx * hd], vec![0f32; n_ctx * hd]);
-            h.k[..n_ctx * hd].convert_to_f32_slice(&mut k);
-            h.v[..n_ctx * hd].convert_to_f32_slice(&mut v);
-            (k, v)
-        })
-        .collect();
-    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
-        let (t, head) = (i / n_head, i % n_head);
-        let (k, v) = &widened[head / group];
-        let q_row = &q[i * hd..(i + 1) * hd];
-        let (first, end) = (window_start(pos0 + t, window), pos0 + t + 1);
-        let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scores, tiled: n_tok >= 2 };
-        run(&job, o);
-    });
-}
-
 /// One run of consecutive positions of one KV head: `[rows][head_dim]` f16 K and V rows.
 #[derive(Debug, Clone, Copy)]
 pub struct KvRun<'a> {
     pub k: &'a [f16],
     pub v: &'a [f16],
-}
-
-/// Reusable buffers of [`decode_group`].
-#[derive(Debug, Default)]
-pub struct GroupScratch {
-    k: Vec<f32>,
-    v: Vec<f32>,
-    #[cfg(target_arch = "x86_64")]
-    fast: super::attention_avx512::FastScratch,
-}
-
-/// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
-/// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
-/// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scores` as in
-/// [`decode_attention_range`], whose results these are, bit for bit, head by head — or, for a
-/// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s.
-/// The range lies within one [`DECODE_CHUNK`]: [`decode_batch`] splits longer ones and merges
-/// the parts.
-///
-/// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
-/// (`attention_avx512`); otherwise the rows are widened once and each head runs
-/// [`decode_attention_range`]. Panics if the slices disagree.
-#[allow(clippy::too_many_arguments)] // the rows, the range and the group's three slices
-pub fn decode_group(
-    runs: &[KvRun<'_>],
-    range: Range<usize>,
-    n_padded: usize,
-    scores: impl Into<Scores>,
-    q: &[f32],
-    out: &mut [f32],
-    lse: &mut [f32],
-    scratch: &mut GroupScratch,
-) {
-    let scores = scores.into();
-    let group = lse.len();
-    assert!(group > 0 && q.len() == out.len() && out.len().is_multiple_of(group), "query group slice sizes");
-    let hd = out.len() / group;
-    let n = range.end.saturating_sub(range.start);
-    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
-    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
-    assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
-    let online = n_padded > DECODE_CHUNK;
-    #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
-        let scale = scores.scale;
-        if online {
-            // SAFETY: as below.
-            unsafe { super::attention_avx512::attend_group_online_hd64(runs, n, scale, q, out, lse, &mut scratch.fast) };
-            return;
-        }
-        // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-        unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, false, q, out, lse, &mut scratch.fast) };
-        return;
-    }
-    scratch.k.resize(n * hd, 0.0);
-    scratch.v.resize(n * hd, 0.0);
-    let mut at = 0;
-    for run in runs {
-        super::widen_f16(run.k, &mut scratch.k[at..at + run.k.len()]);
-        super::widen_f16(run.v, &mut scratch.v[at..at + run.v.len()]);
-        at += run.k.len();
-    }
-    for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
-        *l = if online {
-            decode_attention_online(qh, &scratch.k, &scratch.v, n, scores, oh)
-        } else {
-            decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scores, oh)
-        };
-    }
-}
-
-/// The sizes of one causal attention call, checked.
-struct Causal {
-    n_head: usize,
-    n_kv_head: usize,
-    hd: usize,
-    n_tok: usize,
-    n_ctx: usize,
-    group: usize,
-    scores: Scores,
-    n_padded: usize,
-}
-
-impl Causal {
-    fn of(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &[f32]) -> Causal {
-        let AttnShape { n_head, n_kv_head, head_dim: hd, .. } = shape;
-        let n_tok = q.len() / (n_head * hd);
-        let n_ctx = pos0 + n_tok;
-        assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
-        assert_eq!(out.len(), q.len(), "attention output size");
-        Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group: n_head / n_kv_head, scores: shape.scores(), n_padded: padded_len(n_ctx, KV_PADDING) }
-    }
 }
 
 /// The softmax scale of attention with heads of `head_dim`: `1 / sqrt(head_dim)` in f32.
@@ -264,7 +99,7 @@ pub fn padded_len(n_ctx: usize, padding: usize) -> usize {
 }
 
 /// Single-token decode attention of one query head over positions `range` of one KV head,
-/// exactly as [`causal_attention`] computes it for one token when `range` is `0..n_ctx`:
+/// exactly as `causal::causal_attention` computes it for one token when `range` is `0..n_ctx`:
 /// `k` and `v` hold those positions only, widened to f32 (`[range.len()][head_dim]`);
 /// `n_padded` is [`padded_len`] of the sequence's whole context (V lanes follow absolute
 /// positions). Writes `out` (`head_dim` values) and returns the log-sum-exp of the scaled
@@ -287,7 +122,7 @@ pub fn decode_attention_range(
 }
 
 /// Single-token decode attention of one query head over `n` positions in one pass (online
-/// softmax), the arithmetic of every chunk of a context longer than [`DECODE_CHUNK`]: `k` and
+/// softmax), the arithmetic of every chunk of a context longer than `DECODE_CHUNK`: `k` and
 /// `v` hold those positions widened to f32 (`[n][head_dim]`). Q rounded to f16, each score
 /// tinyBLAS's dot product (16 lanes of fused multiply-adds, `reduce16`) times `scale`; then,
 /// per block of 16 positions: the running maximum raised to the block's (the accumulators and
@@ -374,18 +209,18 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out:
 }
 
 /// One query head against positions `start..end` of one KV head (`k`, `v` from `start`).
-struct Job<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    start: usize,
-    end: usize,
-    n_padded: usize,
-    hd: usize,
-    scores: Scores,
+pub(crate) struct Job<'a> {
+    pub(crate) q: &'a [f32],
+    pub(crate) k: &'a [f32],
+    pub(crate) v: &'a [f32],
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) n_padded: usize,
+    pub(crate) hd: usize,
+    pub(crate) scores: Scores,
     /// llama.cpp multiplies batches of two or more tokens with llamafile's tinyBLAS, whose
     /// lanes differ from `ggml_vec_dot_f16`'s.
-    tiled: bool,
+    pub(crate) tiled: bool,
 }
 
 /// The register dot product of a head of 64 on AVX2 (bit-identical to `dot_f16`, or to
@@ -423,7 +258,7 @@ fn score(q16: &[f32], key: &[f32], tiled: bool, head64: Option<Head64>) -> f32 {
 
 /// Runs `attend` on the fastest instruction set of this machine; returns the log-sum-exp.
 #[inline]
-fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
+pub(crate) fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.

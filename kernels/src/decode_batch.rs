@@ -9,7 +9,8 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::attention::{decode_group, padded_len, AttnShape, GroupScratch, KvRun};
+use super::attention::{decode_attention_online, decode_attention_range, padded_len, AttnShape, KvRun, Scores};
+use super::{isa, Isa};
 
 /// One decode token of [`decode_batch`]: its queries (`[n_head][head_dim]`) attending
 /// positions `range` of its context of `n_ctx` positions (the whole context, or the share of
@@ -192,6 +193,75 @@ fn merge_lse_f64(lses: impl Iterator<Item = f32> + Clone) -> f64 {
     max + lses.map(|l| (l as f64 - max).exp()).sum::<f64>().ln()
 }
 
+/// Reusable buffers of [`decode_group`].
+#[derive(Debug, Default)]
+pub struct GroupScratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    fast: super::attention_avx512::FastScratch,
+}
+
+/// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
+/// `runs` in position order (adding up to `range.len()` rows): `q` and `out` are
+/// `[group][head_dim]`, `lse` gets one log-sum-exp per head; `n_padded` and `scores` as in
+/// [`decode_attention_range`], whose results these are, bit for bit, head by head — or, for a
+/// context longer than one chunk (`n_padded > DECODE_CHUNK`), [`decode_attention_online`]'s.
+/// The range lies within one [`DECODE_CHUNK`]: [`decode_batch`] splits longer ones and merges
+/// the parts.
+///
+/// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
+/// (`attention_avx512`); otherwise the rows are widened once and each head runs
+/// [`decode_attention_range`]. Panics if the slices disagree.
+#[allow(clippy::too_many_arguments)] // the rows, the range and the group's three slices
+pub fn decode_group(
+    runs: &[KvRun<'_>],
+    range: Range<usize>,
+    n_padded: usize,
+    scores: impl Into<Scores>,
+    q: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    scratch: &mut GroupScratch,
+) {
+    let scores = scores.into();
+    let group = lse.len();
+    assert!(group > 0 && q.len() == out.len() && out.len().is_multiple_of(group), "query group slice sizes");
+    let hd = out.len() / group;
+    let n = range.end.saturating_sub(range.start);
+    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
+    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
+    assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
+    let online = n_padded > DECODE_CHUNK;
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
+        let scale = scores.scale;
+        if online {
+            // SAFETY: as below.
+            unsafe { super::attention_avx512::attend_group_online_hd64(runs, n, scale, q, out, lse, &mut scratch.fast) };
+            return;
+        }
+        // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
+        unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, false, q, out, lse, &mut scratch.fast) };
+        return;
+    }
+    scratch.k.resize(n * hd, 0.0);
+    scratch.v.resize(n * hd, 0.0);
+    let mut at = 0;
+    for run in runs {
+        super::widen_f16(run.k, &mut scratch.k[at..at + run.k.len()]);
+        super::widen_f16(run.v, &mut scratch.v[at..at + run.v.len()]);
+        at += run.k.len();
+    }
+    for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {
+        *l = if online {
+            decode_attention_online(qh, &scratch.k, &scratch.v, n, scores, oh)
+        } else {
+            decode_attention_range(qh, &scratch.k, &scratch.v, range.clone(), n_padded, scores, oh)
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,3 +290,4 @@ mod tests {
         assert!((m[0] - (1.0 - wb)).abs() < 1e-6 && (m[1] - wb).abs() < 1e-6, "{m:?}");
     }
 }
+

@@ -4,6 +4,7 @@
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
 pub mod attention_avx512;
+pub mod causal;
 pub mod decode_batch;
 pub mod dot;
 pub mod ggml_exact;

@@ -177,7 +177,8 @@ fn online_decode_attention_matches_two_pass_attention() {
 /// turns, group sizes 1 to 8, prompts crossing the kernel's 2048-position windows.
 #[test]
 fn prefill_attention_equals_widened_twin_bit_for_bit() {
-    use duet_kernels::attention::{causal_attention, causal_attention_widened, AttnShape, KvHead};
+    use duet_kernels::attention::{AttnShape, KvHead};
+    use duet_kernels::causal::{causal_attention, causal_attention_widened};
     if kernels::isa() < Isa::Avx512 {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; prefill runs the widened path itself");
     }
@@ -202,7 +203,8 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
 /// one the one-pass online softmax — on any instruction set (per-head twins here).
 #[test]
 fn decode_group_picks_the_arithmetic_by_context_length() {
-    use duet_kernels::attention::{attn_scale, decode_attention_online, decode_attention_range, decode_group, padded_len, GroupScratch, DECODE_CHUNK, KV_PADDING};
+    use duet_kernels::attention::{attn_scale, decode_attention_online, decode_attention_range, padded_len, KV_PADDING};
+    use duet_kernels::decode_batch::{decode_group, GroupScratch, DECODE_CHUNK};
     let mut rng = StdRng::seed_from_u64(77);
     let mut scratch = GroupScratch::default();
     let group = 3;
@@ -234,7 +236,8 @@ fn decode_group_picks_the_arithmetic_by_context_length() {
 /// changes the result (it is not ignored).
 #[test]
 fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
-    use duet_kernels::attention::{causal_attention, causal_attention_widened_windowed, causal_attention_windowed, AttnShape, KvHead};
+    use duet_kernels::attention::{AttnShape, KvHead};
+    use duet_kernels::causal::{causal_attention, causal_attention_widened_windowed, causal_attention_windowed};
     let mut rng = StdRng::seed_from_u64(4096);
     for &(group, n_kv, pos0, n_tok, window) in &[(2, 2, 0, 40, 8), (4, 1, 30, 17, 16), (1, 2, 0, 3, 1), (2, 1, 100, 33, 512)] {
         let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };

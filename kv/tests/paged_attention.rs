@@ -2,7 +2,9 @@
 //! context, and split into ranges merged by log-sum-exp within a stated tolerance of the
 //! unsplit result and of a float64 reference, for real and odd shapes.
 
-use duet_kernels::attention::{attn_scale, causal_attention, decode_group, padded_len, AttnShape, GroupScratch, KvHead, KvRun, KV_PADDING};
+use duet_kernels::attention::{attn_scale, padded_len, AttnShape, KvHead, KvRun, KV_PADDING};
+use duet_kernels::causal::causal_attention;
+use duet_kernels::decode_batch::{decode_group, GroupScratch};
 use duet_kernels::decode_batch::{merge_lse, merge_partials};
 use duet_kv::paged::{rows, PagedRange};
 use duet_kv::{ArenaLayout, BlockId, KvDtype};

@@ -4,7 +4,8 @@
 
 use std::borrow::Cow;
 
-use duet_kernels::attention::{causal_attention_windowed, windowed, KvHead, KV_PADDING};
+use duet_kernels::attention::{windowed, KvHead, KV_PADDING};
+use duet_kernels::causal::causal_attention_windowed;
 use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_model::config::LlamaConfig;
 use half::f16;

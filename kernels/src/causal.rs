@@ -1,0 +1,109 @@
+//! Causal attention of a sequence's new rows over its cache: every query token sees the
+//! positions up to its own (within its sliding window, if any). Prefill rows run the scalar
+//! twins' arithmetic per head (the AVX-512 group kernel for heads of 64); a single decode
+//! token goes through the decode fan-out ([`decode_batch`]).
+
+use std::ops::Range;
+
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+
+use super::attention::{padded_len, run, window_start, AttnShape, Job, KvHead, KvRun, Scores, KV_PADDING};
+use super::decode_batch::{decode_batch, DecodeQuery};
+use super::{isa, Isa};
+
+/// Attention of `n_tok` query tokens at positions `pos0..pos0 + n_tok` over the cache, each
+/// token seeing positions `0..=its own` (causal). `q` and `out` are `[token][head][head_dim]`;
+/// `kv[h]` must hold at least `pos0 + n_tok` positions already written.
+pub fn causal_attention(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
+    causal_attention_windowed(q, kv, shape, pos0, None, out)
+}
+
+/// [`causal_attention`], each token seeing only the positions of its sliding `window` when one
+/// is given ([`window_start`]); the V lanes still follow absolute positions, so the result is
+/// what llama.cpp's masked attention gives.
+pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
+    let Causal { n_kv_head, hd, n_tok, n_ctx, group, scores, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
+    if n_tok == 1 {
+        // Decode: each KV head's query group in one pass over its rows, chunk by chunk, the
+        // (head, chunk) pairs in parallel.
+        let query = DecodeQuery { q, range: window_start(n_ctx - 1, window)..n_ctx, n_ctx };
+        let rows = |_, h: usize, c: Range<usize>| {
+            Ok::<_, std::convert::Infallible>(vec![KvRun { k: &kv[h].k[c.start * hd..c.end * hd], v: &kv[h].v[c.start * hd..c.end * hd] }])
+        };
+        let Ok(mut parts) = decode_batch(&[query], shape, KV_PADDING, 0, rows);
+        out.copy_from_slice(&parts.remove(0).0);
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 && hd == 64 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
+        // Prefill: per token and KV head, the query group over the token's causal prefix in
+        // one pass over the rows, with tinyBLAS's arithmetic.
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
+            let (t, h) = (i / n_kv_head, i % n_kv_head);
+            let len = pos0 + t + 1;
+            let first = window_start(len - 1, window);
+            let run = KvRun { k: &kv[h].k[first * hd..len * hd], v: &kv[h].v[first * hd..len * hd] };
+            let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
+            let q = &q[i * group * hd..(i + 1) * group * hd];
+            // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
+            unsafe { super::attention_avx512::attend_group_hd64(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch) };
+        });
+        return;
+    }
+    causal_attention_widened_windowed(q, kv, shape, pos0, window, out);
+}
+
+/// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
+/// token at a time: the path of machines without AVX-512 (and of heads other than 64), and the
+/// twin the AVX-512 kernels are tested against.
+pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
+    causal_attention_widened_windowed(q, kv, shape, pos0, None, out)
+}
+
+/// [`causal_attention_widened`] with a sliding window, as [`causal_attention_windowed`].
+pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, window: Option<usize>, out: &mut [f32]) {
+    let Causal { n_head, hd, n_tok, n_ctx, group, scores, n_padded, .. } = Causal::of(q, kv, shape, pos0, out);
+    // Widen each KV head once for all query tokens.
+    let widened: Vec<(Vec<f32>, Vec<f32>)> = kv
+        .par_iter()
+        .map(|h| {
+            let (mut k, mut v) = (vec![0f32; n_ctx * hd], vec![0f32; n_ctx * hd]);
+            h.k[..n_ctx * hd].convert_to_f32_slice(&mut k);
+            h.v[..n_ctx * hd].convert_to_f32_slice(&mut v);
+            (k, v)
+        })
+        .collect();
+    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+        let (t, head) = (i / n_head, i % n_head);
+        let (k, v) = &widened[head / group];
+        let q_row = &q[i * hd..(i + 1) * hd];
+        let (first, end) = (window_start(pos0 + t, window), pos0 + t + 1);
+        let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scores, tiled: n_tok >= 2 };
+        run(&job, o);
+    });
+}
+
+/// The sizes of one causal attention call, checked.
+struct Causal {
+    n_head: usize,
+    n_kv_head: usize,
+    hd: usize,
+    n_tok: usize,
+    n_ctx: usize,
+    group: usize,
+    scores: Scores,
+    n_padded: usize,
+}
+
+impl Causal {
+    fn of(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &[f32]) -> Causal {
+        let AttnShape { n_head, n_kv_head, head_dim: hd, .. } = shape;
+        let n_tok = q.len() / (n_head * hd);
+        let n_ctx = pos0 + n_tok;
+        assert_eq!(kv.len(), n_kv_head, "one KvHead per KV head");
+        assert_eq!(out.len(), q.len(), "attention output size");
+        Causal { n_head, n_kv_head, hd, n_tok, n_ctx, group: n_head / n_kv_head, scores: shape.scores(), n_padded: padded_len(n_ctx, KV_PADDING) }
+    }
+}
+
