@@ -27,17 +27,17 @@ pub enum Grammar {
 }
 
 impl TryFrom<&pb::OutputConstraint> for Grammar {
-    type Error = String;
+    type Error = GrammarError;
 
     /// The grammar an API or sampler constraint names.
-    fn try_from(c: &pb::OutputConstraint) -> Result<Self, String> {
+    fn try_from(c: &pb::OutputConstraint) -> Result<Self, GrammarError> {
         use pb::output_constraint::Kind;
         match &c.kind {
             Some(Kind::JsonSchema(s)) => Ok(Grammar::JsonSchema(s.clone())),
             Some(Kind::JsonObject(_)) => Ok(Grammar::JsonObject),
             Some(Kind::Regex(r)) => Ok(Grammar::Regex(r.clone())),
             Some(Kind::Lark(l)) => Ok(Grammar::Lark(l.clone())),
-            None => Err("constraint: set one of json_schema, json_object, regex, lark".into()),
+            None => Err(GrammarError::Unset),
         }
     }
 }
@@ -64,6 +64,10 @@ pub enum GrammarError {
     Compile(String),
     #[error("the model's vocabulary cannot be used for structured output: {0}")]
     Vocabulary(String),
+    #[error("constraint: set one of json_schema, json_object, regex, lark")]
+    Unset,
+    #[error("the grammar refused the sampled token: {0}")]
+    Refused(String),
 }
 
 /// The model's vocabulary prepared for llguidance; makes a [`Matcher`] per generation.

@@ -53,7 +53,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         min_p: s.min_p.unwrap_or(d.min_p),
         repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
         seed: s.seed.unwrap_or_else(fresh_seed),
-        grammar: s.constraint.as_ref().map(Grammar::try_from).transpose().map_err(GatewayError::InvalidArgument)?,
+        grammar: s.constraint.as_ref().map(Grammar::try_from).transpose().map_err(|e| GatewayError::InvalidArgument(e.to_string()))?,
     };
     let session = match (r.session_id, r.create_session) {
         (Some(id), _) => SessionMode::Continue(id),

@@ -104,7 +104,7 @@ impl KvArenas {
     pub fn check_block(&self, worker: u32, block: BlockId) -> Result<(), StepError> {
         let n_blocks = self.worker(worker)?.layout.n_blocks;
         if block.0 >= n_blocks {
-            return Err(StepError::Invalid(format!("block {block} of cpu-worker {worker}, whose arena has {n_blocks}")));
+            return Err(StepError::BlockOutOfRange { worker, block, n_blocks });
         }
         Ok(())
     }

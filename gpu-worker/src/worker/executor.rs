@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use duet_kernels::ops::log_softmax;
 use duet_kv::BlockId;
-use duet_model::grammar::{self, Grammar, Grammars};
+use duet_model::grammar::{self, Grammar, GrammarError, Grammars};
 use duet_proto::pb;
 use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
@@ -25,7 +25,7 @@ use llguidance::Matcher;
 use super::arenas::KvArenas;
 use super::plan::{ns, Planned, Share};
 use super::step_attention::StepAttention;
-use super::StepError;
+use super::{SequenceError, StepError};
 use crate::device::Device;
 use crate::forward::run_layers;
 use crate::runner::top_n;
@@ -121,17 +121,17 @@ impl<D: Device> Executor<D> {
         if req.sequences.is_empty() {
             return Ok(pb::StepResponse { sampled: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
         }
-        let bs = self.arenas.block_size().ok_or_else(|| StepError::Invalid("no cpu-worker is attached: there is no KV arena".into()))?;
+        let bs = self.arenas.block_size().ok_or(StepError::NoArena)?;
         let mut seen = HashSet::new();
         let mut subs: [SubBatch; 2] = Default::default();
         // Request order: (sub-batch, index in its plan).
         let mut order = Vec::with_capacity(req.sequences.len());
         for s in &req.sequences {
             if !seen.insert(s.seq_id) {
-                return Err(StepError::Invalid(format!("sequence {} appears twice in the step", s.seq_id)));
+                return Err(StepError::DuplicateSequence(s.seq_id));
             }
             if s.sub_batch > 1 {
-                return Err(StepError::Invalid(format!("sequence {}: sub-batch {} (there are two: 0 and 1)", s.seq_id, s.sub_batch)));
+                return Err(StepError::Sequence { seq_id: s.seq_id, problem: SequenceError::SubBatch(s.sub_batch) });
             }
             let sub = &mut subs[s.sub_batch as usize];
             let Some(p) = self.accept(s, bs, sub.tokens.len(), req.after_step != 0)? else {
@@ -182,9 +182,9 @@ impl<D: Device> Executor<D> {
             (forward, masking.map(|h| h.join()))
         });
         let mut step_masks: HashMap<u64, SimpleVob> = HashMap::new();
-        for (id, m, mask) in masked.transpose().map_err(|_| StepError::Invalid("computing structured-output masks failed".into()))?.into_iter().flatten() {
+        for (id, m, mask) in masked.transpose().map_err(|_| StepError::MaskThread)?.into_iter().flatten() {
             self.seqs.get_mut(&id).expect("held").matcher = Some(m);
-            step_masks.insert(id, mask.map_err(|e| StepError::Invalid(format!("sequence {id}: structured output: {e}")))?);
+            step_masks.insert(id, mask.map_err(|e| StepError::Sequence { seq_id: id, problem: e.into() })?);
         }
         forward?;
         let mut logits: [Vec<f32>; 2] = Default::default();
@@ -222,7 +222,7 @@ impl<D: Device> Executor<D> {
             let id = sampler.sample(row, &seq.tokens);
             // Once the grammar is complete only end of generation was allowed: nothing to follow.
             if let Some(m) = seq.matcher.as_mut().filter(|m| !m.is_stopped()) {
-                m.consume_token(id).map_err(|e| StepError::Invalid(format!("sequence {}: structured output: {e}", p.seq_id)))?;
+                m.consume_token(id).map_err(|e| StepError::Sequence { seq_id: p.seq_id, problem: GrammarError::Refused(e.to_string()).into() })?;
             }
             seq.last_sampled = Some(id);
             let (logprob, top) = if seq.top_n > 0 {
@@ -249,7 +249,7 @@ impl<D: Device> Executor<D> {
     /// would take the requests that joined it too.
     fn accept(&mut self, s: &pb::SequenceStep, bs: usize, row0: usize, skip_unknown: bool) -> Result<Option<Planned>, StepError> {
         let start = s.start_pos as usize;
-        let invalid = |what: String| Err(StepError::Invalid(format!("sequence {}: {what}", s.seq_id)));
+        let invalid = |problem: SequenceError| Err(StepError::Sequence { seq_id: s.seq_id, problem });
         // Held tokens: the sequence is taken up from the arenas (its positions 0..start are in
         // the blocks `new_blocks` lists, every one of them), known here or not.
         let taken_up = !s.held_tokens.is_empty() && s.held_tokens.len() == start;
@@ -261,17 +261,17 @@ impl<D: Device> Executor<D> {
         }
         let tokens: Vec<u32> = match (s.feed_sampled, self.seqs.get(&s.seq_id)) {
             (false, _) => s.tokens.clone(),
-            (true, _) if !s.tokens.is_empty() => return invalid("feeds its sampled token and has input tokens too".into()),
+            (true, _) if !s.tokens.is_empty() => return invalid(SequenceError::FeedsAndHasTokens),
             (true, Some(Sequence { last_sampled: Some(t), .. })) => vec![*t],
-            (true, _) => return invalid("feeds its sampled token but its last step sampled none".into()),
+            (true, _) => return invalid(SequenceError::NothingSampled),
         };
         let n = tokens.len();
         if n == 0 {
-            return invalid("no input tokens".into());
+            return invalid(SequenceError::NoTokens);
         }
         let n_ctx_max = self.device.config().n_ctx_train;
         if start + n > n_ctx_max {
-            return invalid(format!("{} positions exceed the context of {n_ctx_max}", start + n));
+            return invalid(SequenceError::PastContext { positions: start + n, n_ctx: n_ctx_max });
         }
         let seq = self.seqs.entry(s.seq_id).or_default();
         if taken_up {
@@ -279,7 +279,7 @@ impl<D: Device> Executor<D> {
             seq.blocks.clear();
         }
         if start > seq.tokens.len() {
-            return invalid(format!("start_pos {start} is past the {} positions held", seq.tokens.len()));
+            return invalid(SequenceError::StartPastHeld { start, held: seq.tokens.len() });
         }
         seq.tokens.truncate(start);
         seq.blocks.truncate(start.div_ceil(bs));
@@ -288,7 +288,7 @@ impl<D: Device> Executor<D> {
             seq.blocks.push((b.worker, BlockId(b.block)));
         }
         if seq.blocks.len() * bs < start + n {
-            return invalid(format!("{} blocks hold {} positions, {} needed", seq.blocks.len(), seq.blocks.len() * bs, start + n));
+            return invalid(SequenceError::TooFewBlocks { blocks: seq.blocks.len(), holds: seq.blocks.len() * bs, needed: start + n });
         }
         if let Some(cfg) = &s.sampler {
             let params = SamplingParams {
@@ -302,24 +302,24 @@ impl<D: Device> Executor<D> {
             seq.sampler = Some(Sampler::new(params)?);
             seq.top_n = cfg.top_logprobs.min(20) as usize;
             seq.matcher = match cfg.constraint.as_ref().map(Grammar::try_from).transpose() {
-                Err(e) => return invalid(e),
+                Err(e) => return invalid(e.into()),
                 Ok(None) => None,
                 Ok(Some(g)) => match self.grammars.as_ref().map(|gs| gs.matcher(&g)) {
-                    None => return invalid("structured output is not available on this gpu-worker".into()),
-                    Some(Err(e)) => return invalid(format!("structured output: {e}")),
+                    None => return invalid(SequenceError::NoGrammars),
+                    Some(Err(e)) => return invalid(e.into()),
                     Some(Ok(m)) => Some(m),
                 },
             };
         }
         if s.sample && seq.sampler.is_none() {
-            return invalid("asks to sample but no sampler was configured".into());
+            return invalid(SequenceError::NoSampler);
         }
         seq.tokens.extend(tokens);
         seq.last_sampled = None;
         let shares = if s.attention.is_empty() {
             Vec::new()
         } else if n != 1 {
-            return invalid(format!("attention shares are for single decode tokens, the step has {n}"));
+            return invalid(SequenceError::SharesNotDecode(n));
         } else {
             let mut shares: Vec<Share> =
                 s.attention.iter().map(|a| Share { cpu_worker: a.cpu_worker, range: a.start as usize..a.end as usize }).collect();
@@ -327,19 +327,19 @@ impl<D: Device> Executor<D> {
             let mut next = 0;
             for sh in &shares {
                 if sh.range.start != next || sh.range.end <= sh.range.start {
-                    return invalid(format!("attention shares {:?} do not cover 0..{} once", s.attention, start + 1));
+                    return invalid(SequenceError::SharesUncovered { shares: shares.iter().map(|sh| sh.range.clone()).collect(), n_ctx: start + 1 });
                 }
                 next = sh.range.end;
                 if let Some(w) = sh.cpu_worker {
                     self.arenas.worker(w)?;
                     let elsewhere = seq.blocks[sh.range.start / bs..sh.range.end.div_ceil(bs)].iter().find(|b| b.0 != w);
                     if let Some(b) = elsewhere {
-                        return invalid(format!("cpu-worker {w} is to attend {:?} but block {} lives on cpu-worker {}", sh.range, b.1, b.0));
+                        return invalid(SequenceError::ShareElsewhere { worker: w, range: sh.range.clone(), block: b.1, owner: b.0 });
                     }
                 }
             }
             if next != start + 1 {
-                return invalid(format!("attention shares {:?} do not cover 0..{} once", s.attention, start + 1));
+                return invalid(SequenceError::SharesUncovered { shares: shares.iter().map(|sh| sh.range.clone()).collect(), n_ctx: start + 1 });
             }
             shares
         };

@@ -98,7 +98,7 @@ impl<D: Device + 'static> GpuWorkerService<D> {
             // the other threads directly, instead of each being injected into the pool from
             // outside and waited for (which cost ~40% of a batch-1 decode step).
             executor.run_after(after, step, ORDER_WAIT, &cancelled, |ex| rayon::scope(move |_| f(ex))).unwrap_or_else(|| {
-                Err(StepError::Order(format!("step {after}, which this step comes after, did not run in {ORDER_WAIT:?}, or the caller left")))
+                Err(StepError::OutOfOrder { after, waited: ORDER_WAIT })
             })
         })
         .await
@@ -120,9 +120,16 @@ impl Drop for CancelOnDrop {
 pub fn status(e: StepError) -> Status {
     let msg = e.to_string();
     match e {
-        StepError::Invalid(_) | StepError::Model(GpuWorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
+        StepError::DuplicateSequence(_)
+        | StepError::Sequence { .. }
+        | StepError::BlockOutOfRange { .. }
+        | StepError::JobTooLarge { .. }
+        | StepError::JobEncoding { .. }
+        | StepError::Model(GpuWorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),
+        StepError::NoArena => Status::failed_precondition(msg),
+        StepError::MaskThread => Status::internal(msg),
         StepError::Model(GpuWorkerError::Model(duet_model::Error::TokenOutOfRange { .. })) => Status::invalid_argument(msg),
-        StepError::UnknownSequence(_) | StepError::Attach { .. } | StepError::Order(_) => Status::failed_precondition(msg),
+        StepError::UnknownSequence(_) | StepError::Attach { .. } | StepError::OutOfOrder { .. } => Status::failed_precondition(msg),
         StepError::Kv(KvAccessError::WorkerNotAttached(_))
         | StepError::Model(GpuWorkerError::Kv(KvAccessError::WorkerNotAttached(_)))
         | StepError::CpuWorker { .. } => Status::unavailable(msg),
@@ -167,4 +174,50 @@ pub async fn serve<D: Device + 'static>(
         .add_service(health)
         .add_service(GpuWorkerServer::new(service).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20));
     listener.serve(router, shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use duet_kv::BlockId;
+    use duet_model::grammar::GrammarError;
+    use tonic::Code;
+
+    use super::*;
+    use crate::worker::SequenceError;
+
+    /// What the gateway may cause is INVALID_ARGUMENT, what it must fix first
+    /// FAILED_PRECONDITION, a worker's failure UNAVAILABLE, our own bugs INTERNAL.
+    #[test]
+    fn every_step_error_maps_to_its_status() {
+        let seq = |problem| StepError::Sequence { seq_id: 7, problem };
+        let cases = [
+            (StepError::DuplicateSequence(7), Code::InvalidArgument),
+            (seq(SequenceError::SubBatch(2)), Code::InvalidArgument),
+            (seq(SequenceError::NoTokens), Code::InvalidArgument),
+            (seq(SequenceError::PastContext { positions: 9000, n_ctx: 8192 }), Code::InvalidArgument),
+            (seq(SequenceError::Grammar(GrammarError::Unset)), Code::InvalidArgument),
+            (seq(SequenceError::ShareElsewhere { worker: 1, range: 0..16, block: BlockId(3), owner: 0 }), Code::InvalidArgument),
+            (StepError::BlockOutOfRange { worker: 0, block: BlockId(99), n_blocks: 10 }, Code::InvalidArgument),
+            (StepError::JobTooLarge { layer: 3, worker: 0, need: 1 << 20, slot_bytes: 1 << 16 }, Code::InvalidArgument),
+            (StepError::Model(GpuWorkerError::InvalidRequest("x".into())), Code::InvalidArgument),
+            (StepError::Model(GpuWorkerError::Model(duet_model::Error::TokenOutOfRange { id: 1 << 30, n_vocab: 10 })), Code::InvalidArgument),
+            (StepError::NoArena, Code::FailedPrecondition),
+            (StepError::UnknownSequence(7), Code::FailedPrecondition),
+            (StepError::OutOfOrder { after: 4, waited: Duration::from_secs(30) }, Code::FailedPrecondition),
+            (StepError::Attach { worker: 0, what: "no such segment".into() }, Code::FailedPrecondition),
+            (StepError::Kv(KvAccessError::WorkerNotAttached(1)), Code::Unavailable),
+            (StepError::CpuWorker { worker: 1, what: "timed out".into() }, Code::Unavailable),
+            (StepError::Model(GpuWorkerError::DeviceUnavailable { device: "cuda", why: "no driver".into() }), Code::Unavailable),
+            (StepError::MaskThread, Code::Internal),
+            (StepError::Kv(KvAccessError::NoRow { row: 3 }), Code::Internal),
+        ];
+        for (e, code) in cases {
+            let text = e.to_string();
+            let s = status(e);
+            assert_eq!(s.code(), code, "{text}");
+            assert_eq!(s.message(), text);
+        }
+    }
 }

@@ -260,17 +260,14 @@ impl StepAttention<'_> {
             let w = self.arenas.worker_mut(worker)?;
             let need = job.slot_bytes_needed().unwrap_or(usize::MAX);
             if need > w.producer.ring().slot_bytes() {
-                return Err(StepError::Invalid(format!(
-                    "layer {layer}'s attention job for cpu-worker {worker} needs {need} bytes, its ring slots hold {} (raise its --slot-bytes)",
-                    w.producer.ring().slot_bytes()
-                )));
+                return Err(StepError::JobTooLarge { layer, worker, need, slot_bytes: w.producer.ring().slot_bytes() });
             }
             let mut encoded = Ok(());
             let seqno = w
                 .producer
                 .post(|slot| encoded = encode_job(&job, slot))
                 .map_err(|e| StepError::CpuWorker { worker, what: format!("posting layer {layer}'s job: {e}") })?;
-            encoded.map_err(|e| StepError::Invalid(format!("encoding layer {layer}'s job: {e}")))?;
+            encoded.map_err(|source| StepError::JobEncoding { layer, source })?;
             posted.push(Posted { worker, seqno, members, positions });
         }
         Ok(posted)
