@@ -57,8 +57,8 @@ impl LinearFit {
             return self.prior;
         }
         let (mx, my) = (self.sx / self.sw, self.sy / self.sw);
-        let var = (self.sxx / self.sw - mx * mx).max(0.0);
-        if var.sqrt() >= MIN_SPREAD * mx.abs() && mx.abs() > 0.0 {
+        if self.identified() {
+            let var = self.sxx / self.sw - mx * mx;
             let b = ((self.sxy / self.sw - mx * my) / var).max(0.0);
             return ((my - b * mx).max(0.0), b);
         }
@@ -72,7 +72,32 @@ impl LinearFit {
         a + b * x
     }
 
-    /// Adds a sample; one far from the fit (after warm-up) is clipped to the fit's band.
+    /// Whether the recent samples spread enough in x to tell the intercept from the slope
+    /// (else [`coefficients`](Self::coefficients) splits their mean by its priors).
+    fn identified(&self) -> bool {
+        let mx = self.sx / self.sw;
+        let var = (self.sxx / self.sw - mx * mx).max(0.0);
+        self.sw > 0.0 && mx.abs() > 0.0 && var.sqrt() >= MIN_SPREAD * mx.abs()
+    }
+
+    /// The recent samples' mean cost.
+    fn mean_y(&self) -> f64 {
+        if self.sw > 0.0 { self.sy / self.sw } else { self.prior.0 }
+    }
+
+    /// Whether `x` lies among the recent samples' x (within three standard deviations of
+    /// their mean, or [`MIN_SPREAD`] of it when they barely spread): there the fit has
+    /// seen the cost, beyond it the fit only extrapolates.
+    fn seen(&self, x: f64) -> bool {
+        let mx = self.sx / self.sw;
+        let sd = (self.sxx / self.sw - mx * mx).max(0.0).sqrt();
+        (x - mx).abs() <= (3.0 * sd).max(MIN_SPREAD * mx.abs())
+    }
+
+    /// Adds a sample; one far from the fit (after warm-up) is clipped to the fit's band,
+    /// unless its x lies beyond the x seen so far: an extrapolation's miss is news, not an
+    /// outlier (a fit learnt on batches of 1 would otherwise clip every sample of the
+    /// batches of 16 that follow, and go on mispredicting them).
     pub fn add(&mut self, x: f64, y: f64) {
         if !(x.is_finite() && y.is_finite()) {
             return;
@@ -80,10 +105,12 @@ impl LinearFit {
         let mut y = y;
         if self.n >= WARM {
             let p = self.predict(x);
-            // Never narrower than 2% of the prediction: timer noise is not an outlier.
-            let band = CLIP * self.mad.max(0.02 * p.abs()).max(1e-12);
-            y = y.clamp(p - band, p + band);
-            self.mad = FORGET * self.mad + (1.0 - FORGET) * (y - p).abs();
+            if self.seen(x) {
+                // Never narrower than 2% of the prediction: timer noise is not an outlier.
+                let band = CLIP * self.mad.max(0.02 * p.abs()).max(1e-12);
+                y = y.clamp(p - band, p + band);
+            }
+            self.mad = FORGET * self.mad + (1.0 - FORGET) * (y - p).abs().min(CLIP * self.mad.max(0.02 * p.abs()));
         } else {
             self.first.push((x, y));
         }
@@ -93,12 +120,8 @@ impl LinearFit {
         self.sxx = FORGET * self.sxx + x * x;
         self.sxy = FORGET * self.sxy + x * y;
         self.n = self.n.saturating_add(1);
-        if self.n >= WARM {
-            let mx = self.sx / self.sw;
-            let var = (self.sxx / self.sw - mx * mx).max(0.0);
-            if var.sqrt() >= MIN_SPREAD * mx.abs() && mx.abs() > 0.0 {
-                self.anchor = Some(self.coefficients().0);
-            }
+        if self.n >= WARM && self.identified() {
+            self.anchor = Some(self.coefficients().0);
         }
         if self.n == WARM {
             // Warm: the spread of the first samples around their own fit. The median
@@ -111,18 +134,76 @@ impl LinearFit {
     }
 }
 
+/// A cost over batch sizes that is not one line: the linear layers of a real model stream
+/// their weights at small batches (a near-constant time) and compute at large ones, so one
+/// line through batches of 1 and 64 mispredicts both (a 1B-shape model: 26 ms at 1, 90 at
+/// 16, and a line through 16..64 put batch 1 at 8 ms). One [`LinearFit`] per power-of-two
+/// band of x (1, 2–3, 4–7, ...) answers for its band once warm; a band not yet seen borrows
+/// the nearest warm band's line, else the fit over every sample.
+#[derive(Debug, Clone)]
+pub struct BatchFit {
+    bands: Vec<LinearFit>,
+    all: LinearFit,
+}
+
+impl BatchFit {
+    pub fn new(prior_a: f64, prior_b: f64) -> Self {
+        BatchFit { bands: Vec::new(), all: LinearFit::new(prior_a, prior_b) }
+    }
+
+    fn band(x: f64) -> usize {
+        (x.max(1.0) as u64).ilog2() as usize
+    }
+
+    pub fn add(&mut self, x: f64, y: f64) {
+        let b = Self::band(x);
+        if self.bands.len() <= b {
+            let prior = self.all.prior;
+            self.bands.resize_with(b + 1, || LinearFit::new(prior.0, prior.1));
+        }
+        self.bands[b].add(x, y);
+        self.all.add(x, y);
+    }
+
+    /// Samples in the band of `x`.
+    pub fn samples_at(&self, x: f64) -> u32 {
+        self.bands.get(Self::band(x)).map_or(0, LinearFit::samples)
+    }
+
+    /// Intercept and slope of the line that predicts batches of `x`. A borrowed band whose
+    /// own x did not spread (batches of one size) lends a flat line at its mean: it knows
+    /// what its batches cost, not how the cost grows.
+    pub fn coefficients_at(&self, x: f64) -> (f64, f64) {
+        let b = Self::band(x) as isize;
+        if let Some(own) = self.bands.get(b as usize).filter(|f| f.samples() >= WARM) {
+            return own.coefficients();
+        }
+        let warm = |i: isize| usize::try_from(i).ok().and_then(|i| self.bands.get(i)).filter(|f| f.samples() >= WARM);
+        match (1..self.bands.len() as isize + b).find_map(|d| warm(b - d).or_else(|| warm(b + d))) {
+            Some(f) if f.identified() => f.coefficients(),
+            Some(f) => (f.mean_y(), 0.0),
+            None => self.all.coefficients(),
+        }
+    }
+
+    pub fn predict(&self, x: f64) -> f64 {
+        let (a, b) = self.coefficients_at(x);
+        a + b * x
+    }
+}
+
 /// The cost fits of one gateway: gpu-worker linear layers, its attention, and each
 /// cpu-worker's attention; plus the planner's prediction errors.
 #[derive(Debug, Clone)]
 pub struct StepStats {
     /// Seconds vs batch tokens of decode-only steps: everything on the gpu-worker but
     /// attention and the wait.
-    pub linear: LinearFit,
+    pub linear: BatchFit,
     /// The same for steps with prompt chunks (their matrix products run as tiles, cheaper
     /// per token; their causal attention is counted here too).
     pub linear_prefill: LinearFit,
     /// The same for decode steps run as two interleaved sub-batches.
-    pub linear_overlapped: LinearFit,
+    pub linear_overlapped: BatchFit,
     /// Seconds vs KV positions of the gpu-worker's decode attention (decode-only steps).
     pub gpu_attention: LinearFit,
     /// Per cpu-worker: seconds busy vs KV positions attended.
@@ -146,9 +227,9 @@ impl StepStats {
     pub fn new(n_workers: usize, shared_cores: bool) -> Self {
         StepStats {
             shared_cores,
-            linear: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
+            linear: BatchFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             linear_prefill: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
-            linear_overlapped: LinearFit::new(2.0 * PRIOR_LINEAR.0, PRIOR_LINEAR.1),
+            linear_overlapped: BatchFit::new(2.0 * PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             gpu_attention: LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1),
             cpu_attention: vec![LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1); n_workers],
             errors: VecDeque::new(),
@@ -156,9 +237,11 @@ impl StepStats {
         }
     }
 
-    /// The planner's view of the costs now.
-    pub fn cost_model(&self) -> CostModel {
-        let (lf, lt) = self.linear.coefficients();
+    /// The planner's view of the costs now, for a step of `tokens` batch tokens (the linear
+    /// layers' line is the one of that batch size).
+    pub fn cost_model(&self, tokens: usize) -> CostModel {
+        let x = tokens as f64;
+        let (lf, lt) = self.linear.coefficients_at(x);
         let (_, ga) = self.gpu_attention.coefficients();
         let (cpu_fixed, mut cpu_attn_per_pos): (Vec<f64>, Vec<f64>) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
         if self.shared_cores {
@@ -170,7 +253,7 @@ impl StepStats {
             cpu_attn_per_pos.iter_mut().for_each(|c| *c = c.max(ga));
         }
         // Until overlapped steps have been measured: the fixed cost paid twice.
-        let (of, ot) = if self.linear_overlapped.samples() >= WARM { self.linear_overlapped.coefficients() } else { (2.0 * lf, lt) };
+        let (of, ot) = if self.linear_overlapped.samples_at(x) >= WARM { self.linear_overlapped.coefficients_at(x) } else { (2.0 * lf, lt) };
         CostModel {
             linear_fixed: lf,
             linear_per_token: lt,
@@ -222,7 +305,7 @@ impl StepStats {
             }
             // Steady state only: decode steps, once every fit has data.
             let linear = if t.sub_batches == 2 { &self.linear_overlapped } else { &self.linear };
-            let warm = linear.samples() >= WARM
+            let warm = linear.samples_at(tokens) >= WARM
                 && (t.gpu_attention_positions == 0 || self.gpu_attention.samples() >= WARM)
                 && t.cpu_workers.iter().all(|w| self.cpu_attention.get(w.worker as usize).is_none_or(|f| f.samples() >= WARM));
             if warm && t.prefill_tokens == 0 && measured > 0.0 {
@@ -271,6 +354,38 @@ mod tests {
     }
 
     #[test]
+    fn a_fit_learns_a_batch_size_it_has_not_seen() {
+        // Batch-1 steps only (x = 1, 30 ms: weights streamed), then batches of 16 (90 ms):
+        // the first fit extrapolates badly, and its misses must teach it, not be clipped.
+        let mut f = LinearFit::new(1e-3, 1e-4);
+        for i in 0..100 {
+            f.add(1.0, 0.030 + if i % 2 == 0 { 3e-4 } else { -3e-4 });
+        }
+        for i in 0..20 {
+            f.add(16.0, 0.090 + if i % 2 == 0 { 9e-4 } else { -9e-4 });
+        }
+        let p = f.predict(16.0);
+        assert!((p - 0.090).abs() < 0.05 * 0.090, "after 20 batches of 16: {p} s predicted, 0.090 measured");
+        assert!((f.predict(1.0) - 0.030).abs() < 0.1 * 0.030, "batch 1 still known: {}", f.predict(1.0));
+    }
+
+    #[test]
+    fn each_batch_size_band_keeps_its_own_line() {
+        // Weights streamed below 8 tokens (26 ms), compute above (a steeper line).
+        let cost = |x: f64| if x < 8.0 { 0.026 } else { 0.026 + 0.004 * (x - 4.0) };
+        let mut f = BatchFit::new(1e-3, 1e-4);
+        for i in 0..600 {
+            let x = [1.0, 16.0, 24.0, 64.0, 96.0][i % 5];
+            f.add(x, cost(x));
+        }
+        for x in [1.0, 16.0, 24.0, 64.0, 96.0] {
+            assert!((f.predict(x) - cost(x)).abs() < 0.02 * cost(x), "batch {x}: {} predicted, {} measured", f.predict(x), cost(x));
+        }
+        // A band never seen borrows the nearest warm band's line.
+        assert!((f.predict(2.0) - 0.026).abs() < 0.002, "{}", f.predict(2.0));
+    }
+
+    #[test]
     fn a_fit_of_one_x_keeps_a_sane_slope() {
         // x barely moves (a long run of one policy): the slope goes through the mean from
         // the intercept learnt while x varied.
@@ -311,7 +426,7 @@ mod tests {
                 let n = 1000 + 100 * (i % 10);
                 stats.observe(&timings(n, 2000 * n, n, 1000 * n), None);
             }
-            let c = stats.cost_model();
+            let c = stats.cost_model(1);
             assert!(c.gpu_attn_per_pos > 1.5e-6, "{c:?}");
             if shared {
                 assert_eq!(c.cpu_attn_per_pos[0], c.gpu_attn_per_pos, "{c:?}");
@@ -338,11 +453,11 @@ mod tests {
         let mut st = StepStats::new(1, false);
         for _ in 0..300 {
             // Every overlapped step takes 12% longer than the plain model says.
-            let predicted = st.cost_model().overlap_slowdown * 0.1;
+            let predicted = st.cost_model(16).overlap_slowdown * 0.1;
             let t = pb::StepTimings { total_ns: 112_000_000, decode_tokens: 16, sub_batches: 2, ..Default::default() };
             st.observe(&t, Some(predicted));
         }
-        let s = st.cost_model().overlap_slowdown;
+        let s = st.cost_model(16).overlap_slowdown;
         assert!((s - 1.12).abs() < 0.01, "{s}");
     }
 
@@ -363,10 +478,10 @@ mod tests {
                 cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, busy_ns: (ca * 1e9) as u64, positions: cpu_pos }],
                 ..Default::default()
             };
-            let predicted = st.cost_model().step_time(tokens as usize, gpu_pos as usize, &[cpu_pos as usize], false);
+            let predicted = st.cost_model(tokens as usize).step_time(tokens as usize, gpu_pos as usize, &[cpu_pos as usize], false);
             st.observe(&t, Some(predicted));
         }
-        let c = st.cost_model();
+        let c = st.cost_model(12);
         assert!((c.linear_per_token - 1e-4).abs() < 1e-6 && (c.gpu_attn_per_pos - 2e-7).abs() < 1e-9, "{c:?}");
         assert!((c.cpu_attn_per_pos[0] - 1e-7).abs() < 1e-9 && (c.cpu_fixed[0] - 1e-4).abs() < 1e-5, "{c:?}");
         let (p50, p90) = st.prediction_error().unwrap();

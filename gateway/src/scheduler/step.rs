@@ -142,7 +142,7 @@ impl Scheduler {
         let demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
         // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
         let may_overlap = decoding.len() == steps.len();
-        let plan = self.policy.plan(&self.stats.cost_model(), tokens, &demands, self.cfg.block_size, may_overlap, self.cfg.overlap);
+        let plan = self.policy.plan(&self.stats.cost_model(tokens), tokens, &demands, self.cfg.block_size, may_overlap, self.cfg.overlap);
         for ((at, d), shares) in decoding.iter().zip(&plan.shares) {
             steps[*at].attention = shares_to_proto(shares, d.n_ctx);
         }
@@ -153,7 +153,7 @@ impl Scheduler {
         }
         self.step += 1;
         if self.step.is_multiple_of(64) && !decoding.is_empty() {
-            tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(), predicted_s = plan.predicted_s, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
+            tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(tokens), predicted_s = plan.predicted_s, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
         }
         let req = pb::StepRequest {
             step: self.step,
@@ -190,7 +190,7 @@ impl Scheduler {
                 if let Some(t) = &resp.timings {
                     self.stats.observe(t, f.decodes.then_some(f.predicted_s));
                     metrics::step(t, f.predicted_s, self.stats.prediction_error());
-                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, prefill = t.prefill_tokens, decode = t.decode_tokens, wait_us = t.attention_wait_ns / 1000, "step");
+                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted_s * 1e6) as u64, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, wait_us = t.attention_wait_ns / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
                 for (i, e) in found {
@@ -244,7 +244,8 @@ impl Scheduler {
             _ => {
                 // Predicted attention work per worker: the KV positions of running sequences
                 // it holds, at its fitted cost per position.
-                let cost = self.stats.cost_model();
+                // Only the attention costs are read: any batch size will do.
+                let cost = self.stats.cost_model(1);
                 let mut work = vec![0f64; self.pool.n_workers()];
                 for seq in &self.running {
                     for (WorkerId(w), r) in seq.table.token_ranges_per_worker() {
