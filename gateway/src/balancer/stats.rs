@@ -56,9 +56,8 @@ impl LinearFit {
         if self.n < WARM || self.sw <= 0.0 {
             return self.prior;
         }
-        let (mx, my) = (self.sx / self.sw, self.sy / self.sw);
+        let ((mx, var), my) = (self.x_mean_var(), self.sy / self.sw);
         if self.identified() {
-            let var = self.sxx / self.sw - mx * mx;
             let b = ((self.sxy / self.sw - mx * my) / var).max(0.0);
             return ((my - b * mx).max(0.0), b);
         }
@@ -72,11 +71,16 @@ impl LinearFit {
         a + b * x
     }
 
+    /// The recent samples' mean x and its variance (exponentially weighted).
+    fn x_mean_var(&self) -> (f64, f64) {
+        let mx = self.sx / self.sw;
+        (mx, (self.sxx / self.sw - mx * mx).max(0.0))
+    }
+
     /// Whether the recent samples spread enough in x to tell the intercept from the slope
     /// (else [`coefficients`](Self::coefficients) splits their mean by its priors).
     fn identified(&self) -> bool {
-        let mx = self.sx / self.sw;
-        let var = (self.sxx / self.sw - mx * mx).max(0.0);
+        let (mx, var) = self.x_mean_var();
         self.sw > 0.0 && mx.abs() > 0.0 && var.sqrt() >= MIN_SPREAD * mx.abs()
     }
 
@@ -89,9 +93,8 @@ impl LinearFit {
     /// their mean, or [`MIN_SPREAD`] of it when they barely spread): there the fit has
     /// seen the cost, beyond it the fit only extrapolates.
     fn seen(&self, x: f64) -> bool {
-        let mx = self.sx / self.sw;
-        let sd = (self.sxx / self.sw - mx * mx).max(0.0).sqrt();
-        (x - mx).abs() <= (3.0 * sd).max(MIN_SPREAD * mx.abs())
+        let (mx, var) = self.x_mean_var();
+        (x - mx).abs() <= (3.0 * var.sqrt()).max(MIN_SPREAD * mx.abs())
     }
 
     /// Adds a sample; one far from the fit (after warm-up) is clipped to the fit's band,
@@ -105,12 +108,13 @@ impl LinearFit {
         let mut y = y;
         if self.n >= WARM {
             let p = self.predict(x);
+            // Never narrower than 2% of the prediction: timer noise is not an outlier.
+            let band = CLIP * self.mad.max(0.02 * p.abs()).max(1e-12);
             if self.seen(x) {
-                // Never narrower than 2% of the prediction: timer noise is not an outlier.
-                let band = CLIP * self.mad.max(0.02 * p.abs()).max(1e-12);
                 y = y.clamp(p - band, p + band);
             }
-            self.mad = FORGET * self.mad + (1.0 - FORGET) * (y - p).abs().min(CLIP * self.mad.max(0.02 * p.abs()));
+            // An unclipped miss still moves the residual scale by at most the band.
+            self.mad = FORGET * self.mad + (1.0 - FORGET) * (y - p).abs().min(band);
         } else {
             self.first.push((x, y));
         }

@@ -324,10 +324,11 @@ impl<D: Device> Executor<D> {
             let mut shares: Vec<Share> =
                 s.attention.iter().map(|a| Share { cpu_worker: a.cpu_worker, range: a.start as usize..a.end as usize }).collect();
             shares.sort_by_key(|sh| sh.range.start);
+            let uncovered = |shares: &[Share]| SequenceError::SharesUncovered { shares: shares.iter().map(|sh| sh.range.clone()).collect(), n_ctx: start + 1 };
             let mut next = 0;
             for sh in &shares {
                 if sh.range.start != next || sh.range.end <= sh.range.start {
-                    return invalid(SequenceError::SharesUncovered { shares: shares.iter().map(|sh| sh.range.clone()).collect(), n_ctx: start + 1 });
+                    return invalid(uncovered(&shares));
                 }
                 next = sh.range.end;
                 if let Some(w) = sh.cpu_worker {
@@ -339,7 +340,7 @@ impl<D: Device> Executor<D> {
                 }
             }
             if next != start + 1 {
-                return invalid(SequenceError::SharesUncovered { shares: shares.iter().map(|sh| sh.range.clone()).collect(), n_ctx: start + 1 });
+                return invalid(uncovered(&shares));
             }
             shares
         };

@@ -178,8 +178,6 @@ pub async fn serve<D: Device + 'static>(
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use duet_kv::BlockId;
     use duet_model::grammar::GrammarError;
     use tonic::Code;
