@@ -3,15 +3,15 @@
 //! and with LongRoPE), mistral3 (and with YaRN and attention temperature), gemma3 and gemma2 (sliding-window layers, whose attention jobs the gpu-worker
 //! cuts to the window, with `ratio:0.5` the gpu-worker's prefix share lying wholly before it;
 //! gemma2's soft-capped scores, whose cap the jobs carry to the cpu-worker) and the
-//! mixture-of-experts mixtral, qwen3moe and olmoe (experts on the gpu-worker) models of
-//! testdata/tiny/arch,
+//! mixture-of-experts mixtral, qwen3moe and olmoe models of testdata/tiny/arch (their experts
+//! on the gpu-worker, and on two cpu-workers, bit for bit the same),
 //! which match llama.cpp's logits exactly in the single-process runner
 //! (gpu-worker/tests/tiny_arch_llamacpp.rs), give the runner's greedy tokens with decode
 //! attention on the cpu-worker (K/V in its arena) and on the gpu-worker.
 
 use duet_model::testutil::workspace_root;
 use duet_proto::pb;
-use duet_tests::{generate, greedy, Gateway, Reference};
+use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, Reference};
 use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,4 +54,79 @@ async fn qwen_models_decode_in_the_system_as_in_the_single_process_runner() {
             assert!(status.success(), "{name}: the gateway exited with {status}; log:\n{}", gw.log_tail());
         }
     }
+}
+
+/// The mixture-of-experts models with their routed experts on the cpu-workers (KTransformers'
+/// split: `--experts-on cpu-workers`, two cpu-workers each serving half the experts as expert
+/// jobs in their exchange rings): the same greedy tokens as the single-process runner, and
+/// the same logits bit for bit as the system with the experts on the gpu-worker's device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn moe_models_with_experts_on_the_cpu_workers_decode_bit_for_bit_as_on_the_device() {
+    for name in ["mixtral_q8_0", "qwen3moe_q8_0", "olmoe_q8_0"] {
+        let dir = workspace_root().join("testdata/tiny/arch");
+        let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.json"))).unwrap()).unwrap();
+        let prompt: Vec<u32> = meta["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let model = dir.join(format!("{name}.gguf"));
+        let want = Reference::load_model(&model).generate(&prompt, 24);
+        let mut runs = Vec::new();
+        for experts_on in ["device", "cpu-workers"] {
+            let mut gw = Gateway::start_with_model(&model, &["--cpu-workers", "2", "--policy", "cpu", "--experts-on", experts_on]);
+            let req = pb::GenerateRequest { top_logprobs: 4, ..greedy(prompt.clone(), 24) };
+            let got = generate(&mut gw.client(), req).await.unwrap_or_else(|e| panic!("{name}, experts on {experts_on}: {e}"));
+            assert_eq!(got.ids, want.ids, "{name}: experts on {experts_on}");
+            let status = gw.stop();
+            assert!(status.success(), "{name}: the gateway exited with {status}; log:\n{}", gw.log_tail());
+            runs.push(got.top);
+        }
+        assert_eq!(runs[0], runs[1], "{name}: top log-probabilities with the experts on the device and on the cpu-workers");
+    }
+}
+
+/// A cpu-worker serving routed experts killed with SIGKILL mid-stream: the gateway restarts
+/// it (its share of the experts loaded again), and every stream completes with the tokens of
+/// the uninterrupted single-process run (up to near ties).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_survive_the_death_of_a_cpu_worker_serving_experts() {
+    const STREAMS: u32 = 4;
+    const TOKENS: usize = 100;
+    let model = workspace_root().join("testdata/tiny/arch/olmoe_q8_0.gguf");
+    let reference = Reference::load_model(&model);
+    let prompt = |i: u32| vec![1, 17 + 11 * i, 90, 33 + i, 200];
+    let mut gw = Gateway::start_with_model(&model, &["--cpu-workers", "1", "--experts-on", "cpu-workers"]);
+    let (tx, mut started) = tokio::sync::mpsc::channel(STREAMS as usize);
+    let mut tasks = Vec::new();
+    for i in 0..STREAMS {
+        let (mut client, tx) = (gw.client(), tx.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut stream = client.generate(greedy(prompt(i), TOKENS as u32)).await?.into_inner();
+            let mut ids = Vec::new();
+            while let Some(msg) = stream.message().await? {
+                if let Some(pb::generate_response::Event::Token(t)) = msg.event {
+                    ids.push(t.id);
+                    if ids.len() == 2 {
+                        let _ = tx.send(()).await;
+                    }
+                }
+            }
+            Ok::<_, tonic::Status>(ids)
+        }));
+    }
+    for _ in 0..STREAMS {
+        started.recv().await.expect("every stream starts");
+    }
+    let victim = ["duet-cpu-worker", gw.instance.as_str()];
+    let pids = pids_with(&victim);
+    assert_eq!(pids.len(), 1, "one cpu-worker: {pids:?}");
+    // SAFETY: killing the test's own grandchild.
+    unsafe { libc::kill(pids[0] as libc::pid_t, libc::SIGKILL) };
+    for (i, t) in tasks.into_iter().enumerate() {
+        let ids = t.await.unwrap().unwrap_or_else(|e| panic!("stream {i} failed after the cpu-worker was killed: {e}"));
+        let want = reference.generate(&prompt(i as u32), TOKENS);
+        same_up_to_near_tie(&ids, &want, 0.5).unwrap_or_else(|e| panic!("stream {i} vs uninterrupted: {e}"));
+    }
+    assert_ne!(pids_with(&victim), pids, "the cpu-worker was restarted");
+    let log = std::fs::read_to_string(&gw.log).unwrap_or_default();
+    assert!(log.contains("wait to resume"), "the kill interrupted no step (the streams ended first?); log:\n{}", gw.log_tail());
+    let status = gw.stop();
+    assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
 }

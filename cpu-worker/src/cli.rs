@@ -78,6 +78,11 @@ pub struct Args {
     /// identity is checked).
     #[arg(long, env = "DUET_CPU_REATTACH", value_parser = clap::builder::BoolishValueParser::new())]
     pub reattach: bool,
+    /// Serve share I of N of a mixture-of-experts model's routed experts (e.g. 0/1: all of
+    /// them; 1/2: the second half), computing the expert jobs the gpu-worker posts. Needs
+    /// --model.
+    #[arg(long, env = "DUET_EXPERTS_OF")]
+    pub experts_of: Option<crate::experts::ExpertShare>,
 }
 
 impl Args {
@@ -99,6 +104,11 @@ impl Args {
         };
         let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(|e| CpuWorkerError::Config(e.to_string()))?;
         let model_id = self.model.as_deref().map(crate::model_identity).transpose()?.unwrap_or(0);
+        let experts = match (self.experts_of, &self.model) {
+            (Some(share), Some(model)) => Some((model.clone(), share)),
+            (Some(_), None) => return Err(CpuWorkerError::Config("--experts-of needs --model: the experts are read from it".into())),
+            (None, _) => None,
+        };
         if self.reattach && model_id == 0 {
             return Err(CpuWorkerError::Config("--reattach needs --model: the arena's model is checked before its K/V is kept".into()));
         }
@@ -118,6 +128,7 @@ impl Args {
             replace: self.replace,
             reattach: self.reattach,
             model_id,
+            experts,
         })
     }
 }

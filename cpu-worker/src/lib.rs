@@ -11,6 +11,7 @@
 pub mod arena;
 pub mod cli;
 pub mod control;
+pub mod experts;
 pub mod numa;
 pub mod serve;
 pub mod owner_lock;
@@ -139,6 +140,8 @@ pub struct Config {
     /// Identity of the model whose K/V the arena holds ([`model_identity`]; 0: unknown, never
     /// re-attached).
     pub model_id: u64,
+    /// The share of a mixture's routed experts this worker serves, from `model`.
+    pub experts: Option<(PathBuf, experts::ExpertShare)>,
 }
 
 impl Config {
@@ -190,6 +193,14 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, CpuWorke
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     });
     let pool = build_pool(threads, cpus.clone())?;
+    // Loaded on the pool, so the repacked copies are first touched on the worker's node.
+    let experts = match &config.experts {
+        Some((path, share)) => Some(pool.install(|| experts::ServedExperts::load(path, *share))?),
+        None => None,
+    };
+    if let Some(e) = &experts {
+        tracing::info!(held = e.bank.held_count(), of = e.limits.n_expert, repacked = e.bank.repacked_matrices(), "serving routed experts");
+    }
     let arena_name = arena_name(&config.instance, config.worker);
     let ring_name = ring_name(&config.instance, config.worker);
     let kept = owner_lock::clear_leftovers(&arena_name, &ring_name, config.replace, config.reattach)?;
@@ -250,7 +261,7 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, CpuWorke
             listen = listen.as_deref().unwrap_or("-"),
             "cpu-worker ready"
         );
-        let served = pool.install(|| serve::serve(&mut consumer, &arena, shutdown, config.poll, &counters));
+        let served = pool.install(|| serve::serve(&mut consumer, &arena, experts.as_ref(), shutdown, config.poll, &counters));
         // The control plane goes first, so nobody is told "ready" about segments being removed.
         let stopped = serving.map_or(Ok(()), control::Serving::stop);
         served.and_then(|stats| stopped.map(|()| stats))

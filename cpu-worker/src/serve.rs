@@ -1,6 +1,7 @@
-//! The job loop: takes attention jobs from the exchange ring in order, runs paged decode
-//! attention for every (sequence, KV head) of a job in parallel on the worker's pool,
-//! writes the results (or an error status) into the job's slot and completes it.
+//! The job loop: takes jobs from the exchange ring in order — attention jobs (paged decode
+//! attention for every (sequence, KV head) of a job in parallel on the worker's pool) and
+//! expert jobs (`crate::experts`) — writes the results (or an error status) into the job's
+//! slot and completes it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,7 +14,10 @@ use duet_kv::ArenaLayout;
 use duet_kv::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
 use duet_kv::shm::{Consumer, ShmError};
 
+use duet_kv::shm::expert_job::is_expert_job;
+
 use crate::arena::Arena;
+use crate::experts::{self, ServedExperts};
 use crate::CpuWorkerError;
 
 /// What a worker did until it stopped.
@@ -46,6 +50,7 @@ impl JobCounters {
 pub fn serve(
     consumer: &mut Consumer,
     arena: &Arena,
+    experts: Option<&ServedExperts>,
     shutdown: &AtomicBool,
     poll: Duration,
     counters: &JobCounters,
@@ -64,12 +69,16 @@ pub fn serve(
         // gpu-worker does not write the K/V rows it reads until `complete` below.
         let rows = unsafe { arena.rows_of_posted_job() };
         let started = Instant::now();
-        match answer(slot, &rows, arena.layout()) {
+        let answered = match is_expert_job(slot) {
+            true => experts::answer(slot, experts),
+            false => answer(slot, &rows, arena.layout()),
+        };
+        match answered {
             Ok(()) => {
                 counters.served.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
-                tracing::warn!(job = seq, "rejected attention job: {e}");
+                tracing::warn!(job = seq, "rejected job: {e}");
                 write_error(slot, &e);
                 counters.rejected.fetch_add(1, Ordering::Relaxed);
             }

@@ -103,6 +103,11 @@ pub struct ServeArgs {
     /// cpu, or cuda (fails if it cannot be used). The gpu-worker's own `--device` values.
     #[arg(long, env = "DUET_DEVICE", default_value = "auto", value_parser = ["auto", "cpu", "cuda"], conflicts_with = "gpu_worker")]
     pub device: String,
+    /// Where a mixture-of-experts model's routed experts run: on the gpu-worker's device, or
+    /// on the cpu-workers (each serving its share as expert jobs; KTransformers' split, for
+    /// models whose experts do not fit the GPU).
+    #[arg(long, env = "DUET_EXPERTS_ON", default_value = "device", value_parser = ["device", "cpu-workers"], conflicts_with = "gpu_worker")]
+    pub experts_on: String,
     /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
     #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]
     pub gpu_worker: Option<Address>,
@@ -203,6 +208,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,
             device: args.device.clone(),
+            experts_on_cpu_workers: args.experts_on == "cpu-workers",
         };
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
         match supervisor::spawn_local(&cfg) {

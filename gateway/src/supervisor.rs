@@ -35,7 +35,14 @@ pub struct LocalWorkers {
     pub gpu_threads: Option<usize>,
     /// The gpu-worker's `--device` (auto, cpu or cuda).
     pub device: String,
+    /// A mixture's routed experts on the cpu-workers (`--experts-on cpu-workers`; cpu-worker
+    /// `w` serves share `w` of them), else on the gpu-worker's device.
+    pub experts_on_cpu_workers: bool,
 }
+
+/// Ring slot bytes of a cpu-worker serving experts: one MoE layer's items of a decode step
+/// of 64 sequences in one job at a 2048 width (an item takes its output and at most its row).
+const EXPERT_SLOT_BYTES: &str = "8M";
 
 /// One worker the gateway talks to.
 #[derive(Debug, Clone)]
@@ -123,6 +130,9 @@ impl LocalWorkers {
         let mut cmd = Process::new(worker_binary("duet-gpu-worker"));
         cmd.arg("serve").arg("--model").arg(&self.model).arg("--listen").arg(self.gpu_address().to_string());
         cmd.arg("--device").arg(&self.device);
+        if self.experts_on_cpu_workers {
+            cmd.args(["--experts-on", "cpu-workers"]);
+        }
         if let Some(t) = self.gpu_threads {
             cmd.arg("--threads").arg(t.to_string());
         }
@@ -146,6 +156,9 @@ impl LocalWorkers {
         } else {
             // One node: share the cores between the workers (unpinned).
             cmd.args(["--threads", &(cpu_count() / self.cpu_workers as usize).max(1).to_string()]);
+        }
+        if self.experts_on_cpu_workers {
+            cmd.args(["--experts-of", &format!("{worker}/{}", self.cpu_workers), "--slot-bytes", EXPERT_SLOT_BYTES]);
         }
         cmd.arg(if fresh { "--replace" } else { "--reattach" });
         spawn(cmd)

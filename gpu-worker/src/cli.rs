@@ -58,6 +58,20 @@ pub struct ServeArgs {
     /// the step fails and the worker counts as down.
     #[arg(long, env = "DUET_JOB_TIMEOUT_MS", default_value_t = 10_000)]
     pub job_timeout_ms: u64,
+    /// Where a mixture-of-experts model's routed experts run: on this device, or on the
+    /// cpu-workers (each started with --experts-of I/N; the device then loads none of them).
+    #[arg(long, env = "DUET_EXPERTS_ON", value_enum, default_value_t = ExpertsOn::Device)]
+    pub experts_on: ExpertsOn,
+}
+
+/// Where a mixture's routed experts run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ExpertsOn {
+    /// The gpu-worker's device, with the rest of the layer.
+    #[default]
+    Device,
+    /// The cpu-workers, as expert jobs in their exchange rings (KTransformers' split).
+    CpuWorkers,
 }
 
 #[derive(Debug, Args)]
@@ -163,7 +177,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 fn serve(args: ServeArgs, device: DeviceChoice) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
-    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout)
+    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout, args.experts_on == ExpertsOn::Device)
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.model.model.display()))?;
     tracing::info!(model = %args.model.model.display(), device = %service.device(), ms = start.elapsed().as_millis() as u64, "model loaded");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;

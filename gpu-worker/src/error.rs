@@ -17,6 +17,8 @@ pub enum GpuWorkerError {
     Kv(#[from] KvAccessError),
     #[error("GPU: {0}")]
     Cuda(#[from] CudaError),
+    #[error("routed experts{}: {what}", worker.map(|w| format!(" on cpu-worker {w}")).unwrap_or_default())]
+    RemoteExperts { worker: Option<u32>, what: String },
     #[error("the {device} device cannot be used: {why}")]
     DeviceUnavailable { device: &'static str, why: String },
 }

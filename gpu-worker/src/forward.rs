@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 
-use crate::device::{Device, Qkv};
+use crate::device::{Device, NoRemoteExperts, Qkv};
 use crate::error::GpuWorkerError;
 
 /// A layer's attention for one (sub-)batch, in two halves so that sub-batches interleave:
@@ -21,6 +21,12 @@ pub trait LayerAttention<D: Device + ?Sized> {
     fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Self::Begun, Self::Error>;
     /// `q` is the layer's queries of the sub-batch (`Qkv::q` of [`LayerAttention::begin`]).
     fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, q: &[f32], out: &mut [f32]) -> Result<(), Self::Error>;
+    /// The rest of the layer on the device ([`Device::finish_layer`]), with the routed
+    /// experts it does not hold computed wherever this attention's owner sends them (by
+    /// default nowhere: the device holds them all).
+    fn finish_layer(&mut self, device: &D, layer: usize, batch: &mut D::Batch, attn: &[f32]) -> Result<(), Self::Error> {
+        Ok(device.finish_layer(layer, batch, attn, &mut NoRemoteExperts)?)
+    }
 }
 
 /// Runs `batches` (sub-batch `i` is `batches[i]`) through every layer of `device`. With one
@@ -56,6 +62,6 @@ fn finish_oldest<D: Device + ?Sized, A: LayerAttention<D>>(
     let Some((sub, layer, b, q)) = begun.pop_front() else { return Ok(()) };
     let mut out = vec![0f32; q.len()];
     attention.finish(device, sub, layer, b, &q, &mut out)?;
-    device.finish_layer(layer, &mut batches[sub], &out)?;
+    attention.finish_layer(device, layer, &mut batches[sub], &out)?;
     Ok(())
 }

@@ -80,14 +80,14 @@ pub struct Perplexity {
 impl Runner<CpuDevice> {
     /// Loads a GGUF model onto the CPU device (see [`Runner::load_with`]).
     pub fn load(path: &Path) -> Result<Self> {
-        Runner::load_with(path, CpuDevice::load)
+        Runner::load_with(path, |file| CpuDevice::load(file, true))
     }
 }
 
 impl Runner<AnyDevice> {
     /// Loads a GGUF model onto the device `choice` names.
     pub fn load_on(path: &Path, choice: DeviceChoice) -> Result<Self> {
-        Runner::load_with(path, |file| crate::device::open(choice, file))
+        Runner::load_with(path, |file| crate::device::open(choice, file, true))
     }
 }
 

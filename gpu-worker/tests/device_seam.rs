@@ -12,7 +12,7 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use duet_model::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
-use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use duet_gpu_worker::error::Result;
 use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::SamplingParams;
@@ -97,9 +97,9 @@ impl Device for Counting {
         bump(&self.calls.decode_items, items.len());
         self.inner.decode_attention(layer, q, items, kv)
     }
-    fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32]) -> Result<()> {
+    fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
         bump(&self.calls.finish_layer, 1);
-        self.inner.finish_layer(layer, batch, attn)
+        self.inner.finish_layer(layer, batch, attn, remote)
     }
     fn logits(&self, batch: &Self::Batch) -> Result<Vec<f32>> {
         bump(&self.calls.logits, 1);
@@ -108,7 +108,7 @@ impl Device for Counting {
 }
 
 fn counting(calls: &Arc<Calls>) -> impl FnOnce(Arc<GgufFile>) -> Result<Counting> + '_ {
-    move |file| Ok(Counting { inner: CpuDevice::load(file)?, calls: calls.clone() })
+    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone() })
 }
 
 const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];

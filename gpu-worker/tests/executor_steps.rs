@@ -17,7 +17,7 @@ mod support;
 /// An executor with one attached arena of 64 blocks of 16 positions (segments named after
 /// this process, removed when the returned guards drop).
 fn executor() -> (Executor, (Segment, Ring)) {
-    support::executor_with_arena(CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap())).unwrap(), "exec")
+    support::executor_with_arena(CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap(), "exec")
 }
 
 fn greedy() -> pb::SamplerConfig {

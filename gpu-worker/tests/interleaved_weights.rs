@@ -18,7 +18,7 @@ fn model() -> PathBuf {
 }
 
 fn engine(repack: bool) -> Runner<CpuDevice> {
-    Runner::load_with(&model(), |file| CpuDevice::load_with_repack(file, repack)).expect("the tiny Q4_K_M model loads")
+    Runner::load_with(&model(), |file| CpuDevice::load_with(file, repack, true)).expect("the tiny Q4_K_M model loads")
 }
 
 /// Logits of the whole prompt as one prefill, in chunks, and token by token.

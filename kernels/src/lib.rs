@@ -11,6 +11,7 @@ pub mod ggml_exact;
 #[cfg(target_arch = "x86_64")]
 pub mod blockdot_avx512;
 pub mod matmul;
+pub mod mlp;
 #[cfg(target_arch = "x86_64")]
 pub mod matmul_avx512;
 pub mod matmul_k_avx512;

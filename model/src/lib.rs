@@ -9,6 +9,7 @@ pub mod names;
 pub mod pretokenizers;
 pub mod tokenizer;
 pub mod error;
+pub mod experts;
 pub mod testutil;
 
 pub use error::{Error, Result};

@@ -420,7 +420,7 @@ mod tests {
             linear_ns: 1_000_000,
             gpu_attention_positions: gpu_positions,
             attention_gpu_ns: gpu_ns,
-            cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, positions: cpu_positions, busy_ns: cpu_ns }],
+            cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, positions: cpu_positions, busy_ns: cpu_ns, ..Default::default() }],
             ..Default::default()
         };
         for shared in [false, true] {
@@ -479,7 +479,7 @@ mod tests {
                 decode_tokens: tokens,
                 gpu_attention_positions: gpu_pos,
                 cpu_attention_positions: cpu_pos,
-                cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, busy_ns: (ca * 1e9) as u64, positions: cpu_pos }],
+                cpu_workers: vec![pb::CpuWorkerTiming { worker: 0, busy_ns: (ca * 1e9) as u64, positions: cpu_pos, ..Default::default() }],
                 ..Default::default()
             };
             let predicted = st.cost_model(tokens as usize).step_time(tokens as usize, gpu_pos as usize, &[cpu_pos as usize], false);

@@ -7,7 +7,7 @@ use duet_proto::pb;
 
 use super::cpu::{CpuBatch, CpuDevice};
 use super::cuda::{CudaBatch, CudaDevice};
-use super::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use super::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 /// The CPU or the CUDA device.
@@ -91,8 +91,8 @@ impl Device for AnyDevice {
         on_device!(self, d => d.decode_attention(layer, q, items, kv))
     }
 
-    fn finish_layer(&self, layer: usize, batch: &mut AnyBatch, attn: &[f32]) -> Result<()> {
-        on_batch!(self, batch, d, b => d.finish_layer(layer, b, attn))
+    fn finish_layer(&self, layer: usize, batch: &mut AnyBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
+        on_batch!(self, batch, d, b => d.finish_layer(layer, b, attn, remote))
     }
 
     fn logits(&self, batch: &AnyBatch) -> Result<Vec<f32>> {

@@ -9,20 +9,21 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use duet_kernels::dot::vec_dot_type;
 use duet_kernels::interleaved::{self, Interleaved};
-use duet_kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
+use duet_kernels::matmul::QMatrix;
+use duet_kernels::mlp::{self, GateAct};
 use duet_kernels::ggml_exact::soft_max_row;
 use duet_kernels::ops::{gelu_mul, rms_norm, silu_mul, Rope};
 use duet_kernels::quant::{dequantize, GgmlType};
 use duet_model::config::{FfnAct, LlamaConfig};
+use duet_model::experts::ExpertBank;
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use rayon::prelude::*;
 
 use super::model::{check_batch, Ffn, ModelTensors, Weight};
-use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
-use crate::error::Result;
+use super::{host_attention, Device, DecodeItem, ExpertItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
+use crate::error::{GpuWorkerError, Result};
 
 /// The CPU device: the model's weights, borrowed from the memory-mapped file, and the
 /// repacked copies the products read instead (by tensor name).
@@ -30,6 +31,9 @@ pub struct CpuDevice {
     file: Arc<GgufFile>,
     m: ModelTensors,
     interleaved: HashMap<String, Interleaved>,
+    /// A mixture's routed experts: all of them, or none when the cpu-workers serve them.
+    experts: Option<ExpertBank>,
+    act: GateAct,
 }
 
 impl std::fmt::Debug for CpuDevice {
@@ -40,29 +44,43 @@ impl std::fmt::Debug for CpuDevice {
 
 impl CpuDevice {
     /// Checks every tensor the forward pass needs and faults the mapped weights in; repacks
-    /// the matrices the interleaved kernels take unless `DUET_REPACK=0`.
-    pub fn load(file: Arc<GgufFile>) -> Result<Self> {
+    /// the matrices the interleaved kernels take unless `DUET_REPACK=0`. A mixture's routed
+    /// experts are loaded only with `local_experts` (else the cpu-workers serve them).
+    pub fn load(file: Arc<GgufFile>, local_experts: bool) -> Result<Self> {
         let repack = !std::env::var("DUET_REPACK").is_ok_and(|v| v == "0");
-        Self::load_with_repack(file, repack)
+        Self::load_with(file, repack, local_experts)
     }
 
     /// [`Self::load`] with the repacking chosen by the caller (`false`: every matrix in the
     /// file's own layout).
-    pub fn load_with_repack(file: Arc<GgufFile>, repack: bool) -> Result<Self> {
+    pub fn load_with(file: Arc<GgufFile>, repack: bool, local_experts: bool) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
-        super::page_in::page_in_weights(&file);
+        let remote = m.experts.as_ref().filter(|_| !local_experts);
+        super::page_in::page_in_weights(&file, |name| remote.is_some_and(|t| t.is_expert_tensor(name)));
         let interleaved = if repack {
             repack_matrices(&file, &m)
         } else {
             tracing::info!("weights not repacked (DUET_REPACK=0)");
             HashMap::new()
         };
-        Ok(CpuDevice { file, m, interleaved })
+        let experts = match m.experts.clone() {
+            Some(t) => {
+                let bank = ExpertBank::load(file.clone(), &m.config, t, |_| local_experts, repack)?;
+                tracing::info!(held = bank.held_count(), repacked = bank.repacked_matrices(), "routed experts on the device");
+                Some(bank)
+            }
+            None => None,
+        };
+        let act: GateAct = match m.config.ffn_act {
+            FfnAct::Silu => silu_mul,
+            FfnAct::Gelu => gelu_mul,
+        };
+        Ok(CpuDevice { file, m, interleaved, experts, act })
     }
 
-    /// How many weight matrices were repacked into interleaved rows.
+    /// How many weight matrices were repacked into interleaved rows (experts' included).
     pub fn repacked_matrices(&self) -> usize {
-        self.interleaved.len()
+        self.interleaved.len() + self.experts.as_ref().map_or(0, ExpertBank::repacked_matrices)
     }
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
@@ -76,50 +94,24 @@ impl CpuDevice {
 
     /// `x` (rows of `w.cols`) times `w`: rows of `w.rows`.
     fn linear(&self, w: &Weight, x: &[f32]) -> Vec<f32> {
-        let acts = QuantizedActs::new(w.ty, x, w.cols);
-        let mut out = vec![0f32; acts.n_rows * w.rows];
-        matmul(&self.mat(w), &acts, &mut out);
-        out
+        mlp::linear(&self.mat(w), x)
     }
 
-    /// `x` times each of `ws` (same input width): the input quantised once and one parallel
-    /// loop for all when the weights share an activation type, else one [`Self::linear`]
-    /// each. Same results either way.
+    /// `x` times each of `ws` (same input width), the input quantised once where it can be.
     fn linear_many<const N: usize>(&self, ws: [&Weight; N], x: &[f32]) -> [Vec<f32>; N] {
-        let act_ty = vec_dot_type(ws[0].ty);
-        if ws.iter().any(|w| vec_dot_type(w.ty) != act_ty) {
-            return ws.map(|w| self.linear(w, x));
-        }
-        let acts = QuantizedActs::new(ws[0].ty, x, ws[0].cols);
-        let mut outs = ws.map(|w| vec![0f32; acts.n_rows * w.rows]);
         let mats = ws.map(|w| self.mat(w));
-        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-        matmul_many(&mats, &acts, &mut views);
-        outs
-    }
-}
-
-impl CpuDevice {
-    /// `down(act(gate(x)) * up(x))` of rows `x`.
-    fn gated_mlp(&self, [gate, up, down]: [&Weight; 3], x: &[f32]) -> Vec<f32> {
-        let [mut g, u] = self.linear_many([gate, up], x);
-        let act = match self.m.config.ffn_act {
-            FfnAct::Silu => silu_mul,
-            FfnAct::Gelu => gelu_mul,
-        };
-        g.par_chunks_mut(gate.rows).zip(u.par_chunks(up.rows)).for_each(|(g, u)| act(g, u));
-        self.linear(down, &g)
+        mlp::linear_many(std::array::from_fn(|i| &mats[i]), x)
     }
 
-    /// A mixture of experts over rows `x`, as llama.cpp's `build_moe_ffn` computes it: the
-    /// router's softmax, the `n_used` likeliest experts (their probabilities renormalised to
-    /// sum 1 where the architecture does, the sum clamped at f16's smallest normal), each
-    /// expert's MLP on the rows routed to it, and per row the weighted outputs added in the
-    /// order the experts were chosen.
-    fn moe(&self, router: &Weight, experts: &[[Weight; 3]], x: &[f32]) -> Vec<f32> {
+    /// A mixture of experts over rows `x` of layer `l`, as llama.cpp's `build_moe_ffn`
+    /// computes it: the router's softmax, the `n_used` likeliest experts (their probabilities
+    /// renormalised to sum 1 where the architecture does, the sum clamped at f16's smallest
+    /// normal), each expert's MLP on the rows routed to it, and per row the weighted outputs
+    /// added in the order the experts were chosen. The experts this device does not hold go
+    /// to `remote` first, so they run while it computes its own.
+    fn moe(&self, l: usize, router: &Weight, x: &[f32], remote: &mut dyn RemoteExperts) -> Result<Vec<f32>> {
         let e = self.m.config.experts.expect("an MoE layer has its experts' counts");
         let d = router.cols;
-        let n = x.len() / d;
         let mut probs = self.linear(router, x);
         let routes: Vec<Vec<(usize, f32)>> = probs
             .chunks_mut(e.n_expert)
@@ -135,29 +127,50 @@ impl CpuDevice {
                 chosen
             })
             .collect();
-        // Each expert once, on the rows routed to it; then each row's parts in choice order.
+        let bank = self.experts.as_ref().expect("an MoE model has its expert bank");
+        let held = |ex: usize| bank.holds(ex);
+        // (row, choice) of each item sent away, in the order sent.
+        let (mut away, mut away_of) = (Vec::new(), Vec::new());
+        for (t, r) in routes.iter().enumerate() {
+            for (k, &(ex, w)) in r.iter().enumerate().filter(|(_, &(ex, _))| !held(ex)) {
+                away.push(ExpertItem { expert: ex as u32, row: t as u32, weight: w });
+                away_of.push((t, k));
+            }
+        }
+        if !away.is_empty() {
+            remote.start(l, x, &away)?;
+        }
+        // Each held expert once, on the rows routed to it; then each row's parts in choice order.
         let mut parts: Vec<Vec<Vec<f32>>> = routes.iter().map(|r| vec![Vec::new(); r.len()]).collect();
-        for (ex, [gate, up, down]) in experts.iter().enumerate() {
+        for ex in (0..e.n_expert).filter(|&ex| held(ex)) {
             let rows: Vec<(usize, usize)> =
                 routes.iter().enumerate().flat_map(|(t, r)| r.iter().position(|&(i, _)| i == ex).map(|k| (t, k))).collect();
             if rows.is_empty() {
                 continue;
             }
             let xs: Vec<f32> = rows.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
-            let out = self.gated_mlp([gate, up, down], &xs);
+            let out = bank.mlp(l, ex, &xs).expect("the bank holds it");
             for (&(t, k), o) in rows.iter().zip(out.chunks_exact(d)) {
-                let w = routes[t][k].1;
-                parts[t][k] = o.iter().map(|&v| v * w).collect();
+                parts[t][k] = mlp::scaled(o, routes[t][k].1);
             }
         }
-        let mut y = vec![0f32; n * d];
+        if !away.is_empty() {
+            let outs = remote.finish()?;
+            if outs.len() != away.len() * d {
+                return Err(GpuWorkerError::RemoteExperts { worker: None, what: format!("{} values back for {} items of {d}", outs.len(), away.len()) });
+            }
+            for (&(t, k), o) in away_of.iter().zip(outs.chunks_exact(d)) {
+                parts[t][k] = o.to_vec();
+            }
+        }
+        let mut y = vec![0f32; x.len()];
         for (row, p) in y.chunks_exact_mut(d).zip(&parts) {
             row.copy_from_slice(&p[0]);
             for more in &p[1..] {
                 add(row, more);
             }
         }
-        y
+        Ok(y)
     }
 }
 
@@ -275,7 +288,7 @@ impl Device for CpuDevice {
         host_attention::decode(&self.m.config, layer, q, items, kv)
     }
 
-    fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32]) -> Result<()> {
+    fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
         let c = &self.m.config;
         let layer = &self.m.layers[l];
         let mut o = self.linear(&layer.wo, attn);
@@ -285,8 +298,8 @@ impl Device for CpuDevice {
         add(&mut b.x, &o);
         norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
         let mut down = match &layer.ffn {
-            Ffn::Dense { gate, up, down } => self.gated_mlp([gate, up, down], &b.xn),
-            Ffn::Moe { router, experts } => self.moe(router, experts, &b.xn),
+            Ffn::Dense { gate, up, down } => mlp::gated_mlp([&self.mat(gate), &self.mat(up), &self.mat(down)], self.act, &b.xn),
+            Ffn::Moe { router } => self.moe(l, router, &b.xn, remote)?,
         };
         if let Some([_, post_ffn]) = &layer.post_norms {
             down = normed(&down, post_ffn, c.rms_eps);

@@ -58,8 +58,10 @@ pub enum DeviceChoice {
 /// Loads the model's weights onto the device `choice` names. `auto` takes the GPU when the
 /// probe finds one and the model loads onto it, else the CPU, logging which and why; a model
 /// that cannot load at all fails either way.
-pub fn open(choice: DeviceChoice, file: Arc<GgufFile>) -> Result<AnyDevice> {
-    let cpu = |file| Ok(AnyDevice::Cpu(cpu::CpuDevice::load(file)?));
+/// `local_experts`: whether the device holds a mixture's routed experts itself (else the
+/// cpu-workers do, and the device loads none of them).
+pub fn open(choice: DeviceChoice, file: Arc<GgufFile>, local_experts: bool) -> Result<AnyDevice> {
+    let cpu = |file| Ok(AnyDevice::Cpu(cpu::CpuDevice::load(file, local_experts)?));
     match choice {
         DeviceChoice::Cpu => cpu(file),
         DeviceChoice::Cuda => {
@@ -119,6 +121,32 @@ pub trait KvSource {
 }
 
 pub use crate::error::KvAccessError;
+pub use duet_kv::shm::expert_job::ExpertItem;
+
+/// Where the routed experts a device does not hold are computed (the cpu-workers serving
+/// expert jobs), for one MoE layer at a time: [`RemoteExperts::start`] hands the items over
+/// so they run while the device computes its own experts, [`RemoteExperts::finish`] waits.
+pub trait RemoteExperts {
+    /// Starts `items` of `layer` over rows `x` (`[row][n_embd]`, the layer's normed rows).
+    fn start(&mut self, layer: usize, x: &[f32], items: &[ExpertItem]) -> Result<()>;
+    /// The started items' outputs times their weights, `[item][n_embd]`, in their order.
+    fn finish(&mut self) -> Result<Vec<f32>>;
+}
+
+/// No experts elsewhere: a device that does not hold an expert it is routed to fails.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoRemoteExperts;
+
+impl RemoteExperts for NoRemoteExperts {
+    fn start(&mut self, layer: usize, _: &[f32], items: &[ExpertItem]) -> Result<()> {
+        let expert = items.first().map_or(0, |i| i.expert);
+        Err(GpuWorkerError::RemoteExperts { worker: None, what: format!("expert {expert} of layer {layer} is not on this device and no cpu-worker serves experts") })
+    }
+
+    fn finish(&mut self) -> Result<Vec<f32>> {
+        Ok(Vec::new())
+    }
+}
 
 /// Prefill attention of one sequence's rows `row0..row0 + n` (positions `start..start + n`),
 /// each over its causal prefix of the sequence's context.
@@ -174,8 +202,9 @@ pub trait Device: Send + Sync {
     /// merge with other devices' partial results.
     fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>>;
     /// Layer `layer` after attention (`attn`, `[row][n_head][head_dim]`, merged): output
-    /// projection, residual, MLP, residual.
-    fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32]) -> Result<()>;
+    /// projection, residual, MLP, residual. The routed experts of a mixture the device does
+    /// not hold are computed by `remote`.
+    fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()>;
     /// The logits of the batch's logit rows after the last layer, `[row][vocab]`.
     fn logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
 }

@@ -6,6 +6,7 @@
 use duet_kernels::ops::{llama3_freq_factors, Rope};
 use duet_kernels::quant::{dequantize, GgmlType};
 use duet_model::config::{FfnAct, LlamaConfig, RopeScaling};
+use duet_model::experts::ExpertTensors;
 use duet_model::gguf::{GgufError, GgufFile};
 use duet_model::names::TensorName;
 
@@ -69,17 +70,17 @@ pub struct LayerTensors {
 pub enum Ffn {
     /// `down(act(gate(x)) * up(x))`.
     Dense { gate: Weight, up: Weight, down: Weight },
-    /// A mixture of experts: the router (`n_expert` rows) and each expert's three matrices
-    /// (parts of the stacked `ffn_*_exps` tensors).
-    Moe { router: Weight, experts: Vec<[Weight; 3]> },
+    /// A mixture of experts: the router (`n_expert` rows); the experts themselves are the
+    /// model's [`ExpertTensors`].
+    Moe { router: Weight },
 }
 
 impl Ffn {
-    /// Every matrix of the MLP.
+    /// Every matrix of the MLP but the experts.
     pub fn weights(&self) -> Vec<&Weight> {
         match self {
             Ffn::Dense { gate, up, down } => vec![gate, up, down],
-            Ffn::Moe { router, experts } => std::iter::once(router).chain(experts.iter().flatten()).collect(),
+            Ffn::Moe { router } => vec![router],
         }
     }
 }
@@ -93,6 +94,8 @@ pub struct ModelTensors {
     pub output: Weight,
     pub output_norm: Vec<f32>,
     pub layers: Vec<LayerTensors>,
+    /// The routed experts of a mixture-of-experts model.
+    pub experts: Option<ExpertTensors>,
     pub rope: Rope,
     /// RoPE of the sliding-window layers (their own base; Gemma 3's unscaled).
     pub rope_swa: Option<Rope>,
@@ -110,17 +113,6 @@ fn weight(file: &GgufFile, name: TensorName, cols: usize, rows: usize) -> Result
         return Err(shape_err(&name, format!("[{cols}, {rows}]"), format!("{:?}", info.dims)));
     }
     Ok(Weight { name, ty: info.ty, rows, cols, first_row: 0 })
-}
-
-/// A stack of `n` matrices of `rows` x `cols` (ggml dims `[cols, rows, n]`), as one matrix of
-/// `n * rows` rows whose parts are the experts.
-fn stacked(file: &GgufFile, name: TensorName, cols: usize, rows: usize, n: usize) -> Result<Weight> {
-    let name = name.name();
-    let info = file.tensor_info(&name).ok_or_else(|| GpuWorkerError::from(GgufError::MissingTensor(name.clone())))?;
-    if info.dims != [cols as u64, rows as u64, n as u64] {
-        return Err(shape_err(&name, format!("[{cols}, {rows}, {n}]"), format!("{:?}", info.dims)));
-    }
-    Ok(Weight { name, ty: info.ty, rows: rows * n, cols, first_row: 0 })
 }
 
 /// A 1-D tensor of `n` elements, dequantised to f32, when the file has it.
@@ -181,15 +173,7 @@ impl ModelTensors {
                     ]
                 };
                 let ffn = match c.experts {
-                    Some(e) => Ffn::Moe {
-                        router: weight(f, TensorName::FfnGateInp(l), c.n_embd, e.n_expert)?,
-                        experts: {
-                            let gate = stacked(f, TensorName::FfnGateExps(l), c.n_embd, e.n_ff, e.n_expert)?;
-                            let up = stacked(f, TensorName::FfnUpExps(l), c.n_embd, e.n_ff, e.n_expert)?;
-                            let down = stacked(f, TensorName::FfnDownExps(l), e.n_ff, c.n_embd, e.n_expert)?;
-                            (0..e.n_expert).map(|x| [gate.part(x * e.n_ff, e.n_ff), up.part(x * e.n_ff, e.n_ff), down.part(x * c.n_embd, c.n_embd)]).collect()
-                        },
-                    },
+                    Some(e) => Ffn::Moe { router: weight(f, TensorName::FfnGateInp(l), c.n_embd, e.n_expert)? },
                     None if c.arch == "phi3" => {
                         let gate_up = weight(f, TensorName::FfnUp(l), c.n_embd, 2 * c.n_ff)?;
                         Ffn::Dense { gate: gate_up.part(0, c.n_ff), up: gate_up.part(c.n_ff, c.n_ff), down: weight(f, TensorName::FfnDown(l), c.n_ff, c.n_embd)? }
@@ -269,7 +253,8 @@ impl ModelTensors {
             rope = rope.with_yarn(1.0, original_context, c.rope_freq_base, beta_fast, beta_slow);
         }
         let output_norm = vector(f, TensorName::OutputNorm, c.n_embd)?;
-        Ok(ModelTensors { config, token_embd, output, output_norm, layers, rope, rope_swa })
+        let experts = ExpertTensors::find(f, &config)?;
+        Ok(ModelTensors { config, token_embd, output, output_norm, layers, experts, rope, rope_swa })
     }
 
     /// The RoPE of `layer`.

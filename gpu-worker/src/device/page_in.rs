@@ -18,9 +18,10 @@ enum Progress {
     Log { next_quarter: u64 },
 }
 
-/// Touches every page of every tensor; returns the bytes read.
-pub fn page_in_weights(file: &GgufFile) -> u64 {
-    let total: u64 = file.tensors.iter().map(|t| t.size_bytes).sum();
+/// Touches every page of every tensor but those `skip` names (weights computed elsewhere);
+/// returns the bytes read.
+pub fn page_in_weights(file: &GgufFile, skip: impl Fn(&str) -> bool) -> u64 {
+    let total: u64 = file.tensors.iter().filter(|t| !skip(&t.name)).map(|t| t.size_bytes).sum();
     let mut progress = if std::io::stderr().is_terminal() {
         let bar = ProgressBar::new(total);
         bar.set_style(
@@ -34,7 +35,7 @@ pub fn page_in_weights(file: &GgufFile) -> u64 {
     let started = Instant::now();
     let mut done = 0u64;
     let mut checksum = 0u8;
-    for info in &file.tensors {
+    for info in file.tensors.iter().filter(|t| !skip(&t.name)) {
         let Ok(view) = file.tensor(&info.name) else { continue };
         checksum = view.data.iter().step_by(PAGE).fold(checksum, |acc, &b| acc ^ b);
         done += info.size_bytes;

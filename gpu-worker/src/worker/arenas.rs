@@ -87,6 +87,12 @@ impl KvArenas {
         }
     }
 
+    /// Worker indices attached so far, 0.. (a detached worker keeps its index): the expert
+    /// shares the workers serve.
+    pub fn worker_slots(&self) -> usize {
+        self.workers.len()
+    }
+
     /// Tokens per block (`None` before the first attachment).
     pub fn block_size(&self) -> Option<usize> {
         self.workers.iter().flatten().next().map(|w| w.layout.block_size as usize)

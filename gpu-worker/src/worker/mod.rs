@@ -9,6 +9,7 @@ mod plan;
 mod step_order;
 pub mod service;
 mod step_attention;
+mod step_experts;
 
 use std::ops::Range;
 use std::time::Duration;
@@ -47,7 +48,18 @@ pub enum StepError {
     #[error("cpu-worker {worker} failed: {what}")]
     CpuWorker { worker: u32, what: String },
     #[error(transparent)]
-    Model(#[from] GpuWorkerError),
+    Model(GpuWorkerError),
+}
+
+/// A cpu-worker that failed serving routed experts is a failed cpu-worker (the gateway
+/// re-attaches and resumes); every other device error is the model's.
+impl From<GpuWorkerError> for StepError {
+    fn from(e: GpuWorkerError) -> Self {
+        match e {
+            GpuWorkerError::RemoteExperts { worker: Some(worker), what } => StepError::CpuWorker { worker, what: format!("routed experts: {what}") },
+            e => StepError::Model(e),
+        }
+    }
 }
 
 /// What is wrong with one sequence's part of a step.

@@ -33,8 +33,9 @@ pub struct GpuWorkerService<D: Device> {
 const ORDER_WAIT: Duration = Duration::from_secs(60);
 
 impl GpuWorkerService<AnyDevice> {
-    /// Loads the model at `path` onto the device `choice` names.
-    pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration) -> Result<Self, StepError> {
+    /// Loads the model at `path` onto the device `choice` names (a mixture's routed experts
+    /// too with `local_experts`, else the cpu-workers serve them).
+    pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration, local_experts: bool) -> Result<Self, StepError> {
         let file = Arc::new(GgufFile::open(path).map_err(GpuWorkerError::from)?);
         let name = file
             .get(GeneralKey::Name.key())
@@ -47,7 +48,7 @@ impl GpuWorkerService<AnyDevice> {
             .and_then(|t| Grammars::new(&t).map_err(|e| e.to_string()))
             .inspect_err(|e| tracing::warn!("no structured output: {e}"))
             .ok();
-        let device = crate::device::open(choice, file)?;
+        let device = crate::device::open(choice, file, local_experts)?;
         GpuWorkerService::new(device, name, job_timeout, grammars)
     }
 }

@@ -17,6 +17,7 @@ use super::arenas::KvArenas;
 use super::plan::{ns, Planned};
 use super::StepError;
 use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use super::step_experts::StepExperts;
 use crate::forward::LayerAttention;
 
 /// How often a wait for a cpu-worker's answer checks that the worker is still alive.
@@ -24,19 +25,19 @@ const LIVENESS_CHECK: Duration = Duration::from_millis(50);
 
 /// Waits until job `seqno` of `w` is answered: fails once `timeout` passes or as soon as
 /// the worker's process is gone.
-fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration) -> Result<(), String> {
+pub(super) fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration) -> Result<(), String> {
     let start = Instant::now();
     loop {
         match w.producer.wait_done_timeout(seqno, LIVENESS_CHECK.min(timeout)) {
             Ok(_) => return Ok(()),
             Err(duet_kv::shm::ShmError::TimedOut { .. }) => {}
-            Err(e) => return Err(format!("no answer to its attention job ({e})")),
+            Err(e) => return Err(format!("no answer to its job ({e})")),
         }
         if !w.alive() {
             return Err(format!("its process {} is gone", w.pid.unwrap_or(0)));
         }
         if start.elapsed() >= timeout {
-            return Err(format!("no answer to its attention job within {timeout:?}"));
+            return Err(format!("no answer to its job within {timeout:?}"));
         }
     }
 }
@@ -111,6 +112,16 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         Ok(Begun { posted })
     }
 
+    /// The rest of the layer on the device, the routed experts it does not hold sent to the
+    /// cpu-workers as expert jobs (leaving a ring slot per other sub-batch, whose attention
+    /// job may be in flight).
+    fn finish_layer(&mut self, device: &D, layer: usize, batch: &mut D::Batch, attn: &[f32]) -> Result<(), StepError> {
+        let c = device.config();
+        let n_expert = c.experts.map_or(0, |e| e.n_expert as u32);
+        let mut remote = StepExperts::new(&mut *self.arenas, n_expert, c.n_embd, self.plans.len() - 1, self.job_timeout, &mut *self.timings);
+        Ok(device.finish_layer(layer, batch, attn, &mut remote)?)
+    }
+
     /// The device's own part of a begun layer (prefill chunks, unsplit decode tokens, its
     /// decode shares), then the cpu-workers' results, merged by log-sum-exp into `out`.
     fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Begun, q: &[f32], out: &mut [f32]) -> Result<(), StepError> {
@@ -179,7 +190,7 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
                     t.busy_ns += busy;
                     t.positions += job.positions;
                 }
-                None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, busy_ns: busy, positions: job.positions }),
+                None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, busy_ns: busy, positions: job.positions, ..Default::default() }),
             }
             let results: Vec<SeqResult> = match results {
                 Ok(r) if r.len() == job.members.len() => r,

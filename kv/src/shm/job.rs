@@ -64,11 +64,11 @@ pub const STATUS_DONE: u32 = 1;
 /// Status of a job the worker refused (error kind and message in the header).
 pub const STATUS_REJECTED: u32 = 2;
 
-const OFF_VERSION: usize = 4;
-const OFF_STATUS: usize = 8;
-const OFF_ERROR_KIND: usize = 12;
-const OFF_REQUEST_BYTES: usize = 16;
-const OFF_LAYER: usize = 20;
+pub(super) const OFF_VERSION: usize = 4;
+pub(super) const OFF_STATUS: usize = 8;
+pub(super) const OFF_ERROR_KIND: usize = 12;
+pub(super) const OFF_REQUEST_BYTES: usize = 16;
+pub(super) const OFF_LAYER: usize = 20;
 const OFF_N_SEQ: usize = 24;
 const OFF_N_HEAD: usize = 28;
 const OFF_N_KV_HEAD: usize = 32;
@@ -124,6 +124,16 @@ pub enum JobError {
     NotDone,
     #[error("unknown job status {0}")]
     BadStatus(u32),
+    #[error("this cpu-worker serves no experts (start it with --experts-of)")]
+    NoExperts,
+    #[error("expert job of layer {layer}: not a mixture-of-experts layer of this model")]
+    NotMoeLayer { layer: u32 },
+    #[error("expert job item {item}: expert {expert}, {reason}")]
+    BadExpert { item: usize, expert: u32, reason: &'static str },
+    #[error("expert job item {item}: row {row} of {n_rows}")]
+    RowOutOfRange { item: usize, row: u32, n_rows: u32 },
+    #[error("expert job item {item}: weight {} is not finite", f32::from_bits(*bits))]
+    BadWeight { item: usize, bits: u32 },
 }
 
 impl JobError {
@@ -151,6 +161,11 @@ impl JobError {
             JobError::Rejected { kind, .. } => *kind,
             JobError::NotDone => 16,
             JobError::BadStatus(_) => 17,
+            JobError::NoExperts => 21,
+            JobError::NotMoeLayer { .. } => 22,
+            JobError::BadExpert { .. } => 23,
+            JobError::RowOutOfRange { .. } => 24,
+            JobError::BadWeight { .. } => 25,
         }
     }
 }
@@ -292,7 +307,7 @@ fn check_softcap(softcap: Option<f32>) -> Result<(), JobError> {
 }
 
 /// Where the results start for a request of `request_bytes`.
-fn results_offset(request_bytes: usize) -> Option<usize> {
+pub(super) fn results_offset(request_bytes: usize) -> Option<usize> {
     request_bytes.checked_next_multiple_of(RESULTS_ALIGN)
 }
 
@@ -491,14 +506,7 @@ pub fn write_error(slot: &mut [u8], err: &JobError) {
 /// size against the slot: [`JobError::Rejected`] carries the worker's error (whatever the
 /// rest of the header holds).
 pub fn read_results(slot: &[u8]) -> Result<Vec<SeqResult>, JobError> {
-    // A rejection is read before anything else: the worker's answer to a job whose own
-    // header was bad (wrong magic, say) still gets through.
-    if slot.len() >= HEADER_BYTES && u32_at(slot, OFF_STATUS) == STATUS_REJECTED {
-        let raw = &slot[OFF_MESSAGE..HEADER_BYTES];
-        let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
-        let message = String::from_utf8_lossy(&raw[..len]).into_owned();
-        return Err(JobError::Rejected { kind: u32_at(slot, OFF_ERROR_KIND), message });
-    }
+    check_not_rejected(slot)?;
     let (h, status) = read_header(slot)?;
     match status {
         STATUS_DONE => {}
@@ -512,6 +520,19 @@ pub fn read_results(slot: &[u8]) -> Result<Vec<SeqResult>, JobError> {
     (0..h.n_seq)
         .map(|_| Ok(SeqResult { out: r.f32_vec(q_len, "results")?, lse: r.f32_vec(n_head, "results")? }))
         .collect()
+}
+
+/// The worker's rejection of the job in `slot`, if it rejected it. Read before anything
+/// else: the worker's answer to a job whose own header was bad (wrong magic, say) still gets
+/// through. Every job format shares the header fields this reads.
+pub(super) fn check_not_rejected(slot: &[u8]) -> Result<(), JobError> {
+    if slot.len() >= HEADER_BYTES && u32_at(slot, OFF_STATUS) == STATUS_REJECTED {
+        let raw = &slot[OFF_MESSAGE..HEADER_BYTES];
+        let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+        let message = String::from_utf8_lossy(&raw[..len]).into_owned();
+        return Err(JobError::Rejected { kind: u32_at(slot, OFF_ERROR_KIND), message });
+    }
+    Ok(())
 }
 
 /// Records the worker's time on the job in `slot` (with its results or its error).
@@ -531,43 +552,43 @@ pub fn peek_layer_and_seqs(slot: &[u8]) -> Option<(u32, u32)> {
     read_header(slot).ok().map(|(h, _)| (h.layer, h.n_seq))
 }
 
-fn u32_at(buf: &[u8], off: usize) -> u32 {
+pub(super) fn u32_at(buf: &[u8], off: usize) -> u32 {
     u32::from_le_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]])
 }
 
-fn put_u32(buf: &mut [u8], off: usize, v: u32) {
+pub(super) fn put_u32(buf: &mut [u8], off: usize, v: u32) {
     buf[off..off + 4].copy_from_slice(&v.to_le_bytes());
 }
 
 /// Sequential writes into a buffer already checked to be large enough.
-struct Writer<'a> {
-    buf: &'a mut [u8],
-    at: usize,
+pub(super) struct Writer<'a> {
+    pub(super) buf: &'a mut [u8],
+    pub(super) at: usize,
 }
 
 impl Writer<'_> {
-    fn u32(&mut self, v: u32) {
+    pub(super) fn u32(&mut self, v: u32) {
         put_u32(self.buf, self.at, v);
         self.at += 4;
     }
 
-    fn f32(&mut self, v: f32) {
+    pub(super) fn f32(&mut self, v: f32) {
         self.u32(v.to_bits());
     }
 }
 
 /// Sequential, bounds-checked reads.
-struct Reader<'a> {
-    buf: &'a [u8],
-    at: usize,
+pub(super) struct Reader<'a> {
+    pub(super) buf: &'a [u8],
+    pub(super) at: usize,
 }
 
 impl Reader<'_> {
-    fn remaining(&self) -> usize {
+    pub(super) fn remaining(&self) -> usize {
         self.buf.len() - self.at
     }
 
-    fn take(&mut self, n_bytes: usize, what: &'static str) -> Result<&[u8], JobError> {
+    pub(super) fn take(&mut self, n_bytes: usize, what: &'static str) -> Result<&[u8], JobError> {
         let end = self.at.checked_add(n_bytes).filter(|&e| e <= self.buf.len());
         let end = end.ok_or(JobError::Truncated { what, need: self.at.saturating_add(n_bytes), have: self.buf.len() })?;
         let bytes = &self.buf[self.at..end];
@@ -575,17 +596,17 @@ impl Reader<'_> {
         Ok(bytes)
     }
 
-    fn u32s<const N: usize>(&mut self, what: &'static str) -> Result<[u32; N], JobError> {
+    pub(super) fn u32s<const N: usize>(&mut self, what: &'static str) -> Result<[u32; N], JobError> {
         let bytes = self.take(4 * N, what)?;
         Ok(std::array::from_fn(|i| u32_at(bytes, 4 * i)))
     }
 
-    fn u32_vec(&mut self, n: usize, what: &'static str) -> Result<Vec<u32>, JobError> {
+    pub(super) fn u32_vec(&mut self, n: usize, what: &'static str) -> Result<Vec<u32>, JobError> {
         let bytes = self.take(n.saturating_mul(4), what)?;
         Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
-    fn f32_vec(&mut self, n: usize, what: &'static str) -> Result<Vec<f32>, JobError> {
+    pub(super) fn f32_vec(&mut self, n: usize, what: &'static str) -> Result<Vec<f32>, JobError> {
         Ok(self.u32_vec(n, what)?.into_iter().map(f32::from_bits).collect())
     }
 }

@@ -8,6 +8,7 @@
 //! owns them under a protocol whose hand-overs are Release/Acquire atomics (the ring's
 //! sequence numbers).
 
+pub mod expert_job;
 mod futex;
 pub mod job;
 mod ring;

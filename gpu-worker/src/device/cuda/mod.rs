@@ -30,7 +30,7 @@ pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
 use super::model::{check_batch, Ffn, ModelTensors};
-use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 pub use crate::error::CudaError;
@@ -209,7 +209,7 @@ impl Device for CudaDevice {
         host_attention::decode(&self.m.config, layer, q, items, kv)
     }
 
-    fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32]) -> Result<()> {
+    fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], _remote: &mut dyn RemoteExperts) -> Result<()> {
         let c = &self.m.config;
         let layer = &self.layers[l];
         let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;

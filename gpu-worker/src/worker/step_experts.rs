@@ -1,0 +1,176 @@
+//! The routed experts of a step that the cpu-workers serve: per MoE layer, the device's
+//! items for experts it does not hold go to their owners ([`expert_owner`] over the attached
+//! workers: cpu-worker `i` started with `--experts-of i/N`) as expert jobs in the same
+//! exchange rings as attention jobs, cut to fit the slots, while the device computes its own;
+//! then the weighted outputs come back in the items' order.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use duet_kv::shm::expert_job::{encode_expert_job, expert_owner, read_expert_results, ExpertItem, ExpertJob};
+use duet_proto::pb;
+
+use super::arenas::KvArenas;
+use super::plan::ns;
+use super::step_attention::wait_for;
+use crate::device::RemoteExperts;
+use crate::error::{GpuWorkerError, Result};
+
+/// One layer's expert jobs on the cpu-workers, started and finished once per MoE layer.
+pub(super) struct StepExperts<'a> {
+    pub arenas: &'a mut KvArenas,
+    /// The model's experts per layer.
+    pub n_expert: u32,
+    /// Ring slots per worker left to other jobs in flight (the other sub-batch's attention).
+    pub reserved_slots: usize,
+    pub job_timeout: Duration,
+    pub timings: &'a mut pb::StepTimings,
+    /// Per worker with items: its jobs not yet posted and those in flight.
+    queues: Vec<Queue>,
+    n_items: usize,
+    /// The model's width: the length of a row and of an output.
+    n_embd: usize,
+}
+
+/// One worker's jobs of the layer: each with the indices of the items it answers.
+struct Queue {
+    worker: u32,
+    waiting: VecDeque<(ExpertJob, Vec<usize>)>,
+    in_flight: VecDeque<(u64, Vec<usize>)>,
+}
+
+impl<'a> StepExperts<'a> {
+    pub fn new(arenas: &'a mut KvArenas, n_expert: u32, n_embd: usize, reserved_slots: usize, job_timeout: Duration, timings: &'a mut pb::StepTimings) -> Self {
+        StepExperts { arenas, n_expert, reserved_slots, job_timeout, timings, queues: Vec::new(), n_items: 0, n_embd }
+    }
+
+    fn fail(worker: u32, what: String) -> GpuWorkerError {
+        GpuWorkerError::RemoteExperts { worker: Some(worker), what }
+    }
+
+    /// Posts the queue's waiting jobs while the worker's ring has room for them.
+    fn post_ready(&mut self, q: usize) -> Result<()> {
+        let Queue { worker, waiting, in_flight } = &mut self.queues[q];
+        let w = self.arenas.worker_mut(*worker)?;
+        let window = (w.producer.ring().slots() as usize).saturating_sub(self.reserved_slots);
+        if window == 0 {
+            return Err(Self::fail(*worker, format!("its ring's {} slots are all taken by attention jobs (raise its --ring-slots)", w.producer.ring().slots())));
+        }
+        while in_flight.len() < window {
+            let Some((job, items)) = waiting.pop_front() else { break };
+            let mut encoded = Ok(());
+            let seqno = w.producer.post(|slot| encoded = encode_expert_job(&job, slot)).map_err(|e| Self::fail(*worker, format!("posting an expert job: {e}")))?;
+            encoded.map_err(|e| Self::fail(*worker, format!("encoding an expert job: {e}")))?;
+            in_flight.push_back((seqno, items));
+        }
+        Ok(())
+    }
+}
+
+/// Cuts one worker's items (`idx` into `items`) into jobs that fit `slot_bytes`, each with
+/// only the rows its items read.
+fn cut_jobs(layer: u32, x: &[f32], d: usize, items: &[ExpertItem], idx: &[usize], slot_bytes: usize) -> Result<Vec<(ExpertJob, Vec<usize>)>, String> {
+    let mut jobs = Vec::new();
+    let mut current: (ExpertJob, Vec<usize>, Vec<u32>) = (ExpertJob { layer, n_embd: d as u32, items: vec![], rows: vec![] }, vec![], vec![]);
+    for &i in idx {
+        let it = items[i];
+        let new_row = !current.2.contains(&it.row);
+        let n_rows = current.2.len() + usize::from(new_row);
+        if ExpertJob::slot_bytes_for(current.0.items.len() + 1, n_rows, d).is_none_or(|b| b > slot_bytes) {
+            if current.0.items.is_empty() {
+                return Err(format!("one item of {d} values does not fit its {slot_bytes}-byte ring slots (raise its --slot-bytes)"));
+            }
+            jobs.push((std::mem::replace(&mut current.0, ExpertJob { layer, n_embd: d as u32, items: vec![], rows: vec![] }), std::mem::take(&mut current.1)));
+            current.2.clear();
+            add_item(&mut current, it, i, x, d);
+            continue;
+        }
+        add_item(&mut current, it, i, x, d);
+    }
+    if !current.0.items.is_empty() {
+        jobs.push((current.0, current.1));
+    }
+    Ok(jobs)
+}
+
+/// Adds item `i` to the job being built, with its row if the job lacks it.
+fn add_item(current: &mut (ExpertJob, Vec<usize>, Vec<u32>), it: ExpertItem, i: usize, x: &[f32], d: usize) {
+    let (job, idx, rows) = current;
+    let local = match rows.iter().position(|&r| r == it.row) {
+        Some(p) => p,
+        None => {
+            rows.push(it.row);
+            job.rows.extend_from_slice(&x[it.row as usize * d..(it.row as usize + 1) * d]);
+            rows.len() - 1
+        }
+    };
+    job.items.push(ExpertItem { row: local as u32, ..it });
+    idx.push(i);
+}
+
+impl RemoteExperts for StepExperts<'_> {
+    fn start(&mut self, layer: usize, x: &[f32], items: &[ExpertItem]) -> Result<()> {
+        let n_workers = self.arenas.worker_slots() as u32;
+        if n_workers == 0 {
+            return Err(GpuWorkerError::RemoteExperts { worker: None, what: "no cpu-worker is attached to serve them".into() });
+        }
+        let mut by_worker: Vec<(u32, Vec<usize>)> = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let w = expert_owner(it.expert, self.n_expert, n_workers);
+            match by_worker.iter_mut().find(|(x, _)| *x == w) {
+                Some((_, v)) => v.push(i),
+                None => by_worker.push((w, vec![i])),
+            }
+        }
+        self.queues.clear();
+        self.n_items = items.len();
+        for (worker, idx) in by_worker {
+            let slot_bytes = self.arenas.worker(worker)?.producer.ring().slot_bytes();
+            let jobs = cut_jobs(layer as u32, x, self.n_embd, items, &idx, slot_bytes).map_err(|e| Self::fail(worker, e))?;
+            self.queues.push(Queue { worker, waiting: jobs.into(), in_flight: VecDeque::new() });
+            let q = self.queues.len() - 1;
+            self.post_ready(q)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<Vec<f32>> {
+        let d = self.n_embd;
+        let mut out = vec![0f32; self.n_items * d];
+        let t = Instant::now();
+        for q in 0..self.queues.len() {
+            let worker = self.queues[q].worker;
+            while let Some((seqno, idx)) = self.queues[q].in_flight.pop_front() {
+                let w = self.arenas.worker_mut(worker)?;
+                let read = wait_for(w, seqno, self.job_timeout).and_then(|()| {
+                    let slot = w.producer.wait_done_timeout(seqno, Duration::ZERO).map_err(|e| e.to_string())?;
+                    let busy = duet_kv::shm::job::busy_ns(slot);
+                    read_expert_results(slot).map(|r| (r, busy)).map_err(|e| e.to_string())
+                });
+                let (values, busy) = match read {
+                    Ok(r) if r.0.len() == idx.len() * d => r,
+                    Ok(r) => {
+                        self.arenas.detach(worker);
+                        return Err(Self::fail(worker, format!("{} values back for {} items", r.0.len(), idx.len())));
+                    }
+                    Err(e) => {
+                        // Its ring can no longer be trusted: steps fail until it is attached again.
+                        self.arenas.detach(worker);
+                        return Err(Self::fail(worker, e));
+                    }
+                };
+                match self.timings.cpu_workers.iter_mut().find(|t| t.worker == worker) {
+                    Some(t) => t.experts_busy_ns += busy,
+                    None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, experts_busy_ns: busy, ..Default::default() }),
+                }
+                for (&i, v) in idx.iter().zip(values.chunks_exact(d)) {
+                    out[i * d..(i + 1) * d].copy_from_slice(v);
+                }
+                self.post_ready(q)?;
+            }
+        }
+        self.timings.experts_wait_ns += ns(t.elapsed());
+        self.queues.clear();
+        Ok(out)
+    }
+}

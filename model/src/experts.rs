@@ -1,0 +1,168 @@
+//! The routed experts of a mixture-of-experts model (Mixtral, Qwen3-MoE, OLMoE), as one bank
+//! both sides of Duet compute from: the CPU device for the experts it keeps, a cpu-worker for
+//! the experts it serves over the exchange ring. Each layer's `ffn_{gate,up,down}_exps` tensors
+//! stack `n_expert` matrices; a bank holds a chosen set of experts ([`ExpertBank::holds`]),
+//! checked against the hyper-parameters, their Q4_K/Q6_K matrices repacked into interleaved
+//! rows where this CPU has the kernels, and computes an expert's gated MLP with the same
+//! kernels (`duet_kernels::mlp`) wherever it runs, so a row's output is the same bits on
+//! either side.
+
+use std::sync::Arc;
+
+use duet_kernels::interleaved::{self, Interleaved};
+use duet_kernels::matmul::QMatrix;
+use duet_kernels::mlp::{gated_mlp, GateAct};
+use duet_kernels::ops::{gelu_mul, silu_mul};
+use duet_kernels::quant::GgmlType;
+
+use crate::config::{FfnAct, LlamaConfig};
+use crate::gguf::{GgufError, GgufFile};
+use crate::names::TensorName;
+use crate::{Error, Result};
+
+/// One stacked expert tensor: `n` matrices of `rows` outputs by `cols` inputs (ggml dims
+/// `[cols, rows, n]`), checked.
+#[derive(Debug, Clone)]
+pub struct Stacked {
+    pub name: String,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Stacked {
+    fn find(file: &GgufFile, name: TensorName, cols: usize, rows: usize, n: usize) -> Result<Self> {
+        let name = name.name();
+        let info = file.tensor_info(&name).ok_or_else(|| Error::from(GgufError::MissingTensor(name.clone())))?;
+        if info.dims != [cols as u64, rows as u64, n as u64] {
+            return Err(Error::TensorShape { name, expected: format!("[{cols}, {rows}, {n}]"), found: format!("{:?}", info.dims) });
+        }
+        Ok(Stacked { name, ty: info.ty, rows, cols })
+    }
+
+    /// Expert `e`'s bytes in the tensor's data.
+    fn bytes<'a>(&self, data: &'a [u8], e: usize) -> &'a [u8] {
+        let len = self.rows * self.ty.row_bytes(self.cols);
+        &data[e * len..(e + 1) * len]
+    }
+}
+
+/// Every MoE layer's stacked gate, up and down tensors, checked against the model's
+/// hyper-parameters (`None` from [`ExpertTensors::find`] for a dense model).
+#[derive(Debug, Clone)]
+pub struct ExpertTensors {
+    pub n_expert: usize,
+    pub n_ff: usize,
+    pub n_embd: usize,
+    pub layers: Vec<[Stacked; 3]>,
+}
+
+impl ExpertTensors {
+    pub fn find(file: &GgufFile, c: &LlamaConfig) -> Result<Option<Self>> {
+        let Some(e) = c.experts else { return Ok(None) };
+        let layers = (0..c.n_layer)
+            .map(|l| {
+                Ok([
+                    Stacked::find(file, TensorName::FfnGateExps(l), c.n_embd, e.n_ff, e.n_expert)?,
+                    Stacked::find(file, TensorName::FfnUpExps(l), c.n_embd, e.n_ff, e.n_expert)?,
+                    Stacked::find(file, TensorName::FfnDownExps(l), e.n_ff, c.n_embd, e.n_expert)?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some(ExpertTensors { n_expert: e.n_expert, n_ff: e.n_ff, n_embd: c.n_embd, layers }))
+    }
+
+    /// Whether `name` is one of the stacked expert tensors.
+    pub fn is_expert_tensor(&self, name: &str) -> bool {
+        self.layers.iter().flatten().any(|s| s.name == name)
+    }
+}
+
+/// The experts `held` of every MoE layer: their matrices mapped from the file, with
+/// interleaved copies where the kernels take them.
+pub struct ExpertBank {
+    file: Arc<GgufFile>,
+    tensors: ExpertTensors,
+    held: Vec<bool>,
+    act: GateAct,
+    /// `[layer][gate, up, down][expert]`: the repacked copy, if any.
+    packed: Vec<[Vec<Option<Interleaved>>; 3]>,
+}
+
+impl std::fmt::Debug for ExpertBank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertBank").field("n_expert", &self.tensors.n_expert).field("held", &self.held_count()).finish_non_exhaustive()
+    }
+}
+
+impl ExpertBank {
+    /// The bank of experts `e` with `held(e)` (the same in every layer), checked; `repack`
+    /// makes the interleaved copies (where this CPU has their kernels) and then lets go of
+    /// the file's pages of a stacked Q4_K tensor whose held experts were all repacked.
+    pub fn load(file: Arc<GgufFile>, c: &LlamaConfig, tensors: ExpertTensors, held: impl Fn(usize) -> bool, repack: bool) -> Result<Self> {
+        let act: GateAct = match c.ffn_act {
+            FfnAct::Silu => silu_mul,
+            FfnAct::Gelu => gelu_mul,
+        };
+        let held: Vec<bool> = (0..tensors.n_expert).map(held).collect();
+        let repack = repack && interleaved::available();
+        let mut packed = Vec::with_capacity(tensors.layers.len());
+        for layer in &tensors.layers {
+            let mut per = [Vec::new(), Vec::new(), Vec::new()];
+            for (s, out) in layer.iter().zip(per.iter_mut()) {
+                let data = file.tensor(&s.name)?.data;
+                *out = (0..tensors.n_expert)
+                    .map(|e| match repack && held[e] && matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K) {
+                        true => Interleaved::new(s.ty, s.rows, s.cols, s.bytes(data, e)),
+                        false => None,
+                    })
+                    .collect();
+                let all_packed = (0..tensors.n_expert).all(|e| !held[e] || out[e].is_some());
+                if s.ty == GgmlType::Q4K && all_packed {
+                    let _ = file.release_tensor_pages(&s.name);
+                }
+            }
+            packed.push(per);
+        }
+        Ok(ExpertBank { file, tensors, held, act, packed })
+    }
+
+    /// Whether this bank computes expert `e`.
+    pub fn holds(&self, e: usize) -> bool {
+        self.held.get(e).copied().unwrap_or(false)
+    }
+
+    /// How many experts (per layer) this bank computes.
+    pub fn held_count(&self) -> usize {
+        self.held.iter().filter(|&&h| h).count()
+    }
+
+    /// The model's expert tensors.
+    pub fn tensors(&self) -> &ExpertTensors {
+        &self.tensors
+    }
+
+    /// How many matrices were repacked into interleaved rows.
+    pub fn repacked_matrices(&self) -> usize {
+        self.packed.iter().flatten().flatten().filter(|p| p.is_some()).count()
+    }
+
+    /// Expert `e` of `layer`'s gated MLP of rows `x` (`[row][n_embd]`): rows of `n_embd`.
+    /// `None` if the bank does not hold it or the layer does not exist.
+    pub fn mlp(&self, layer: usize, e: usize, x: &[f32]) -> Option<Vec<f32>> {
+        if !self.holds(e) {
+            return None;
+        }
+        let (stacks, packed) = (self.tensors.layers.get(layer)?, &self.packed[layer]);
+        let mats: [QMatrix<'_>; 3] = std::array::from_fn(|i| {
+            let s = &stacks[i];
+            let data = self.file.tensor(&s.name).expect("tensor checked at load").data;
+            let m = QMatrix::new(s.ty, s.rows, s.cols, s.bytes(data, e));
+            match &packed[i][e] {
+                Some(p) => m.with_interleaved(p),
+                None => m,
+            }
+        });
+        Some(gated_mlp([&mats[0], &mats[1], &mats[2]], self.act, x))
+    }
+}
