@@ -15,7 +15,10 @@
 
 `--model` runs the system rows on another GGUF (e.g. a random-weight model of a real shape
 from `scripts/gen_random_model.py`); the batch-1 decode row then also says what share of the
-read bandwidth measured in the same run (kernel rows) its weight reads are.
+read bandwidth measured in the same run (kernel rows) its weight reads are (for a mixture of
+experts, the bytes a token reads: the shared weights and its share of the experts').
+`--experts-on cpu-workers` serves a mixture's routed experts from the cpu-workers. A depth
+row the model's context cannot hold is left out (for both).
 
 Run through scripts/bench.sh, which builds the binaries and fetches the model first.
 """
@@ -35,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.environ.get("DUET_BENCH_BIN") or os.path.join(ROOT, "target", "release")
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DECODE_TOKENS = 64
+EXPERTS_ON = "device"
 
 SYSTEM_ROWS = [
     # (row id, description, shape)
@@ -83,7 +87,8 @@ class Server:
         self.err = open(os.path.join(self.dir, "gw.log"), "w")
         self.proc = subprocess.Popen(
             [os.path.join(BIN, "duet-gateway"), "serve", "--model", MODEL, "--listen", "127.0.0.1:0",
-             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads)],
+             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads)]
+            + (["--experts-on", EXPERTS_ON] if EXPERTS_ON != "device" else []),
             stdout=self.out, stderr=self.err, env=env)
         deadline = time.time() + 120
         self.addr = None
@@ -145,6 +150,9 @@ def duet_pass(server):
     r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS))[0]
     res["decode-depth-0"] = r["decode_tokens_per_s_per_stream"]
     for depth in (1024, 4096):
+        if depth + DECODE_TOKENS >= model_context():
+            log(f"  decode at depth {depth}: left out, the model's context is {model_context()}")
+            continue
         r = server.bench("--concurrency", "1", "--context", str(depth), "--max-tokens", str(DECODE_TOKENS))[0]
         res[f"decode-depth-{depth}"] = r["decode_tokens_per_s_per_stream"]
     for n in (8, 16, 32):
@@ -175,6 +183,48 @@ def llama_pass(threads):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def gguf_reader():
+    """gguf-py's reader of the model (None without gguf-py: the defaults below apply)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    return GGUFReader(MODEL)
+
+
+def metadata(reader, suffix):
+    """The first scalar metadata value whose key ends in `suffix`, or None."""
+    for key, field in reader.fields.items():
+        if key.endswith(suffix) and len(field.data) == 1:
+            return field.parts[field.data[0]][0].item()
+    return None
+
+
+def model_context():
+    """The model's training context (unbounded without gguf-py or the key)."""
+    reader = gguf_reader()
+    n = metadata(reader, ".context_length") if reader else None
+    return int(n) if n else 1 << 30
+
+
+def bytes_per_token():
+    """Weight bytes one batch-1 decode token reads: the file's tensors but an untied token
+    embedding (one row is read), of a mixture's routed experts only the share one token uses
+    (the file size without gguf-py)."""
+    reader = gguf_reader()
+    if reader is None:
+        return os.path.getsize(MODEL)
+    used, count = metadata(reader, ".expert_used_count"), metadata(reader, ".expert_count")
+    untied = any(t.name == "output.weight" for t in reader.tensors)
+    total = 0.0
+    for t in reader.tensors:
+        if untied and t.name == "token_embd.weight":
+            continue
+        share = used / count if used and count and "_exps." in t.name else 1.0
+        total += int(t.n_bytes) * share
+    return total
+
+
 def set_model(path):
     global MODEL
     if not os.path.exists(path):
@@ -199,8 +249,11 @@ def main():
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="passes over the whole-system rows (each row: the median)")
     ap.add_argument("--model", default=MODEL, help="GGUF model of the whole-system rows (default: SmolLM2-135M Q4_1)")
+    ap.add_argument("--experts-on", default="device", choices=["device", "cpu-workers"], help="where a mixture's routed experts run")
     args = ap.parse_args()
     set_model(args.model)
+    global EXPERTS_ON
+    EXPERTS_ON = args.experts_on
     header, krows = ("", []) if args.no_kernels else kernel_rows(args.threads, args.quick)
     repeat = max(1, args.repeat)
     duet, llama = {}, None
@@ -208,7 +261,8 @@ def main():
         duet, llama = system_rows(args.threads, repeat, not args.no_llama and llama_available())
     passes = "" if args.no_system else f"whole-system rows: the median of {repeat} passes"
     model = os.path.basename(MODEL)
-    print("Duet benchmark: " + "; ".join(p for p in (model, f"{args.threads} threads", header, passes) if p))
+    experts = "" if args.experts_on == "device" else "experts on the cpu-workers"
+    print("Duet benchmark: " + "; ".join(p for p in (model, experts, f"{args.threads} threads", header, passes) if p))
     print()
     print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")
     print("|---|---|---:|---|---:|---:|---:|")
@@ -216,7 +270,7 @@ def main():
         unit = "G mul-add/s" if "multiply-adds" in what else "GB/s"
         print(f"| {what} | {shape} | {gbs} | {unit} | | | {frac} |")
     bw = read_bandwidth(krows)
-    weights = os.path.getsize(MODEL) / 1e9
+    weights = bytes_per_token() / 1e9
     for row, what, shape in SYSTEM_ROWS:
         if row not in duet:
             continue

@@ -10,7 +10,11 @@ runs on the GPU machine too, which has no gguf-py and no network).
 Shapes: llama-3.2-1b (16 layers, width 2048, FFN 8192, 32/8 heads, vocabulary 128256, tied
 embedding) and llama-3.1-8b (32 layers, 4096, 14336, 32/8 heads, 128256, untied), and tiny
 (3 layers, 256, 256, 4/2 heads, 528; for tests: `testdata/tiny/random_q4_k_m.gguf`), all with
-Llama 3's RoPE scaling (a `rope_freqs` tensor, as llama.cpp's converter writes it). Types:
+Llama 3's RoPE scaling (a `rope_freqs` tensor, as llama.cpp's converter writes it); and
+olmoe-1b-7b (architecture `olmoe`: 16 layers, width 2048, 16/16 heads of 128, Q/K RMSNorm over
+the whole row, 64 experts of FFN 1024 with 8 used (weights not renormalised), an F32 router
+`ffn_gate_inp`, stacked `ffn_{gate,up,down}_exps`, vocabulary 50304, RoPE base 10000 (NeoX),
+context 4096, untied; about 6.9B weights, 1.3B used per token). Types:
 
 * q4_k_m: llama.cpp's Q4_K_M mix: Q4_K, with Q6_K for the LM head (the embedding when tied)
   and for attn_v / ffn_down in the layers llama.cpp gives more bits (the first and last
@@ -25,7 +29,10 @@ llama.cpp's own quantiser through llama-cpp-python's binding (`llama_model_quant
 file is what users download from a hub, mixes and all (needs llama-cpp-python; the F16 file
 is written next to the output first, then removed).
 The tokenizer is a byte-level BPE vocabulary (the 256 byte characters, filler tokens and
-Llama 3's special tokens; no merges).
+Llama 3's special tokens, or for olmoe GPT-NeoX's `<|endoftext|>` at 50279 as BOS and EOS, not
+added to prompts, and the converter's `[PAD{id}]` up to 50304; no merges).
+Tensors are drawn and written one at a time, in chunks, so memory stays small whatever the
+shape (the F16 olmoe-1b-7b file is about 14 GB, its Q4_K_M about 4 GB).
 """
 
 import argparse
@@ -41,6 +48,9 @@ SHAPES = {
     # For tests: every matrix whole groups of 16 rows and blocks of 256 (the CPU device's
     # interleaved kernels), and with q4_k_m a Q6_K layer (the third: llama.cpp's use_more_bits).
     "tiny": dict(n_layer=3, d=256, ff=256, heads=4, kv_heads=2, vocab=528, tied=False, rope_factor=8.0, ctx=4096),
+    # OLMoE-1B-7B (0924) as llama.cpp's converter writes it: no RoPE scaling, `ff` per expert.
+    "olmoe-1b-7b": dict(arch="olmoe", n_layer=16, d=2048, ff=1024, heads=16, kv_heads=16, vocab=50304, tied=False, ctx=4096,
+                        rope_base=10000.0, experts=64, experts_used=8),
 }
 
 # ggml type id, bytes per block, elements per block, f16 scale fields (byte offset, value).
@@ -63,12 +73,28 @@ def quantised(rng: np.random.Generator, ty: int, rows: int, cols: int) -> bytes:
     return blocks.tobytes()
 
 
-def tensor_bytes(rng: np.random.Generator, ty: int, rows: int, cols: int) -> bytes:
-    if ty == F16:
-        return rng.normal(0, 0.02, rows * cols).astype(np.float16).tobytes()
-    if ty == F32:
-        return rng.normal(0, 0.02, rows * cols).astype(np.float32).tobytes()
-    return quantised(rng, ty, rows, cols)
+def tensor_size(ty: int, n: int) -> int:
+    """Bytes of `n` elements of type `ty`."""
+    if ty in (F16, F32):
+        return n * (2 if ty == F16 else 4)
+    size, elems, _ = BLOCKS[ty]
+    return n // elems * size
+
+
+def tensor_bytes(rng: np.random.Generator, ty: int, rows: int, cols: int):
+    """A matrix's bytes, in chunks (F16 / F32: whole rows, about 16M elements at a time), drawn
+    when the writer gets to it (the draws are the same as one call for the whole matrix)."""
+    if ty in (F16, F32):
+        step = max(1, (1 << 24) // cols)
+        for r in range(0, rows, step):
+            yield rng.normal(0, 0.02, min(step, rows - r) * cols).astype(np.float16 if ty == F16 else np.float32).tobytes()
+    else:
+        yield quantised(rng, ty, rows, cols)
+
+
+def norm_bytes(rng: np.random.Generator, n: int):
+    """An RMSNorm weight (F32, about 1), drawn when the writer gets to it."""
+    yield (1.0 + rng.normal(0, 0.05, n)).astype(np.float32).tobytes()
 
 
 def llama3_rope_factors(dim: int, factor: float, base: float = 500000.0, low: float = 1.0, high: float = 4.0, old_ctx: int = 8192) -> np.ndarray:
@@ -97,11 +123,13 @@ def tensor_types(shape: dict, kind: str) -> dict:
     types = {"token_embd.weight": head if shape["tied"] else base}
     if not shape["tied"]:
         types["output.weight"] = head
+    # Stacked experts get the mix of the dense matrices they replace (ffn_down_exps is "ffn_down" to llama.cpp).
+    ffn = "_exps" if shape.get("experts") else ""
     for i in range(shape["n_layer"]):
         bump = kind == "q4_k_m" and more_bits(i, shape["n_layer"])
-        for name in ["attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"]:
+        for name in ["attn_q", "attn_k", "attn_output", f"ffn_gate{ffn}", f"ffn_up{ffn}"]:
             types[f"blk.{i}.{name}.weight"] = base
-        for name in ["attn_v", "ffn_down"]:
+        for name in ["attn_v", f"ffn_down{ffn}"]:
             types[f"blk.{i}.{name}.weight"] = Q6_K if bump else base
     return types
 
@@ -121,7 +149,9 @@ def byte_chars() -> list:
 
 
 class Writer:
-    """A GGUF v3 file: metadata, tensor infos, 32-byte aligned data."""
+    """A GGUF v3 file: metadata, tensor infos, 32-byte aligned data. A tensor's data is bytes or
+    an iterable of byte chunks (a generator, run when the file is written: one tensor's chunk in
+    memory at a time)."""
 
     def __init__(self):
         self.kv = []
@@ -130,8 +160,8 @@ class Writer:
     def add(self, key: str, kind: str, value):
         self.kv.append((key, kind, value))
 
-    def tensor(self, name: str, dims: list, ty: int, data: bytes):
-        self.tensors.append((name, dims, ty, data))
+    def tensor(self, name: str, dims: list, ty: int, data):
+        self.tensors.append((name, dims, ty, tensor_size(ty, int(np.prod(dims))), data))
 
     @staticmethod
     def _str(s: str) -> bytes:
@@ -159,63 +189,102 @@ class Writer:
             for key, kind, v in self.kv:
                 f.write(self._str(key) + self._value(kind, v))
             offset = 0
-            for name, dims, ty, data in self.tensors:
+            for name, dims, ty, size, _ in self.tensors:
                 f.write(self._str(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", ty, offset))
-                offset += (len(data) + 31) // 32 * 32
+                offset += (size + 31) // 32 * 32
             f.write(b"\0" * (-f.tell() % 32))
-            for i, (name, _, _, data) in enumerate(self.tensors):
-                f.write(data)
-                f.write(b"\0" * (-len(data) % 32))
+            for i, (name, _, _, size, data) in enumerate(self.tensors):
+                written = 0
+                for chunk in [data] if isinstance(data, bytes) else data:
+                    f.write(chunk)
+                    written += len(chunk)
+                if written != size:
+                    raise ValueError(f"{name}: {written} bytes written, {size} expected")
+                f.write(b"\0" * (-size % 32))
                 if (i + 1) % 20 == 0:
                     print(f"  {i + 1}/{len(self.tensors)} tensors written", file=sys.stderr)
 
 
-def build(shape_name: str, kind: str, seed: int) -> Writer:
-    s = SHAPES[shape_name]
-    rng = np.random.default_rng(seed)
-    d, ff, hd = s["d"], s["ff"], s["d"] // s["heads"]
-    w = Writer()
-    w.add("general.architecture", "str", "llama")
-    w.add("general.name", "str", f"random {shape_name} {kind}")
-    w.add("llama.context_length", "u32", s["ctx"])
-    w.add("llama.embedding_length", "u32", d)
-    w.add("llama.block_count", "u32", s["n_layer"])
-    w.add("llama.feed_forward_length", "u32", ff)
-    w.add("llama.attention.head_count", "u32", s["heads"])
-    w.add("llama.attention.head_count_kv", "u32", s["kv_heads"])
-    w.add("llama.rope.dimension_count", "u32", hd)
-    w.add("llama.rope.freq_base", "f32", 500000.0)
-    w.add("llama.attention.layer_norm_rms_epsilon", "f32", 1e-5)
-    w.add("llama.vocab_size", "u32", s["vocab"])
+def vocabulary(s: dict):
+    """Tokens, token types, pre-tokenizer, BOS, EOS and whether prompts start with BOS."""
+    if s.get("arch") == "olmoe":
+        # GPT-NeoX's BPE as OLMoE's converter writes it: 50280 tokens, <|endoftext|> (50279) the
+        # EOS (and BOS, not added), then [PAD{id}] (unused) up to the embedding's 50304 rows.
+        eos, n_real = 50279, 50280
+        tokens = byte_chars() + [f"tok{i}" for i in range(eos - 256)] + ["<|endoftext|>"]
+        tokens += [f"[PAD{i}]" for i in range(n_real, s["vocab"])]
+        types = [1] * eos + [3] + [5] * (s["vocab"] - n_real)
+        return tokens, types, "olmo", eos, eos, False
     specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(256)]
     specials[9] = "<|eot_id|>"
     n_special = len(specials)
     filler = [f"tok{i}" for i in range(s["vocab"] - 256 - n_special)]
     tokens = byte_chars() + filler + specials
     types = [1] * (s["vocab"] - n_special) + [3] * n_special
+    return tokens, types, "llama-bpe", s["vocab"] - n_special, s["vocab"] - n_special + 9, True
+
+
+def build(shape_name: str, kind: str, seed: int) -> Writer:
+    s = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    d, ff, hd = s["d"], s["ff"], s["d"] // s["heads"]
+    arch, n_expert = s.get("arch", "llama"), s.get("experts", 0)
+    w = Writer()
+    w.add("general.architecture", "str", arch)
+    w.add("general.name", "str", f"random {shape_name} {kind}")
+    w.add(f"{arch}.context_length", "u32", s["ctx"])
+    w.add(f"{arch}.embedding_length", "u32", d)
+    w.add(f"{arch}.block_count", "u32", s["n_layer"])
+    # OLMoE's is the experts' (llama.cpp reads feed_forward_length for olmoe's expert matrices).
+    w.add(f"{arch}.feed_forward_length", "u32", ff)
+    w.add(f"{arch}.attention.head_count", "u32", s["heads"])
+    w.add(f"{arch}.attention.head_count_kv", "u32", s["kv_heads"])
+    w.add(f"{arch}.rope.dimension_count", "u32", hd)
+    w.add(f"{arch}.rope.freq_base", "f32", s.get("rope_base", 500000.0))
+    w.add(f"{arch}.attention.layer_norm_rms_epsilon", "f32", 1e-5)
+    if n_expert:
+        w.add(f"{arch}.expert_count", "u32", n_expert)
+        w.add(f"{arch}.expert_used_count", "u32", s["experts_used"])
+    else:
+        w.add(f"{arch}.vocab_size", "u32", s["vocab"])
+    tokens, types, pre, bos, eos, add_bos = vocabulary(s)
     w.add("tokenizer.ggml.model", "str", "gpt2")
-    w.add("tokenizer.ggml.pre", "str", "llama-bpe")
+    w.add("tokenizer.ggml.pre", "str", pre)
     w.add("tokenizer.ggml.tokens", "strs", tokens)
     w.add("tokenizer.ggml.token_type", "i32s", types)
     w.add("tokenizer.ggml.merges", "strs", [])
-    w.add("tokenizer.ggml.bos_token_id", "u32", s["vocab"] - n_special)
-    w.add("tokenizer.ggml.eos_token_id", "u32", s["vocab"] - n_special + 9)
-    w.add("tokenizer.ggml.add_bos_token", "bool", True)
+    w.add("tokenizer.ggml.bos_token_id", "u32", bos)
+    w.add("tokenizer.ggml.eos_token_id", "u32", eos)
+    w.add("tokenizer.ggml.add_bos_token", "bool", add_bos)
 
     ttypes = tensor_types(s, kind)
-    norm = lambda: (1.0 + rng.normal(0, 0.05, d)).astype(np.float32).tobytes()  # noqa: E731
-    dims = {"attn_q": (d, d), "attn_k": (d, s["kv_heads"] * hd), "attn_v": (d, s["kv_heads"] * hd), "attn_output": (d, d),
-            "ffn_gate": (d, ff), "ffn_up": (d, ff), "ffn_down": (ff, d)}
+    q_dim, kv_dim = s["heads"] * hd, s["kv_heads"] * hd
+    dims = {"attn_q": (d, q_dim), "attn_k": (d, kv_dim), "attn_v": (d, kv_dim), "attn_output": (q_dim, d)}
+    if n_expert:
+        # [cols, rows, experts]: each expert's matrix in turn.
+        experts = {"ffn_gate_exps": (d, ff), "ffn_up_exps": (d, ff), "ffn_down_exps": (ff, d)}
+    else:
+        dims.update({"ffn_gate": (d, ff), "ffn_up": (d, ff), "ffn_down": (ff, d)})
     w.tensor("token_embd.weight", [d, s["vocab"]], ttypes["token_embd.weight"], tensor_bytes(rng, ttypes["token_embd.weight"], s["vocab"], d))
     for i in range(s["n_layer"]):
-        w.tensor(f"blk.{i}.attn_norm.weight", [d], F32, norm())
+        w.tensor(f"blk.{i}.attn_norm.weight", [d], F32, norm_bytes(rng, d))
         for name, (cols, rows) in dims.items():
             full = f"blk.{i}.{name}.weight"
             w.tensor(full, [cols, rows], ttypes[full], tensor_bytes(rng, ttypes[full], rows, cols))
+            if name == "attn_v" and arch == "olmoe":
+                # OLMoE normalises the whole Q and K rows (not each head).
+                w.tensor(f"blk.{i}.attn_q_norm.weight", [q_dim], F32, norm_bytes(rng, q_dim))
+                w.tensor(f"blk.{i}.attn_k_norm.weight", [kv_dim], F32, norm_bytes(rng, kv_dim))
             if name == "attn_output":
-                w.tensor(f"blk.{i}.ffn_norm.weight", [d], F32, norm())
-    w.tensor("output_norm.weight", [d], F32, norm())
-    w.tensor("rope_freqs.weight", [hd // 2], F32, llama3_rope_factors(hd, s["rope_factor"]).tobytes())
+                w.tensor(f"blk.{i}.ffn_norm.weight", [d], F32, norm_bytes(rng, d))
+        if n_expert:
+            w.tensor(f"blk.{i}.ffn_gate_inp.weight", [d, n_expert], F32, tensor_bytes(rng, F32, n_expert, d))
+            for name, (cols, rows) in experts.items():
+                full = f"blk.{i}.{name}.weight"
+                w.tensor(full, [cols, rows, n_expert], ttypes[full], tensor_bytes(rng, ttypes[full], n_expert * rows, cols))
+    w.tensor("output_norm.weight", [d], F32, norm_bytes(rng, d))
+    if "rope_factor" in s:
+        w.tensor("rope_freqs.weight", [hd // 2], F32, llama3_rope_factors(hd, s["rope_factor"]).tobytes())
     if not s["tied"]:
         w.tensor("output.weight", [d, s["vocab"]], ttypes["output.weight"], tensor_bytes(rng, ttypes["output.weight"], s["vocab"], d))
     return w
