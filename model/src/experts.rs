@@ -20,6 +20,14 @@ use crate::gguf::{GgufError, GgufFile};
 use crate::names::TensorName;
 use crate::{Error, Result};
 
+/// The gate activation kernel of an MLP of activation `act` (times up, in place).
+pub fn gate_act(act: FfnAct) -> GateAct {
+    match act {
+        FfnAct::Silu => silu_mul,
+        FfnAct::Gelu => gelu_mul,
+    }
+}
+
 /// One stacked expert tensor: `n` matrices of `rows` outputs by `cols` inputs (ggml dims
 /// `[cols, rows, n]`), checked.
 #[derive(Debug, Clone)]
@@ -100,10 +108,7 @@ impl ExpertBank {
     /// makes the interleaved copies (where this CPU has their kernels) and then lets go of
     /// the file's pages of a stacked Q4_K tensor whose held experts were all repacked.
     pub fn load(file: Arc<GgufFile>, c: &LlamaConfig, tensors: ExpertTensors, held: impl Fn(usize) -> bool, repack: bool) -> Result<Self> {
-        let act: GateAct = match c.ffn_act {
-            FfnAct::Silu => silu_mul,
-            FfnAct::Gelu => gelu_mul,
-        };
+        let act = gate_act(c.ffn_act);
         let held: Vec<bool> = (0..tensors.n_expert).map(held).collect();
         let repack = repack && interleaved::available();
         let mut packed = Vec::with_capacity(tensors.layers.len());
@@ -119,6 +124,7 @@ impl ExpertBank {
                     .collect();
                 let all_packed = (0..tensors.n_expert).all(|e| !held[e] || out[e].is_some());
                 if s.ty == GgmlType::Q4K && all_packed {
+                    // Advice only: pages not released just stay mapped.
                     let _ = file.release_tensor_pages(&s.name);
                 }
             }

@@ -13,10 +13,10 @@ use duet_kernels::interleaved::{self, Interleaved};
 use duet_kernels::matmul::QMatrix;
 use duet_kernels::mlp::{self, GateAct};
 use duet_kernels::ggml_exact::soft_max_row;
-use duet_kernels::ops::{gelu_mul, rms_norm, silu_mul, Rope};
+use duet_kernels::ops::{rms_norm, Rope};
 use duet_kernels::quant::{dequantize, GgmlType};
-use duet_model::config::{FfnAct, LlamaConfig};
-use duet_model::experts::ExpertBank;
+use duet_model::config::LlamaConfig;
+use duet_model::experts::{gate_act, ExpertBank};
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use rayon::prelude::*;
@@ -71,10 +71,7 @@ impl CpuDevice {
             }
             None => None,
         };
-        let act: GateAct = match m.config.ffn_act {
-            FfnAct::Silu => silu_mul,
-            FfnAct::Gelu => gelu_mul,
-        };
+        let act = gate_act(m.config.ffn_act);
         Ok(CpuDevice { file, m, interleaved, experts, act })
     }
 

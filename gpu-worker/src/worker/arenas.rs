@@ -3,6 +3,7 @@
 //! posts attention jobs into each worker's ring.
 
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 use duet_kernels::attention::KvRun;
 use duet_kv::{ArenaLayout, BlockId, KvDtype, KvShape};
@@ -23,7 +24,29 @@ pub struct AttachedWorker {
     pub pid: Option<u32>,
 }
 
+/// How often a wait for a cpu-worker's answer checks that the worker is still alive.
+const LIVENESS_CHECK: Duration = Duration::from_millis(50);
+
 impl AttachedWorker {
+    /// Waits until job `seqno` (attention or experts) is answered: fails once `timeout`
+    /// passes or as soon as the worker's process is gone.
+    pub fn wait_answer(&mut self, seqno: u64, timeout: Duration) -> Result<(), String> {
+        let start = Instant::now();
+        loop {
+            match self.producer.wait_done_timeout(seqno, LIVENESS_CHECK.min(timeout)) {
+                Ok(_) => return Ok(()),
+                Err(duet_kv::shm::ShmError::TimedOut { .. }) => {}
+                Err(e) => return Err(format!("no answer to its job ({e})")),
+            }
+            if !self.alive() {
+                return Err(format!("its process {} is gone", self.pid.unwrap_or(0)));
+            }
+            if start.elapsed() >= timeout {
+                return Err(format!("no answer to its job within {timeout:?}"));
+            }
+        }
+    }
+
     /// Whether the worker's process still exists (true when its pid is unknown).
     pub fn alive(&self) -> bool {
         // SAFETY: kill with signal 0 only checks that the process exists.

@@ -20,28 +20,6 @@ use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, Partial
 use super::step_experts::StepExperts;
 use crate::forward::LayerAttention;
 
-/// How often a wait for a cpu-worker's answer checks that the worker is still alive.
-const LIVENESS_CHECK: Duration = Duration::from_millis(50);
-
-/// Waits until job `seqno` of `w` is answered: fails once `timeout` passes or as soon as
-/// the worker's process is gone.
-pub(super) fn wait_for(w: &mut super::arenas::AttachedWorker, seqno: u64, timeout: Duration) -> Result<(), String> {
-    let start = Instant::now();
-    loop {
-        match w.producer.wait_done_timeout(seqno, LIVENESS_CHECK.min(timeout)) {
-            Ok(_) => return Ok(()),
-            Err(duet_kv::shm::ShmError::TimedOut { .. }) => {}
-            Err(e) => return Err(format!("no answer to its job ({e})")),
-        }
-        if !w.alive() {
-            return Err(format!("its process {} is gone", w.pid.unwrap_or(0)));
-        }
-        if start.elapsed() >= timeout {
-            return Err(format!("no answer to its job within {timeout:?}"));
-        }
-    }
-}
-
 /// The attention of one step, layer by layer, for one batch or two sub-batches whose layers
 /// interleave (`plans[sub]`): [`LayerAttention::begin`] stores a layer's new K/V rows and
 /// posts the cpu-workers' jobs, [`LayerAttention::finish`] computes the device's own part,
@@ -177,7 +155,7 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
             let fail = |what: String| StepError::CpuWorker { worker, what: format!("layer {layer}: {what}") };
             let w = self.arenas.worker_mut(worker)?;
             let mut busy = 0;
-            let results = match wait_for(w, job.seqno, self.job_timeout) {
+            let results = match w.wait_answer(job.seqno, self.job_timeout) {
                 Ok(()) => {
                     let slot = w.producer.wait_done_timeout(job.seqno, Duration::ZERO).map_err(|e| fail(e.to_string()))?;
                     busy = busy_ns(slot);

@@ -12,7 +12,6 @@ use duet_proto::pb;
 
 use super::arenas::KvArenas;
 use super::plan::ns;
-use super::step_attention::wait_for;
 use crate::device::RemoteExperts;
 use crate::error::{GpuWorkerError, Result};
 
@@ -142,7 +141,7 @@ impl RemoteExperts for StepExperts<'_> {
             let worker = self.queues[q].worker;
             while let Some((seqno, idx)) = self.queues[q].in_flight.pop_front() {
                 let w = self.arenas.worker_mut(worker)?;
-                let read = wait_for(w, seqno, self.job_timeout).and_then(|()| {
+                let read = w.wait_answer(seqno, self.job_timeout).and_then(|()| {
                     let slot = w.producer.wait_done_timeout(seqno, Duration::ZERO).map_err(|e| e.to_string())?;
                     let busy = duet_kv::shm::job::busy_ns(slot);
                     read_expert_results(slot).map(|r| (r, busy)).map_err(|e| e.to_string())
@@ -172,5 +171,38 @@ impl RemoteExperts for StepExperts<'_> {
         self.timings.experts_wait_ns += ns(t.elapsed());
         self.queues.clear();
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(expert: u32, row: u32) -> ExpertItem {
+        ExpertItem { expert, row, weight: 0.5 + row as f32 }
+    }
+
+    #[test]
+    fn items_are_cut_into_jobs_that_fit_the_slot_each_with_only_its_rows() {
+        let d = 4;
+        let x: Vec<f32> = (0..3 * d).map(|v| v as f32).collect();
+        let items = [item(0, 2), item(1, 0), item(0, 0), item(2, 1)];
+        let idx = [0, 1, 2, 3];
+        // Room for two items over two rows per job.
+        let slot = ExpertJob::slot_bytes_for(2, 2, d).unwrap();
+        let jobs = cut_jobs(5, &x, d, &items, &idx, slot).unwrap();
+        assert_eq!(jobs.len(), 2);
+        let (first, of_first) = &jobs[0];
+        assert_eq!(of_first, &[0, 1]);
+        assert_eq!(first.layer, 5);
+        assert_eq!(first.rows, [&x[8..12], &x[0..4]].concat(), "rows 2 and 0, in first use");
+        assert_eq!(first.items, [ExpertItem { row: 0, ..items[0] }, ExpertItem { row: 1, ..items[1] }]);
+        let (second, of_second) = &jobs[1];
+        assert_eq!(of_second, &[2, 3]);
+        assert_eq!(second.rows, [&x[0..4], &x[4..8]].concat());
+        assert!(jobs.iter().all(|(j, _)| j.slot_bytes_needed().unwrap() <= slot));
+        // Everything in one job when the slot is large; an item that fits no slot is an error.
+        assert_eq!(cut_jobs(5, &x, d, &items, &idx, 1 << 20).unwrap().len(), 1);
+        assert!(cut_jobs(5, &x, d, &items, &idx, 300).is_err());
     }
 }
