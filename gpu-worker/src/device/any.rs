@@ -68,6 +68,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.prefill_chunk())
     }
 
+    fn holds_all_experts(&self) -> bool {
+        on_device!(self, d => d.holds_all_experts())
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {
         match self {
             AnyDevice::Cpu(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cpu),

@@ -205,6 +205,10 @@ impl Device for CpuDevice {
         PREFILL_CHUNK
     }
 
+    fn holds_all_experts(&self) -> bool {
+        self.experts.as_ref().is_none_or(|b| b.held_count() == b.tensors().n_expert)
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CpuBatch> {
         let c = &self.m.config;
         check_batch(c, tokens, positions, logit_rows)?;

@@ -207,4 +207,9 @@ pub trait Device: Send + Sync {
     fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()>;
     /// The logits of the batch's logit rows after the last layer, `[row][vocab]`.
     fn logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
+    /// Whether the device computes every routed expert of a mixture itself (true for a dense
+    /// model), so that [`Device::finish_layer`] never calls its `remote`.
+    fn holds_all_experts(&self) -> bool {
+        true
+    }
 }

@@ -161,14 +161,9 @@ impl<D: Device> Executor<D> {
             batches.push(self.device.start_batch(&subs[k].tokens, &subs[k].positions, &subs[k].logit_rows())?);
         }
         timings.sub_batches = used.len() as u32;
-        let mut attention = StepAttention {
-            plans: used.iter().map(|&k| subs[k].plan.as_slice()).collect(),
-            arenas: &mut self.arenas,
-            block_size: bs,
-            shape: crate::device::attn_shape(self.device.config()),
-            job_timeout: self.job_timeout,
-            timings: &mut timings,
-        };
+        let plans: Vec<&[Planned]> = used.iter().map(|&k| subs[k].plan.as_slice()).collect();
+        let (shape, job_timeout) = (crate::device::attn_shape(self.device.config()), self.job_timeout);
+        let (device, arenas, step_timings) = (&self.device, &mut self.arenas, &mut timings);
         // The constrained sequences' masks, on another thread while the layers run.
         let constrained: Vec<(u64, Matcher)> = subs
             .iter()
@@ -178,7 +173,18 @@ impl<D: Device> Executor<D> {
             .collect();
         let (forward, masked) = std::thread::scope(|scope| {
             let masking = (!constrained.is_empty()).then(|| scope.spawn(move || masks(constrained)));
-            let forward = run_layers(&self.device, &mut batches, &mut attention);
+            // A layer's expert jobs may take every slot of a cpu-worker's ring, so none may be
+            // left to the other sub-batch's attention jobs: with experts on the cpu-workers the
+            // sub-batches run one after the other instead of interleaved.
+            let forward = if plans.len() > 1 && !device.holds_all_experts() {
+                batches.iter_mut().zip(&plans).try_for_each(|(batch, &plan)| {
+                    let mut attention = StepAttention { plans: vec![plan], arenas: &mut *arenas, block_size: bs, shape, job_timeout, timings: &mut *step_timings };
+                    run_layers(device, std::slice::from_mut(batch), &mut attention)
+                })
+            } else {
+                let mut attention = StepAttention { plans: plans.clone(), arenas, block_size: bs, shape, job_timeout, timings: step_timings };
+                run_layers(device, &mut batches, &mut attention)
+            };
             (forward, masking.map(|h| h.join()))
         });
         let mut step_masks: HashMap<u64, SimpleVob> = HashMap::new();

@@ -91,12 +91,11 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
     }
 
     /// The rest of the layer on the device, the routed experts it does not hold sent to the
-    /// cpu-workers as expert jobs (leaving a ring slot per other sub-batch, whose attention
-    /// job may be in flight).
+    /// cpu-workers as expert jobs (only ever in a step of one sub-batch: see the executor).
     fn finish_layer(&mut self, device: &D, layer: usize, batch: &mut D::Batch, attn: &[f32]) -> Result<(), StepError> {
         let c = device.config();
         let n_expert = c.experts.map_or(0, |e| e.n_expert as u32);
-        let mut remote = StepExperts::new(&mut *self.arenas, n_expert, c.n_embd, self.plans.len() - 1, self.job_timeout, &mut *self.timings);
+        let mut remote = StepExperts::new(&mut *self.arenas, n_expert, c.n_embd, self.job_timeout, &mut *self.timings);
         Ok(device.finish_layer(layer, batch, attn, &mut remote)?)
     }
 

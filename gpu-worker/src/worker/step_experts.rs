@@ -20,8 +20,6 @@ pub(super) struct StepExperts<'a> {
     pub arenas: &'a mut KvArenas,
     /// The model's experts per layer.
     pub n_expert: u32,
-    /// Ring slots per worker left to other jobs in flight (the other sub-batch's attention).
-    pub reserved_slots: usize,
     pub job_timeout: Duration,
     pub timings: &'a mut pb::StepTimings,
     /// Per worker with items: its jobs not yet posted and those in flight.
@@ -39,8 +37,11 @@ struct Queue {
 }
 
 impl<'a> StepExperts<'a> {
-    pub fn new(arenas: &'a mut KvArenas, n_expert: u32, n_embd: usize, reserved_slots: usize, job_timeout: Duration, timings: &'a mut pb::StepTimings) -> Self {
-        StepExperts { arenas, n_expert, reserved_slots, job_timeout, timings, queues: Vec::new(), n_items: 0, n_embd }
+    /// The layer's expert jobs on `arenas`' workers; no other job may be in flight in their
+    /// rings (the executor runs sub-batches in turn when the experts are remote), so the
+    /// layer's jobs may take every slot.
+    pub fn new(arenas: &'a mut KvArenas, n_expert: u32, n_embd: usize, job_timeout: Duration, timings: &'a mut pb::StepTimings) -> Self {
+        StepExperts { arenas, n_expert, job_timeout, timings, queues: Vec::new(), n_items: 0, n_embd }
     }
 
     fn fail(worker: u32, what: String) -> GpuWorkerError {
@@ -51,10 +52,8 @@ impl<'a> StepExperts<'a> {
     fn post_ready(&mut self, q: usize) -> Result<()> {
         let Queue { worker, waiting, in_flight } = &mut self.queues[q];
         let w = self.arenas.worker_mut(*worker)?;
-        let window = (w.producer.ring().slots() as usize).saturating_sub(self.reserved_slots);
-        if window == 0 {
-            return Err(Self::fail(*worker, format!("its ring's {} slots are all taken by attention jobs (raise its --ring-slots)", w.producer.ring().slots())));
-        }
+        // A job's slot is reused only after its answer was read (`finish` reads in order).
+        let window = w.producer.ring().slots() as usize;
         while in_flight.len() < window {
             let Some((job, items)) = waiting.pop_front() else { break };
             let mut encoded = Ok(());
