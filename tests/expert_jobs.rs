@@ -1,0 +1,110 @@
+//! Expert jobs end to end in one process, with rings small enough to strain them: the
+//! gpu-worker's executor with its experts remote, a cpu-worker's job loop serving them from a
+//! thread over an exchange ring of 4 slots of 2 KiB (a layer's prefill items cut into dozens of
+//! jobs, each slot reused many times per layer), against an executor holding the experts
+//! itself: the same sampled tokens and log-probabilities, bit for bit.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use duet_cpu_worker::experts::{answer, ExpertShare, ServedExperts};
+use duet_gpu_worker::device::cpu::CpuDevice;
+use duet_gpu_worker::device::Device;
+use duet_gpu_worker::worker::executor::Executor;
+use duet_kv::shm::{Ring, Segment};
+use duet_kv::{ArenaLayout, KvDtype};
+use duet_model::gguf::GgufFile;
+use duet_model::testutil::workspace_root;
+use duet_proto::pb;
+
+const SLOTS: u32 = 4;
+const SLOT_BYTES: usize = 2048;
+
+/// An executor over `device` with one arena and a ring of [`SLOTS`] × [`SLOT_BYTES`], and the
+/// ring's consumer side (segments named after this process and `tag`).
+fn executor(device: CpuDevice, tag: &str) -> (Executor, Segment, duet_kv::shm::Consumer) {
+    let c = device.config();
+    let layout = ArenaLayout { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32, block_size: 16, dtype: KvDtype::F16, n_blocks: 16 };
+    let (arena_name, ring_name) = (format!("duet-xj-{tag}-{}-arena", std::process::id()), format!("duet-xj-{tag}-{}-ring", std::process::id()));
+    let arena = Segment::create(&arena_name, layout.total_bytes().unwrap()).unwrap();
+    let header = layout.encode_header().unwrap();
+    // SAFETY: the segment was just created here; nothing else maps it yet.
+    unsafe { arena.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
+    let ring = Ring::create(Segment::create(&ring_name, Ring::bytes_needed(SLOTS, SLOT_BYTES).unwrap()).unwrap(), SLOTS, SLOT_BYTES).unwrap();
+    let mut ex = Executor::new(device, Duration::from_secs(10)).unwrap();
+    ex.attach(0, &arena_name, &ring_name, None).unwrap();
+    (ex, arena, ring.consumer())
+}
+
+fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32]) -> pb::SequenceStep {
+    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None };
+    pb::SequenceStep {
+        seq_id,
+        start_pos: start,
+        tokens: tokens.to_vec(),
+        new_blocks: new_blocks.iter().map(|&block| pb::KvBlockRef { worker: 0, block }).collect(),
+        sampler: (start == 0).then_some(greedy),
+        sample: true,
+        attention: Vec::new(),
+        sub_batch: 0,
+        feed_sampled: tokens.is_empty(),
+        held_tokens: Vec::new(),
+    }
+}
+
+/// A 24-token prompt, then 8 decode steps: every sampled (token, log-probability bits).
+fn run(ex: &mut Executor) -> Vec<(u32, u32)> {
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 256).collect();
+    let mut out = Vec::new();
+    for s in 0..9u64 {
+        let seq = if s == 0 { part(1, 0, &prompt, &[0, 1]) } else { part(1, prompt.len() as u32 + s as u32 - 1, &[], &[]) };
+        let resp = ex.step(&pb::StepRequest { step: s + 1, sequences: vec![seq], released: Vec::new(), after_step: s }).unwrap();
+        let t = resp.sampled[0].token.as_ref().unwrap();
+        out.push((t.id, t.logprob.to_bits()));
+    }
+    out
+}
+
+#[test]
+fn experts_served_through_a_tight_ring_give_the_local_experts_bits() {
+    let path = workspace_root().join("testdata/tiny/arch/olmoe_q8_0.gguf");
+    let file = || Arc::new(GgufFile::open(&path).unwrap());
+    let (mut local, _arena_l, _consumer_l) = executor(CpuDevice::load(file(), true).unwrap(), "local");
+    let want = run(&mut local);
+
+    let (mut remote, _arena_r, mut consumer) = executor(CpuDevice::load(file(), false).unwrap(), "remote");
+    assert!(!remote_holds_all(&remote));
+    let served = ServedExperts::load(&path, ExpertShare { index: 0, of: 1 }).unwrap();
+    let stop = AtomicBool::new(false);
+    let jobs = std::thread::scope(|scope| {
+        let worker = scope.spawn(|| {
+            let mut jobs = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let Ok((seq, slot)) = consumer.next_job_timeout(Duration::from_millis(20)) else { continue };
+                answer(slot, Some(&served)).unwrap();
+                consumer.complete(seq);
+                jobs += 1;
+            }
+            jobs
+        });
+        // Stops the job loop however this thread leaves (a failed step panics).
+        struct Stop<'a>(&'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        let stopping = Stop(&stop);
+        let got = run(&mut remote);
+        drop(stopping);
+        assert_eq!(got, want, "tokens and log-probabilities with the experts remote");
+        worker.join().unwrap()
+    });
+    // 2 layers × (a prefill cut into many jobs + 8 decode steps): far more jobs than slots.
+    assert!(jobs > 4 * SLOTS as u64, "only {jobs} expert jobs");
+}
+
+fn remote_holds_all(ex: &Executor) -> bool {
+    ex.device().holds_all_experts()
+}
