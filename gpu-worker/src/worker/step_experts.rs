@@ -17,11 +17,11 @@ use crate::error::{GpuWorkerError, Result};
 
 /// One layer's expert jobs on the cpu-workers, started and finished once per MoE layer.
 pub(super) struct StepExperts<'a> {
-    pub arenas: &'a mut KvArenas,
+    arenas: &'a mut KvArenas,
     /// The model's experts per layer.
-    pub n_expert: u32,
-    pub job_timeout: Duration,
-    pub timings: &'a mut pb::StepTimings,
+    n_expert: u32,
+    job_timeout: Duration,
+    timings: &'a mut pb::StepTimings,
     /// Per worker with items: its jobs not yet posted and those in flight.
     queues: Vec<Queue>,
     n_items: usize,
@@ -65,45 +65,54 @@ impl<'a> StepExperts<'a> {
     }
 }
 
-/// Cuts one worker's items (`idx` into `items`) into jobs that fit `slot_bytes`, each with
-/// only the rows its items read.
-fn cut_jobs(layer: u32, x: &[f32], d: usize, items: &[ExpertItem], idx: &[usize], slot_bytes: usize) -> Result<Vec<(ExpertJob, Vec<usize>)>, String> {
-    let mut jobs = Vec::new();
-    let mut current: (ExpertJob, Vec<usize>, Vec<u32>) = (ExpertJob { layer, n_embd: d as u32, items: vec![], rows: vec![] }, vec![], vec![]);
-    for &i in idx {
-        let it = items[i];
-        let new_row = !current.2.contains(&it.row);
-        let n_rows = current.2.len() + usize::from(new_row);
-        if ExpertJob::slot_bytes_for(current.0.items.len() + 1, n_rows, d).is_none_or(|b| b > slot_bytes) {
-            if current.0.items.is_empty() {
-                return Err(format!("one item of {d} values does not fit its {slot_bytes}-byte ring slots (raise its --slot-bytes)"));
-            }
-            jobs.push((std::mem::replace(&mut current.0, ExpertJob { layer, n_embd: d as u32, items: vec![], rows: vec![] }), std::mem::take(&mut current.1)));
-            current.2.clear();
-            add_item(&mut current, it, i, x, d);
-            continue;
-        }
-        add_item(&mut current, it, i, x, d);
-    }
-    if !current.0.items.is_empty() {
-        jobs.push((current.0, current.1));
-    }
-    Ok(jobs)
+/// One job being cut: the job, the indices of its items, and the batch rows its rows are.
+struct Cut {
+    job: ExpertJob,
+    items: Vec<usize>,
+    rows: Vec<u32>,
 }
 
-/// Adds item `i` to the job being built, with its row if the job lacks it.
-fn add_item(current: &mut (ExpertJob, Vec<usize>, Vec<u32>), it: ExpertItem, i: usize, x: &[f32], d: usize) {
-    let (job, idx, rows) = current;
-    let local = match rows.iter().position(|&r| r == it.row) {
-        Some(p) => p,
-        None => {
-            rows.push(it.row);
-            job.rows.extend_from_slice(&x[it.row as usize * d..(it.row as usize + 1) * d]);
-            rows.len() - 1
+impl Cut {
+    fn new(layer: u32, d: usize) -> Self {
+        Cut { job: ExpertJob { layer, n_embd: d as u32, items: vec![], rows: vec![] }, items: vec![], rows: vec![] }
+    }
+
+    /// Adds item `i` (`it`, of batch row `it.row` of `x`), with its row if the job lacks it.
+    fn add(&mut self, it: ExpertItem, i: usize, x: &[f32], d: usize) {
+        let local = match self.rows.iter().position(|&r| r == it.row) {
+            Some(p) => p,
+            None => {
+                self.rows.push(it.row);
+                self.job.rows.extend_from_slice(&x[it.row as usize * d..(it.row as usize + 1) * d]);
+                self.rows.len() - 1
+            }
+        };
+        self.job.items.push(ExpertItem { row: local as u32, ..it });
+        self.items.push(i);
+    }
+}
+
+/// Cuts one worker's items (`idx` into `items`, over batch rows `x` of `d`) into jobs that
+/// fit `slot_bytes`, each with only the rows its items read.
+fn cut_jobs(layer: u32, x: &[f32], d: usize, items: &[ExpertItem], idx: &[usize], slot_bytes: usize) -> Result<Vec<(ExpertJob, Vec<usize>)>, String> {
+    let mut jobs = Vec::new();
+    let mut cut = Cut::new(layer, d);
+    for &i in idx {
+        let it = items[i];
+        let n_rows = cut.rows.len() + usize::from(!cut.rows.contains(&it.row));
+        if ExpertJob::slot_bytes_for(cut.job.items.len() + 1, n_rows, d).is_none_or(|b| b > slot_bytes) {
+            if cut.items.is_empty() {
+                return Err(format!("one item of {d} values does not fit its {slot_bytes}-byte ring slots (raise its --slot-bytes)"));
+            }
+            let full = std::mem::replace(&mut cut, Cut::new(layer, d));
+            jobs.push((full.job, full.items));
         }
-    };
-    job.items.push(ExpertItem { row: local as u32, ..it });
-    idx.push(i);
+        cut.add(it, i, x, d);
+    }
+    if !cut.items.is_empty() {
+        jobs.push((cut.job, cut.items));
+    }
+    Ok(jobs)
 }
 
 impl RemoteExperts for StepExperts<'_> {
