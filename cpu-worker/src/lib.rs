@@ -238,6 +238,8 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, CpuWorke
         numa_node: config.numa_node.filter(|_| setup.numa_bound),
         arena_locked: setup.locked,
         arena_generation: arena.generation(),
+        expert_share: config.experts.as_ref().map(|(_, s)| s.index),
+        expert_shares: config.experts.as_ref().map(|(_, s)| s.of),
     };
     let listen = control.as_ref().map(|c| c.address().to_string());
     let result = std::thread::scope(|scope| {

@@ -165,6 +165,41 @@ impl LocalWorkers {
     }
 }
 
+/// With the routed experts left to the cpu-workers, cpu-worker `i` of `n` must serve share
+/// `i/n` of them: said at start, not as a failed step.
+fn check_expert_share(gpu: &pb::GpuInfoResponse, cpu: &pb::CpuInfoResponse, i: u32, n: u32) -> anyhow::Result<()> {
+    let share = cpu.expert_share.zip(cpu.expert_shares);
+    match (gpu.experts_on_cpu_workers, share) {
+        (true, Some(s)) if s == (i, n) => Ok(()),
+        (true, s) => {
+            let serves = s.map_or("no experts".to_string(), |(a, b)| format!("share {a}/{b} of the experts"));
+            anyhow::bail!("the gpu-worker leaves the routed experts to the cpu-workers, but cpu-worker {i} serves {serves}: start it with --experts-of {i}/{n}")
+        }
+        (false, Some(_)) => {
+            tracing::warn!("cpu-worker {i} holds routed experts the gpu-worker computes itself (start the gpu-worker with --experts-on cpu-workers to use them)");
+            Ok(())
+        }
+        (false, None) => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod expert_share_tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_workers_must_serve_their_shares_of_remote_experts() {
+        let gpu = |remote| pb::GpuInfoResponse { experts_on_cpu_workers: remote, ..Default::default() };
+        let cpu = |share: Option<(u32, u32)>| pb::CpuInfoResponse { expert_share: share.map(|s| s.0), expert_shares: share.map(|s| s.1), ..Default::default() };
+        assert!(check_expert_share(&gpu(true), &cpu(Some((1, 2))), 1, 2).is_ok());
+        let err = check_expert_share(&gpu(true), &cpu(None), 1, 2).unwrap_err().to_string();
+        assert!(err.contains("serves no experts") && err.contains("--experts-of 1/2"), "{err}");
+        assert!(check_expert_share(&gpu(true), &cpu(Some((0, 2))), 1, 2).is_err());
+        assert!(check_expert_share(&gpu(false), &cpu(None), 0, 1).is_ok());
+        assert!(check_expert_share(&gpu(false), &cpu(Some((0, 1))), 0, 1).is_ok());
+    }
+}
+
 fn spawn(mut cmd: Process) -> std::io::Result<Child> {
     // Workers log to the gateway's stderr; they die with it if it is killed.
     cmd.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit()).kill_on_drop(true);
@@ -236,6 +271,7 @@ pub async fn connect(gpu_addr: &Address, cpu_addrs: &[Address], mut children: Op
         if info.worker != i as u32 {
             anyhow::bail!("the cpu-worker at {addr} says it is worker {}, expected {i}", info.worker);
         }
+        check_expert_share(&gpu_info, &info, i as u32, cpu_addrs.len() as u32)?;
         attach(&mut gpu, &info, local).await?;
         cpus.push(client);
         cpu_infos.push(info);

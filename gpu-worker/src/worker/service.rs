@@ -69,6 +69,7 @@ impl<D: Device + 'static> GpuWorkerService<D> {
             pid: std::process::id(),
             device_kind: device.kind() as i32,
             prefill_chunk_tokens: u32::try_from(device.prefill_chunk()).unwrap_or(u32::MAX),
+            experts_on_cpu_workers: !device.holds_all_experts(),
         };
         let mut executor = Executor::new(device, job_timeout)?;
         if let Some(g) = grammars {
