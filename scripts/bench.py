@@ -24,6 +24,7 @@ Run through scripts/bench.sh, which builds the binaries and fetches the model fi
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -185,11 +186,17 @@ def llama_pass(threads):
 
 def gguf_reader():
     """gguf-py's reader of the model (None without gguf-py: the defaults below apply)."""
+    return _reader(MODEL)
+
+
+@functools.lru_cache(maxsize=None)
+def _reader(path):
+    """Opened once per model (its tensor table is read on opening)."""
     try:
         from gguf import GGUFReader
     except ImportError:
         return None
-    return GGUFReader(MODEL)
+    return GGUFReader(path)
 
 
 def metadata(reader, suffix):

@@ -3,13 +3,12 @@
 //! file and repacked on the worker's own threads, and the expert jobs it answers: each held
 //! expert's gated MLP once over the rows routed to it, every item's output times its weight.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Arc;
 
 use duet_kernels::mlp::scaled;
 use duet_kv::shm::expert_job::{decode_expert_job, expert_owner, write_expert_results, ExpertJob, ExpertLimits};
-use duet_kv::shm::job::JobError;
+use duet_kv::shm::job::{caught, JobError};
 use duet_model::config::LlamaConfig;
 use duet_model::experts::{ExpertBank, ExpertTensors};
 use duet_model::gguf::GgufFile;
@@ -74,10 +73,7 @@ pub fn answer(slot: &mut [u8], experts: Option<&ServedExperts>) -> Result<(), Jo
     if let Some((item, it)) = job.items.iter().enumerate().find(|(_, it)| !experts.bank.holds(it.expert as usize)) {
         return Err(JobError::BadExpert { item, expert: it.expert, reason: "not one this cpu-worker serves" });
     }
-    let out = catch_unwind(AssertUnwindSafe(|| compute(&job, &experts.bank))).map_err(|panic| {
-        let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-        JobError::Internal(what.unwrap_or_else(|| "panic".into()))
-    })?;
+    let out = caught(|| compute(&job, &experts.bank))?;
     write_expert_results(slot, &job, &out)
 }
 

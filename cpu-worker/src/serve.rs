@@ -3,7 +3,6 @@
 //! expert jobs (`crate::experts`) — writes the results (or an error status) into the job's
 //! slot and completes it.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -11,7 +10,7 @@ use duet_kernels::attention::{AttnShape, KvRun};
 use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_kv::paged::{rows, ArenaRows, PagedRange};
 use duet_kv::ArenaLayout;
-use duet_kv::shm::job::{decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
+use duet_kv::shm::job::{caught, decode_job, write_busy_ns, write_error, write_results, AttnJob, JobError, SeqResult};
 use duet_kv::shm::{Consumer, ShmError};
 
 use duet_kv::shm::expert_job::is_expert_job;
@@ -93,10 +92,7 @@ pub fn serve(
 /// panic while attending it, becomes an error for the slot.
 pub fn answer<A: ArenaRows + ?Sized>(slot: &mut [u8], arena: &A, layout: &ArenaLayout) -> Result<(), JobError> {
     let job = decode_job(slot, layout)?;
-    let results = catch_unwind(AssertUnwindSafe(|| attend_job(&job, arena, layout))).map_err(|panic| {
-        let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-        JobError::Internal(what.unwrap_or_else(|| "panic".into()))
-    })?;
+    let results = caught(|| attend_job(&job, arena, layout))?;
     write_results(slot, &job, &results)
 }
 

@@ -1,10 +1,11 @@
 //! A sequence's part of a step as the executor accepted it: what the layer loop, the
-//! attention jobs and the sampler read of it.
+//! attention jobs and the sampler read of it; and a cpu-worker's entry of the step's timings.
 
 use std::ops::Range;
 use std::time::Duration;
 
 use duet_kv::BlockId;
+use duet_proto::pb;
 
 /// One device's share of a decode token's attention.
 #[derive(Debug, Clone)]
@@ -38,4 +39,15 @@ impl Planned {
 /// A duration in nanoseconds (saturating), as the step's statistics report it.
 pub(crate) fn ns(d: Duration) -> u64 {
     d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+/// Worker `worker`'s entry of a step's timings, added on first use.
+pub(crate) fn worker_timing(timings: &mut pb::StepTimings, worker: u32) -> &mut pb::CpuWorkerTiming {
+    match timings.cpu_workers.iter().position(|t| t.worker == worker) {
+        Some(i) => &mut timings.cpu_workers[i],
+        None => {
+            timings.cpu_workers.push(pb::CpuWorkerTiming { worker, ..Default::default() });
+            timings.cpu_workers.last_mut().expect("just pushed")
+        }
+    }
 }

@@ -14,7 +14,7 @@ use duet_proto::pb;
 use duet_kv::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
 
 use super::arenas::KvArenas;
-use super::plan::{ns, Planned};
+use super::plan::{ns, worker_timing, Planned};
 use super::StepError;
 use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use super::step_experts::StepExperts;
@@ -162,13 +162,9 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
                 }
                 Err(e) => Err(fail(e)),
             };
-            match self.timings.cpu_workers.iter_mut().find(|t| t.worker == worker) {
-                Some(t) => {
-                    t.busy_ns += busy;
-                    t.positions += job.positions;
-                }
-                None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, busy_ns: busy, positions: job.positions, ..Default::default() }),
-            }
+            let t = worker_timing(self.timings, worker);
+            t.busy_ns += busy;
+            t.positions += job.positions;
             let results: Vec<SeqResult> = match results {
                 Ok(r) if r.len() == job.members.len() => r,
                 Ok(r) => Err(fail(format!("{} results for {} sequences", r.len(), job.members.len())))?,

@@ -11,7 +11,7 @@ use duet_kv::shm::expert_job::{encode_expert_job, expert_owner, read_expert_resu
 use duet_proto::pb;
 
 use super::arenas::KvArenas;
-use super::plan::ns;
+use super::plan::{ns, worker_timing};
 use crate::device::RemoteExperts;
 use crate::error::{GpuWorkerError, Result};
 
@@ -166,10 +166,7 @@ impl RemoteExperts for StepExperts<'_> {
                         return Err(Self::fail(worker, e));
                     }
                 };
-                match self.timings.cpu_workers.iter_mut().find(|t| t.worker == worker) {
-                    Some(t) => t.experts_busy_ns += busy,
-                    None => self.timings.cpu_workers.push(pb::CpuWorkerTiming { worker, experts_busy_ns: busy, ..Default::default() }),
-                }
+                worker_timing(self.timings, worker).experts_busy_ns += busy;
                 for (&i, v) in idx.iter().zip(values.chunks_exact(d)) {
                     out[i * d..(i + 1) * d].copy_from_slice(v);
                 }

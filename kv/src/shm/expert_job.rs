@@ -18,8 +18,8 @@
 //! request bytes rounded up to 64: per item, in order, f32 × n_embd.
 
 use super::job::{
-    check_not_rejected, put_u32, results_offset, u32_at, JobError, Reader, Writer, HEADER_BYTES, OFF_ERROR_KIND,
-    OFF_LAYER, OFF_REQUEST_BYTES, OFF_STATUS, OFF_VERSION, STATUS_DONE, STATUS_POSTED,
+    check_done, check_not_rejected, check_preamble, put_u32, results_offset, u32_at, JobError, Reader, Writer, HEADER_BYTES,
+    OFF_ERROR_KIND, OFF_LAYER, OFF_REQUEST_BYTES, OFF_STATUS, OFF_VERSION, STATUS_DONE, STATUS_POSTED,
 };
 
 /// Magic bytes of an expert job.
@@ -179,17 +179,8 @@ struct Header {
 }
 
 fn read_header(slot: &[u8]) -> Result<(Header, u32), JobError> {
-    if slot.len() < HEADER_BYTES {
-        return Err(JobError::Truncated { what: "expert job header", need: HEADER_BYTES, have: slot.len() });
-    }
-    let found = [slot[0], slot[1], slot[2], slot[3]];
-    if found != EXPERT_MAGIC {
-        return Err(JobError::BadMagic { found });
-    }
+    check_preamble(slot, "expert job header", EXPERT_MAGIC, EXPERT_VERSION)?;
     let u = |off: usize| u32_at(slot, off);
-    if u(OFF_VERSION) != EXPERT_VERSION {
-        return Err(JobError::UnsupportedVersion { found: u(OFF_VERSION) });
-    }
     let h = Header { request_bytes: u(OFF_REQUEST_BYTES) as usize, layer: u(OFF_LAYER), n_rows: u(OFF_N_ROWS), n_embd: u(OFF_N_EMBD), n_items: u(OFF_N_ITEMS) };
     if h.n_embd == 0 {
         return Err(JobError::ZeroField { field: "n_embd" });
@@ -245,11 +236,7 @@ pub fn write_expert_results(slot: &mut [u8], job: &ExpertJob, outputs: &[f32]) -
 pub fn read_expert_results(slot: &[u8]) -> Result<Vec<f32>, JobError> {
     check_not_rejected(slot)?;
     let (h, status) = read_header(slot)?;
-    match status {
-        STATUS_DONE => {}
-        STATUS_POSTED => return Err(JobError::NotDone),
-        other => return Err(JobError::BadStatus(other)),
-    }
+    check_done(status)?;
     let start = results_offset(h.request_bytes).unwrap_or(usize::MAX);
     Reader { buf: slot, at: start }.f32_vec(h.n_items as usize * h.n_embd as usize, "expert results")
 }

@@ -369,19 +369,44 @@ struct Header {
     softcap: Option<f32>,
 }
 
-fn read_header(slot: &[u8]) -> Result<(Header, u32), JobError> {
+/// Checks the start every job format shares: a whole header (`what` names it), the format's
+/// `magic` and `version`.
+pub(super) fn check_preamble(slot: &[u8], what: &'static str, magic: [u8; 4], version: u32) -> Result<(), JobError> {
     if slot.len() < HEADER_BYTES {
-        return Err(JobError::Truncated { what: "job header", need: HEADER_BYTES, have: slot.len() });
+        return Err(JobError::Truncated { what, need: HEADER_BYTES, have: slot.len() });
     }
     let found = [slot[0], slot[1], slot[2], slot[3]];
-    if found != JOB_MAGIC {
+    if found != magic {
         return Err(JobError::BadMagic { found });
     }
-    let u = |off: usize| u32_at(slot, off);
-    let version = u(OFF_VERSION);
-    if version != JOB_VERSION {
-        return Err(JobError::UnsupportedVersion { found: version });
+    let found = u32_at(slot, OFF_VERSION);
+    if found != version {
+        return Err(JobError::UnsupportedVersion { found });
     }
+    Ok(())
+}
+
+/// A completed job's status, checked: done, or why its results cannot be read.
+pub(super) fn check_done(status: u32) -> Result<(), JobError> {
+    match status {
+        STATUS_DONE => Ok(()),
+        STATUS_POSTED => Err(JobError::NotDone),
+        other => Err(JobError::BadStatus(other)),
+    }
+}
+
+/// Runs a job's computation, a panic in it becoming [`JobError::Internal`] with its message
+/// (the worker answers the job and goes on serving).
+pub fn caught<T>(compute: impl FnOnce() -> T) -> Result<T, JobError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(compute)).map_err(|panic| {
+        let what = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+        JobError::Internal(what.unwrap_or_else(|| "panic".into()))
+    })
+}
+
+fn read_header(slot: &[u8]) -> Result<(Header, u32), JobError> {
+    check_preamble(slot, "job header", JOB_MAGIC, JOB_VERSION)?;
+    let u = |off: usize| u32_at(slot, off);
     let h = Header {
         request_bytes: u(OFF_REQUEST_BYTES) as usize,
         layer: u(OFF_LAYER),
@@ -508,11 +533,7 @@ pub fn write_error(slot: &mut [u8], err: &JobError) {
 pub fn read_results(slot: &[u8]) -> Result<Vec<SeqResult>, JobError> {
     check_not_rejected(slot)?;
     let (h, status) = read_header(slot)?;
-    match status {
-        STATUS_DONE => {}
-        STATUS_POSTED => return Err(JobError::NotDone),
-        other => return Err(JobError::BadStatus(other)),
-    }
+    check_done(status)?;
     // read_header checked that the results fit the slot.
     let start = results_offset(h.request_bytes).unwrap_or(usize::MAX);
     let mut r = Reader { buf: slot, at: start };
