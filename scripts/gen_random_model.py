@@ -55,10 +55,17 @@ SHAPES = {
 
 # ggml type id, bytes per block, elements per block, f16 scale fields (byte offset, value).
 F32, F16, Q4_0, Q8_0, Q4_K, Q6_K = 0, 1, 2, 8, 12, 14
+# Q4_K: every sub-block's 6-bit scale and min 32 (the 12 packed scale bytes 160 x 8, 0 x 4),
+# so w = 32 d q - 32 dmin over random 4-bit q (mean 7.5, sd 4.6); dmin = 7.5 d makes the
+# weights zero-mean. Random scale bytes would give each sub-block a mean of about twice its
+# spread, and such a model's attention is so sharp (|q| ~ 100) that a rounding difference
+# flips a near tie and a whole row (as the CUDA device's first run against the CPU showed).
+Q4_K_D = 0.02 / (32 * 4.6)
+Q4_K_SCALES = bytes([160] * 8 + [0] * 4)
 BLOCKS = {
     Q4_0: (18, 32, [(0, 0.02 / 4.6)]),
     Q8_0: (34, 32, [(0, 0.02 / 74)]),
-    Q4_K: (144, 256, [(0, 0.02 / (31 * 4.6)), (2, 0.02 / (31 * 4.6))]),
+    Q4_K: (144, 256, [(0, Q4_K_D), (2, 7.5 * Q4_K_D)]),
     Q6_K: (210, 256, [(208, 0.02 / (74 * 18.5))]),
 }
 
@@ -67,9 +74,12 @@ def quantised(rng: np.random.Generator, ty: int, rows: int, cols: int) -> bytes:
     size, elems, fields = BLOCKS[ty]
     n = rows * cols // elems
     blocks = np.frombuffer(rng.bytes(n * size), dtype=np.uint8).reshape(n, size).copy()
+    jitter = rng.uniform(0.5, 1.5, n)  # one per block, shared by its scale fields
     for off, scale in fields:
-        d = (scale * rng.uniform(0.5, 1.5, n)).astype(np.float16)
+        d = (scale * jitter).astype(np.float16)
         blocks[:, off : off + 2] = d.view(np.uint8).reshape(n, 2)
+    if ty == Q4_K:
+        blocks[:, 4:16] = np.frombuffer(Q4_K_SCALES, dtype=np.uint8)
     return blocks.tobytes()
 
 

@@ -8,18 +8,21 @@
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
 #          device (single process), and the served system at 1, 16 and 64 streams.
 #
-#     bash scripts/gpu-check-run.sh [tests] [bench]      (both when none is named)
+#     bash scripts/gpu-check-run.sh [tests] [bench] [STEP...]   (tests and bench when none is named)
 #
-# Logs go to $OUT (the device tool's folder) or ./gpu-check-out. Every step runs even when
+# Logs go to $OUT (the device tool's folder) or ./gpu-check-out, packed in logs.tar.gz. Every step runs even when
 # an earlier one failed; the exit status says whether any did.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 kit=$root/gpu-check
 out=${OUT:-$root/gpu-check-out}
-mkdir -p "$out"
+logs=/tmp/duet-gpu-check-logs   # packed into $out/logs.tar.gz after each step
+rm -rf "$logs"
+mkdir -p "$out" "$logs"
 steps=${*:-tests bench}
 failed=()
+[ -f "$kit/kit.tar.xz" ] && tar -C "$kit" -xJf "$kit/kit.tar.xz"
 [ -x "$kit/duet-gpu-worker" ] || { echo "gpu-check/ is missing: run scripts/gpu-check.sh where Rust is, and carry gpu-check/" >&2; exit 2; }
 
 # CUDA's libraries: NVRTC and cuBLAS (and cuBLASLt, which cuBLAS loads) wherever they are.
@@ -43,13 +46,17 @@ step() {
   shift
   echo "== $name: $*"
   local start=$SECONDS
-  if "$@" >"$out/$name.log" 2>&1; then
+  # Each step has its own time limit (STEP_TIMEOUT seconds), so one that hangs leaves time for the rest.
+  if timeout -k 5 "${STEP_TIMEOUT:-150}" bash -c '"$@"' "$name" "$@" >"$logs/$name.log" 2>&1; then
     echo "   ok ($((SECONDS - start)) s)"
   else
     echo "   FAILED ($((SECONDS - start)) s); the log's end:"
-    tail -30 "$out/$name.log" | sed 's/^/   | /'
+    tail -30 "$logs/$name.log" | sed 's/^/   | /'
     failed+=("$name")
   fi
+  # The device tool returns at most 8 files: every log goes back in one archive, made after
+  # each step so that a run stopped at its time limit still returns what it did.
+  tar -C "$logs" -czf "$out/logs.tar.gz" .
 }
 
 model() { # model SHAPE TYPE: makes the random-weight model once, prints its path
@@ -60,7 +67,7 @@ model() { # model SHAPE TYPE: makes the random-weight model once, prints its pat
 
 # Streams a completion from a gateway serving with --device cuda; checks tokens arrived.
 serve_and_stream() {
-  local m=$1 port=18080 log=$out/serve.log
+  local m=$1 port=18080 log=$logs/serve.log
   "$kit/duet-gateway" serve --device cuda --model "$m" --cpu-workers 1 --kv-bytes 2G \
     --listen 127.0.0.1:18081 --http-listen 127.0.0.1:$port --instance gpucheck >"$log" 2>&1 &
   local gw=$!
@@ -104,10 +111,10 @@ run_speed() { # DEVICE MODEL
     | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
 }
 
-# The served system: 1, 16 and 64 streams at contexts 1K (and 8K for 16), policies cpu and lp.
-serve_bench() { # MODEL
-  "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes 16G \
-    --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$out/serve-bench-server.log" 2>&1 &
+# The served system: 1, 16 and 64 streams at context 1K, policies cpu, gpu and lp.
+serve_bench() { # MODEL KV_BYTES
+  "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
+    --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
   sleep 2
   python3 -c 'import time, urllib.request
@@ -116,36 +123,44 @@ for _ in range(240):
         urllib.request.urlopen("http://127.0.0.1:18090/health", timeout=2); break
     except Exception:
         time.sleep(0.5)'
-  "$kit/duet-gateway" bench --addr 127.0.0.1:18091 --concurrency 1,16,64 --context 1024 --max-tokens 64 --policies cpu,gpu,lp --json
+  "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${BENCH_CONCURRENCY:-1,16,64}" --context 1024 --max-tokens 64 --policies cpu,gpu,lp
   local rc=$?
   kill -TERM $gw
   wait $gw
   return $rc
 }
 
-for s in $steps; do
+export kit out logs models
+export -f serve_and_stream run_speed serve_bench model
+
+# Groups of steps; a step's own name runs it alone.
+expand() {
+  case $1 in
+    tests) echo twins nvrtc tiny-models cuda-vs-cpu serve-stream ;;
+    bench) echo speed-1b speed-8b serve-bench-1b serve-bench-8b ;;
+    *) echo "$1" ;;
+  esac
+}
+
+for s in $(for g in $steps; do expand "$g"; done); do
   case $s in
-    tests)
-      step twins "$kit/deps/duet_gpu_worker" --test-threads 1 --nocapture cuda::
-      step nvrtc "$kit/deps/cuda_kernels" --nocapture
-      step tiny-models "$kit/deps/tiny_llama_reference" --nocapture
-      m1=$(model llama-3.2-1b q4_k_m)
-      step cuda-vs-cpu env DUET_CUDA_TEST_MODEL="$m1" "$kit/deps/cuda_vs_cpu" --nocapture
-      step serve-stream serve_and_stream "$m1"
+    twins) step twins "$kit/deps/duet_gpu_worker" --test-threads 1 --nocapture cuda:: ;;
+    nvrtc) step nvrtc "$kit/deps/cuda_kernels" --nocapture ;;
+    tiny-models) step tiny-models "$kit/deps/tiny_llama_reference" --nocapture ;;
+    cuda-vs-cpu) step cuda-vs-cpu env DUET_CUDA_TEST_MODEL="$(model llama-3.2-1b q4_k_m)" "$kit/deps/cuda_vs_cpu" --nocapture --test-threads 1 ;;
+    serve-stream) step serve-stream serve_and_stream "$(model llama-3.2-1b q4_k_m)" ;;
+    speed-1b)
+      step speed-1b-cuda run_speed cuda "$(model llama-3.2-1b q4_k_m)"
+      step speed-1b-cpu run_speed cpu "$(model llama-3.2-1b q4_k_m)"
       ;;
-    bench)
-      m1=$(model llama-3.2-1b q4_k_m)
-      step speed-1b-cuda run_speed cuda "$m1"
-      step speed-1b-cpu run_speed cpu "$m1"
-      m8=$(model llama-3.1-8b q4_k_m)
-      step speed-8b-cuda run_speed cuda "$m8"
-      step serve-bench-1b serve_bench "$m1"
-      ;;
-    *) echo "unknown step group $s (tests, bench)" >&2; exit 2 ;;
+    speed-8b) step speed-8b-cuda run_speed cuda "$(model llama-3.1-8b q4_k_m)" ;;
+    serve-bench-1b) step serve-bench-1b serve_bench "$(model llama-3.2-1b q4_k_m)" 8G ;;
+    serve-bench-8b) step serve-bench-8b serve_bench "$(model llama-3.1-8b q4_k_m)" 12G ;;
+    *) echo "unknown step $s (groups: tests, bench)" >&2; exit 2 ;;
   esac
 done
 
-echo "== logs in $out"
+echo "== logs in $out/logs.tar.gz"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"
   exit 1

@@ -208,6 +208,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,
             device: args.device.clone(),
+            slot_bytes: supervisor::attention_slot_bytes(&args.model, args.max_running.max(1)),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
         };
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");

@@ -33,6 +33,9 @@ pub struct LocalWorkers {
     pub runtime_dir: PathBuf,
     /// Threads of the gpu-worker's CPU device (default: all cores).
     pub gpu_threads: Option<usize>,
+    /// Bytes of each cpu-worker's ring slots (`attention_slot_bytes`; at least 8 MiB with
+    /// the experts on the cpu-workers).
+    pub slot_bytes: usize,
     /// The gpu-worker's `--device` (auto, cpu or cuda).
     pub device: String,
     /// A mixture's routed experts on the cpu-workers (`--experts-on cpu-workers`; cpu-worker
@@ -42,7 +45,24 @@ pub struct LocalWorkers {
 
 /// Ring slot bytes of a cpu-worker serving experts: one MoE layer's items of a decode step
 /// of 64 sequences in one job at a 2048 width (an item takes its output and at most its row).
-const EXPERT_SLOT_BYTES: &str = "8M";
+const EXPERT_SLOT_BYTES: usize = 8 << 20;
+
+/// The cpu-worker's own default slot size (its `--slot-bytes`), the least the gateway asks for.
+const MIN_SLOT_BYTES: usize = 1 << 20;
+
+/// Ring slot bytes for the cpu-workers of `model` when steps run up to `max_running`
+/// sequences: one layer's attention job for all of them, each over the model's whole context
+/// (so no step's job is too large), rounded up to a MiB and at least the worker's default.
+/// A model that cannot be read gets the default; the gpu-worker then says what is wrong.
+pub fn attention_slot_bytes(model: &Path, max_running: usize) -> usize {
+    let config = duet_model::gguf::GgufFile::open(model)
+        .map_err(duet_model::Error::from)
+        .and_then(|g| duet_model::config::LlamaConfig::from_gguf(&g));
+    let Ok(c) = config else { return MIN_SLOT_BYTES };
+    let blocks = c.n_ctx_train.div_ceil(duet_kv::layout::DEFAULT_BLOCK_SIZE as usize) + 1;
+    duet_kv::shm::job::AttnJob::slot_bytes_bound(max_running, c.n_head as u32, c.head_dim as u32, blocks)
+        .map_or(MIN_SLOT_BYTES, |b| b.next_multiple_of(1 << 20).max(MIN_SLOT_BYTES))
+}
 
 /// One worker the gateway talks to.
 #[derive(Debug, Clone)]
@@ -157,9 +177,12 @@ impl LocalWorkers {
             // One node: share the cores between the workers (unpinned).
             cmd.args(["--threads", &(cpu_count() / self.cpu_workers as usize).max(1).to_string()]);
         }
+        let mut slot_bytes = self.slot_bytes;
         if self.experts_on_cpu_workers {
-            cmd.args(["--experts-of", &format!("{worker}/{}", self.cpu_workers), "--slot-bytes", EXPERT_SLOT_BYTES]);
+            cmd.args(["--experts-of", &format!("{worker}/{}", self.cpu_workers)]);
+            slot_bytes = slot_bytes.max(EXPERT_SLOT_BYTES);
         }
+        cmd.args(["--slot-bytes", &slot_bytes.to_string()]);
         cmd.arg(if fresh { "--replace" } else { "--reattach" });
         spawn(cmd)
     }
@@ -467,6 +490,20 @@ mod tests {
     fn fixture(name: &str) -> Topology {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../topology/tests/fixtures/sysfs").join(name);
         Topology::read_from(&dir).unwrap()
+    }
+
+    #[test]
+    fn ring_slots_hold_one_layer_of_a_step_of_max_running_sequences() {
+        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/tiny/random_q4_k_m.gguf");
+        let c = duet_model::config::LlamaConfig::from_gguf(&duet_model::gguf::GgufFile::open(&model).unwrap()).unwrap();
+        let blocks = c.n_ctx_train.div_ceil(64) + 1;
+        assert_eq!(attention_slot_bytes(&model, 8), MIN_SLOT_BYTES, "a small step keeps the worker's default");
+        for n in [1024, 4096] {
+            let bytes = attention_slot_bytes(&model, n);
+            let need = duet_kv::shm::job::AttnJob::slot_bytes_bound(n, c.n_head as u32, c.head_dim as u32, blocks).unwrap();
+            assert!(bytes >= need && bytes > MIN_SLOT_BYTES && bytes % (1 << 20) == 0, "{n} sequences: {bytes} for {need}");
+        }
+        assert_eq!(attention_slot_bytes(Path::new("/nonexistent.gguf"), 4096), MIN_SLOT_BYTES);
     }
 
     #[test]

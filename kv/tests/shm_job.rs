@@ -284,3 +284,18 @@ fn the_fuzz_seed_is_this_job() {
     let on_disk = std::fs::read(&path).unwrap();
     assert_eq!(decode_job(&on_disk[4..], &layout()).unwrap(), job());
 }
+
+#[test]
+fn the_slot_bound_covers_every_job_within_it() {
+    // The bound for 3 sequences of 3 blocks at most: the test job (blocks 3, 1, 2) needs less,
+    // a job whose every sequence reads 3 blocks needs exactly the bound.
+    let j = job();
+    let bound = AttnJob::slot_bytes_bound(3, 6, 8, 3).unwrap();
+    assert!(j.slot_bytes_needed().unwrap() <= bound);
+    let mut full = j.clone();
+    for s in &mut full.seqs {
+        s.blocks = vec![BlockId(1), BlockId(2), BlockId(3)];
+    }
+    assert_eq!(full.slot_bytes_needed().unwrap(), bound);
+    assert!(AttnJob::slot_bytes_bound(usize::MAX, 6, 8, 3).is_none(), "overflow is None, not a wrap");
+}

@@ -240,6 +240,17 @@ impl AttnJob {
         results_offset(self.request_bytes()?)?.checked_add(usize::try_from(results).ok()?)
     }
 
+    /// The most bytes a slot needs for a job of `n_seqs` sequences of `n_head` heads of
+    /// `head_dim`, each reading at most `blocks_per_seq` blocks: what ring slots are sized to
+    /// so that a step of that many sequences never finds its job too large.
+    pub fn slot_bytes_bound(n_seqs: usize, n_head: u32, head_dim: u32, blocks_per_seq: usize) -> Option<usize> {
+        let q = (n_head as usize).checked_mul(head_dim as usize)?;
+        let seq = blocks_per_seq.checked_add(q)?.checked_mul(4)?.checked_add(SEQ_RECORD_BYTES)?;
+        let request = n_seqs.checked_mul(seq)?.checked_add(HEADER_BYTES)?;
+        let results = results_bytes(n_seqs as u64, n_head, head_dim)?;
+        results_offset(request)?.checked_add(usize::try_from(results).ok()?)
+    }
+
     /// Checks the job against the worker's arena: shape, layer, and every sequence's range
     /// and blocks (at most the arena's block count, each inside it). After it, every
     /// sequence's [`SeqJob::paged_range`] fits the layout.
