@@ -18,10 +18,18 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-/// SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64) and Duet's block size.
-const N_HEAD: u32 = 9;
-const N_KV_HEAD: u32 = 3;
-const HEAD_DIM: u32 = 64;
+/// Attention shapes of the decode rows: query heads, KV heads, head size.
+#[derive(Clone, Copy)]
+struct AttnBench {
+    n_head: u32,
+    n_kv_head: u32,
+    head_dim: u32,
+}
+
+/// SmolLM2-135M's (9 query heads, 3 KV heads of 64; Llama 3.2 1B's heads are of 64 too) and
+/// Llama 3.1 8B's (32 query heads, 8 KV heads of 128; OLMoE and Qwen use heads of 128).
+const ATTENTION_SHAPES: [AttnBench; 2] =
+    [AttnBench { n_head: 9, n_kv_head: 3, head_dim: 64 }, AttnBench { n_head: 32, n_kv_head: 8, head_dim: 128 }];
 const BLOCK: u32 = duet_kv::layout::DEFAULT_BLOCK_SIZE;
 
 struct Args {
@@ -115,14 +123,15 @@ fn layers_for(bytes_per_layer: usize) -> u32 {
 }
 
 /// GB/s of KV read by one layer's attention job: `batch` sequences of `context` positions.
-fn attention(batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+fn attention(shape: AttnBench, batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+    let AttnBench { n_head, n_kv_head, head_dim } = shape;
     let blocks_per_seq = context.div_ceil(BLOCK as usize);
-    let bytes = batch * context * (N_KV_HEAD * HEAD_DIM) as usize * 2 * 2;
+    let bytes = batch * context * (n_kv_head * head_dim) as usize * 2 * 2;
     let n_layer = layers_for(bytes);
     let layout = ArenaLayout {
         n_layer,
-        n_kv_head: N_KV_HEAD,
-        head_dim: HEAD_DIM,
+        n_kv_head,
+        head_dim,
         block_size: BLOCK,
         dtype: KvDtype::F16,
         n_blocks: (batch * blocks_per_seq) as u32,
@@ -141,10 +150,10 @@ fn attention(batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 
             n_ctx: context as u32,
             first_pos: 0,
             blocks: (0..blocks_per_seq).map(|b| BlockId((s * blocks_per_seq + b) as u32)).collect(),
-            q: (0..N_HEAD * HEAD_DIM).map(|_| rng.random_range(-1.0..1.0)).collect(),
+            q: (0..n_head * head_dim).map(|_| rng.random_range(-1.0..1.0)).collect(),
         })
         .collect();
-    let mut job = AttnJob { layer: 0, n_head: N_HEAD, n_kv_head: N_KV_HEAD, head_dim: HEAD_DIM, kv_padding: 32, softcap: None, seqs };
+    let mut job = AttnJob { layer: 0, n_head, n_kv_head, head_dim, kv_padding: 32, softcap: None, seqs };
     let t = best(5, || {
         job.layer = (job.layer + 1) % n_layer;
         std::hint::black_box(attend_job(&job, arena.as_slice(), &layout));
@@ -220,10 +229,13 @@ fn main() {
     let wanted = |what: &str| a.only.as_deref().is_none_or(|o| what.contains(o));
     let mut rows: Vec<(String, String, f64)> = Vec::new();
     let contexts: &[usize] = if a.quick { &[1024, 4096] } else { &[1024, 4096, 16384] };
-    for &ctx in contexts.iter().filter(|_| wanted("decode attention")) {
-        for &batch in &[1usize, 8, 32] {
-            let g = attention(batch, ctx, &mut rng);
-            rows.push(("decode attention, one layer, f16 KV".into(), format!("context {ctx} × batch {batch}"), g));
+    for shape in ATTENTION_SHAPES {
+        let what = format!("decode attention, one layer, f16 KV, {}/{} heads of {}", shape.n_head, shape.n_kv_head, shape.head_dim);
+        for &ctx in contexts.iter().filter(|_| wanted(&what)) {
+            for &batch in &[1usize, 8, 32] {
+                let g = attention(shape, batch, ctx, &mut rng);
+                rows.push((what.clone(), format!("context {ctx} × batch {batch}"), g));
+            }
         }
     }
     let cols = 4096;

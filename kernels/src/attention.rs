@@ -130,7 +130,7 @@ pub fn decode_attention_range(
 /// (f32, not rounded to f16) summed by `reduce16` into an f32 sum, and each position's V row
 /// fused-multiply-added into one f32 accumulator per dimension, in position order. The output
 /// is the accumulators times `1 / sum`; returns the log-sum-exp. The AVX-512 kernel
-/// (`attend_group_online_hd64`) matches it bit for bit.
+/// (`attend_group_online`) matches it bit for bit.
 pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: impl Into<Scores>, out: &mut [f32]) -> f32 {
     let scores = scores.into();
     let hd = out.len();

@@ -1,4 +1,5 @@
-//! AVX-512 decode attention of one KV head's whole query group, straight from f16 K/V rows:
+//! AVX-512 decode attention of one KV head's whole query group, straight from f16 K/V rows of
+//! 64 or 128 dimensions (`NV`, the row's 16-lane vectors, is 4 or 8):
 //! bit for bit [`decode_attention_range`](super::attention::decode_attention_range) run once
 //! per query head over widened rows, in one pass over K and one over V; and, for the chunks
 //! of contexts longer than one `DECODE_CHUNK`, bit for bit
@@ -11,7 +12,9 @@
 //!   butterfly (the same pairings, so the same sums), and the tree's first two additions are
 //!   fused into the products (a product of two f16 values is exact in f32);
 //! * the softmax runs `ggml_v_expf` sixteen lanes at a time, as ggml does;
-//! * V·weights accumulate into ggml's 64 position lanes for all heads of the group at once.
+//! * V·weights accumulate into ggml's 64 position lanes for all heads of the group at once,
+//!   64 dimensions at a time (each dimension's sum is its own, so a head of 128 runs the V
+//!   pass twice, once per half of its rows).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -37,17 +40,18 @@ pub struct FastScratch {
 unsafe impl Send for FastScratch {}
 
 /// The group's attention over positions `start..end`, given as `runs` in position order (their
-/// rows add up to `end - start`); `q`/`out` are `[group][64]`, `lse` one per head; `n_padded`
+/// rows add up to `end - start`); `q`/`out` are `[group][head_dim]` (heads of 64 or 128),
+/// `lse` one per head; `n_padded`
 /// and `scale` as in `decode_attention_range`. `tiled` selects the arithmetic llama.cpp uses
 /// for a batch of query tokens (tinyBLAS: Q·K as one fused multiply-add chain per lane of
 /// 16, V·weights in 16 position lanes summed in f32) instead of the decode one.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C. Panics (safely) if the slices
-/// disagree or the group is larger than [`MAX_GROUP`].
+/// disagree, the heads are not of 64 or 128, or the group is larger than [`MAX_GROUP`].
 #[allow(clippy::too_many_arguments)] // the runs, the range and the group's three slices
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn attend_group_hd64(
+pub unsafe fn attend_group(
     runs: &[KvRun<'_>],
     start: usize,
     end: usize,
@@ -59,45 +63,52 @@ pub unsafe fn attend_group_hd64(
     lse: &mut [f32],
     scratch: &mut FastScratch,
 ) {
-    let group = checked_group(runs, end - start, q, out, lse);
+    let (group, hd) = checked_group(runs, end - start, q, out, lse);
     macro_rules! by_group {
-        ($t:literal) => {
+        ($nv:literal, $t:literal) => {
             match group {
-                1 => group_kernel::<1, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                2 => group_kernel::<2, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                3 => group_kernel::<3, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                4 => group_kernel::<4, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                5 => group_kernel::<5, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                6 => group_kernel::<6, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                7 => group_kernel::<7, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                _ => group_kernel::<8, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                1 => group_kernel::<1, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                2 => group_kernel::<2, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                3 => group_kernel::<3, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                4 => group_kernel::<4, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                5 => group_kernel::<5, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                6 => group_kernel::<6, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                7 => group_kernel::<7, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
+                _ => group_kernel::<8, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
             }
         };
     }
-    if tiled {
-        by_group!(true)
-    } else {
-        by_group!(false)
+    match (hd, tiled) {
+        (64, true) => by_group!(4, true),
+        (64, false) => by_group!(4, false),
+        (_, true) => by_group!(8, true),
+        (_, false) => by_group!(8, false),
     }
 }
 
+/// Whether the kernels take heads of `head_dim`.
+pub fn supports_head_dim(head_dim: usize) -> bool {
+    head_dim == 64 || head_dim == 128
+}
+
 /// The checks of both group kernels' arguments (panicking): a group of 1 to [`MAX_GROUP`]
-/// heads of 64, whose size `q` and `out` agree with, and runs of K and V rows covering `n > 0`
-/// positions. Returns the group's size.
-fn checked_group(runs: &[KvRun<'_>], n: usize, q: &[f32], out: &[f32], lse: &[f32]) -> usize {
+/// heads of 64 or 128, whose size `q` and `out` agree with, and runs of K and V rows covering
+/// `n > 0` positions. Returns the group's size and the heads' dimension.
+fn checked_group(runs: &[KvRun<'_>], n: usize, q: &[f32], out: &[f32], lse: &[f32]) -> (usize, usize) {
     let group = lse.len();
     assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
-    assert!(q.len() == group * 64 && out.len() == group * 64, "query group slice sizes");
-    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * 64, "K rows cover the range");
+    let hd = q.len() / group;
+    assert!(supports_head_dim(hd) && q.len() == group * hd && out.len() == q.len(), "query group slice sizes");
+    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
     assert!(n > 0, "empty attention range");
-    group
+    (group, hd)
 }
 
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn group_kernel<const G: usize, const TILED: bool>(
+unsafe fn group_kernel<const G: usize, const NV: usize, const TILED: bool>(
     runs: &[KvRun<'_>],
     start: usize,
     end: usize,
@@ -112,27 +123,37 @@ unsafe fn group_kernel<const G: usize, const TILED: bool>(
     let stride = n.next_multiple_of(16);
     scratch.scores.resize(G * stride, 0.0);
     let scores = scratch.scores.as_mut_ptr();
-    let qv = rounded_q::<G>(q);
-    scratch.rows.fill(runs);
-    let max = scores_pass::<G, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
+    let qv = rounded_q::<G, NV>(q);
+    scratch.rows.fill(runs, 16 * NV);
+    let max = scores_pass::<G, NV, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
     for (g, l) in lse.iter_mut().enumerate() {
         *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n), max[g]);
     }
-    if TILED {
-        tiled_value_pass::<G>(start, end, stride, scores, out, scratch);
-    } else {
-        value_pass::<G>(start, end, n_padded, stride, scores, out, scratch);
+    // The V passes take 64 dimensions of every head at a time: the rows' halves in turn.
+    let mut half = [0f32; MAX_GROUP * 64];
+    for h in 0..NV / 4 {
+        scratch.rows.v_off = 64 * h;
+        let half_out = &mut half[..G * 64];
+        if TILED {
+            tiled_value_pass::<G>(start, end, stride, scores, half_out, scratch);
+        } else {
+            value_pass::<G>(start, end, n_padded, stride, scores, half_out, scratch);
+        }
+        for (o, x) in out.chunks_exact_mut(16 * NV).zip(half_out.chunks_exact(64)) {
+            o[64 * h..64 * (h + 1)].copy_from_slice(x);
+        }
     }
+    scratch.rows.v_off = 0;
 }
 
 /// The group's queries rounded to f16 (ggml converts Q for the f16 dot product), widened.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn rounded_q<const G: usize>(q: &[f32]) -> [[__m512; 4]; G] {
-    let mut qv = [[_mm512_setzero_ps(); 4]; G];
+unsafe fn rounded_q<const G: usize, const NV: usize>(q: &[f32]) -> [[__m512; NV]; G] {
+    let mut qv = [[_mm512_setzero_ps(); NV]; G];
     for (g, qg) in qv.iter_mut().enumerate() {
         for (j, v) in qg.iter_mut().enumerate() {
-            let x = _mm512_loadu_ps(q.as_ptr().add(g * 64 + 16 * j));
+            let x = _mm512_loadu_ps(q.as_ptr().add(g * 16 * NV + 16 * j));
             *v = _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x));
         }
     }
@@ -144,40 +165,50 @@ unsafe fn rounded_q<const G: usize>(q: &[f32]) -> [[__m512; 4]; G] {
 /// [`decode_attention_online`](super::attention::decode_attention_online) run once per query
 /// head. K and V stream together, a block of 16 positions at a time (the block's scores and
 /// online softmax step, then the block before's V rows, software-pipelined), so the reads of
-/// the two overlap the arithmetic of both; `q`/`out` are `[group][64]`, `lse` one per head.
+/// the two overlap the arithmetic of both; `q`/`out` are `[group][head_dim]` (heads of 64 or
+/// 128), `lse` one per head.
 ///
 /// # Safety
-/// As [`attend_group_hd64`]; panics (safely) under the same conditions.
+/// As [`attend_group`]; panics (safely) under the same conditions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-pub unsafe fn attend_group_online_hd64(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut FastScratch) {
-    let group = checked_group(runs, n, q, out, lse);
-    scratch.rows.fill(runs);
+pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut FastScratch) {
+    let (group, hd) = checked_group(runs, n, q, out, lse);
+    scratch.rows.fill(runs, hd);
     let rows = &scratch.rows;
-    match group {
-        1 => online_kernel::<1>(rows, n, scale, q, out, lse),
-        2 => online_kernel::<2>(rows, n, scale, q, out, lse),
-        3 => online_kernel::<3>(rows, n, scale, q, out, lse),
-        4 => online_kernel::<4>(rows, n, scale, q, out, lse),
-        5 => online_kernel::<5>(rows, n, scale, q, out, lse),
-        6 => online_kernel::<6>(rows, n, scale, q, out, lse),
-        7 => online_kernel::<7>(rows, n, scale, q, out, lse),
-        _ => online_kernel::<8>(rows, n, scale, q, out, lse),
+    macro_rules! by_group {
+        ($nv:literal) => {
+            match group {
+                1 => online_kernel::<1, $nv>(rows, n, scale, q, out, lse),
+                2 => online_kernel::<2, $nv>(rows, n, scale, q, out, lse),
+                3 => online_kernel::<3, $nv>(rows, n, scale, q, out, lse),
+                4 => online_kernel::<4, $nv>(rows, n, scale, q, out, lse),
+                5 => online_kernel::<5, $nv>(rows, n, scale, q, out, lse),
+                6 => online_kernel::<6, $nv>(rows, n, scale, q, out, lse),
+                7 => online_kernel::<7, $nv>(rows, n, scale, q, out, lse),
+                _ => online_kernel::<8, $nv>(rows, n, scale, q, out, lse),
+            }
+        };
+    }
+    if hd == 64 {
+        by_group!(4)
+    } else {
+        by_group!(8)
     }
 }
 
-/// [`attend_group_online_hd64`] for a group of `G`.
+/// [`attend_group_online`] for a group of `G` heads of `16 * NV`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32]) {
+unsafe fn online_kernel<const G: usize, const NV: usize>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32]) {
     // Q and the accumulators are each in registers in their phase of a block only (both at
     // once do not fit for a group of three): `black_box` makes the compiler reload them per
     // block rather than spill them for the whole loop and reload one per multiply-add.
-    let q_mem = rounded_q::<G>(q);
+    let q_mem = rounded_q::<G, NV>(q);
     let vscale = _mm512_set1_ps(scale);
     let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut max = [f32::NEG_INFINITY; G];
     let mut sum = [0f32; G];
-    let mut acc = [[_mm512_setzero_ps(); 4]; G];
+    let mut acc = [[_mm512_setzero_ps(); NV]; G];
     // The block whose V rows are still to be accumulated (start, length) and its weights,
     // stored a block before they are read (broadcast from memory: no shuffle per position).
     let mut pending: Option<(usize, usize)> = None;
@@ -188,9 +219,9 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
         let keep = if len == 16 { 0xFFFF } else { ((1u32 << len) - 1) as __mmask16 };
         // The block's scores in tinyBLAS's order (no V prefetch: V is read right after).
         let quads = if len == 16 {
-            block_quads::<G, true, false>(rows, b, n, usize::MAX, &qv)
+            block_quads::<G, NV, true, false>(rows, b, n, usize::MAX, &qv)
         } else {
-            block_quads::<G, true, true>(rows, b, n, usize::MAX, &qv)
+            block_quads::<G, NV, true, true>(rows, b, n, usize::MAX, &qv)
         };
         // The online softmax step of each head: the block's weights `p[g]`, and the factor
         // that rescales what is accumulated so far if the block raised the maximum.
@@ -210,7 +241,7 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
         // The V rows of the block before (software pipelining: its weights have long been
         // ready, while this block's still wait on its maximum and exp), then the rescale.
         if let Some((pb, plen)) = pending {
-            accumulate_block::<G>(rows, pb, plen, n, &weights, &mut acc);
+            accumulate_block::<G, NV>(rows, pb, plen, n, &weights, &mut acc);
         }
         for g in 0..G {
             if let Some(c) = rescale[g] {
@@ -226,9 +257,9 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
         pending = Some((b, len));
     }
     if let Some((pb, plen)) = pending {
-        accumulate_block::<G>(rows, pb, plen, n, &weights, &mut acc);
+        accumulate_block::<G, NV>(rows, pb, plen, n, &weights, &mut acc);
     }
-    for (g, o) in out.chunks_exact_mut(64).enumerate() {
+    for (g, o) in out.chunks_exact_mut(16 * NV).enumerate() {
         let inv = _mm512_set1_ps(1.0 / sum[g]);
         for (j, a) in acc[g].iter().enumerate() {
             _mm512_storeu_ps(o.as_mut_ptr().add(16 * j), _mm512_mul_ps(*a, inv));
@@ -240,13 +271,13 @@ unsafe fn online_kernel<const G: usize>(rows: &RowTable, n: usize, scale: f32, q
 /// The V rows of positions `b..b + len` times their weights (`p[g][i]` for position `b + i`)
 /// into the accumulators, in position order, held in registers for the block.
 #[inline(always)]
-unsafe fn accumulate_block<const G: usize>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[[f32; 16]; G], acc: &mut [[__m512; 4]; G]) {
+unsafe fn accumulate_block<const G: usize, const NV: usize>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[[f32; 16]; G], acc: &mut [[__m512; NV]; G]) {
     let mut a = *std::hint::black_box(&*acc);
     for i in 0..len {
         if b + i + V_AHEAD < n {
-            prefetch_row::<_MM_HINT_T0>(rows.v(b + i + V_AHEAD));
+            prefetch_row::<_MM_HINT_T0, NV>(rows.v(b + i + V_AHEAD));
         }
-        let vx = widen_row(rows.v(b + i));
+        let vx = widen_row::<NV>(rows.v(b + i));
         for (a_g, p_g) in a.iter_mut().zip(p) {
             let w = _mm512_set1_ps(p_g[i]);
             for (x, &vj) in a_g.iter_mut().zip(&vx) {
@@ -270,16 +301,16 @@ const V_AHEAD: usize = 32;
 /// positions instead of sixteen (the loads and stores of spilled partials bounded the pass).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; 4]; G], scores: *mut f32) -> [f32; G] {
+unsafe fn scores_pass<const G: usize, const NV: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m512; NV]; G], scores: *mut f32) -> [f32; G] {
     let qv = *qv;
     let scale = _mm512_set1_ps(scale);
     let mut max = [_mm512_set1_ps(f32::NEG_INFINITY); G];
     let v_from = n.saturating_sub(WINDOW);
     for b in (0..n).step_by(16) {
         let quads = if b + 16 <= n {
-            block_quads::<G, TILED, false>(rows, b, n, v_from, &qv)
+            block_quads::<G, NV, TILED, false>(rows, b, n, v_from, &qv)
         } else {
-            block_quads::<G, TILED, true>(rows, b, n, v_from, &qv)
+            block_quads::<G, NV, TILED, true>(rows, b, n, v_from, &qv)
         };
         for (g, quad) in quads.iter().enumerate() {
             let s = _mm512_mul_ps(finish16(quad), scale);
@@ -305,15 +336,15 @@ unsafe fn scores_pass<const G: usize, const TILED: bool>(rows: &RowTable, n: usi
 /// `b + 4m .. b + 4m + 4` after two butterfly steps, ready for [`finish16`]. `PARTIAL`: the
 /// block may reach past `n` (those positions count as zero).
 #[inline(always)]
-unsafe fn block_quads<const G: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, b: usize, n: usize, v_from: usize, qv: &[[__m512; 4]; G]) -> [[__m512; 4]; G] {
+unsafe fn block_quads<const G: usize, const NV: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, b: usize, n: usize, v_from: usize, qv: &[[__m512; NV]; G]) -> [[__m512; 4]; G] {
     let mut quads = [[_mm512_setzero_ps(); 4]; G];
     for m in 0..4 {
         let i = b + 4 * m;
         let h = [
-            position_partials::<G, TILED, PARTIAL>(rows, i, n, v_from, qv),
-            position_partials::<G, TILED, PARTIAL>(rows, i + 1, n, v_from, qv),
-            position_partials::<G, TILED, PARTIAL>(rows, i + 2, n, v_from, qv),
-            position_partials::<G, TILED, PARTIAL>(rows, i + 3, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL>(rows, i, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL>(rows, i + 1, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL>(rows, i + 2, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL>(rows, i + 3, n, v_from, qv),
         ];
         for (g, quad) in quads.iter_mut().enumerate() {
             quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
@@ -326,27 +357,36 @@ unsafe fn block_quads<const G: usize, const TILED: bool, const PARTIAL: bool>(ro
 /// tinyBLAS's fused chain), zero past the range if `PARTIAL` (those lanes are never stored);
 /// issues the pass's prefetches for `i`.
 #[inline(always)]
-unsafe fn position_partials<const G: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; 4]; G]) -> [__m512; G] {
+unsafe fn position_partials<const G: usize, const NV: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; NV]; G]) -> [__m512; G] {
     let zero = _mm512_setzero_ps();
     if PARTIAL && i >= n {
         return [zero; G];
     }
     if i + K_AHEAD < n {
-        prefetch_row::<_MM_HINT_T0>(rows.k(i + K_AHEAD));
+        prefetch_row::<_MM_HINT_T0, NV>(rows.k(i + K_AHEAD));
     }
     if i >= v_from {
-        prefetch_row::<_MM_HINT_T1>(rows.v(i - v_from));
+        prefetch_row::<_MM_HINT_T1, NV>(rows.v(i - v_from));
     }
-    let kx = widen_row(rows.k(i));
+    let kx = widen_row::<NV>(rows.k(i));
     let mut h = [zero; G];
     for (hg, q) in h.iter_mut().zip(qv) {
         *hg = if TILED {
             // tinyBLAS: one fused multiply-add chain per lane over the 16-element chunks.
             let mut acc = zero;
-            for j in 0..4 {
+            for j in 0..NV {
                 acc = _mm512_fmadd_ps(q[j], kx[j], acc);
             }
             acc
+        } else if NV == 8 {
+            // Two of ggml's steps of 64: lane l's accumulator is p[l] then fma(p[l + 64]),
+            // p[l] fused onto +0; then reduce64 as below. (The sums are no longer single
+            // products, so the fusing trick of heads of 64 does not apply.)
+            let mut s = [zero; 4];
+            for (j, sj) in s.iter_mut().enumerate() {
+                *sj = _mm512_fmadd_ps(kx[j + 4], q[j + 4], _mm512_fmadd_ps(kx[j], q[j], zero));
+            }
+            _mm512_add_ps(_mm512_add_ps(s[0], s[2]), _mm512_add_ps(s[1], s[3]))
         } else {
             // reduce64: h[l] = (p[l] + p[l + 32]) + (p[l + 16] + p[l + 48]), each product p
             // a fused multiply-add onto +0 as ggml's accumulators take it. A product of two
@@ -363,28 +403,32 @@ unsafe fn position_partials<const G: usize, const TILED: bool, const PARTIAL: bo
 /// K rows are prefetched this many positions ahead (blocks need not be contiguous).
 const K_AHEAD: usize = 32;
 
-/// Both cache lines of a 64-element f16 row.
+/// The cache lines of an f16 row of `16 * NV` elements (two per 64).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn prefetch_row<const HINT: i32>(row: *const f16) {
-    _mm_prefetch::<HINT>(row as *const i8);
-    _mm_prefetch::<HINT>((row as *const i8).add(64));
+unsafe fn prefetch_row<const HINT: i32, const NV: usize>(row: *const f16) {
+    for line in 0..NV / 2 {
+        _mm_prefetch::<HINT>((row as *const i8).add(64 * line));
+    }
 }
 
-/// The K and V row of every position of the range, from its start.
+/// The K and V row of every position of the range, from its start; V rows from dimension
+/// `v_off` (the half of a row of 128 that a V pass of 64 dimensions reads).
 #[derive(Debug, Default)]
 struct RowTable {
     k: Vec<*const f16>,
     v: Vec<*const f16>,
+    v_off: usize,
 }
 
 impl RowTable {
-    fn fill(&mut self, runs: &[KvRun<'_>]) {
+    fn fill(&mut self, runs: &[KvRun<'_>], hd: usize) {
         self.k.clear();
         self.v.clear();
+        self.v_off = 0;
         for run in runs {
-            self.k.extend(run.k.chunks_exact(64).map(|r| r.as_ptr()));
-            self.v.extend(run.v.chunks_exact(64).map(|r| r.as_ptr()));
+            self.k.extend(run.k.chunks_exact(hd).map(|r| r.as_ptr()));
+            self.v.extend(run.v.chunks_exact(hd).map(|r| r.as_ptr()));
         }
     }
 
@@ -397,7 +441,7 @@ impl RowTable {
     /// Safety: as [`Self::k`].
     #[inline(always)]
     unsafe fn v(&self, i: usize) -> *const f16 {
-        *self.v.get_unchecked(i)
+        self.v.get_unchecked(i).add(self.v_off)
     }
 }
 
@@ -528,7 +572,7 @@ unsafe fn value_pass<const G: usize>(
     }
     for p in simd_end..end {
         let i = p - start;
-        let vx = widen_row(rows.v(i));
+        let vx = widen_row::<4>(rows.v(i));
         for (g, s) in sums.iter_mut().enumerate() {
             let w = _mm512_set1_ps(*weights.add(g * stride + i));
             for (j, &vj) in vx.iter().enumerate() {
@@ -590,7 +634,7 @@ unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize
         let per_pair = next.len().div_ceil(pairs);
         for pair in 0..pairs {
             for i in next.clone().skip(pair * per_pair).take(per_pair) {
-                prefetch_row::<_MM_HINT_T1>(rows.v(i));
+                prefetch_row::<_MM_HINT_T1, 4>(rows.v(i));
             }
             lane_pair::<G, LANES>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
         }
@@ -601,17 +645,16 @@ unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize
 /// Positions per window of the V pass (256 KiB of f16 V rows of 64).
 const WINDOW: usize = 2048;
 
-/// One 64-element f16 row widened to four vectors.
+/// The first `16 * NV` elements of an f16 row widened to `NV` vectors.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn widen_row(row: *const f16) -> [__m512; 4] {
+unsafe fn widen_row<const NV: usize>(row: *const f16) -> [__m512; NV] {
     let r = row as *const __m256i;
-    [
-        _mm512_cvtph_ps(_mm256_loadu_si256(r)),
-        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(1))),
-        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(2))),
-        _mm512_cvtph_ps(_mm256_loadu_si256(r.add(3))),
-    ]
+    let mut x = [_mm512_setzero_ps(); NV];
+    for (j, xj) in x.iter_mut().enumerate() {
+        *xj = _mm512_cvtph_ps(_mm256_loadu_si256(r.add(j)));
+    }
+    x
 }
 
 /// Lanes `lane` and `lane + 1` (of `LANES`) over the positions `w0..w1`: their accumulators
@@ -650,7 +693,7 @@ unsafe fn lane_pair<const G: usize, const LANES: usize>(
                 continue;
             }
             let i = q - start;
-            let vx = widen_row(rows.v(i));
+            let vx = widen_row::<4>(rows.v(i));
             for (g, acc_g) in acc_l.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*weights.add(g * stride + i));
                 for (a, &vj) in acc_g.iter_mut().zip(&vx) {

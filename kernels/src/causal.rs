@@ -36,7 +36,7 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && hd == 64 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
+    if isa() == Isa::Avx512 && super::attention_avx512::supports_head_dim(hd) && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
         // Prefill: per token and KV head, the query group over the token's causal prefix in
         // one pass over the rows, with tinyBLAS's arithmetic.
         out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
@@ -47,7 +47,7 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
             let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
             let q = &q[i * group * hd..(i + 1) * group * hd];
             // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-            unsafe { super::attention_avx512::attend_group_hd64(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch) };
+            unsafe { super::attention_avx512::attend_group(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch) };
         });
         return;
     }
@@ -55,7 +55,7 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
 }
 
 /// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
-/// token at a time: the path of machines without AVX-512 (and of heads other than 64), and the
+/// token at a time: the path of machines without AVX-512 (and of heads other than 64 and 128), and the
 /// twin the AVX-512 kernels are tested against.
 pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
     causal_attention_widened_windowed(q, kv, shape, pos0, None, out)

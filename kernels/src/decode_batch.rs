@@ -234,15 +234,15 @@ pub fn decode_group(
     assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
     let online = n_padded > DECODE_CHUNK;
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && hd == 64 && n > 0 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
+    if isa() == Isa::Avx512 && super::attention_avx512::supports_head_dim(hd) && n > 0 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
         let scale = scores.scale;
         if online {
             // SAFETY: as below.
-            unsafe { super::attention_avx512::attend_group_online_hd64(runs, n, scale, q, out, lse, &mut scratch.fast) };
+            unsafe { super::attention_avx512::attend_group_online(runs, n, scale, q, out, lse, &mut scratch.fast) };
             return;
         }
         // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-        unsafe { super::attention_avx512::attend_group_hd64(runs, range.start, range.end, n_padded, scale, false, q, out, lse, &mut scratch.fast) };
+        unsafe { super::attention_avx512::attend_group(runs, range.start, range.end, n_padded, scale, false, q, out, lse, &mut scratch.fast) };
         return;
     }
     scratch.k.resize(n * hd, 0.0);

@@ -9,23 +9,26 @@ use half::f16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-/// Runs of 1 to 40 rows covering the `n` rows of 64 of `k` and `v`, as paged blocks give them.
-fn uneven_runs<'a>(k: &'a [f16], v: &'a [f16], n: usize, rng: &mut StdRng) -> Vec<KvRun<'a>> {
+/// The head sizes the AVX-512 kernels take (Llama 3.2 1B's and SmolLM2's; Llama 3.1 8B's and OLMoE's).
+const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Runs of 1 to 40 rows covering the `n` rows of `hd` of `k` and `v`, as paged blocks give them.
+fn uneven_runs<'a>(k: &'a [f16], v: &'a [f16], n: usize, hd: usize, rng: &mut StdRng) -> Vec<KvRun<'a>> {
     let mut runs = Vec::new();
     let mut at = 0;
     while at < n {
         let len = rng.random_range(1..=40).min(n - at);
-        runs.push(KvRun { k: &k[at * 64..(at + len) * 64], v: &v[at * 64..(at + len) * 64] });
+        runs.push(KvRun { k: &k[at * hd..(at + len) * hd], v: &v[at * hd..(at + len) * hd] });
         at += len;
     }
     runs
 }
 
-/// Random K and V rows (heads of 64) of `n_ctx` positions for each of `n_kv` KV heads.
-fn random_kv(rng: &mut StdRng, n_kv: usize, n_ctx: usize) -> Vec<(Vec<f16>, Vec<f16>)> {
+/// Random K and V rows (heads of `hd`) of `n_ctx` positions for each of `n_kv` KV heads.
+fn random_kv(rng: &mut StdRng, n_kv: usize, n_ctx: usize, hd: usize) -> Vec<(Vec<f16>, Vec<f16>)> {
     (0..n_kv)
         .map(|_| {
-            let mut row = || (0..n_ctx * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
+            let mut row = || (0..n_ctx * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<_>>();
             (row(), row())
         })
         .collect()
@@ -35,12 +38,13 @@ fn widened(x: &[f16]) -> Vec<f32> {
     x.iter().map(|x| x.to_f32()).collect()
 }
 
-/// Each head's output (`[head][64]`) and log-sum-exp against `twin(head, out) -> lse`, bit for bit.
+/// Each head's output (`[head][hd]`) and log-sum-exp against `twin(head, out) -> lse`, bit for bit.
 fn assert_heads_equal(out: &[f32], lse: &[f32], what: &str, mut twin: impl FnMut(usize, &mut [f32]) -> f32) {
+    let hd = out.len() / lse.len();
     for (g, &l) in lse.iter().enumerate() {
-        let mut expected = vec![0f32; 64];
+        let mut expected = vec![0f32; hd];
         let expected_lse = twin(g, &mut expected);
-        let fast = &out[g * 64..(g + 1) * 64];
+        let fast = &out[g * hd..(g + 1) * hd];
         assert!(fast.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()), "{what} head {g}: outputs differ");
         assert_eq!(l.to_bits(), expected_lse.to_bits(), "{what} head {g}: lse");
     }
@@ -53,7 +57,7 @@ fn assert_heads_equal(out: &[f32], lse: &[f32], what: &str, mut twin: impl FnMut
 #[test]
 fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
     use duet_kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
-    use duet_kernels::attention_avx512::{attend_group_hd64, FastScratch};
+    use duet_kernels::attention_avx512::{attend_group, FastScratch};
     if kernels::isa() < Isa::Avx512 {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the AVX-512 attention kernel is not run");
         return;
@@ -75,23 +79,25 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
         (5000, 1, 5000),
         (5000, 2100, 4993),
     ];
-    for (case, &(n_ctx, start, end)) in cases.iter().enumerate() {
-        for group in 1..=8 {
-            let n = end - start;
-            let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
-            let k: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-            let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-            let q: Vec<f32> = (0..group * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
-            let runs = uneven_runs(&k, &v, n, &mut rng);
-            let n_padded = padded_len(n_ctx, KV_PADDING);
-            let scale = attn_scale(64);
-            let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
-            // SAFETY: AVX-512 was detected (checked above).
-            unsafe { attend_group_hd64(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
-            let (kw, vw) = (widened(&k), widened(&v));
-            assert_heads_equal(&out, &lse, &format!("n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
-                decode_attention_range(&q[g * 64..(g + 1) * 64], &kw, &vw, start..end, n_padded, scale, twin)
-            });
+    for hd in HEAD_DIMS {
+        for (case, &(n_ctx, start, end)) in cases.iter().enumerate() {
+            for group in 1..=8 {
+                let n = end - start;
+                let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
+                let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+                let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+                let q: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+                let runs = uneven_runs(&k, &v, n, hd, &mut rng);
+                let n_padded = padded_len(n_ctx, KV_PADDING);
+                let scale = attn_scale(hd);
+                let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
+                // SAFETY: AVX-512 was detected (checked above).
+                unsafe { attend_group(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
+                let (kw, vw) = (widened(&k), widened(&v));
+                assert_heads_equal(&out, &lse, &format!("heads of {hd}, n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
+                    decode_attention_range(&q[g * hd..(g + 1) * hd], &kw, &vw, start..end, n_padded, scale, twin)
+                });
+            }
         }
     }
 }
@@ -103,35 +109,37 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
 #[test]
 fn avx512_online_group_attention_equals_twin_bit_for_bit() {
     use duet_kernels::attention::{attn_scale, decode_attention_online};
-    use duet_kernels::attention_avx512::{attend_group_online_hd64, FastScratch};
+    use duet_kernels::attention_avx512::{attend_group_online, FastScratch};
     if kernels::isa() < Isa::Avx512 {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the one-pass AVX-512 attention kernel is not run");
         return;
     }
     let mut rng = StdRng::seed_from_u64(2048);
     let mut scratch = FastScratch::default();
-    for (case, &n) in [1usize, 5, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
-        for group in 1..=8 {
-            let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
-            let rising = (case + group) % 3 == 0;
-            let k: Vec<f16> = (0..n * 64)
-                .map(|i| {
-                    let x = rng.random_range(-1.0f32..1.0);
-                    // Keys growing with the position: later blocks score higher.
-                    f16::from_f32(if rising { x.abs() * (1.0 + (i / 64) as f32 / 64.0) } else { x })
-                })
-                .collect();
-            let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-            let q: Vec<f32> = (0..group * 64).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
-            let runs = uneven_runs(&k, &v, n, &mut rng);
-            let scale = attn_scale(64);
-            let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
-            // SAFETY: AVX-512 was detected (checked above).
-            unsafe { attend_group_online_hd64(&runs, n, scale, &q, &mut out, &mut lse, &mut scratch) };
-            let (kw, vw) = (widened(&k), widened(&v));
-            assert_heads_equal(&out, &lse, &format!("n {n} group {group} (rising {rising})"), |g, twin| {
-                decode_attention_online(&q[g * 64..(g + 1) * 64], &kw, &vw, n, scale, twin)
-            });
+    for hd in HEAD_DIMS {
+        for (case, &n) in [1usize, 5, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
+            for group in 1..=8 {
+                let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
+                let rising = (case + group) % 3 == 0;
+                let k: Vec<f16> = (0..n * hd)
+                    .map(|i| {
+                        let x = rng.random_range(-1.0f32..1.0);
+                        // Keys growing with the position: later blocks score higher.
+                        f16::from_f32(if rising { x.abs() * (1.0 + (i / hd) as f32 / 64.0) } else { x })
+                    })
+                    .collect();
+                let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+                let q: Vec<f32> = (0..group * hd).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
+                let runs = uneven_runs(&k, &v, n, hd, &mut rng);
+                let scale = attn_scale(hd);
+                let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
+                // SAFETY: AVX-512 was detected (checked above).
+                unsafe { attend_group_online(&runs, n, scale, &q, &mut out, &mut lse, &mut scratch) };
+                let (kw, vw) = (widened(&k), widened(&v));
+                assert_heads_equal(&out, &lse, &format!("heads of {hd}, n {n} group {group} (rising {rising})"), |g, twin| {
+                    decode_attention_online(&q[g * hd..(g + 1) * hd], &kw, &vw, n, scale, twin)
+                });
+            }
         }
     }
 }
@@ -183,18 +191,20 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
         println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; prefill runs the widened path itself");
     }
     let mut rng = StdRng::seed_from_u64(1024);
-    for &(group, n_kv, pos0, n_tok) in &[(3, 3, 0, 2), (3, 3, 0, 37), (3, 3, 300, 17), (1, 2, 5, 9), (4, 2, 0, 64), (8, 1, 2040, 20), (2, 1, 0, 2100)] {
-        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
+    let cases = [(64, 3, 3, 0, 2), (64, 3, 3, 0, 37), (64, 3, 3, 300, 17), (64, 1, 2, 5, 9), (64, 4, 2, 0, 64), (64, 8, 1, 2040, 20), (64, 2, 1, 0, 2100)];
+    let cases_128 = [(128, 4, 2, 0, 37), (128, 1, 2, 300, 17), (128, 8, 1, 2040, 20), (128, 2, 1, 0, 2100)];
+    for &(hd, group, n_kv, pos0, n_tok) in cases.iter().chain(&cases_128) {
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: hd, softcap: None };
         let n_ctx = pos0 + n_tok;
         let gain = if n_tok % 2 == 0 { 1.0 } else { 6.0 };
-        let kv_data = random_kv(&mut rng, n_kv, n_ctx);
+        let kv_data = random_kv(&mut rng, n_kv, n_ctx, hd);
         let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
-        let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+        let q: Vec<f32> = (0..n_tok * shape.n_head * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
         let (mut fast, mut twin) = (vec![0f32; q.len()], vec![0f32; q.len()]);
         causal_attention(&q, &kv, shape, pos0, &mut fast);
         causal_attention_widened(&q, &kv, shape, pos0, &mut twin);
         let first_bad = fast.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
-        assert!(first_bad.is_none(), "group {group} x {n_kv} kv heads, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
+        assert!(first_bad.is_none(), "heads of {hd}, group {group} x {n_kv} kv heads, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
     }
 }
 
@@ -209,18 +219,19 @@ fn decode_group_picks_the_arithmetic_by_context_length() {
     let mut scratch = GroupScratch::default();
     let group = 3;
     // (context, range): one chunk; the first and the last chunk of a longer context.
-    for &(n_ctx, start, end) in &[(1500usize, 0usize, 1500usize), (DECODE_CHUNK + 500, 0, DECODE_CHUNK), (DECODE_CHUNK + 500, DECODE_CHUNK, DECODE_CHUNK + 500)] {
+    let ranges = [(1500usize, 0usize, 1500usize), (DECODE_CHUNK + 500, 0, DECODE_CHUNK), (DECODE_CHUNK + 500, DECODE_CHUNK, DECODE_CHUNK + 500)];
+    for (hd, &(n_ctx, start, end)) in HEAD_DIMS.into_iter().flat_map(|hd| ranges.iter().map(move |r| (hd, r))) {
         let n = end - start;
-        let k: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-        let v: Vec<f16> = (0..n * 64).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-        let q: Vec<f32> = (0..group * 64).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let q: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-2.0f32..2.0)).collect();
         let n_padded = padded_len(n_ctx, KV_PADDING);
-        let scale = attn_scale(64);
-        let (mut out, mut lse) = (vec![0f32; group * 64], vec![0f32; group]);
+        let scale = attn_scale(hd);
+        let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
         decode_group(&[KvRun { k: &k, v: &v }], start..end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
         let (kw, vw) = (widened(&k), widened(&v));
-        assert_heads_equal(&out, &lse, &format!("context {n_ctx} range {start}..{end}"), |g, twin| {
-            let qh = &q[g * 64..(g + 1) * 64];
+        assert_heads_equal(&out, &lse, &format!("heads of {hd}, context {n_ctx} range {start}..{end}"), |g, twin| {
+            let qh = &q[g * hd..(g + 1) * hd];
             if n_ctx > DECODE_CHUNK {
                 decode_attention_online(qh, &kw, &vw, n, scale, twin)
             } else {
@@ -242,7 +253,7 @@ fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
     for &(group, n_kv, pos0, n_tok, window) in &[(2, 2, 0, 40, 8), (4, 1, 30, 17, 16), (1, 2, 0, 3, 1), (2, 1, 100, 33, 512)] {
         let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
         let n_ctx = pos0 + n_tok;
-        let kv_data = random_kv(&mut rng, n_kv, n_ctx);
+        let kv_data = random_kv(&mut rng, n_kv, n_ctx, 64);
         let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
         let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * 4.0).collect();
         let (mut fast, mut twin, mut full) = (vec![0f32; q.len()], vec![0f32; q.len()], vec![0f32; q.len()]);
