@@ -4,6 +4,8 @@
 use std::path::PathBuf;
 
 use clap::Parser;
+use duet_kv::shm::expert_job::EXPERT_SLOT_BYTES;
+use duet_kv::shm::job::{slot_bytes_for, DEFAULT_SLOT_BYTES};
 use duet_kv::KvShape;
 use duet_proto::Address;
 use duet_topology::parse_cpu_list;
@@ -60,9 +62,12 @@ pub struct Args {
     /// Slots of the exchange ring: attention jobs that can be in flight at once.
     #[arg(long, env = "DUET_RING_SLOTS", default_value_t = 4)]
     pub ring_slots: u32,
-    /// Bytes per ring slot, e.g. 1M: one job's block ids, queries and results must fit.
-    #[arg(long, env = "DUET_SLOT_BYTES", default_value = "1M", value_parser = parse_bytes)]
-    pub slot_bytes: usize,
+    /// Bytes per ring slot, e.g. 4M: one job's block ids, queries and results must fit.
+    /// Default: with --model, one layer's attention job for a step of 64 sequences (the
+    /// gateway's default max_running) over the model's whole context, and 8M at least when
+    /// serving experts; else 1M.
+    #[arg(long, env = "DUET_SLOT_BYTES", value_parser = parse_bytes)]
+    pub slot_bytes: Option<usize>,
     /// Serve the gRPC control plane (duet.v1.CpuWorker and grpc.health.v1.Health) on
     /// unix:PATH (socket made 0600) or HOST:PORT. It answers once the arena and the exchange
     /// ring exist: a successful Info or health check means ready for jobs.
@@ -81,9 +86,18 @@ pub struct Args {
     /// Serve share I of N of a mixture-of-experts model's routed experts (e.g. 0/1: all of
     /// them; 1/2: the second half), computing the expert jobs the gpu-worker posts. Needs
     /// --model.
-    #[arg(long, env = "DUET_EXPERTS_OF")]
+    #[arg(long, env = "DUET_EXPERTS_OF", conflicts_with = "expert_shares")]
     pub experts_of: Option<crate::experts::ExpertShare>,
+    /// Serve share W of N of the routed experts, W being this worker's number (--worker, else
+    /// --numa-node): --experts-of W/N for units started per node (systemd's
+    /// duet-cpu-worker@W with DUET_EXPERT_SHARES=N in the shared environment file).
+    #[arg(long, env = "DUET_EXPERT_SHARES")]
+    pub expert_shares: Option<u32>,
 }
+
+/// The sequences a step may run that a cpu-worker's default slot size is made for: the
+/// gateway's default `max_running` (a gateway configured for more passes `--slot-bytes`).
+const DEFAULT_STEP_SEQUENCES: usize = 64;
 
 impl Args {
     /// The configuration these flags describe (reads the model's metadata for its shape).
@@ -104,17 +118,34 @@ impl Args {
         };
         let cpus = self.cpus.as_deref().map(parse_cpu_list).transpose().map_err(|e| CpuWorkerError::Config(e.to_string()))?;
         let model_id = self.model.as_deref().map(crate::model_identity).transpose()?.unwrap_or(0);
-        let experts = match (self.experts_of, &self.model) {
+        let worker = self.worker.or(self.numa_node).unwrap_or(0);
+        let share = match (self.experts_of, self.expert_shares) {
+            (Some(share), _) => Some(share),
+            (None, Some(of)) => Some(
+                format!("{worker}/{of}").parse::<crate::experts::ExpertShare>().map_err(|e| CpuWorkerError::Config(format!("--expert-shares {of} for worker {worker}: {e}")))?,
+            ),
+            (None, None) => None,
+        };
+        let experts = match (share, &self.model) {
             (Some(share), Some(model)) => Some((model.clone(), share)),
             (Some(_), None) => return Err(CpuWorkerError::Config("--experts-of needs --model: the experts are read from it".into())),
             (None, _) => None,
+        };
+        let slot_bytes = match (self.slot_bytes, &self.model) {
+            (Some(bytes), _) => bytes,
+            (None, Some(model)) => {
+                let c = crate::model_config(model)?;
+                let attention = slot_bytes_for(DEFAULT_STEP_SEQUENCES, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, self.block_size as usize);
+                if experts.is_some() { attention.max(EXPERT_SLOT_BYTES) } else { attention }
+            }
+            (None, None) => DEFAULT_SLOT_BYTES,
         };
         if self.reattach && model_id == 0 {
             return Err(CpuWorkerError::Config("--reattach needs --model: the arena's model is checked before its K/V is kept".into()));
         }
         Ok(Config {
             instance: self.instance,
-            worker: self.worker.or(self.numa_node).unwrap_or(0),
+            worker,
             shape,
             block_size: self.block_size,
             kv_size,
@@ -122,7 +153,7 @@ impl Args {
             numa_node: self.numa_node,
             threads: self.threads,
             ring_slots: self.ring_slots,
-            slot_bytes: self.slot_bytes,
+            slot_bytes,
             poll: Config::DEFAULT_POLL,
             listen: self.listen,
             replace: self.replace,
@@ -199,5 +230,29 @@ mod tests {
         assert_eq!(c.listen, Some(Address::Tcp("127.0.0.1:0".into())));
         let base = ["w", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8", "--kv-blocks", "1"];
         assert!(Args::try_parse_from(base.iter().chain(&["--listen", "nowhere"])).is_err());
+    }
+
+    /// Ring slots: 1M without a model, else sized for a step of 64 sequences over the model's
+    /// context, at least 8M when serving experts; an explicit --slot-bytes wins. Expert shares:
+    /// --expert-shares N serves share W/N, W the worker's number.
+    #[test]
+    fn slot_sizes_and_expert_shares() {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/tiny/random_q4_k_m.gguf");
+        let with_model = |extra: &[&str]| {
+            let base = ["w", "--instance", "t", "--kv-blocks", "1", "--model", model];
+            Args::try_parse_from(base.iter().chain(extra)).unwrap().into_config()
+        };
+        assert_eq!(args(&["--kv-blocks", "1"]).into_config().unwrap().slot_bytes, DEFAULT_SLOT_BYTES);
+        assert_eq!(args(&["--kv-blocks", "1", "--slot-bytes", "3M"]).into_config().unwrap().slot_bytes, 3 << 20);
+        let c = crate::model_config(std::path::Path::new(model)).unwrap();
+        let sized = slot_bytes_for(64, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, DEFAULT_BLOCK_SIZE as usize);
+        assert_eq!(with_model(&[]).unwrap().slot_bytes, sized);
+        let c = with_model(&["--worker", "1", "--expert-shares", "2"]).unwrap();
+        assert_eq!(c.experts.map(|(_, share)| share), Some(crate::experts::ExpertShare { index: 1, of: 2 }));
+        assert_eq!(c.slot_bytes, sized.max(EXPERT_SLOT_BYTES));
+        assert_eq!(with_model(&["--expert-shares", "2", "--slot-bytes", "2M"]).unwrap().slot_bytes, 2 << 20);
+        assert!(matches!(with_model(&["--worker", "2", "--expert-shares", "2"]), Err(CpuWorkerError::Config(_))), "worker 2 of 2");
+        let base = ["w", "--instance", "t", "--kv-blocks", "1", "--model", model];
+        assert!(Args::try_parse_from(base.iter().chain(&["--experts-of", "0/2", "--expert-shares", "2"])).is_err(), "one or the other");
     }
 }

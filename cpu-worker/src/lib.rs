@@ -72,9 +72,14 @@ pub fn ring_name(instance: &str, worker: u32) -> String {
 
 /// The model's KV shape read from a GGUF file's metadata (what the arena layout needs).
 pub fn kv_shape_of(path: &Path) -> Result<KvShape, CpuWorkerError> {
+    model_config(path)?.kv_shape().map_err(|source| CpuWorkerError::Model { path: path.to_path_buf(), source })
+}
+
+/// A model file's configuration (its GGUF metadata).
+pub fn model_config(path: &Path) -> Result<LlamaConfig, CpuWorkerError> {
     let model_err = |source| CpuWorkerError::Model { path: path.to_path_buf(), source };
     let gguf = GgufFile::open(path).map_err(|e| model_err(e.into()))?;
-    LlamaConfig::from_gguf(&gguf).and_then(|c| c.kv_shape()).map_err(model_err)
+    LlamaConfig::from_gguf(&gguf).map_err(model_err)
 }
 
 /// A model file's identity for the arena header: FNV-1a over its length and its first MiB
@@ -260,6 +265,8 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, CpuWorke
             arena_locked = setup.locked,
             arena_generation = arena.generation(),
             ring_locked,
+            ring_slots = config.ring_slots,
+            slot_bytes = config.slot_bytes,
             listen = listen.as_deref().unwrap_or("-"),
             "cpu-worker ready"
         );

@@ -18,6 +18,10 @@ use tokio::process::{Child, Command as Process};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::Channel;
 
+use duet_kv::layout::DEFAULT_BLOCK_SIZE;
+use duet_kv::shm::expert_job::EXPERT_SLOT_BYTES;
+use duet_kv::shm::job::{slot_bytes_for, DEFAULT_SLOT_BYTES};
+
 use crate::scheduler::Command;
 
 /// How to start local workers.
@@ -43,25 +47,16 @@ pub struct LocalWorkers {
     pub experts_on_cpu_workers: bool,
 }
 
-/// Ring slot bytes of a cpu-worker serving experts: one MoE layer's items of a decode step
-/// of 64 sequences in one job at a 2048 width (an item takes its output and at most its row).
-const EXPERT_SLOT_BYTES: usize = 8 << 20;
-
-/// The cpu-worker's own default slot size (its `--slot-bytes`), the least the gateway asks for.
-const MIN_SLOT_BYTES: usize = 1 << 20;
-
 /// Ring slot bytes for the cpu-workers of `model` when steps run up to `max_running`
 /// sequences: one layer's attention job for all of them, each over the model's whole context
-/// (so no step's job is too large), rounded up to a MiB and at least the worker's default.
-/// A model that cannot be read gets the default; the gpu-worker then says what is wrong.
+/// (`duet_kv::shm::job::slot_bytes_for`). A model that cannot be read gets the worker's
+/// default; the gpu-worker then says what is wrong with it.
 pub fn attention_slot_bytes(model: &Path, max_running: usize) -> usize {
     let config = duet_model::gguf::GgufFile::open(model)
         .map_err(duet_model::Error::from)
         .and_then(|g| duet_model::config::LlamaConfig::from_gguf(&g));
-    let Ok(c) = config else { return MIN_SLOT_BYTES };
-    let blocks = c.n_ctx_train.div_ceil(duet_kv::layout::DEFAULT_BLOCK_SIZE as usize) + 1;
-    duet_kv::shm::job::AttnJob::slot_bytes_bound(max_running, c.n_head as u32, c.head_dim as u32, blocks)
-        .map_or(MIN_SLOT_BYTES, |b| b.next_multiple_of(1 << 20).max(MIN_SLOT_BYTES))
+    let Ok(c) = config else { return DEFAULT_SLOT_BYTES };
+    slot_bytes_for(max_running, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, DEFAULT_BLOCK_SIZE as usize)
 }
 
 /// One worker the gateway talks to.
@@ -497,13 +492,13 @@ mod tests {
         let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/tiny/random_q4_k_m.gguf");
         let c = duet_model::config::LlamaConfig::from_gguf(&duet_model::gguf::GgufFile::open(&model).unwrap()).unwrap();
         let blocks = c.n_ctx_train.div_ceil(64) + 1;
-        assert_eq!(attention_slot_bytes(&model, 8), MIN_SLOT_BYTES, "a small step keeps the worker's default");
+        assert_eq!(attention_slot_bytes(&model, 8), DEFAULT_SLOT_BYTES, "a small step keeps the worker's default");
         for n in [1024, 4096] {
             let bytes = attention_slot_bytes(&model, n);
             let need = duet_kv::shm::job::AttnJob::slot_bytes_bound(n, c.n_head as u32, c.head_dim as u32, blocks).unwrap();
-            assert!(bytes >= need && bytes > MIN_SLOT_BYTES && bytes % (1 << 20) == 0, "{n} sequences: {bytes} for {need}");
+            assert!(bytes >= need && bytes > DEFAULT_SLOT_BYTES && bytes.is_multiple_of(1 << 20), "{n} sequences: {bytes} for {need}");
         }
-        assert_eq!(attention_slot_bytes(Path::new("/nonexistent.gguf"), 4096), MIN_SLOT_BYTES);
+        assert_eq!(attention_slot_bytes(Path::new("/nonexistent.gguf"), 4096), DEFAULT_SLOT_BYTES);
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub const EXPERT_MAGIC: [u8; 4] = *b"DEXP";
 pub const EXPERT_VERSION: u32 = 1;
 /// Bytes of one item record.
 pub const ITEM_BYTES: usize = 12;
+/// Ring slot bytes of a cpu-worker serving experts: one MoE layer's items of a decode step of
+/// 64 sequences in one job at a 2048 width (an item takes its output and at most its row).
+pub const EXPERT_SLOT_BYTES: usize = 8 << 20;
 
 const OFF_N_ROWS: usize = 24;
 const OFF_N_EMBD: usize = 28;

@@ -327,6 +327,18 @@ fn results_bytes(n_seq: u64, n_head: u32, head_dim: u32) -> Option<u64> {
     (head_dim as u64 + 1).checked_mul(n_head as u64)?.checked_mul(4)?.checked_mul(n_seq)
 }
 
+/// A cpu-worker's ring slot bytes when nothing says more: a step of a few sequences.
+pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
+
+/// Ring slot bytes for steps of up to `n_seqs` sequences of a model with `n_head` query heads
+/// of `head_dim`, each attending its whole context of up to `n_ctx` positions in blocks of
+/// `block_size`: one layer's attention job for all of them fits. Rounded up to a MiB, at least
+/// [`DEFAULT_SLOT_BYTES`] (and that on an overflow, which no real shape reaches).
+pub fn slot_bytes_for(n_seqs: usize, n_head: u32, head_dim: u32, n_ctx: usize, block_size: usize) -> usize {
+    let blocks = n_ctx.div_ceil(block_size.max(1)) + 1;
+    AttnJob::slot_bytes_bound(n_seqs, n_head, head_dim, blocks).map_or(DEFAULT_SLOT_BYTES, |b| b.next_multiple_of(1 << 20).max(DEFAULT_SLOT_BYTES))
+}
+
 /// Writes `job` into `slot` with status posted. Fails if a sequence's query length is wrong
 /// or the job with its results does not fit the slot; the slot is then left unchanged.
 pub fn encode_job(job: &AttnJob, slot: &mut [u8]) -> Result<(), JobError> {
