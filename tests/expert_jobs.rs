@@ -53,17 +53,19 @@ fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32]) -> pb::Sequ
     }
 }
 
-/// A 24-token prompt, then 8 decode steps: every sampled (token, log-probability bits).
-fn run(ex: &mut Executor) -> Vec<(u32, u32)> {
+/// A 24-token prompt, then 8 decode steps: every sampled (token, log-probability bits), and
+/// each step's routed-token counts.
+fn run(ex: &mut Executor) -> (Vec<(u32, u32)>, Vec<Vec<pb::ExpertRouted>>) {
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 256).collect();
-    let mut out = Vec::new();
+    let (mut out, mut routed) = (Vec::new(), Vec::new());
     for s in 0..9u64 {
         let seq = if s == 0 { part(1, 0, &prompt, &[0, 1]) } else { part(1, prompt.len() as u32 + s as u32 - 1, &[], &[]) };
         let resp = ex.step(&pb::StepRequest { step: s + 1, sequences: vec![seq], released: Vec::new(), after_step: s }).unwrap();
         let t = resp.sampled[0].token.as_ref().unwrap();
         out.push((t.id, t.logprob.to_bits()));
+        routed.push(resp.timings.unwrap().expert_routed);
     }
-    out
+    (out, routed)
 }
 
 #[test]
@@ -71,7 +73,15 @@ fn experts_served_through_a_tight_ring_give_the_local_experts_bits() {
     let path = workspace_root().join("testdata/tiny/arch/olmoe_q8_0.gguf");
     let file = || Arc::new(GgufFile::open(&path).unwrap());
     let (mut local, _arena_l, _consumer_l) = executor(CpuDevice::load(file(), true).unwrap(), "local");
-    let want = run(&mut local);
+    let (want, want_routed) = run(&mut local);
+    // Every step reports each row's choices in every layer: its tokens × experts used × layers.
+    let c = local.device().config().clone();
+    let used = c.experts.unwrap().n_used as u32;
+    for (s, routed) in want_routed.iter().enumerate() {
+        let rows = if s == 0 { 24 } else { 1 };
+        assert_eq!(routed.iter().map(|r| r.tokens).sum::<u32>(), rows * used * c.n_layer as u32, "step {s}'s routed tokens");
+        assert!(routed.iter().all(|r| r.tokens > 0 && (r.layer as usize) < c.n_layer), "step {s}: only non-zero counts of real layers");
+    }
 
     let (mut remote, _arena_r, mut consumer) = executor(CpuDevice::load(file(), false).unwrap(), "remote");
     assert!(!remote_holds_all(&remote));
@@ -96,9 +106,10 @@ fn experts_served_through_a_tight_ring_give_the_local_experts_bits() {
             }
         }
         let stopping = Stop(&stop);
-        let got = run(&mut remote);
+        let (got, got_routed) = run(&mut remote);
         drop(stopping);
         assert_eq!(got, want, "tokens and log-probabilities with the experts remote");
+        assert_eq!(got_routed, want_routed, "the router's counts do not depend on where the experts run");
         worker.join().unwrap()
     });
     // 2 layers × (a prefill cut into many jobs + 8 decode steps): far more jobs than slots.

@@ -74,12 +74,31 @@ async fn moe_models_with_experts_on_the_cpu_workers_decode_bit_for_bit_as_on_the
             let req = pb::GenerateRequest { top_logprobs: 4, ..greedy(prompt.clone(), 24) };
             let got = generate(&mut gw.client(), req).await.unwrap_or_else(|e| panic!("{name}, experts on {experts_on}: {e}"));
             assert_eq!(got.ids, want.ids, "{name}: experts on {experts_on}");
+            // The router's statistics reach the gateway's metrics: every prompt row and every
+            // decode step's row, in every layer, to the experts it uses.
+            let c = duet_model::config::LlamaConfig::from_gguf(&duet_model::gguf::GgufFile::open(&model).unwrap()).unwrap();
+            let rows = (prompt.len() + 24 - 1) as u64;
+            let routed = metric_total(&gw.http_addr, "duet_expert_routed_tokens_total");
+            assert_eq!(routed, rows * c.experts.unwrap().n_used as u64 * c.n_layer as u64, "{name}: routed tokens in /metrics");
             let status = gw.stop();
             assert!(status.success(), "{name}: the gateway exited with {status}; log:\n{}", gw.log_tail());
             runs.push(got.top);
         }
         assert_eq!(runs[0], runs[1], "{name}: top log-probabilities with the experts on the device and on the cpu-workers");
     }
+}
+
+/// The sum of a metric's series in the gateway's `/metrics` (plain HTTP/1.1).
+fn metric_total(http_addr: &str, name: &str) -> u64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(http_addr).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {http_addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64)
+        .sum()
 }
 
 /// A cpu-worker serving routed experts killed with SIGKILL mid-stream: the gateway restarts

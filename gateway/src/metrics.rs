@@ -28,6 +28,7 @@ const ATTENTION_GPU_FRACTION: &str = "duet_attention_gpu_fraction";
 const CPU_WORKER_UP: &str = "duet_cpu_worker_up";
 const PREDICTED_STEP: &str = "duet_balancer_predicted_step_seconds";
 const PREDICTION_ERROR: &str = "duet_balancer_prediction_error";
+const EXPERT_ROUTED: &str = "duet_expert_routed_tokens_total";
 
 /// Installs the process-wide recorder (the first call does; later calls return the same
 /// handle) and describes every metric.
@@ -69,6 +70,7 @@ fn describe() {
     describe_gauge!(CPU_WORKER_UP, "1 while a cpu-worker serves, 0 while it is down.");
     describe_gauge!(PREDICTED_STEP, Unit::Seconds, "The balancer's predicted time of the last step.");
     describe_gauge!(PREDICTION_ERROR, "Quantiles of the balancer's recent relative step-time prediction error (decode steps, steady state).");
+    describe_counter!(EXPERT_ROUTED, "Tokens the router of a mixture of experts sent to each expert of each layer (which experts are hot).");
 }
 
 pub fn request_received() {
@@ -135,6 +137,9 @@ pub fn step(t: &pb::StepTimings, predicted_s: f64, error: Option<(f64, f64)>) {
     if let Some((p50, p90)) = error {
         gauge!(PREDICTION_ERROR, "quantile" => "0.5").set(p50);
         gauge!(PREDICTION_ERROR, "quantile" => "0.9").set(p90);
+    }
+    for r in &t.expert_routed {
+        counter!(EXPERT_ROUTED, "layer" => r.layer.to_string(), "expert" => r.expert.to_string()).increment(u64::from(r.tokens));
     }
     for w in &t.cpu_workers {
         histogram!(STEP_PHASE, "device" => format!("cpu-worker-{}", w.worker), "phase" => "attention").record(w.busy_ns as f64 * 1e-9);

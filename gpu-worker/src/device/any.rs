@@ -72,6 +72,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.holds_all_experts())
     }
 
+    fn take_expert_usage(&self) -> Vec<super::expert_usage::RoutedTokens> {
+        on_device!(self, d => d.take_expert_usage())
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {
         match self {
             AnyDevice::Cpu(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cpu),

@@ -21,6 +21,7 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use rayon::prelude::*;
 
+use super::expert_usage::{ExpertUsage, RoutedTokens};
 use super::model::{check_batch, Ffn, ModelTensors, Weight};
 use super::{host_attention, Device, DecodeItem, ExpertItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{GpuWorkerError, Result};
@@ -33,6 +34,8 @@ pub struct CpuDevice {
     interleaved: HashMap<String, Interleaved>,
     /// A mixture's routed experts: all of them, or none when the cpu-workers serve them.
     experts: Option<ExpertBank>,
+    /// How often the router chose each expert (a mixture only).
+    usage: Option<ExpertUsage>,
     act: GateAct,
 }
 
@@ -72,7 +75,8 @@ impl CpuDevice {
             None => None,
         };
         let act = gate_act(m.config.ffn_act);
-        Ok(CpuDevice { file, m, interleaved, experts, act })
+        let usage = m.config.experts.map(|e| ExpertUsage::new(m.config.n_layer, e.n_expert));
+        Ok(CpuDevice { file, m, interleaved, experts, usage, act })
     }
 
     /// How many weight matrices were repacked into interleaved rows (experts' included).
@@ -124,6 +128,9 @@ impl CpuDevice {
                 chosen
             })
             .collect();
+        if let Some(u) = &self.usage {
+            u.record(l, routes.iter().map(Vec::as_slice));
+        }
         let bank = self.experts.as_ref().expect("an MoE model has its expert bank");
         let held = |ex: usize| bank.holds(ex);
         // (row, choice) of each item sent away, in the order sent.
@@ -207,6 +214,10 @@ impl Device for CpuDevice {
 
     fn holds_all_experts(&self) -> bool {
         self.experts.as_ref().is_none_or(|b| b.held_count() == b.tensors().n_expert)
+    }
+
+    fn take_expert_usage(&self) -> Vec<RoutedTokens> {
+        self.usage.as_ref().map_or_else(Vec::new, ExpertUsage::take)
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CpuBatch> {

@@ -26,6 +26,7 @@
 mod any;
 pub mod cpu;
 pub mod cuda;
+pub mod expert_usage;
 mod host_attention;
 pub mod model;
 mod page_in;
@@ -211,5 +212,10 @@ pub trait Device: Send + Sync {
     /// model), so that [`Device::finish_layer`] never calls its `remote`.
     fn holds_all_experts(&self) -> bool {
         true
+    }
+    /// The tokens routed to each expert of each layer since the last call (a mixture of
+    /// experts; empty for a dense model), reset to zero.
+    fn take_expert_usage(&self) -> Vec<expert_usage::RoutedTokens> {
+        Vec::new()
     }
 }

@@ -241,6 +241,12 @@ impl<D: Device> Executor<D> {
             sampled.push(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob }), top });
         }
         timings.sample_ns = ns(t_sample.elapsed());
+        timings.expert_routed = self
+            .device
+            .take_expert_usage()
+            .into_iter()
+            .map(|r| pb::ExpertRouted { layer: r.layer, expert: r.expert, tokens: r.tokens })
+            .collect();
         timings.total_ns = ns(t0.elapsed());
         timings.linear_ns = timings
             .total_ns
