@@ -103,17 +103,26 @@ PY
   return $rc
 }
 
-# Single-process speed: a 512-token prompt, then 128 tokens, on one device.
+# A model over the GPU memory budget: --device auto takes the CPU and says why.
+over_budget() { # MODEL
+  local log
+  log=$("$kit/duet-gpu-worker" --device auto --gpu-mem-bytes 64M run --model "$1" --prompt-ids 1,2,3 --max-tokens 2 --json 2>&1 >/dev/null)
+  echo "$log" | grep "device auto"
+  echo "$log" | grep -q "gpu-mem-bytes" && echo "$log" | grep -q "the CPU device"
+}
+
+# Single-process speed: a 512-token prompt, then 128 tokens, on one device (the GPU's memory
+# capped at a T4's 16 GB, as the CUDA issue's table asks).
 run_speed() { # DEVICE MODEL
   local ids
   ids=$(python3 -c 'print(",".join(str(1000 + 7 * i) for i in range(512)))')
-  "$kit/duet-gpu-worker" --device "$1" run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json \
+  "$kit/duet-gpu-worker" --device "$1" --gpu-mem-bytes 16G run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json \
     | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
 }
 
 # The served system: 1, 16 and 64 streams at context 1K, policies cpu, gpu and lp.
 serve_bench() { # MODEL KV_BYTES
-  "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
+  DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
   sleep 2
@@ -131,12 +140,12 @@ for _ in range(240):
 }
 
 export kit out logs models
-export -f serve_and_stream run_speed serve_bench model
+export -f serve_and_stream over_budget run_speed serve_bench model
 
 # Groups of steps; a step's own name runs it alone.
 expand() {
   case $1 in
-    tests) echo twins nvrtc tiny-models cuda-vs-cpu serve-stream ;;
+    tests) echo twins nvrtc tiny-models cuda-vs-cpu over-budget serve-stream ;;
     bench) echo speed-1b speed-8b serve-bench-1b serve-bench-8b ;;
     *) echo "$1" ;;
   esac
@@ -148,6 +157,7 @@ for s in $(for g in $steps; do expand "$g"; done); do
     nvrtc) step nvrtc "$kit/deps/cuda_kernels" --nocapture ;;
     tiny-models) step tiny-models "$kit/deps/tiny_llama_reference" --nocapture ;;
     cuda-vs-cpu) step cuda-vs-cpu env DUET_CUDA_TEST_MODEL="$(model llama-3.2-1b q4_k_m)" "$kit/deps/cuda_vs_cpu" --nocapture --test-threads 1 ;;
+    over-budget) step over-budget over_budget "$(model llama-3.2-1b q4_k_m)" ;;
     serve-stream) step serve-stream serve_and_stream "$(model llama-3.2-1b q4_k_m)" ;;
     speed-1b)
       step speed-1b-cuda run_speed cuda "$(model llama-3.2-1b q4_k_m)"

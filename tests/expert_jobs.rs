@@ -2,7 +2,8 @@
 //! gpu-worker's executor with its experts remote, a cpu-worker's job loop serving them from a
 //! thread over an exchange ring of 4 slots of 2 KiB (a layer's prefill items cut into dozens of
 //! jobs, each slot reused many times per layer), against an executor holding the experts
-//! itself: the same sampled tokens and log-probabilities, bit for bit.
+//! itself: the same sampled tokens and log-probabilities, bit for bit; and with hot experts
+//! moving onto the device as the plan changes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -53,9 +54,11 @@ fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32]) -> pb::Sequ
     }
 }
 
-/// A 24-token prompt, then 8 decode steps: every sampled (token, log-probability bits), and
-/// each step's routed-token counts.
-fn run(ex: &mut Executor) -> (Vec<(u32, u32)>, Vec<Vec<pb::ExpertRouted>>) {
+/// Every sampled (token, log-probability bits) of a run, and each step's routed-token counts.
+type Run = (Vec<(u32, u32)>, Vec<Vec<pb::ExpertRouted>>);
+
+/// A 24-token prompt, then 8 decode steps.
+fn run(ex: &mut Executor) -> Run {
     let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 256).collect();
     let (mut out, mut routed) = (Vec::new(), Vec::new());
     for s in 0..9u64 {
@@ -68,31 +71,16 @@ fn run(ex: &mut Executor) -> (Vec<(u32, u32)>, Vec<Vec<pb::ExpertRouted>>) {
     (out, routed)
 }
 
-#[test]
-fn experts_served_through_a_tight_ring_give_the_local_experts_bits() {
-    let path = workspace_root().join("testdata/tiny/arch/olmoe_q8_0.gguf");
-    let file = || Arc::new(GgufFile::open(&path).unwrap());
-    let (mut local, _arena_l, _consumer_l) = executor(CpuDevice::load(file(), true).unwrap(), "local");
-    let (want, want_routed) = run(&mut local);
-    // Every step reports each row's choices in every layer: its tokens × experts used × layers.
-    let c = local.device().config().clone();
-    let used = c.experts.unwrap().n_used as u32;
-    for (s, routed) in want_routed.iter().enumerate() {
-        let rows = if s == 0 { 24 } else { 1 };
-        assert_eq!(routed.iter().map(|r| r.tokens).sum::<u32>(), rows * used * c.n_layer as u32, "step {s}'s routed tokens");
-        assert!(routed.iter().all(|r| r.tokens > 0 && (r.layer as usize) < c.n_layer), "step {s}: only non-zero counts of real layers");
-    }
-
-    let (mut remote, _arena_r, mut consumer) = executor(CpuDevice::load(file(), false).unwrap(), "remote");
-    assert!(!remote_holds_all(&remote));
-    let served = ServedExperts::load(&path, ExpertShare { index: 0, of: 1 }).unwrap();
+/// `run` on `remote` while a thread answers its expert jobs from `consumer` with `served`:
+/// what `run` returns, and how many jobs were answered.
+fn run_served(remote: &mut Executor, consumer: &mut duet_kv::shm::Consumer, served: &ServedExperts) -> (Run, u64) {
     let stop = AtomicBool::new(false);
-    let jobs = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let worker = scope.spawn(|| {
             let mut jobs = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let Ok((seq, slot)) = consumer.next_job_timeout(Duration::from_millis(20)) else { continue };
-                answer(slot, Some(&served)).unwrap();
+                answer(slot, Some(served)).unwrap();
                 consumer.complete(seq);
                 jobs += 1;
             }
@@ -106,14 +94,62 @@ fn experts_served_through_a_tight_ring_give_the_local_experts_bits() {
             }
         }
         let stopping = Stop(&stop);
-        let (got, got_routed) = run(&mut remote);
+        let got = run(remote);
         drop(stopping);
-        assert_eq!(got, want, "tokens and log-probabilities with the experts remote");
-        assert_eq!(got_routed, want_routed, "the router's counts do not depend on where the experts run");
-        worker.join().unwrap()
-    });
+        (got, worker.join().unwrap())
+    })
+}
+
+fn olmoe() -> std::path::PathBuf {
+    workspace_root().join("testdata/tiny/arch/olmoe_q8_0.gguf")
+}
+
+fn load(local_experts: bool) -> CpuDevice {
+    CpuDevice::load(Arc::new(GgufFile::open(olmoe()).unwrap()), local_experts).unwrap()
+}
+
+#[test]
+fn experts_served_through_a_tight_ring_give_the_local_experts_bits() {
+    let (mut local, _arena_l, _consumer_l) = executor(load(true), "local");
+    let (want, want_routed) = run(&mut local);
+    // Every step reports each row's choices in every layer: its tokens × experts used × layers.
+    let c = local.device().config().clone();
+    let used = c.experts.unwrap().n_used as u32;
+    for (s, routed) in want_routed.iter().enumerate() {
+        let rows = if s == 0 { 24 } else { 1 };
+        assert_eq!(routed.iter().map(|r| r.tokens).sum::<u32>(), rows * used * c.n_layer as u32, "step {s}'s routed tokens");
+        assert!(routed.iter().all(|r| r.tokens > 0 && (r.layer as usize) < c.n_layer), "step {s}: only non-zero counts of real layers");
+    }
+
+    let (mut remote, _arena_r, mut consumer) = executor(load(false), "remote");
+    assert!(!remote_holds_all(&remote));
+    let served = ServedExperts::load(&olmoe(), ExpertShare { index: 0, of: 1 }).unwrap();
+    let ((got, got_routed), jobs) = run_served(&mut remote, &mut consumer, &served);
+    assert_eq!(got, want, "tokens and log-probabilities with the experts remote");
+    assert_eq!(got_routed, want_routed, "the router's counts do not depend on where the experts run");
     // 2 layers × (a prefill cut into many jobs + 8 decode steps): far more jobs than slots.
     assert!(jobs > 4 * SLOTS as u64, "only {jobs} expert jobs");
+}
+
+/// Hot experts (`--device-experts`): with the experts on the cpu-worker and the device
+/// re-planning every two steps which 2 experts of each layer it computes itself, the plan
+/// changes mid-run and the tokens and log-probabilities stay those of the local experts,
+/// bit for bit; the cpu-worker still serves the rest.
+#[test]
+fn hot_experts_placed_on_the_device_mid_run_keep_the_bits() {
+    let (mut local, _arena_l, _consumer_l) = executor(load(true), "hot-local");
+    let (want, _) = run(&mut local);
+    let (remote, _arena_r, mut consumer) = executor(load(false), "hot-remote");
+    let mut remote = remote.with_hot_experts(2, 2).unwrap();
+    let served = ServedExperts::load(&olmoe(), ExpertShare { index: 0, of: 1 }).unwrap();
+    let ((got, _), jobs) = run_served(&mut remote, &mut consumer, &served);
+    assert_eq!(got, want, "tokens and log-probabilities with hot experts on the device");
+    let c = remote.device().config().clone();
+    assert_eq!(remote.device().held_experts(), 2 * c.n_layer, "2 experts of each layer held on the device");
+    assert!(!remote_holds_all(&remote) && jobs > 0, "the cpu-worker still serves the others ({jobs} jobs)");
+    // A device holding all of its experts has nothing to place.
+    let (local, _a, _c) = executor(load(true), "hot-all");
+    assert!(local.with_hot_experts(2, 2).is_err(), "--device-experts without the experts on the cpu-workers");
 }
 
 fn remote_holds_all(ex: &Executor) -> bool {

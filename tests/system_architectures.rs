@@ -69,8 +69,10 @@ async fn moe_models_with_experts_on_the_cpu_workers_decode_bit_for_bit_as_on_the
         let model = dir.join(format!("{name}.gguf"));
         let want = Reference::load_model(&model).generate(&prompt, 24);
         let mut runs = Vec::new();
-        for experts_on in ["device", "cpu-workers"] {
-            let mut gw = Gateway::start_with_model(&model, &["--cpu-workers", "2", "--policy", "cpu", "--experts-on", experts_on]);
+        // The third run also holds hot experts on the device (--device-experts: the flag
+        // reaches the gpu-worker; tests/expert_jobs.rs moves experts mid-run).
+        for (experts_on, hot) in [("device", "0"), ("cpu-workers", "0"), ("cpu-workers", "2")] {
+            let mut gw = Gateway::start_with_model(&model, &["--cpu-workers", "2", "--policy", "cpu", "--experts-on", experts_on, "--device-experts", hot]);
             let req = pb::GenerateRequest { top_logprobs: 4, ..greedy(prompt.clone(), 24) };
             let got = generate(&mut gw.client(), req).await.unwrap_or_else(|e| panic!("{name}, experts on {experts_on}: {e}"));
             assert_eq!(got.ids, want.ids, "{name}: experts on {experts_on}");
@@ -85,6 +87,7 @@ async fn moe_models_with_experts_on_the_cpu_workers_decode_bit_for_bit_as_on_the
             runs.push(got.top);
         }
         assert_eq!(runs[0], runs[1], "{name}: top log-probabilities with the experts on the device and on the cpu-workers");
+        assert_eq!(runs[0], runs[2], "{name}: top log-probabilities with hot experts on the device too");
     }
 }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use duet_kv::shm::expert_job::EXPERT_SLOT_BYTES;
 use duet_kv::shm::job::{slot_bytes_for, DEFAULT_SLOT_BYTES};
-use duet_kv::KvShape;
+use duet_kv::{parse_bytes, KvShape};
 use duet_proto::Address;
 use duet_topology::parse_cpu_list;
 
@@ -164,24 +164,6 @@ impl Args {
     }
 }
 
-/// A byte count: digits with an optional binary suffix K, M, G or T (`KiB`, `MB`, ... and
-/// lower case accepted).
-pub fn parse_bytes(text: &str) -> Result<usize, String> {
-    let t = text.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(digits);
-    let n: usize = num.parse().map_err(|_| format!("{text:?} is not a byte count"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return Err(format!("unknown unit in {text:?} (use K, M, G or T)")),
-    };
-    n.checked_mul(1usize << shift).ok_or_else(|| format!("{text:?} is too large"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,16 +172,6 @@ mod tests {
     fn args(extra: &[&str]) -> Args {
         let base = ["duet-cpu-worker", "--instance", "t", "--n-layer", "2", "--n-kv-head", "1", "--head-dim", "8"];
         Args::try_parse_from(base.iter().chain(extra)).unwrap()
-    }
-
-    #[test]
-    fn byte_counts() {
-        assert_eq!(parse_bytes("4096"), Ok(4096));
-        assert_eq!(parse_bytes("64K"), Ok(64 << 10));
-        assert_eq!(parse_bytes("1M"), Ok(1 << 20));
-        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
-        assert!(parse_bytes("1Q").is_err() && parse_bytes("").is_err() && parse_bytes("M").is_err());
-        assert!(parse_bytes("99999999999T").is_err());
     }
 
     #[test]

@@ -56,7 +56,7 @@ impl ServedExperts {
         let limits = ExpertLimits { n_layer: config.n_layer as u32, n_embd: config.n_embd as u32, n_expert: tensors.n_expert as u32 };
         let n_expert = tensors.n_expert as u32;
         let repack = !std::env::var("DUET_REPACK").is_ok_and(|v| v == "0");
-        let bank = ExpertBank::load(file, &config, tensors, |e| expert_owner(e as u32, n_expert, share.of) == share.index, repack)
+        let bank = ExpertBank::load(file, &config, tensors, |_, e| expert_owner(e as u32, n_expert, share.of) == share.index, repack)
             .map_err(model_err)?;
         if bank.held_count() == 0 {
             return Err(CpuWorkerError::Config(format!("--experts-of {}/{}: no expert of {n_expert} falls to this share", share.index, share.of)));
@@ -70,7 +70,7 @@ impl ServedExperts {
 pub fn answer(slot: &mut [u8], experts: Option<&ServedExperts>) -> Result<(), JobError> {
     let experts = experts.ok_or(JobError::NoExperts)?;
     let job = decode_expert_job(slot, &experts.limits)?;
-    if let Some((item, it)) = job.items.iter().enumerate().find(|(_, it)| !experts.bank.holds(it.expert as usize)) {
+    if let Some((item, it)) = job.items.iter().enumerate().find(|(_, it)| !experts.bank.holds(job.layer as usize, it.expert as usize)) {
         return Err(JobError::BadExpert { item, expert: it.expert, reason: "not one this cpu-worker serves" });
     }
     let out = caught(|| compute(&job, &experts.bank))?;

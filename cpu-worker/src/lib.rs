@@ -204,7 +204,8 @@ pub fn run(config: Config, shutdown: &AtomicBool) -> Result<ServeStats, CpuWorke
         None => None,
     };
     if let Some(e) = &experts {
-        tracing::info!(held = e.bank.held_count(), of = e.limits.n_expert, repacked = e.bank.repacked_matrices(), "serving routed experts");
+        let held = e.bank.held_in(0).len();
+        tracing::info!(held, of = e.limits.n_expert, repacked = e.bank.repacked_matrices(), "serving routed experts (per layer)");
     }
     let arena_name = arena_name(&config.instance, config.worker);
     let ring_name = ring_name(&config.instance, config.worker);

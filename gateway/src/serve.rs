@@ -108,6 +108,10 @@ pub struct ServeArgs {
     /// models whose experts do not fit the GPU).
     #[arg(long, env = "DUET_EXPERTS_ON", default_value = "device", value_parser = ["device", "cpu-workers"], conflicts_with = "gpu_worker")]
     pub experts_on: String,
+    /// With --experts-on cpu-workers: the gpu-worker's device also computes this many experts
+    /// of each layer, the ones the router chose most (re-planned every 64 steps); 0: none.
+    #[arg(long, env = "DUET_DEVICE_EXPERTS", default_value_t = 0, conflicts_with = "gpu_worker")]
+    pub device_experts: usize,
     /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
     #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]
     pub gpu_worker: Option<Address>,
@@ -163,6 +167,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// "draining" at once; after `--drain-grace-secs` the listeners close and the requests taken
 /// in finish) and stops the workers it started.
 pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+    if args.device_experts > 0 && args.experts_on != "cpu-workers" {
+        anyhow::bail!("--device-experts {} needs --experts-on cpu-workers (with the experts on the device it holds them all)", args.device_experts);
+    }
     let api_key = match (&args.api_key, &args.api_key_file) {
         (Some(k), _) => Some(ApiKey::new(k).map_err(anyhow::Error::msg)?),
         (None, Some(path)) => Some(ApiKey::from_file(path).map_err(anyhow::Error::msg)?),
@@ -210,6 +217,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             device: args.device.clone(),
             slot_bytes: supervisor::attention_slot_bytes(&args.model, args.max_running.max(1)),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
+            device_experts: args.device_experts,
         };
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
         match supervisor::spawn_local(&cfg) {

@@ -45,6 +45,9 @@ pub struct LocalWorkers {
     /// A mixture's routed experts on the cpu-workers (`--experts-on cpu-workers`; cpu-worker
     /// `w` serves share `w` of them), else on the gpu-worker's device.
     pub experts_on_cpu_workers: bool,
+    /// Hot experts per layer the gpu-worker's device computes beside the cpu-workers
+    /// (`--device-experts`; 0: none).
+    pub device_experts: usize,
 }
 
 /// Ring slot bytes for the cpu-workers of `model` when steps run up to `max_running`
@@ -147,6 +150,9 @@ impl LocalWorkers {
         cmd.arg("--device").arg(&self.device);
         if self.experts_on_cpu_workers {
             cmd.args(["--experts-on", "cpu-workers"]);
+        }
+        if self.device_experts > 0 {
+            cmd.args(["--device-experts", &self.device_experts.to_string()]);
         }
         if let Some(t) = self.gpu_threads {
             cmd.arg("--threads").arg(t.to_string());

@@ -24,6 +24,10 @@ pub struct Cli {
     /// or cuda (fails if it cannot be used).
     #[arg(long, global = true, env = "DUET_DEVICE", value_enum, default_value_t = DeviceChoice::Auto)]
     pub device: DeviceChoice,
+    /// GPU memory the CUDA device may use, e.g. 16G (default: all that is free): a model
+    /// over it does not load there (`auto` then takes the CPU, saying why).
+    #[arg(long, global = true, env = "DUET_GPU_MEM_BYTES", value_parser = duet_kv::parse_bytes)]
+    pub gpu_mem_bytes: Option<usize>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -62,6 +66,11 @@ pub struct ServeArgs {
     /// cpu-workers (each started with --experts-of I/N; the device then loads none of them).
     #[arg(long, env = "DUET_EXPERTS_ON", value_enum, default_value_t = ExpertsOn::Device)]
     pub experts_on: ExpertsOn,
+    /// With --experts-on cpu-workers: the device also computes this many experts of each
+    /// layer itself, the ones the router chose most (re-planned every 64 steps from its
+    /// counts); 0: none.
+    #[arg(long, env = "DUET_DEVICE_EXPERTS", default_value_t = 0)]
+    pub device_experts: usize,
 }
 
 /// Where a mixture's routed experts run.
@@ -138,6 +147,9 @@ pub struct PerplexityArgs {
 
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(bytes) = cli.gpu_mem_bytes {
+        crate::device::cuda::set_memory_budget(bytes);
+    }
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
     }
@@ -177,7 +189,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 fn serve(args: ServeArgs, device: DeviceChoice) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
-    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout, args.experts_on == ExpertsOn::Device)
+    let local_experts = args.experts_on == ExpertsOn::Device;
+    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout, local_experts, args.device_experts)
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.model.model.display()))?;
     tracing::info!(model = %args.model.model.display(), device = %service.device(), ms = start.elapsed().as_millis() as u64, "model loaded");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;

@@ -51,6 +51,8 @@ pub enum CudaError {
     UnsupportedType { tensor: String, ty: GgmlType },
     #[error("the weights need {need} bytes of GPU memory; {gpu} has {free} free")]
     OutOfMemory { need: usize, free: usize, gpu: String },
+    #[error("the weights and workspace need {need} bytes of GPU memory, over the {budget} that --gpu-mem-bytes allows")]
+    OverBudget { need: usize, budget: usize },
 }
 
 impl From<duet_model::gguf::GgufError> for GpuWorkerError {

@@ -225,6 +225,10 @@ fn device_cuda_fails_with_the_probes_reason_and_auto_picks_the_cpu_saying_why() 
             assert!(out.status.success(), "{}", stderr(&out));
             let out = worker(&["run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
             assert_eq!(stderr(&out).matches("device auto: the CUDA device").count(), 1, "{}", stderr(&out));
+            // Over the GPU memory budget: `cuda` fails naming it, `auto` takes the CPU.
+            fails_with(&["--device", "cuda", "--gpu-mem-bytes", "1M", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1"], &["--gpu-mem-bytes allows"]);
+            let out = worker(&["--gpu-mem-bytes", "1M", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
+            assert!(out.status.success() && stderr(&out).contains("device auto: the CPU device"), "{}", stderr(&out));
             return;
         }
         Err(why) => why,
@@ -239,4 +243,8 @@ fn device_cuda_fails_with_the_probes_reason_and_auto_picks_the_cpu_saying_why() 
     assert!(log.contains(&why), "{log}");
     let out = worker(&["--device", "cpu", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
     assert!(out.status.success() && !stderr(&out).contains("device auto"), "{}", stderr(&out));
+    // A GPU memory budget is a byte count (it only matters where a GPU is).
+    fails_with(&["--gpu-mem-bytes", "16Q", "tokenize", "--model", &model, "Hi"], &["--gpu-mem-bytes", "unknown unit"]);
+    let out = worker(&["--device", "cpu", "--gpu-mem-bytes", "16G", "run", "--model", &model, "--prompt", "Hi", "--max-tokens", "1", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
 }

@@ -1,7 +1,8 @@
 //! The routed experts of a mixture-of-experts model (Mixtral, Qwen3-MoE, OLMoE), as one bank
 //! both sides of Duet compute from: the CPU device for the experts it keeps, a cpu-worker for
 //! the experts it serves over the exchange ring. Each layer's `ffn_{gate,up,down}_exps` tensors
-//! stack `n_expert` matrices; a bank holds a chosen set of experts ([`ExpertBank::holds`]),
+//! stack `n_expert` matrices; a bank holds a chosen set of experts per layer
+//! ([`ExpertBank::holds`], changed at run time by [`ExpertBank::set_held`]),
 //! checked against the hyper-parameters, their Q4_K/Q6_K matrices repacked into interleaved
 //! rows where this CPU has the kernels, and computes an expert's gated MLP with the same
 //! kernels (`duet_kernels::mlp`) wherever it runs, so a row's output is the same bits on
@@ -91,8 +92,11 @@ impl ExpertTensors {
 pub struct ExpertBank {
     file: Arc<GgufFile>,
     tensors: ExpertTensors,
-    held: Vec<bool>,
+    /// `[layer][expert]`.
+    held: Vec<Vec<bool>>,
     act: GateAct,
+    /// Whether held Q4_K/Q6_K experts get interleaved copies.
+    repack: bool,
     /// `[layer][gate, up, down][expert]`: the repacked copy, if any.
     packed: Vec<[Vec<Option<Interleaved>>; 3]>,
 }
@@ -104,43 +108,65 @@ impl std::fmt::Debug for ExpertBank {
 }
 
 impl ExpertBank {
-    /// The bank of experts `e` with `held(e)` (the same in every layer), checked; `repack`
+    /// The bank of the experts `e` of each layer `l` with `held(l, e)`, checked; `repack`
     /// makes the interleaved copies (where this CPU has their kernels) and then lets go of
     /// the file's pages of a stacked Q4_K tensor whose held experts were all repacked.
-    pub fn load(file: Arc<GgufFile>, c: &LlamaConfig, tensors: ExpertTensors, held: impl Fn(usize) -> bool, repack: bool) -> Result<Self> {
+    pub fn load(file: Arc<GgufFile>, c: &LlamaConfig, tensors: ExpertTensors, held: impl Fn(usize, usize) -> bool, repack: bool) -> Result<Self> {
         let act = gate_act(c.ffn_act);
-        let held: Vec<bool> = (0..tensors.n_expert).map(held).collect();
+        let held: Vec<Vec<bool>> = (0..tensors.layers.len()).map(|l| (0..tensors.n_expert).map(|e| held(l, e)).collect()).collect();
         let repack = repack && interleaved::available();
         let mut packed = Vec::with_capacity(tensors.layers.len());
-        for layer in &tensors.layers {
+        for (layer, held) in tensors.layers.iter().zip(&held) {
             let mut per = [Vec::new(), Vec::new(), Vec::new()];
             for (s, out) in layer.iter().zip(per.iter_mut()) {
                 let data = file.tensor(&s.name)?.data;
-                *out = (0..tensors.n_expert)
-                    .map(|e| match repack && held[e] && matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K) {
-                        true => Interleaved::new(s.ty, s.rows, s.cols, s.bytes(data, e)),
-                        false => None,
-                    })
-                    .collect();
+                *out = (0..tensors.n_expert).map(|e| if held[e] { packed_copy(repack, s, data, e) } else { None }).collect();
                 let all_packed = (0..tensors.n_expert).all(|e| !held[e] || out[e].is_some());
                 if s.ty == GgmlType::Q4K && all_packed {
-                    // Advice only: pages not released just stay mapped.
+                    // Advice only: pages not released just stay mapped (and come back from
+                    // the file if an expert is held later).
                     let _ = file.release_tensor_pages(&s.name);
                 }
             }
             packed.push(per);
         }
-        Ok(ExpertBank { file, tensors, held, act, packed })
+        Ok(ExpertBank { file, tensors, held, act, repack, packed })
     }
 
-    /// Whether this bank computes expert `e`.
-    pub fn holds(&self, e: usize) -> bool {
-        self.held.get(e).copied().unwrap_or(false)
+    /// Holds expert `e` of `layer` (repacking it where the bank repacks) or lets it go.
+    /// Returns whether that changed anything; false for a layer or expert out of range.
+    pub fn set_held(&mut self, layer: usize, e: usize, hold: bool) -> Result<bool> {
+        let (Some(stacks), Some(now)) = (self.tensors.layers.get(layer), self.held.get(layer).and_then(|h| h.get(e).copied())) else {
+            return Ok(false);
+        };
+        if now == hold {
+            return Ok(false);
+        }
+        for (s, out) in stacks.iter().zip(self.packed[layer].iter_mut()) {
+            out[e] = if hold { packed_copy(self.repack, s, self.file.tensor(&s.name)?.data, e) } else { None };
+        }
+        self.held[layer][e] = hold;
+        Ok(true)
     }
 
-    /// How many experts (per layer) this bank computes.
+    /// Whether this bank computes expert `e` of `layer`.
+    pub fn holds(&self, layer: usize, e: usize) -> bool {
+        self.held.get(layer).and_then(|h| h.get(e)).copied().unwrap_or(false)
+    }
+
+    /// The experts of `layer` this bank computes.
+    pub fn held_in(&self, layer: usize) -> Vec<usize> {
+        self.held.get(layer).map_or_else(Vec::new, |h| (0..h.len()).filter(|&e| h[e]).collect())
+    }
+
+    /// How many experts this bank computes, summed over the layers.
     pub fn held_count(&self) -> usize {
-        self.held.iter().filter(|&&h| h).count()
+        self.held.iter().flatten().filter(|&&h| h).count()
+    }
+
+    /// Whether this bank computes every expert of every layer.
+    pub fn holds_all(&self) -> bool {
+        self.held.iter().flatten().all(|&h| h)
     }
 
     /// The model's expert tensors.
@@ -156,7 +182,7 @@ impl ExpertBank {
     /// Expert `e` of `layer`'s gated MLP of rows `x` (`[row][n_embd]`): rows of `n_embd`.
     /// `None` if the bank does not hold it or the layer does not exist.
     pub fn mlp(&self, layer: usize, e: usize, x: &[f32]) -> Option<Vec<f32>> {
-        if !self.holds(e) {
+        if !self.holds(layer, e) {
             return None;
         }
         let (stacks, packed) = (self.tensors.layers.get(layer)?, &self.packed[layer]);
@@ -170,5 +196,14 @@ impl ExpertBank {
             }
         });
         Some(gated_mlp([&mats[0], &mats[1], &mats[2]], self.act, x))
+    }
+}
+
+/// Expert `e`'s interleaved copy of stack `s` (whose data is `data`), where `repack` asks for
+/// one and the kernels take its type.
+fn packed_copy(repack: bool, s: &Stacked, data: &[u8], e: usize) -> Option<Interleaved> {
+    match repack && matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K) {
+        true => Interleaved::new(s.ty, s.rows, s.cols, s.bytes(data, e)),
+        false => None,
     }
 }

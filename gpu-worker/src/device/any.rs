@@ -76,6 +76,13 @@ impl Device for AnyDevice {
         on_device!(self, d => d.take_expert_usage())
     }
 
+    fn place_experts(&mut self, held: &[Vec<usize>]) -> Result<usize> {
+        match self {
+            AnyDevice::Cpu(d) => d.place_experts(held),
+            AnyDevice::Cuda(d) => d.place_experts(held),
+        }
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {
         match self {
             AnyDevice::Cpu(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cpu),

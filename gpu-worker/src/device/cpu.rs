@@ -32,8 +32,11 @@ pub struct CpuDevice {
     file: Arc<GgufFile>,
     m: ModelTensors,
     interleaved: HashMap<String, Interleaved>,
-    /// A mixture's routed experts: all of them, or none when the cpu-workers serve them.
+    /// A mixture's routed experts: all of them, or, when the cpu-workers serve them, the
+    /// hot ones placed here (none at first).
     experts: Option<ExpertBank>,
+    /// Whether the cpu-workers serve the experts (the device holds only those placed).
+    experts_remote: bool,
     /// How often the router chose each expert (a mixture only).
     usage: Option<ExpertUsage>,
     act: GateAct,
@@ -68,7 +71,7 @@ impl CpuDevice {
         };
         let experts = match m.experts.clone() {
             Some(t) => {
-                let bank = ExpertBank::load(file.clone(), &m.config, t, |_| local_experts, repack)?;
+                let bank = ExpertBank::load(file.clone(), &m.config, t, |_, _| local_experts, repack)?;
                 tracing::info!(held = bank.held_count(), repacked = bank.repacked_matrices(), "routed experts on the device");
                 Some(bank)
             }
@@ -76,7 +79,12 @@ impl CpuDevice {
         };
         let act = gate_act(m.config.ffn_act);
         let usage = m.config.experts.map(|e| ExpertUsage::new(m.config.n_layer, e.n_expert));
-        Ok(CpuDevice { file, m, interleaved, experts, usage, act })
+        Ok(CpuDevice { file, m, interleaved, experts, experts_remote: !local_experts, usage, act })
+    }
+
+    /// How many routed experts the device computes itself, summed over the layers.
+    pub fn held_experts(&self) -> usize {
+        self.experts.as_ref().map_or(0, ExpertBank::held_count)
     }
 
     /// How many weight matrices were repacked into interleaved rows (experts' included).
@@ -132,7 +140,7 @@ impl CpuDevice {
             u.record(l, routes.iter().map(Vec::as_slice));
         }
         let bank = self.experts.as_ref().expect("an MoE model has its expert bank");
-        let held = |ex: usize| bank.holds(ex);
+        let held = |ex: usize| bank.holds(l, ex);
         // (row, choice) of each item sent away, in the order sent.
         let (mut away, mut away_of) = (Vec::new(), Vec::new());
         for (t, r) in routes.iter().enumerate() {
@@ -213,7 +221,24 @@ impl Device for CpuDevice {
     }
 
     fn holds_all_experts(&self) -> bool {
-        self.experts.as_ref().is_none_or(|b| b.held_count() == b.tensors().n_expert)
+        self.experts.as_ref().is_none_or(ExpertBank::holds_all)
+    }
+
+    fn place_experts(&mut self, held: &[Vec<usize>]) -> Result<usize> {
+        let Some(bank) = self.experts.as_mut().filter(|_| self.experts_remote) else {
+            return Err(GpuWorkerError::InvalidRequest("placing routed experts needs a mixture with its experts on the cpu-workers".into()));
+        };
+        let (n_layer, n_expert) = (bank.tensors().layers.len(), bank.tensors().n_expert);
+        if held.len() != n_layer || held.iter().flatten().any(|&e| e >= n_expert) {
+            return Err(GpuWorkerError::InvalidRequest(format!("an expert placement names {} layers of {n_layer}, or an expert past {n_expert}", held.len())));
+        }
+        let mut moved = 0;
+        for (l, want) in held.iter().enumerate() {
+            for e in 0..n_expert {
+                moved += usize::from(bank.set_held(l, e, want.contains(&e))?);
+            }
+        }
+        Ok(moved)
     }
 
     fn take_expert_usage(&self) -> Vec<RoutedTokens> {

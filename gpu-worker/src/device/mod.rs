@@ -218,4 +218,10 @@ pub trait Device: Send + Sync {
     fn take_expert_usage(&self) -> Vec<expert_usage::RoutedTokens> {
         Vec::new()
     }
+    /// Computes the experts `held[l]` of each layer `l` itself from now on, leaving the rest
+    /// to the cpu-workers (a device that loaded a mixture with its experts remote); returns
+    /// how many experts came or went.
+    fn place_experts(&mut self, _held: &[Vec<usize>]) -> Result<usize> {
+        Err(GpuWorkerError::InvalidRequest("this device does not place routed experts".into()))
+    }
 }

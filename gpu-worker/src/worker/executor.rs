@@ -23,6 +23,7 @@ use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
 
 use super::arenas::KvArenas;
+use super::hot_experts::HotExperts;
 use super::plan::{ns, Planned, Share};
 use super::step_attention::StepAttention;
 use super::{SequenceError, StepError};
@@ -72,12 +73,28 @@ pub struct Executor<D: Device = crate::device::cpu::CpuDevice> {
     job_timeout: Duration,
     /// The vocabulary prepared for structured output (`None`: grammars are refused).
     grammars: Option<Grammars>,
+    /// The plan of hot experts held on the device (`--device-experts`).
+    hot: Option<HotExperts>,
 }
 
 impl<D: Device> Executor<D> {
     pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
         let shape = device.config().kv_shape().map_err(crate::error::GpuWorkerError::Model)?;
-        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None })
+        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None, hot: None })
+    }
+
+    /// Holds on the device, planned every `every` steps, the `k` experts of each layer the
+    /// router chose most (see `hot_experts`). Fails unless the device is a mixture's whose
+    /// experts are on the cpu-workers.
+    pub fn with_hot_experts(mut self, k: usize, every: u64) -> Result<Self, StepError> {
+        let c = self.device.config();
+        let Some(e) = c.experts.filter(|_| !self.device.holds_all_experts()) else {
+            return Err(StepError::Model(crate::error::GpuWorkerError::InvalidRequest(
+                "--device-experts needs a mixture-of-experts model with its experts on the cpu-workers (--experts-on cpu-workers)".into(),
+            )));
+        };
+        self.hot = Some(HotExperts::new(k, every, c.n_layer, e.n_expert));
+        Ok(self)
     }
 
     /// Enables structured output over this vocabulary.
@@ -247,6 +264,14 @@ impl<D: Device> Executor<D> {
             .into_iter()
             .map(|r| pb::ExpertRouted { layer: r.layer, expert: r.expert, tokens: r.tokens })
             .collect();
+        if let Some(plan) = self.hot.as_mut().and_then(|h| h.step(&timings.expert_routed)) {
+            // Between steps: the next one computes with the new plan. A failure keeps the old.
+            match self.device.place_experts(&plan) {
+                Ok(0) => {}
+                Ok(moved) => tracing::info!(moved, held = plan.iter().map(Vec::len).sum::<usize>(), "hot experts placed on the device"),
+                Err(e) => tracing::warn!("hot experts not placed: {e}"),
+            }
+        }
         timings.total_ns = ns(t0.elapsed());
         timings.linear_ns = timings
             .total_ns

@@ -5,6 +5,7 @@
 
 pub mod arenas;
 pub mod executor;
+mod hot_experts;
 mod plan;
 mod step_order;
 pub mod service;

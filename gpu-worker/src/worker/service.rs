@@ -28,14 +28,18 @@ pub struct GpuWorkerService<D: Device> {
     info: pb::GpuInfoResponse,
 }
 
+/// Steps between two plans of the hot experts (`--device-experts`).
+const HOT_EXPERTS_EVERY: u64 = 64;
+
 /// Longest wait of a step for the step it comes after (sent just before it, so it is running
 /// or arriving; longer means it was lost).
 const ORDER_WAIT: Duration = Duration::from_secs(60);
 
 impl GpuWorkerService<AnyDevice> {
     /// Loads the model at `path` onto the device `choice` names (a mixture's routed experts
-    /// too with `local_experts`, else the cpu-workers serve them).
-    pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration, local_experts: bool) -> Result<Self, StepError> {
+    /// too with `local_experts`, else the cpu-workers serve them, and the device holds the
+    /// `hot_experts` most used of each layer; see [`Executor::with_hot_experts`]).
+    pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration, local_experts: bool, hot_experts: usize) -> Result<Self, StepError> {
         let file = Arc::new(GgufFile::open(path).map_err(GpuWorkerError::from)?);
         let name = file
             .get(GeneralKey::Name.key())
@@ -49,13 +53,15 @@ impl GpuWorkerService<AnyDevice> {
             .inspect_err(|e| tracing::warn!("no structured output: {e}"))
             .ok();
         let device = crate::device::open(choice, file, local_experts)?;
-        GpuWorkerService::new(device, name, job_timeout, grammars)
+        GpuWorkerService::new(device, name, job_timeout, grammars, hot_experts)
     }
 }
 
 impl<D: Device + 'static> GpuWorkerService<D> {
-    /// Serves `device`, with the model named `name` (and structured output over `grammars`).
-    pub fn new(device: D, name: String, job_timeout: Duration, grammars: Option<Grammars>) -> Result<Self, StepError> {
+    /// Serves `device`, with the model named `name` (and structured output over `grammars`;
+    /// `hot_experts` per layer on the device when it leaves a mixture's experts to the
+    /// cpu-workers).
+    pub fn new(device: D, name: String, job_timeout: Duration, grammars: Option<Grammars>, hot_experts: usize) -> Result<Self, StepError> {
         let c = device.config();
         let info = pb::GpuInfoResponse {
             model: name,
@@ -74,6 +80,9 @@ impl<D: Device + 'static> GpuWorkerService<D> {
         let mut executor = Executor::new(device, job_timeout)?;
         if let Some(g) = grammars {
             executor = executor.with_grammars(g);
+        }
+        if hot_experts > 0 {
+            executor = executor.with_hot_experts(hot_experts, HOT_EXPERTS_EVERY)?;
         }
         Ok(GpuWorkerService { executor: Arc::new(Ordered::new(executor)), info })
     }

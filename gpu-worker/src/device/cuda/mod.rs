@@ -35,6 +35,17 @@ use crate::error::{Result, GpuWorkerError};
 
 pub use crate::error::CudaError;
 
+/// The GPU memory the device may use (`--gpu-mem-bytes`), set once for the process before a
+/// model loads: a budget below the card's, e.g. to measure what fits a 16 GB card on a
+/// bigger one, or to leave room to other programs. Stage A checks the weights and the
+/// dequantisation workspace against it at load (activations take a few MiB more).
+static MEMORY_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Sets the process's GPU memory budget; false if one was already set.
+pub fn set_memory_budget(bytes: usize) -> bool {
+    MEMORY_BUDGET.set(bytes).is_ok()
+}
+
 /// The longest prompt slice of one forward pass on the CUDA device (as the CPU's: the
 /// gateway's scheduling and the runner's chunks stay the same across devices).
 pub const PREFILL_CHUNK: usize = 512;
@@ -83,9 +94,13 @@ impl CudaDevice {
             ))));
         }
         let need: usize = m.weights().map(|w| file.tensor(&w.name).map(|t| w.bytes(t.data).len()).unwrap_or(0)).sum();
+        let need = need + WORKSPACE_ELEMS * 2;
+        if let Some(&budget) = MEMORY_BUDGET.get().filter(|&&b| need > b) {
+            return Err(CudaError::OverBudget { need, budget }.into());
+        }
         let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
-        if need + WORKSPACE_ELEMS * 2 > free {
-            return Err(CudaError::OutOfMemory { need: need + WORKSPACE_ELEMS * 2, free, gpu: gpu.name.clone() }.into());
+        if need > free {
+            return Err(CudaError::OutOfMemory { need, free, gpu: gpu.name.clone() }.into());
         }
         // One stream does all the work, so cudarc's per-buffer events are not needed.
         // SAFETY: no other stream of this context touches the device's buffers.
