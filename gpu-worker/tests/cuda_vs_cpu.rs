@@ -27,6 +27,33 @@ fn top2_gap(row: &[f32]) -> f32 {
     row[best] - row.iter().enumerate().filter(|&(i, _)| i != best).map(|(_, &v)| v).fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// The model in `DUET_CUDA_TEST_MODEL` on the CUDA device and on the CPU device; `None` (the
+/// test skipped, saying why) without the model or a usable GPU.
+fn devices() -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>)> {
+    let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
+        skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
+        return None;
+    };
+    let cuda = match Runner::load_on(std::path::Path::new(&path), DeviceChoice::Cuda) {
+        Ok(e) => e,
+        Err(e) => {
+            skip(&format!("the CUDA device: {e}"));
+            return None;
+        }
+    };
+    let cpu = Runner::load(std::path::Path::new(&path)).unwrap();
+    println!("{} vs {}", cuda.device.describe(), cpu.device.describe());
+    Some((cuda, cpu))
+}
+
+/// Tokens of the prompt both tests run.
+const PROMPT: usize = 48;
+
+/// [`PROMPT`] token ids spread over the vocabulary.
+fn prompt(c: &duet_model::config::LlamaConfig) -> Vec<u32> {
+    (0..PROMPT as u64).map(|i| ((i * 2_654_435_761 + 12_345) % c.n_vocab as u64) as u32).collect()
+}
+
 /// `n` greedy tokens after `prompt`, each with the top-2 gap of the logits it came from.
 fn greedy<D: Device>(e: &Runner<D>, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
     let mut kv = KvCache::new(e.device.config(), prompt.len() + n + 1);
@@ -42,18 +69,9 @@ fn greedy<D: Device>(e: &Runner<D>, prompt: &[u32], n: usize) -> Vec<(u32, f32)>
 
 #[test]
 fn cuda_logits_and_greedy_tokens_match_the_cpu_device_on_a_real_shape() {
-    let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
-        return skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
-    };
-    let cuda = match Runner::load_on(std::path::Path::new(&path), DeviceChoice::Cuda) {
-        Ok(e) => e,
-        Err(e) => return skip(&format!("the CUDA device: {e}")),
-    };
-    let cpu = Runner::load(std::path::Path::new(&path)).unwrap();
+    let Some((cuda, cpu)) = devices() else { return };
     let c = cpu.device.config().clone();
-    println!("{} vs {}", cuda.device.describe(), cpu.device.describe());
-    let n = 48;
-    let tokens: Vec<u32> = (0..n as u64).map(|i| ((i * 2_654_435_761 + 12_345) % c.n_vocab as u64) as u32).collect();
+    let (n, tokens) = (PROMPT, prompt(&c));
 
     // Prefill logits at every position.
     let got = cuda.forward(&tokens, &mut KvCache::new(&c, n + 32), Logits::From(0)).unwrap();
@@ -145,17 +163,9 @@ fn rows_off(a: &[f32], b: &[f32], width: usize) -> Vec<(usize, f32)> {
 /// rounding apart) and, with the attention shared, the logits within 2 %.
 #[test]
 fn layer_by_layer() {
-    let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
-        return skip("DUET_CUDA_TEST_MODEL names no model");
-    };
-    let cuda = match Runner::load_on(std::path::Path::new(&path), DeviceChoice::Cuda) {
-        Ok(e) => e,
-        Err(e) => return skip(&format!("the CUDA device: {e}")),
-    };
-    let cpu = Runner::load(std::path::Path::new(&path)).unwrap();
+    let Some((cuda, cpu)) = devices() else { return };
     let c = cpu.device.config().clone();
-    let n = 48;
-    let tokens: Vec<u32> = (0..n as u64).map(|i| ((i * 2_654_435_761 + 12_345) % c.n_vocab as u64) as u32).collect();
+    let (n, tokens) = (PROMPT, prompt(&c));
     let positions: Vec<usize> = (0..n).collect();
     let rows: Vec<usize> = (0..n).collect();
     let item = [PrefillItem { seq: 0, row0: 0, n, start: 0 }];
