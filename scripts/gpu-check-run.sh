@@ -6,9 +6,11 @@
 #          random-weight model of Llama-3.2-1B's shape, and the whole system serving a
 #          streamed completion with --device cuda;
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
-#          device (single process), and the served system at 1, 16 and 64 streams.
+#          device (single process), and the served system at 1, 16 and 64 streams;
+#   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table, as far as
+#          stage A's prefill allows in one call).
 #
-#     bash scripts/gpu-check-run.sh [tests] [bench] [STEP...]   (tests and bench when none is named)
+#     bash scripts/gpu-check-run.sh [tests] [bench] [table] [STEP...]   (tests and bench when none is named)
 #
 # Logs go to $OUT (the device tool's folder) or ./gpu-check-out, packed in logs.tar.gz. Every step runs even when
 # an earlier one failed; the exit status says whether any did.
@@ -120,8 +122,9 @@ run_speed() { # DEVICE MODEL
     | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
 }
 
-# The served system: 1, 16 and 64 streams at context 1K, policies cpu, gpu and lp.
-serve_bench() { # MODEL KV_BYTES
+# The served system: 1, 16 and 64 streams (or CONCURRENCY) at context 1K (or CONTEXT),
+# policies cpu, gpu and lp.
+serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY]
   DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
@@ -132,7 +135,7 @@ for _ in range(240):
         urllib.request.urlopen("http://127.0.0.1:18090/health", timeout=2); break
     except Exception:
         time.sleep(0.5)'
-  "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${BENCH_CONCURRENCY:-1,16,64}" --context 1024 --max-tokens 64 --policies cpu,gpu,lp
+  "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "${3:-1024}" --max-tokens 64 --policies cpu,gpu,lp
   local rc=$?
   kill -TERM $gw
   wait $gw
@@ -147,6 +150,8 @@ expand() {
   case $1 in
     tests) echo twins nvrtc tiny-models cuda-vs-cpu over-budget serve-stream ;;
     bench) echo speed-1b speed-8b serve-bench-1b serve-bench-8b ;;
+    # The CUDA issue's table at the depths stage A can prefill within a call (~6 min).
+    table) echo serve-bench-1b serve-1b-8k serve-1b-32k serve-8b-1k serve-8b-8k ;;
     *) echo "$1" ;;
   esac
 }
@@ -166,6 +171,10 @@ for s in $(for g in $steps; do expand "$g"; done); do
     speed-8b) step speed-8b-cuda run_speed cuda "$(model llama-3.1-8b q4_k_m)" ;;
     serve-bench-1b) step serve-bench-1b serve_bench "$(model llama-3.2-1b q4_k_m)" 8G ;;
     serve-bench-8b) step serve-bench-8b serve_bench "$(model llama-3.1-8b q4_k_m)" 12G ;;
+    serve-1b-8k) step serve-1b-8k serve_bench "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
+    serve-1b-32k) step serve-1b-32k serve_bench "$(model llama-3.2-1b q4_k_m)" 8G 32768 1 ;;
+    serve-8b-1k) step serve-8b-1k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 1024 1,16 ;;
+    serve-8b-8k) step serve-8b-8k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 8192 1 ;;
     *) echo "unknown step $s (groups: tests, bench)" >&2; exit 2 ;;
   esac
 done
