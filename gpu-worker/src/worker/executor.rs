@@ -97,6 +97,19 @@ impl<D: Device> Executor<D> {
         Ok(self)
     }
 
+    /// Feeds a step's routed-token counts to the hot-expert plan and, when it is time, places
+    /// the planned experts: after the step's timings are taken, so that taking experts up
+    /// (repacking them) is not counted as the step's work; the next step computes with the
+    /// new plan. A failure keeps the old one.
+    fn plan_hot_experts(&mut self, routed: &[pb::ExpertRouted]) {
+        let Some(plan) = self.hot.as_mut().and_then(|h| h.step(routed)) else { return };
+        match self.device.place_experts(&plan) {
+            Ok(0) => {}
+            Ok(moved) => tracing::info!(moved, held = plan.iter().map(Vec::len).sum::<usize>(), "hot experts placed on the device"),
+            Err(e) => tracing::warn!("hot experts not placed: {e}"),
+        }
+    }
+
     /// Enables structured output over this vocabulary.
     pub fn with_grammars(mut self, grammars: Grammars) -> Self {
         self.grammars = Some(grammars);
@@ -125,6 +138,9 @@ impl<D: Device> Executor<D> {
             self.seqs.remove(id);
         }
         let result = self.run(req, t0);
+        if let Ok(pb::StepResponse { timings: Some(t), .. }) = &result {
+            self.plan_hot_experts(&t.expert_routed);
+        }
         if let Err(e) = &result {
             tracing::warn!(step = req.step, "step failed: {e}");
             for s in &req.sequences {
@@ -264,14 +280,6 @@ impl<D: Device> Executor<D> {
             .into_iter()
             .map(|r| pb::ExpertRouted { layer: r.layer, expert: r.expert, tokens: r.tokens })
             .collect();
-        if let Some(plan) = self.hot.as_mut().and_then(|h| h.step(&timings.expert_routed)) {
-            // Between steps: the next one computes with the new plan. A failure keeps the old.
-            match self.device.place_experts(&plan) {
-                Ok(0) => {}
-                Ok(moved) => tracing::info!(moved, held = plan.iter().map(Vec::len).sum::<usize>(), "hot experts placed on the device"),
-                Err(e) => tracing::warn!("hot experts not placed: {e}"),
-            }
-        }
         timings.total_ns = ns(t0.elapsed());
         timings.linear_ns = timings
             .total_ns
