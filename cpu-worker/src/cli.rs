@@ -10,7 +10,7 @@ use duet_kv::{parse_bytes, KvShape};
 use duet_proto::Address;
 use duet_topology::parse_cpu_list;
 
-use crate::{kv_shape_of, Config, KvSize, CpuWorkerError};
+use crate::{Config, KvSize, CpuWorkerError};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -63,11 +63,14 @@ pub struct Args {
     #[arg(long, env = "DUET_RING_SLOTS", default_value_t = 4)]
     pub ring_slots: u32,
     /// Bytes per ring slot, e.g. 4M: one job's block ids, queries and results must fit.
-    /// Default: with --model, one layer's attention job for a step of 64 sequences (the
-    /// gateway's default max_running) over the model's whole context, and 8M at least when
-    /// serving experts; else 1M.
+    /// Default: with --model, one layer's attention job for a step of --step-sequences
+    /// sequences over the model's whole context, and 8M at least when serving experts; else 1M.
     #[arg(long, env = "DUET_SLOT_BYTES", value_parser = parse_bytes)]
     pub slot_bytes: Option<usize>,
+    /// The most sequences one step attends (the gateway's max_running): what the default
+    /// --slot-bytes is sized for.
+    #[arg(long, env = "DUET_STEP_SEQUENCES", default_value_t = 64)]
+    pub step_sequences: usize,
     /// Serve the gRPC control plane (duet.v1.CpuWorker and grpc.health.v1.Health) on
     /// unix:PATH (socket made 0600) or HOST:PORT. It answers once the arena and the exchange
     /// ring exist: a successful Info or health check means ready for jobs.
@@ -95,16 +98,14 @@ pub struct Args {
     pub expert_shares: Option<u32>,
 }
 
-/// The sequences a step may run that a cpu-worker's default slot size is made for: the
-/// gateway's default `max_running` (a gateway configured for more passes `--slot-bytes`).
-const DEFAULT_STEP_SEQUENCES: usize = 64;
-
 impl Args {
-    /// The configuration these flags describe (reads the model's metadata for its shape).
+    /// The configuration these flags describe (reads the model's metadata for its shape and
+    /// the default slot size).
     pub fn into_config(self) -> Result<Config, CpuWorkerError> {
-        let shape = match (self.n_layer, self.n_kv_head, self.head_dim, &self.model) {
+        let model = self.model.as_deref().map(|m| Ok::<_, CpuWorkerError>((m, crate::model_config(m)?))).transpose()?;
+        let shape = match (self.n_layer, self.n_kv_head, self.head_dim, &model) {
             (Some(n_layer), Some(n_kv_head), Some(head_dim), _) => KvShape { n_layer, n_kv_head, head_dim },
-            (None, None, None, Some(model)) => kv_shape_of(model)?,
+            (None, None, None, Some((path, c))) => c.kv_shape().map_err(|source| CpuWorkerError::Model { path: path.to_path_buf(), source })?,
             (None, None, None, None) => {
                 return Err(CpuWorkerError::Config("give --model, or --n-layer, --n-kv-head and --head-dim".into()))
             }
@@ -131,11 +132,10 @@ impl Args {
             (Some(_), None) => return Err(CpuWorkerError::Config("--experts-of needs --model: the experts are read from it".into())),
             (None, _) => None,
         };
-        let slot_bytes = match (self.slot_bytes, &self.model) {
+        let slot_bytes = match (self.slot_bytes, &model) {
             (Some(bytes), _) => bytes,
-            (None, Some(model)) => {
-                let c = crate::model_config(model)?;
-                let attention = slot_bytes_for(DEFAULT_STEP_SEQUENCES, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, self.block_size as usize);
+            (None, Some((_, c))) => {
+                let attention = slot_bytes_for(self.step_sequences, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, self.block_size as usize);
                 if experts.is_some() { attention.max(EXPERT_SLOT_BYTES) } else { attention }
             }
             (None, None) => DEFAULT_SLOT_BYTES,
@@ -204,8 +204,8 @@ mod tests {
         assert!(Args::try_parse_from(base.iter().chain(&["--listen", "nowhere"])).is_err());
     }
 
-    /// Ring slots: 1M without a model, else sized for a step of 64 sequences over the model's
-    /// context, at least 8M when serving experts; an explicit --slot-bytes wins. Expert shares:
+    /// Ring slots: 1M without a model, else sized for a step of --step-sequences (64) over the
+    /// model's context, at least 8M when serving experts; an explicit --slot-bytes wins. Expert shares:
     /// --expert-shares N serves share W/N, W the worker's number.
     #[test]
     fn slot_sizes_and_expert_shares() {
@@ -219,6 +219,10 @@ mod tests {
         let c = crate::model_config(std::path::Path::new(model)).unwrap();
         let sized = slot_bytes_for(64, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, DEFAULT_BLOCK_SIZE as usize);
         assert_eq!(with_model(&[]).unwrap().slot_bytes, sized);
+        // A gateway running up to 1024 sequences a step says so: bigger slots, whole MiBs.
+        let big = with_model(&["--step-sequences", "1024"]).unwrap().slot_bytes;
+        let need = duet_kv::shm::job::AttnJob::slot_bytes_bound(1024, c.n_head as u32, c.head_dim as u32, c.n_ctx_train.div_ceil(64) + 1).unwrap();
+        assert!(big >= need && big > DEFAULT_SLOT_BYTES && big.is_multiple_of(1 << 20), "{big} for {need}");
         let c = with_model(&["--worker", "1", "--expert-shares", "2"]).unwrap();
         assert_eq!(c.experts.map(|(_, share)| share), Some(crate::experts::ExpertShare { index: 1, of: 2 }));
         assert_eq!(c.slot_bytes, sized.max(EXPERT_SLOT_BYTES));

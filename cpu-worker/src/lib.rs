@@ -70,11 +70,6 @@ pub fn ring_name(instance: &str, worker: u32) -> String {
     format!("duet-{instance}-xchg-{worker}")
 }
 
-/// The model's KV shape read from a GGUF file's metadata (what the arena layout needs).
-pub fn kv_shape_of(path: &Path) -> Result<KvShape, CpuWorkerError> {
-    model_config(path)?.kv_shape().map_err(|source| CpuWorkerError::Model { path: path.to_path_buf(), source })
-}
-
 /// A model file's configuration (its GGUF metadata).
 pub fn model_config(path: &Path) -> Result<LlamaConfig, CpuWorkerError> {
     let model_err = |source| CpuWorkerError::Model { path: path.to_path_buf(), source };

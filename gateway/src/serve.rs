@@ -215,7 +215,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,
             device: args.device.clone(),
-            slot_bytes: supervisor::attention_slot_bytes(&args.model, args.max_running.max(1)),
+            max_running: args.max_running.max(1),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
             device_experts: args.device_experts,
         };

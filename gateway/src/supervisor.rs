@@ -18,10 +18,6 @@ use tokio::process::{Child, Command as Process};
 use tokio::sync::{mpsc, watch};
 use tonic::transport::Channel;
 
-use duet_kv::layout::DEFAULT_BLOCK_SIZE;
-use duet_kv::shm::expert_job::EXPERT_SLOT_BYTES;
-use duet_kv::shm::job::{slot_bytes_for, DEFAULT_SLOT_BYTES};
-
 use crate::scheduler::Command;
 
 /// How to start local workers.
@@ -37,9 +33,9 @@ pub struct LocalWorkers {
     pub runtime_dir: PathBuf,
     /// Threads of the gpu-worker's CPU device (default: all cores).
     pub gpu_threads: Option<usize>,
-    /// Bytes of each cpu-worker's ring slots (`attention_slot_bytes`; at least 8 MiB with
-    /// the experts on the cpu-workers).
-    pub slot_bytes: usize,
+    /// The most sequences a step runs (the scheduler's max_running): each cpu-worker sizes its
+    /// ring slots for one layer's attention job of that many (`--step-sequences`).
+    pub max_running: usize,
     /// The gpu-worker's `--device` (auto, cpu or cuda).
     pub device: String,
     /// A mixture's routed experts on the cpu-workers (`--experts-on cpu-workers`; cpu-worker
@@ -48,18 +44,6 @@ pub struct LocalWorkers {
     /// Hot experts per layer the gpu-worker's device computes beside the cpu-workers
     /// (`--device-experts`; 0: none).
     pub device_experts: usize,
-}
-
-/// Ring slot bytes for the cpu-workers of `model` when steps run up to `max_running`
-/// sequences: one layer's attention job for all of them, each over the model's whole context
-/// (`duet_kv::shm::job::slot_bytes_for`). A model that cannot be read gets the worker's
-/// default; the gpu-worker then says what is wrong with it.
-pub fn attention_slot_bytes(model: &Path, max_running: usize) -> usize {
-    let config = duet_model::gguf::GgufFile::open(model)
-        .map_err(duet_model::Error::from)
-        .and_then(|g| duet_model::config::LlamaConfig::from_gguf(&g));
-    let Ok(c) = config else { return DEFAULT_SLOT_BYTES };
-    slot_bytes_for(max_running, c.n_head as u32, c.head_dim as u32, c.n_ctx_train, DEFAULT_BLOCK_SIZE as usize)
 }
 
 /// One worker the gateway talks to.
@@ -178,12 +162,10 @@ impl LocalWorkers {
             // One node: share the cores between the workers (unpinned).
             cmd.args(["--threads", &(cpu_count() / self.cpu_workers as usize).max(1).to_string()]);
         }
-        let mut slot_bytes = self.slot_bytes;
         if self.experts_on_cpu_workers {
             cmd.args(["--experts-of", &format!("{worker}/{}", self.cpu_workers)]);
-            slot_bytes = slot_bytes.max(EXPERT_SLOT_BYTES);
         }
-        cmd.args(["--slot-bytes", &slot_bytes.to_string()]);
+        cmd.args(["--step-sequences", &self.max_running.to_string()]);
         cmd.arg(if fresh { "--replace" } else { "--reattach" });
         spawn(cmd)
     }
@@ -491,20 +473,6 @@ mod tests {
     fn fixture(name: &str) -> Topology {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../topology/tests/fixtures/sysfs").join(name);
         Topology::read_from(&dir).unwrap()
-    }
-
-    #[test]
-    fn ring_slots_hold_one_layer_of_a_step_of_max_running_sequences() {
-        let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/tiny/random_q4_k_m.gguf");
-        let c = duet_model::config::LlamaConfig::from_gguf(&duet_model::gguf::GgufFile::open(&model).unwrap()).unwrap();
-        let blocks = c.n_ctx_train.div_ceil(64) + 1;
-        assert_eq!(attention_slot_bytes(&model, 8), DEFAULT_SLOT_BYTES, "a small step keeps the worker's default");
-        for n in [1024, 4096] {
-            let bytes = attention_slot_bytes(&model, n);
-            let need = duet_kv::shm::job::AttnJob::slot_bytes_bound(n, c.n_head as u32, c.head_dim as u32, blocks).unwrap();
-            assert!(bytes >= need && bytes > DEFAULT_SLOT_BYTES && bytes.is_multiple_of(1 << 20), "{n} sequences: {bytes} for {need}");
-        }
-        assert_eq!(attention_slot_bytes(Path::new("/nonexistent.gguf"), 4096), DEFAULT_SLOT_BYTES);
     }
 
     #[test]
