@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use duet_kernels::interleaved::{self, Interleaved};
-use duet_kernels::matmul::{matmul, QMatrix, QuantizedActs};
+use duet_kernels::matmul::{matmul, matmul_many, QMatrix, QuantizedActs};
 use duet_kernels::quant::GgmlType;
 use duet_kv::{ArenaLayout, BlockId, KvDtype};
 use duet_kv::shm::job::{AttnJob, SeqJob};
@@ -191,6 +191,67 @@ fn matvec(ty: GgmlType, cols: usize, mib: usize, interleave: bool, rng: &mut ran
     bytes as f64 / t.as_secs_f64() / 1e9
 }
 
+/// GB/s of the products of 16 Llama-3.2-1B-shaped layers (Q/K/V together, O, gate and up
+/// together, down; all Q4_K interleaved) with one activation row, and of a parallel sum over
+/// the same number of bytes, timed alternately: the best of 7 of each.
+fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
+    let (width, ffn, kv) = (2048usize, 8192usize, 512usize);
+    let shapes = [(width, width), (kv, width), (kv, width), (width, width), (ffn, width), (ffn, width), (width, ffn)];
+    let ty = GgmlType::Q4K;
+    let layers: Vec<Vec<(Vec<u8>, Interleaved)>> = (0..16)
+        .map(|_| {
+            shapes
+                .iter()
+                .map(|&(rows, cols)| {
+                    let mut data = vec![0u8; rows * ty.row_bytes(cols)];
+                    rng.fill(data.as_mut_slice());
+                    // Finite f16 scales: clear the exponent's top bits of d and dmin.
+                    for block in data.chunks_exact_mut(ty.block_bytes()) {
+                        block[1] &= 0x3b;
+                        block[3] &= 0x3b;
+                    }
+                    let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
+                    (data, packed)
+                })
+                .collect()
+        })
+        .collect();
+    let bytes: usize = layers.iter().flatten().map(|(d, _)| d.len()).sum();
+    let acts = |cols: usize| {
+        let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0).collect();
+        QuantizedActs::new(ty, &x, cols)
+    };
+    let (x_width, x_ffn) = (acts(width), acts(ffn));
+    let mut outs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0f32; rows]).collect();
+    let mut pass = || {
+        for layer in &layers {
+            let m: Vec<QMatrix<'_>> = layer.iter().zip(shapes).map(|((d, p), (r, c))| QMatrix::new(ty, r, c, d).with_interleaved(p)).collect();
+            let [q, k, v, o, gate, up, down] = &mut outs[..] else { unreachable!() };
+            matmul_many(&m[0..3], &x_width, &mut [q.as_mut_slice(), k.as_mut_slice(), v.as_mut_slice()]);
+            matmul(&m[3], &x_width, o);
+            matmul_many(&m[4..6], &x_width, &mut [gate.as_mut_slice(), up.as_mut_slice()]);
+            matmul(&m[6], &x_ffn, down);
+        }
+    };
+    let plain: Vec<f32> = vec![0.5; bytes / 4];
+    let sum = || {
+        let s: f32 = plain.par_chunks(1 << 16).map(sum_lanes).sum();
+        std::hint::black_box(s);
+    };
+    let (mut best_stack, mut best_sum) = (Duration::MAX, Duration::MAX);
+    pass();
+    for _ in 0..7 {
+        let t = Instant::now();
+        pass();
+        best_stack = best_stack.min(t.elapsed());
+        let t = Instant::now();
+        sum();
+        best_sum = best_sum.min(t.elapsed());
+    }
+    let gbs = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
+    (gbs(best_stack), gbs(best_sum))
+}
+
 /// Multiply-accumulates per second (G) of one matrix product of `batch` activation rows with
 /// a `cols`-column matrix of 64 MiB (a batched decode step's tiles).
 fn matmul_rows(
@@ -257,6 +318,15 @@ fn main() {
                 matvec(ty, cols, 256, true, &mut rng),
             ));
         }
+    }
+    // A decode step's products in order, as a 1B model streams them at batch 1: many
+    // matrices of a few MiB, each a parallel job, against a plain sum over as many bytes
+    // timed alternately with it (the VM's bandwidth drifts within seconds).
+    let what = "matrix-vector Q4_K interleaved, a 1B model's layers in order";
+    if wanted(what) && interleaved::available() {
+        let (stack, sum) = layer_stack(&mut rng);
+        rows.push((what.into(), "16 layers of width 2048, FFN 8192".into(), stack));
+        rows.push(("read bandwidth, timed alternately with the row above".into(), "as many bytes".into(), sum));
     }
     // The same in cache: how far the kernels' compute outruns the DRAM.
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
