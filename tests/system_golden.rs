@@ -119,3 +119,40 @@ async fn decode_past_one_attention_chunk_matches_the_single_process_reference() 
         assert!(status.success(), "{label}: the gateway exited with {status}; log:\n{}", gw.log_tail());
     }
 }
+
+/// With `--kv-type q8_0` the arenas hold Q8_0 rows, which the gpu-worker writes and both
+/// workers attend with the one-pass arithmetic: a 2300-token context (two attention chunks)
+/// on one cpu-worker and on the gpu-worker gives exactly the single process's tokens over its
+/// own Q8_0 cache; and the Q8_0 cache changes the logits (it is not ignored) while keeping
+/// the f16 cache's confident tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn q8_0_kv_matches_the_single_process_q8_0_reference() {
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(golden("greedy.json")).unwrap()).unwrap();
+    let mut prompt: Vec<u32> = data["items"].as_array().unwrap().iter().flat_map(|it| ids(&it["prompt_ids"])).collect();
+    prompt.truncate(2300);
+    let want = Reference::load().with_kv_type(duet_kv::KvDtype::Q8_0).generate(&prompt, 6);
+    let f16 = Reference::load().generate(&prompt, 6);
+    assert_ne!(want.margins, f16.margins, "the Q8_0 cache gives the f16 cache's log-probabilities exactly");
+    assert!(same_up_to_near_tie(&want.ids, &f16, NEAR_TIE).is_ok(), "Q8_0 {:?} against f16 {:?}", want.ids, f16.ids);
+    // The arena holds as many blocks as Q8_0 rows of the model fit in the test's 128M.
+    let gguf = duet_model::gguf::GgufFile::open(duet_model::testutil::model_path()).unwrap();
+    let shape = duet_model::config::LlamaConfig::from_gguf(&gguf).unwrap().kv_shape().unwrap();
+    let layout = duet_kv::ArenaLayout {
+        n_layer: shape.n_layer,
+        n_kv_head: shape.n_kv_head,
+        head_dim: shape.head_dim,
+        block_size: duet_kv::layout::DEFAULT_BLOCK_SIZE,
+        dtype: duet_kv::KvDtype::Q8_0,
+        n_blocks: 1,
+    };
+    let q8_tokens = layout.n_blocks_for_bytes(128 << 20).unwrap() as u64 * layout.block_size as u64;
+    for (label, policy) in [("on one cpu-worker", "cpu"), ("on the gpu-worker", "gpu")] {
+        let mut gw = Gateway::start(&["--cpu-workers", "1", "--policy", policy, "--kv-type", "q8_0"]);
+        let info = gw.client().info(duet_proto::pb::InfoRequest {}).await.expect("Info").into_inner();
+        assert_eq!(info.kv_capacity_tokens, q8_tokens, "{label}: the capacity of a Q8_0 arena of 128M");
+        let got = generate(&mut gw.client(), greedy(prompt.clone(), 6)).await.unwrap_or_else(|e| panic!("{label}: {e}"));
+        assert_eq!(got.ids, want.ids, "{label}: a 2300-token context over a Q8_0 cache");
+        let status = gw.stop();
+        assert!(status.success(), "{label}: the gateway exited with {status}; log:\n{}", gw.log_tail());
+    }
+}

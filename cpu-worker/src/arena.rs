@@ -144,6 +144,11 @@ impl ArenaRows for ArenaView<'_> {
         // never reads out of bounds, if a caller skipped `PagedRange::fits`).
         unsafe { self.seg.slice::<f16>(offset, count) }
     }
+
+    fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        // SAFETY: as `f16s`.
+        unsafe { self.seg.slice::<u8>(offset, len) }
+    }
 }
 
 /// mbind to `node` if the machine has it; `false` (after a warning) otherwise.

@@ -43,6 +43,10 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, env = "DUET_BLOCK_SIZE", default_value_t = duet_kv::layout::DEFAULT_BLOCK_SIZE)]
     pub block_size: u32,
+    /// KV cache type: f16, or q8_0 (ggml's 8-bit blocks of 32: 53 % of the bytes, so about
+    /// 1.9 times the tokens in the same --kv-bytes; as llama.cpp's `-ctk q8_0 -ctv q8_0`).
+    #[arg(long, env = "DUET_KV_TYPE", default_value = "f16", value_parser = duet_kv::parse_kv_type)]
+    pub kv_type: duet_kv::KvDtype,
     /// KV arena size in blocks (or give --kv-bytes).
     #[arg(long, env = "DUET_KV_BLOCKS", conflicts_with = "kv_bytes")]
     pub kv_blocks: Option<u32>,
@@ -148,6 +152,7 @@ impl Args {
             worker,
             shape,
             block_size: self.block_size,
+            kv_type: self.kv_type,
             kv_size,
             cpus,
             numa_node: self.numa_node,

@@ -116,6 +116,8 @@ pub struct Config {
     pub shape: KvShape,
     /// Tokens per KV block.
     pub block_size: u32,
+    /// The arena's element type (f16 or q8_0).
+    pub kv_type: KvDtype,
     pub kv_size: KvSize,
     /// CPUs to pin the worker's threads to (one each, round robin).
     pub cpus: Option<Vec<usize>>,
@@ -148,11 +150,11 @@ impl Config {
     /// Default shutdown-check interval of the job loop.
     pub const DEFAULT_POLL: Duration = Duration::from_millis(100);
 
-    /// The arena layout this configuration gives (f16 KV).
+    /// The arena layout this configuration gives.
     pub fn layout(&self) -> Result<ArenaLayout, CpuWorkerError> {
         let KvShape { n_layer, n_kv_head, head_dim } = self.shape;
         let mut layout =
-            ArenaLayout { n_layer, n_kv_head, head_dim, block_size: self.block_size, dtype: KvDtype::F16, n_blocks: 1 };
+            ArenaLayout { n_layer, n_kv_head, head_dim, block_size: self.block_size, dtype: self.kv_type, n_blocks: 1 };
         layout.n_blocks = match self.kv_size {
             KvSize::Blocks(n) => n,
             KvSize::Bytes(bytes) => layout.n_blocks_for_bytes(bytes)?,

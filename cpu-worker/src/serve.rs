@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use duet_kernels::attention::{AttnShape, KvRun};
+use duet_kernels::attention::AttnShape;
 use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_kv::paged::{rows, ArenaRows, PagedRange};
 use duet_kv::ArenaLayout;
@@ -108,7 +108,7 @@ pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &Aren
         job.seqs.iter().map(|s| DecodeQuery { q: &s.q, range: s.start as usize..s.end as usize, n_ctx: s.n_ctx as usize }).collect();
     let runs = |s: usize, h: usize, chunk: std::ops::Range<usize>| {
         let r = PagedRange { start: chunk.start, end: chunk.end, ..job.seqs[s].paged_range(job.layer, job.kv_padding) };
-        Ok::<_, std::convert::Infallible>(rows(arena, layout, &r, h as u32).map(|(k, v)| KvRun { k, v }).collect())
+        Ok::<_, std::convert::Infallible>(rows(arena, layout, &r, h as u32).collect())
     };
     let Ok(parts) = decode_batch(&queries, shape, job.kv_padding as usize, PARALLEL_MIN_POSITIONS, runs);
     parts.into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()

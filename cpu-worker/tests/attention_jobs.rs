@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use duet_kernels::attention::{KvHead, KV_PADDING};
+use duet_kernels::attention::{KvHead, KvRows, KV_PADDING};
 use duet_kernels::causal::causal_attention;
 use duet_kernels::decode_batch::{merge_lse, merge_partials};
 use duet_kv::{ArenaLayout, BlockId};
@@ -73,7 +73,7 @@ impl Sequence {
 
     /// The single-process result for the decode token at position n - 1.
     fn reference(&self) -> Vec<f32> {
-        let heads: Vec<KvHead<'_>> = self.k.iter().zip(&self.v).map(|(k, v)| KvHead { k, v }).collect();
+        let heads: Vec<KvHead<'_>> = self.k.iter().zip(&self.v).map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
         let mut out = vec![0f32; self.q.len()];
         causal_attention(&self.q, &heads, SHAPE, self.n - 1, &mut out);
         out

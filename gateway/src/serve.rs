@@ -58,6 +58,10 @@ pub struct ServeArgs {
     /// KV arena size of each spawned cpu-worker, e.g. 512M or 8G.
     #[arg(long, env = "DUET_KV_BYTES", default_value = "1G")]
     pub kv_bytes: String,
+    /// KV cache type of the spawned cpu-workers: f16, or q8_0 (ggml's 8-bit blocks: about
+    /// 1.9 times the tokens in the same --kv-bytes, and half the bytes attention reads).
+    #[arg(long, env = "DUET_KV_TYPE", default_value = "f16", value_parser = duet_kv::parse_kv_type)]
+    pub kv_type: duet_kv::KvDtype,
     /// Where decode attention runs: lp (the split that minimises the predicted step time,
     /// from measured costs), cpu (the cpu-workers holding the KV), gpu, or ratio:R (that
     /// fraction of each context on the gpu-worker). Changeable at run time (SetPolicy).
@@ -211,6 +215,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             model: args.model.clone(),
             cpu_workers: n,
             kv_bytes: args.kv_bytes.clone(),
+            kv_type: args.kv_type,
             runtime_dir: args.runtime_dir.clone().unwrap_or_else(|| supervisor::default_runtime_dir(&instance)),
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,

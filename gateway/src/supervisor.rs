@@ -27,6 +27,8 @@ pub struct LocalWorkers {
     pub cpu_workers: u32,
     /// KV arena bytes per cpu-worker, as the cpu-worker's --kv-bytes takes it (e.g. 1G).
     pub kv_bytes: String,
+    /// The cpu-workers' KV cache type (`--kv-type`).
+    pub kv_type: duet_kv::KvDtype,
     /// Instance name in the segment names.
     pub instance: String,
     /// Private directory for the sockets (created 0700, removed at the end).
@@ -150,6 +152,7 @@ impl LocalWorkers {
     fn spawn_cpu(&self, worker: u32, fresh: bool) -> std::io::Result<Child> {
         let mut cmd = Process::new(worker_binary("duet-cpu-worker"));
         cmd.args(["--instance", &self.instance, "--worker", &worker.to_string(), "--kv-bytes", &self.kv_bytes])
+            .args(["--kv-type", &self.kv_type.to_string()])
             .arg("--model")
             .arg(&self.model)
             .arg("--listen")

@@ -51,6 +51,15 @@ pub struct ModelArg {
     pub model: PathBuf,
 }
 
+/// The element type of the runner's KV cache.
+#[derive(Debug, Args)]
+pub struct CacheArg {
+    /// KV cache type: f16, or q8_0 (ggml's 8-bit blocks: 53 % of the bytes, as llama.cpp's
+    /// `-ctk q8_0 -ctv q8_0`; attended with the one-pass softmax).
+    #[arg(long, env = "DUET_KV_TYPE", default_value = "f16", value_parser = duet_kv::parse_kv_type)]
+    pub kv_type: duet_kv::KvDtype,
+}
+
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     #[command(flatten)]
@@ -87,6 +96,8 @@ pub enum ExpertsOn {
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    #[command(flatten)]
+    pub cache: CacheArg,
     /// Prompt text (control tokens such as <|im_start|> written in it are parsed).
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
@@ -137,6 +148,8 @@ pub struct TokenizeArgs {
 pub struct PerplexityArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    #[command(flatten)]
+    pub cache: CacheArg,
     /// Text file to score.
     #[arg(long)]
     pub file: PathBuf,
@@ -168,7 +181,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Perplexity(args) => {
-            let engine = load(&args.model, device)?;
+            let engine = load(&args.model, &args.cache, device)?;
             let text = std::fs::read_to_string(&args.file).map_err(|e| anyhow::anyhow!("reading {}: {e}", args.file.display()))?;
             let tokens = engine.tokenizer.encode_prompt(&text, false)?;
             let start = std::time::Instant::now();
@@ -222,9 +235,10 @@ async fn shutdown_signal() {
     }
 }
 
-fn load(model: &ModelArg, device: DeviceChoice) -> anyhow::Result<Runner<AnyDevice>> {
+fn load(model: &ModelArg, cache: &CacheArg, device: DeviceChoice) -> anyhow::Result<Runner<AnyDevice>> {
     let start = std::time::Instant::now();
-    let engine = Runner::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
+    let mut engine = Runner::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
+    engine.kv_type = cache.kv_type;
     tracing::info!(model = %model.model.display(), device = %engine.device.describe(), ms = start.elapsed().as_millis() as u64, "model loaded");
     Ok(engine)
 }
@@ -240,7 +254,7 @@ fn run_generate(args: RunArgs, device: DeviceChoice) -> anyhow::Result<()> {
     };
     // Reject bad flags before spending time on loading the model.
     sampling.validate()?;
-    let engine = load(&args.model, device)?;
+    let engine = load(&args.model, &args.cache, device)?;
     let prompt_ids = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) if args.chat => {

@@ -32,6 +32,8 @@ pub enum KvAccessError {
     WorkerNotAttached(u32),
     #[error("batch row {row} belongs to no sequence of the step")]
     NoRow { row: usize },
+    #[error("a sequence's KV rows are of different types (f16 and q8_0 arenas)")]
+    MixedRowTypes,
 }
 
 /// What went wrong on the GPU side.

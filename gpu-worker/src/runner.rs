@@ -12,7 +12,10 @@ use duet_model::chat::ChatTemplate;
 use duet_model::gguf::GgufFile;
 use duet_model::tokenizer::{StreamDecoder, Tokenizer};
 
-use duet_kernels::attention::KvRun;
+use duet_kernels::attention::{KvRows, KvRun};
+use duet_kernels::dot::quantize_row;
+use duet_kernels::GgmlType;
+use duet_kv::KvDtype;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -27,6 +30,8 @@ pub struct Runner<D: Device = CpuDevice> {
     pub device: D,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
+    /// The element type of the caches it generates and scores with (f16 unless set).
+    pub kv_type: KvDtype,
 }
 
 /// Which positions of a forward pass need logits.
@@ -119,7 +124,7 @@ impl<D: Device> Runner<D> {
                 device.config().n_vocab
             )));
         }
-        Ok(Runner { device, tokenizer, chat_template })
+        Ok(Runner { device, tokenizer, chat_template, kv_type: KvDtype::F16 })
     }
 
     /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
@@ -159,7 +164,7 @@ impl<D: Device> Runner<D> {
             return Err(GpuWorkerError::PromptTooLong { prompt: req.prompt_ids.len(), context: n_ctx });
         }
         let capacity = (req.prompt_ids.len() + req.max_tokens).min(n_ctx);
-        let mut kv = KvCache::new(self.device.config(), capacity);
+        let mut kv = KvCache::of_type(self.device.config(), capacity, self.kv_type)?;
         self.generate_in(&mut kv, req, sampler, &mut on_text)
     }
 
@@ -224,7 +229,7 @@ impl<D: Device> Runner<D> {
             return Err(GpuWorkerError::InvalidRequest(format!("{} tokens are fewer than one chunk of {n_ctx}", tokens.len())));
         }
         let first = n_ctx / 2;
-        let mut kv = KvCache::new(self.device.config(), n_ctx);
+        let mut kv = KvCache::of_type(self.device.config(), n_ctx, self.kv_type)?;
         let prefill_chunk = self.device.prefill_chunk();
         let (mut nll, mut scored) = (0f64, 0usize);
         for c in 0..chunks {
@@ -271,21 +276,66 @@ pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f64)> {
 }
 
 /// One sequence's KV cache in this process: per layer and KV head, `[position][head_dim]` in
-/// f16.
+/// f16 or Q8_0.
 #[derive(Debug)]
 pub struct KvCache {
-    /// `k[layer][kv_head]`, `capacity * head_dim` each.
-    k: Vec<Vec<Vec<f16>>>,
-    v: Vec<Vec<Vec<f16>>>,
+    /// `k[layer][kv_head]`, `capacity` rows each.
+    k: Vec<Vec<CacheRows>>,
+    v: Vec<Vec<CacheRows>>,
     head_dim: usize,
     capacity: usize,
     len: usize,
 }
 
+/// One KV head's rows in the cache's type.
+#[derive(Debug, Clone)]
+enum CacheRows {
+    F16(Vec<f16>),
+    /// `head_dim / 32` Q8_0 blocks per row.
+    Q8_0(Vec<u8>),
+}
+
+impl CacheRows {
+    /// Stores row `p` (`head.len()` values).
+    fn write(&mut self, p: usize, head: &[f32]) {
+        match self {
+            CacheRows::F16(x) => x[p * head.len()..(p + 1) * head.len()].convert_from_f32_slice(head),
+            CacheRows::Q8_0(b) => {
+                let row = GgmlType::Q8_0.row_bytes(head.len());
+                quantize_row(GgmlType::Q8_0, head, &mut b[p * row..(p + 1) * row]);
+            }
+        }
+    }
+
+    /// Rows `range` of heads of `hd`.
+    fn rows(&self, range: std::ops::Range<usize>, hd: usize) -> KvRows<'_> {
+        match self {
+            CacheRows::F16(x) => KvRows::F16(&x[range.start * hd..range.end * hd]),
+            CacheRows::Q8_0(b) => {
+                let row = GgmlType::Q8_0.row_bytes(hd);
+                KvRows::Q8_0(&b[range.start * row..range.end * row])
+            }
+        }
+    }
+}
+
 impl KvCache {
+    /// An f16 cache of `capacity` positions.
     pub fn new(config: &duet_model::config::LlamaConfig, capacity: usize) -> Self {
-        let make = || vec![vec![vec![f16::ZERO; capacity * config.head_dim]; config.n_kv_head]; config.n_layer];
-        KvCache { k: make(), v: make(), head_dim: config.head_dim, capacity, len: 0 }
+        Self::of_type(config, capacity, KvDtype::F16).expect("f16 takes every head size")
+    }
+
+    /// A cache of `capacity` positions in `dtype` (f16 or q8_0; q8_0 needs heads of whole
+    /// blocks of 32).
+    pub fn of_type(config: &duet_model::config::LlamaConfig, capacity: usize, dtype: KvDtype) -> Result<Self> {
+        let hd = config.head_dim;
+        let rows = match dtype {
+            KvDtype::F16 => CacheRows::F16(vec![f16::ZERO; capacity * hd]),
+            KvDtype::Q8_0 if hd.is_multiple_of(32) => CacheRows::Q8_0(vec![0; capacity * GgmlType::Q8_0.row_bytes(hd)]),
+            _ => return Err(GpuWorkerError::InvalidRequest(format!("a {dtype} KV cache for heads of {hd} (f16, or q8_0 for heads of a multiple of 32)"))),
+        };
+        let make = || vec![vec![rows.clone(); config.n_kv_head]; config.n_layer];
+        Ok(KvCache { k: make(), v: make(), head_dim: hd, capacity, len: 0 })
     }
 
     /// Positions already cached.
@@ -324,7 +374,7 @@ impl KvSink for CacheAttention<'_> {
         }
         for (src, dst) in [(k, &mut self.kv.k[layer]), (v, &mut self.kv.v[layer])] {
             for (h, head) in src.chunks_exact(hd).enumerate() {
-                dst[h][p * hd..(p + 1) * hd].convert_from_f32_slice(head);
+                dst[h].write(p, head);
             }
         }
         Ok(())
@@ -339,7 +389,7 @@ impl KvSource for KvCache {
             return Err(KvAccessError::NoBlock { position: range.end - 1 });
         }
         let (k, v) = (&self.k[layer][kv_head], &self.v[layer][kv_head]);
-        Ok(vec![KvRun { k: &k[range.start * hd..range.end * hd], v: &v[range.start * hd..range.end * hd] }])
+        Ok(vec![KvRun { k: k.rows(range.clone(), hd), v: v.rows(range, hd) }])
     }
 }
 

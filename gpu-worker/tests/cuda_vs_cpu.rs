@@ -134,7 +134,7 @@ impl KvSink for Store {
 impl KvSource for Store {
     fn runs(&self, _seq: usize, layer: usize, kv_head: usize, range: std::ops::Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
         let hd = self.hd;
-        Ok(vec![KvRun { k: &self.k[layer][kv_head][range.start * hd..range.end * hd], v: &self.v[layer][kv_head][range.start * hd..range.end * hd] }])
+        Ok(vec![KvRun::f16(&self.k[layer][kv_head][range.start * hd..range.end * hd], &self.v[layer][kv_head][range.start * hd..range.end * hd])])
     }
 }
 

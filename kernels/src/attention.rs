@@ -18,11 +18,68 @@ use super::{isa, Isa};
 /// which decides which positions the V dot product sums in its SIMD lanes.
 pub const KV_PADDING: usize = 32;
 
-/// One KV head's cache: keys and values as `[position][head_dim]`, f16.
+/// One KV head's cache: keys and values as `[position][head_dim]`.
 #[derive(Debug, Clone, Copy)]
 pub struct KvHead<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
+    pub k: KvRows<'a>,
+    pub v: KvRows<'a>,
+}
+
+/// Bytes of a ggml Q8_0 block: an f16 scale and 32 signed bytes.
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+
+/// Rows of cached K or V values (`[position][head_dim]`) in the cache's element type: f16, or
+/// ggml Q8_0 blocks (`--kv-type q8_0`: 34 bytes per 32 values, 53 % of f16's bytes; a row is
+/// `head_dim / 32` whole blocks). Q8_0 rows are attended with the one-pass arithmetic of
+/// [`decode_attention_online`] over their dequantised values (`d · q`, exact in f32), as
+/// llama.cpp attends a quantised cache only with flash attention.
+#[derive(Debug, Clone, Copy)]
+pub enum KvRows<'a> {
+    F16(&'a [f16]),
+    Q8_0(&'a [u8]),
+}
+
+impl<'a> KvRows<'a> {
+    /// The number of values held.
+    pub fn len(&self) -> usize {
+        match self {
+            KvRows::F16(x) => x.len(),
+            KvRows::Q8_0(b) => b.len() / Q8_0_BLOCK_BYTES * 32,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The f16 values, if the rows are f16.
+    pub fn f16(&self) -> Option<&'a [f16]> {
+        match self {
+            KvRows::F16(x) => Some(x),
+            KvRows::Q8_0(_) => None,
+        }
+    }
+
+    /// Values `values` as rows of the same type (Q8_0: the range covers whole blocks).
+    /// Panics if the range is out of bounds or cuts a block.
+    pub fn slice(&self, values: Range<usize>) -> KvRows<'a> {
+        match self {
+            KvRows::F16(x) => KvRows::F16(&x[values]),
+            KvRows::Q8_0(b) => {
+                assert!(values.start.is_multiple_of(32) && values.end.is_multiple_of(32), "Q8_0 rows cut at {values:?}");
+                KvRows::Q8_0(&b[values.start / 32 * Q8_0_BLOCK_BYTES..values.end / 32 * Q8_0_BLOCK_BYTES])
+            }
+        }
+    }
+
+    /// The values widened to f32 into `out` (`len()` long): f16 exactly, Q8_0 as ggml
+    /// dequantises it (`d · q`).
+    pub fn widen_into(&self, out: &mut [f32]) {
+        match self {
+            KvRows::F16(x) => super::widen_f16(x, out),
+            KvRows::Q8_0(b) => super::widen_q8_0(b, out),
+        }
+    }
 }
 
 /// Shape of an attention call, and its scores' soft-cap.
@@ -80,11 +137,47 @@ pub fn windowed(range: Range<usize>, n_ctx: usize, window: Option<usize>) -> Ran
     range.start.max(window_start(n_ctx.saturating_sub(1), window))..range.end
 }
 
-/// One run of consecutive positions of one KV head: `[rows][head_dim]` f16 K and V rows.
+/// Rows of several runs gathered into one buffer (a prompt's whole context over a paged cache).
+#[derive(Debug, Clone)]
+pub enum KvRowsBuf {
+    F16(Vec<f16>),
+    Q8_0(Vec<u8>),
+}
+
+impl KvRowsBuf {
+    /// `parts` one after another; `None` if they are not all of one type.
+    pub fn concat(parts: &[KvRows<'_>]) -> Option<Self> {
+        match parts.first() {
+            Some(KvRows::Q8_0(_)) => parts.iter().map(|p| match p { KvRows::Q8_0(b) => Some(*b), KvRows::F16(_) => None }).collect::<Option<Vec<_>>>().map(|b| KvRowsBuf::Q8_0(b.concat())),
+            _ => parts.iter().map(|p| p.f16()).collect::<Option<Vec<_>>>().map(|x| KvRowsBuf::F16(x.concat())),
+        }
+    }
+
+    pub fn rows(&self) -> KvRows<'_> {
+        match self {
+            KvRowsBuf::F16(x) => KvRows::F16(x),
+            KvRowsBuf::Q8_0(b) => KvRows::Q8_0(b),
+        }
+    }
+}
+
+/// One run of consecutive positions of one KV head: `[rows][head_dim]` K and V rows.
 #[derive(Debug, Clone, Copy)]
 pub struct KvRun<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
+    pub k: KvRows<'a>,
+    pub v: KvRows<'a>,
+}
+
+impl<'a> KvRun<'a> {
+    /// A run of f16 rows.
+    pub fn f16(k: &'a [f16], v: &'a [f16]) -> Self {
+        KvRun { k: KvRows::F16(k), v: KvRows::F16(v) }
+    }
+
+    /// Both row sets as f16, if they are.
+    pub fn as_f16(&self) -> Option<(&'a [f16], &'a [f16])> {
+        Some((self.k.f16()?, self.v.f16()?))
+    }
 }
 
 /// The softmax scale of attention with heads of `head_dim`: `1 / sqrt(head_dim)` in f32.

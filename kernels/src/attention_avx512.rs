@@ -1,5 +1,5 @@
-//! AVX-512 decode attention of one KV head's whole query group, straight from f16 K/V rows of
-//! 64 or 128 dimensions (`NV`, the row's 16-lane vectors, is 4 or 8):
+//! AVX-512 decode attention of one KV head's whole query group, straight from f16 (or, in the
+//! one-pass kernel, Q8_0) K/V rows of 64 or 128 dimensions (`NV`, the row's 16-lane vectors, is 4 or 8):
 //! bit for bit [`decode_attention_range`](super::attention::decode_attention_range) run once
 //! per query head over widened rows, in one pass over K and one over V; and, for the chunks
 //! of contexts longer than one `DECODE_CHUNK`, bit for bit
@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
-use super::attention::KvRun;
+use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
 
 /// Largest query group the kernel is built for (GQA ratios in use are 1 to 8).
 pub const MAX_GROUP: usize = 8;
@@ -124,7 +124,7 @@ unsafe fn group_kernel<const G: usize, const NV: usize, const TILED: bool>(
     scratch.scores.resize(G * stride, 0.0);
     let scores = scratch.scores.as_mut_ptr();
     let qv = rounded_q::<G, NV>(q);
-    scratch.rows.fill(runs, 16 * NV);
+    scratch.rows.fill(runs, 16 * NV, false);
     let max = scores_pass::<G, NV, TILED>(&scratch.rows, n, stride, scale, &qv, scores);
     for (g, l) in lse.iter_mut().enumerate() {
         *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n), max[g]);
@@ -166,40 +166,43 @@ unsafe fn rounded_q<const G: usize, const NV: usize>(q: &[f32]) -> [[__m512; NV]
 /// head. K and V stream together, a block of 16 positions at a time (the block's scores and
 /// online softmax step, then the block before's V rows, software-pipelined), so the reads of
 /// the two overlap the arithmetic of both; `q`/`out` are `[group][head_dim]` (heads of 64 or
-/// 128), `lse` one per head.
+/// 128), `lse` one per head. The runs are all f16 or all Q8_0 (the Q8_0 rows dequantised as
+/// they are loaded, so bit for bit the twin over `widen_q8_0`'s values).
 ///
 /// # Safety
-/// As [`attend_group`]; panics (safely) under the same conditions.
+/// As [`attend_group`]; panics (safely) under the same conditions, and on runs of mixed types.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
 pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut FastScratch) {
     let (group, hd) = checked_group(runs, n, q, out, lse);
-    scratch.rows.fill(runs, hd);
+    let q8 = matches!(runs[0].k, KvRows::Q8_0(_));
+    scratch.rows.fill(runs, hd, q8);
     let rows = &scratch.rows;
     macro_rules! by_group {
-        ($nv:literal) => {
+        ($nv:literal, $q8:literal) => {
             match group {
-                1 => online_kernel::<1, $nv>(rows, n, scale, q, out, lse),
-                2 => online_kernel::<2, $nv>(rows, n, scale, q, out, lse),
-                3 => online_kernel::<3, $nv>(rows, n, scale, q, out, lse),
-                4 => online_kernel::<4, $nv>(rows, n, scale, q, out, lse),
-                5 => online_kernel::<5, $nv>(rows, n, scale, q, out, lse),
-                6 => online_kernel::<6, $nv>(rows, n, scale, q, out, lse),
-                7 => online_kernel::<7, $nv>(rows, n, scale, q, out, lse),
-                _ => online_kernel::<8, $nv>(rows, n, scale, q, out, lse),
+                1 => online_kernel::<1, $nv, $q8>(rows, n, scale, q, out, lse),
+                2 => online_kernel::<2, $nv, $q8>(rows, n, scale, q, out, lse),
+                3 => online_kernel::<3, $nv, $q8>(rows, n, scale, q, out, lse),
+                4 => online_kernel::<4, $nv, $q8>(rows, n, scale, q, out, lse),
+                5 => online_kernel::<5, $nv, $q8>(rows, n, scale, q, out, lse),
+                6 => online_kernel::<6, $nv, $q8>(rows, n, scale, q, out, lse),
+                7 => online_kernel::<7, $nv, $q8>(rows, n, scale, q, out, lse),
+                _ => online_kernel::<8, $nv, $q8>(rows, n, scale, q, out, lse),
             }
         };
     }
-    if hd == 64 {
-        by_group!(4)
-    } else {
-        by_group!(8)
+    match (hd, q8) {
+        (64, false) => by_group!(4, false),
+        (64, true) => by_group!(4, true),
+        (_, false) => by_group!(8, false),
+        (_, true) => by_group!(8, true),
     }
 }
 
 /// [`attend_group_online`] for a group of `G` heads of `16 * NV`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn online_kernel<const G: usize, const NV: usize>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32]) {
+unsafe fn online_kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32]) {
     // Q and the accumulators are each in registers in their phase of a block only (both at
     // once do not fit for a group of three): `black_box` makes the compiler reload them per
     // block rather than spill them for the whole loop and reload one per multiply-add.
@@ -219,9 +222,9 @@ unsafe fn online_kernel<const G: usize, const NV: usize>(rows: &RowTable, n: usi
         let keep = if len == 16 { 0xFFFF } else { ((1u32 << len) - 1) as __mmask16 };
         // The block's scores in tinyBLAS's order (no V prefetch: V is read right after).
         let quads = if len == 16 {
-            block_quads::<G, NV, true, false>(rows, b, n, usize::MAX, &qv)
+            block_quads::<G, NV, true, false, Q8>(rows, b, n, usize::MAX, &qv)
         } else {
-            block_quads::<G, NV, true, true>(rows, b, n, usize::MAX, &qv)
+            block_quads::<G, NV, true, true, Q8>(rows, b, n, usize::MAX, &qv)
         };
         // The online softmax step of each head: the block's weights `p[g]`, and the factor
         // that rescales what is accumulated so far if the block raised the maximum.
@@ -241,7 +244,7 @@ unsafe fn online_kernel<const G: usize, const NV: usize>(rows: &RowTable, n: usi
         // The V rows of the block before (software pipelining: its weights have long been
         // ready, while this block's still wait on its maximum and exp), then the rescale.
         if let Some((pb, plen)) = pending {
-            accumulate_block::<G, NV>(rows, pb, plen, n, &weights, &mut acc);
+            accumulate_block::<G, NV, Q8>(rows, pb, plen, n, &weights, &mut acc);
         }
         for g in 0..G {
             if let Some(c) = rescale[g] {
@@ -257,7 +260,7 @@ unsafe fn online_kernel<const G: usize, const NV: usize>(rows: &RowTable, n: usi
         pending = Some((b, len));
     }
     if let Some((pb, plen)) = pending {
-        accumulate_block::<G, NV>(rows, pb, plen, n, &weights, &mut acc);
+        accumulate_block::<G, NV, Q8>(rows, pb, plen, n, &weights, &mut acc);
     }
     for (g, o) in out.chunks_exact_mut(16 * NV).enumerate() {
         let inv = _mm512_set1_ps(1.0 / sum[g]);
@@ -271,13 +274,13 @@ unsafe fn online_kernel<const G: usize, const NV: usize>(rows: &RowTable, n: usi
 /// The V rows of positions `b..b + len` times their weights (`p[g][i]` for position `b + i`)
 /// into the accumulators, in position order, held in registers for the block.
 #[inline(always)]
-unsafe fn accumulate_block<const G: usize, const NV: usize>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[[f32; 16]; G], acc: &mut [[__m512; NV]; G]) {
+unsafe fn accumulate_block<const G: usize, const NV: usize, const Q8: bool>(rows: &RowTable, b: usize, len: usize, n: usize, p: &[[f32; 16]; G], acc: &mut [[__m512; NV]; G]) {
     let mut a = *std::hint::black_box(&*acc);
     for i in 0..len {
         if b + i + V_AHEAD < n {
-            prefetch_row::<_MM_HINT_T0, NV>(rows.v(b + i + V_AHEAD));
+            prefetch_row::<_MM_HINT_T0, NV, Q8>(rows.v(b + i + V_AHEAD));
         }
-        let vx = widen_row::<NV>(rows.v(b + i));
+        let vx = load_row::<NV, Q8>(rows.v(b + i));
         for (a_g, p_g) in a.iter_mut().zip(p) {
             let w = _mm512_set1_ps(p_g[i]);
             for (x, &vj) in a_g.iter_mut().zip(&vx) {
@@ -308,9 +311,9 @@ unsafe fn scores_pass<const G: usize, const NV: usize, const TILED: bool>(rows: 
     let v_from = n.saturating_sub(WINDOW);
     for b in (0..n).step_by(16) {
         let quads = if b + 16 <= n {
-            block_quads::<G, NV, TILED, false>(rows, b, n, v_from, &qv)
+            block_quads::<G, NV, TILED, false, false>(rows, b, n, v_from, &qv)
         } else {
-            block_quads::<G, NV, TILED, true>(rows, b, n, v_from, &qv)
+            block_quads::<G, NV, TILED, true, false>(rows, b, n, v_from, &qv)
         };
         for (g, quad) in quads.iter().enumerate() {
             let s = _mm512_mul_ps(finish16(quad), scale);
@@ -336,15 +339,15 @@ unsafe fn scores_pass<const G: usize, const NV: usize, const TILED: bool>(rows: 
 /// `b + 4m .. b + 4m + 4` after two butterfly steps, ready for [`finish16`]. `PARTIAL`: the
 /// block may reach past `n` (those positions count as zero).
 #[inline(always)]
-unsafe fn block_quads<const G: usize, const NV: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, b: usize, n: usize, v_from: usize, qv: &[[__m512; NV]; G]) -> [[__m512; 4]; G] {
+unsafe fn block_quads<const G: usize, const NV: usize, const TILED: bool, const PARTIAL: bool, const Q8: bool>(rows: &RowTable, b: usize, n: usize, v_from: usize, qv: &[[__m512; NV]; G]) -> [[__m512; 4]; G] {
     let mut quads = [[_mm512_setzero_ps(); 4]; G];
     for m in 0..4 {
         let i = b + 4 * m;
         let h = [
-            position_partials::<G, NV, TILED, PARTIAL>(rows, i, n, v_from, qv),
-            position_partials::<G, NV, TILED, PARTIAL>(rows, i + 1, n, v_from, qv),
-            position_partials::<G, NV, TILED, PARTIAL>(rows, i + 2, n, v_from, qv),
-            position_partials::<G, NV, TILED, PARTIAL>(rows, i + 3, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL, Q8>(rows, i, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL, Q8>(rows, i + 1, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL, Q8>(rows, i + 2, n, v_from, qv),
+            position_partials::<G, NV, TILED, PARTIAL, Q8>(rows, i + 3, n, v_from, qv),
         ];
         for (g, quad) in quads.iter_mut().enumerate() {
             quad[m] = fold4(h[0][g], h[1][g], h[2][g], h[3][g]);
@@ -357,18 +360,18 @@ unsafe fn block_quads<const G: usize, const NV: usize, const TILED: bool, const 
 /// tinyBLAS's fused chain), zero past the range if `PARTIAL` (those lanes are never stored);
 /// issues the pass's prefetches for `i`.
 #[inline(always)]
-unsafe fn position_partials<const G: usize, const NV: usize, const TILED: bool, const PARTIAL: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; NV]; G]) -> [__m512; G] {
+unsafe fn position_partials<const G: usize, const NV: usize, const TILED: bool, const PARTIAL: bool, const Q8: bool>(rows: &RowTable, i: usize, n: usize, v_from: usize, qv: &[[__m512; NV]; G]) -> [__m512; G] {
     let zero = _mm512_setzero_ps();
     if PARTIAL && i >= n {
         return [zero; G];
     }
     if i + K_AHEAD < n {
-        prefetch_row::<_MM_HINT_T0, NV>(rows.k(i + K_AHEAD));
+        prefetch_row::<_MM_HINT_T0, NV, Q8>(rows.k(i + K_AHEAD));
     }
     if i >= v_from {
-        prefetch_row::<_MM_HINT_T1, NV>(rows.v(i - v_from));
+        prefetch_row::<_MM_HINT_T1, NV, Q8>(rows.v(i - v_from));
     }
-    let kx = widen_row::<NV>(rows.k(i));
+    let kx = load_row::<NV, Q8>(rows.k(i));
     let mut h = [zero; G];
     for (hg, q) in h.iter_mut().zip(qv) {
         *hg = if TILED {
@@ -403,45 +406,83 @@ unsafe fn position_partials<const G: usize, const NV: usize, const TILED: bool, 
 /// K rows are prefetched this many positions ahead (blocks need not be contiguous).
 const K_AHEAD: usize = 32;
 
-/// The cache lines of an f16 row of `16 * NV` elements (two per 64).
+/// The cache lines of a row of `16 * NV` elements: f16 (two lines per 64), or with `Q8` Q8_0
+/// blocks (34 bytes per 32, not line-aligned: every line from its first byte to its last).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn prefetch_row<const HINT: i32, const NV: usize>(row: *const f16) {
-    for line in 0..NV / 2 {
-        _mm_prefetch::<HINT>((row as *const i8).add(64 * line));
+unsafe fn prefetch_row<const HINT: i32, const NV: usize, const Q8: bool>(row: *const u8) {
+    if Q8 {
+        let last = row.add(NV / 2 * Q8_0_BLOCK_BYTES - 1);
+        let mut line = row;
+        while line <= last {
+            _mm_prefetch::<HINT>(line as *const i8);
+            line = line.add(64);
+        }
+        _mm_prefetch::<HINT>(last as *const i8);
+    } else {
+        for line in 0..NV / 2 {
+            _mm_prefetch::<HINT>((row as *const i8).add(64 * line));
+        }
     }
+}
+
+/// A row of `16 * NV` values, widened: f16, or with `Q8` Q8_0 blocks dequantised (`d · q`,
+/// exact in f32, as `widen_q8_0`).
+#[inline(always)]
+unsafe fn load_row<const NV: usize, const Q8: bool>(row: *const u8) -> [__m512; NV] {
+    if !Q8 {
+        return widen_row::<NV>(row);
+    }
+    let mut x = [_mm512_setzero_ps(); NV];
+    for (j, xj) in x.iter_mut().enumerate() {
+        let block = row.add(j / 2 * Q8_0_BLOCK_BYTES);
+        let d = _mm512_set1_ps(f16::from_bits((block as *const u16).read_unaligned()).to_f32());
+        let q = _mm_loadu_si128(block.add(2 + 16 * (j % 2)) as *const __m128i);
+        *xj = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+    }
+    x
 }
 
 /// The K and V row of every position of the range, from its start; V rows from dimension
 /// `v_off` (the half of a row of 128 that a V pass of 64 dimensions reads).
 #[derive(Debug, Default)]
 struct RowTable {
-    k: Vec<*const f16>,
-    v: Vec<*const f16>,
+    k: Vec<*const u8>,
+    v: Vec<*const u8>,
+    /// Dimensions skipped at the start of each V row (f16 rows only).
     v_off: usize,
 }
 
 impl RowTable {
-    fn fill(&mut self, runs: &[KvRun<'_>], hd: usize) {
+    /// The rows of `runs` (heads of `hd`), all f16 or all Q8_0 as `q8` says (panics if not).
+    fn fill(&mut self, runs: &[KvRun<'_>], hd: usize, q8: bool) {
         self.k.clear();
         self.v.clear();
         self.v_off = 0;
+        let row_bytes = if q8 { hd / 32 * Q8_0_BLOCK_BYTES } else { 2 * hd };
         for run in runs {
-            self.k.extend(run.k.chunks_exact(hd).map(|r| r.as_ptr()));
-            self.v.extend(run.v.chunks_exact(hd).map(|r| r.as_ptr()));
+            for (rows, table) in [(run.k, &mut self.k), (run.v, &mut self.v)] {
+                let bytes: &[u8] = match (rows, q8) {
+                    // SAFETY: f16 is two plain bytes.
+                    (KvRows::F16(x), false) => unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), 2 * x.len()) },
+                    (KvRows::Q8_0(b), true) => b,
+                    _ => panic!("K/V rows of mixed types"),
+                };
+                table.extend(bytes.chunks_exact(row_bytes).map(|r| r.as_ptr()));
+            }
         }
     }
 
     /// Safety: `i` is below the number of rows of the last fill.
     #[inline(always)]
-    unsafe fn k(&self, i: usize) -> *const f16 {
+    unsafe fn k(&self, i: usize) -> *const u8 {
         *self.k.get_unchecked(i)
     }
 
     /// Safety: as [`Self::k`].
     #[inline(always)]
-    unsafe fn v(&self, i: usize) -> *const f16 {
-        self.v.get_unchecked(i).add(self.v_off)
+    unsafe fn v(&self, i: usize) -> *const u8 {
+        self.v.get_unchecked(i).add(2 * self.v_off)
     }
 }
 
@@ -634,7 +675,7 @@ unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize
         let per_pair = next.len().div_ceil(pairs);
         for pair in 0..pairs {
             for i in next.clone().skip(pair * per_pair).take(per_pair) {
-                prefetch_row::<_MM_HINT_T1, 4>(rows.v(i));
+                prefetch_row::<_MM_HINT_T1, 4, false>(rows.v(i));
             }
             lane_pair::<G, LANES>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
         }
@@ -648,7 +689,7 @@ const WINDOW: usize = 2048;
 /// The first `16 * NV` elements of an f16 row widened to `NV` vectors.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn widen_row<const NV: usize>(row: *const f16) -> [__m512; NV] {
+unsafe fn widen_row<const NV: usize>(row: *const u8) -> [__m512; NV] {
     let r = row as *const __m256i;
     let mut x = [_mm512_setzero_ps(); NV];
     for (j, xj) in x.iter_mut().enumerate() {

@@ -5,7 +5,6 @@
 
 use std::ops::Range;
 
-use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::attention::{padded_len, run, window_start, AttnShape, Job, KvHead, KvRun, Scores, KV_PADDING};
@@ -29,21 +28,26 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
         // (head, chunk) pairs in parallel.
         let query = DecodeQuery { q, range: window_start(n_ctx - 1, window)..n_ctx, n_ctx };
         let rows = |_, h: usize, c: Range<usize>| {
-            Ok::<_, std::convert::Infallible>(vec![KvRun { k: &kv[h].k[c.start * hd..c.end * hd], v: &kv[h].v[c.start * hd..c.end * hd] }])
+            Ok::<_, std::convert::Infallible>(vec![KvRun { k: kv[h].k.slice(c.start * hd..c.end * hd), v: kv[h].v.slice(c.start * hd..c.end * hd) }])
         };
         let Ok(mut parts) = decode_batch(&[query], shape, KV_PADDING, 0, rows);
         out.copy_from_slice(&parts.remove(0).0);
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512 && super::attention_avx512::supports_head_dim(hd) && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
+    if isa() == Isa::Avx512
+        && super::attention_avx512::supports_head_dim(hd)
+        && group <= super::attention_avx512::MAX_GROUP
+        && scores.softcap.is_none()
+        && kv.iter().all(|h| h.k.f16().is_some() && h.v.f16().is_some())
+    {
         // Prefill: per token and KV head, the query group over the token's causal prefix in
         // one pass over the rows, with tinyBLAS's arithmetic.
         out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
             let (t, h) = (i / n_kv_head, i % n_kv_head);
             let len = pos0 + t + 1;
             let first = window_start(len - 1, window);
-            let run = KvRun { k: &kv[h].k[first * hd..len * hd], v: &kv[h].v[first * hd..len * hd] };
+            let run = KvRun { k: kv[h].k.slice(first * hd..len * hd), v: kv[h].v.slice(first * hd..len * hd) };
             let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
             let q = &q[i * group * hd..(i + 1) * group * hd];
             // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
@@ -55,8 +59,8 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
 }
 
 /// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
-/// token at a time: the path of machines without AVX-512 (and of heads other than 64 and 128), and the
-/// twin the AVX-512 kernels are tested against.
+/// token at a time: the path of machines without AVX-512 (and of heads other than 64 and 128,
+/// and of prompts over a Q8_0 cache), and the twin the AVX-512 kernels are tested against.
 pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
     causal_attention_widened_windowed(q, kv, shape, pos0, None, out)
 }
@@ -69,8 +73,8 @@ pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: At
         .par_iter()
         .map(|h| {
             let (mut k, mut v) = (vec![0f32; n_ctx * hd], vec![0f32; n_ctx * hd]);
-            h.k[..n_ctx * hd].convert_to_f32_slice(&mut k);
-            h.v[..n_ctx * hd].convert_to_f32_slice(&mut v);
+            h.k.slice(0..n_ctx * hd).widen_into(&mut k);
+            h.v.slice(0..n_ctx * hd).widen_into(&mut v);
             (k, v)
         })
         .collect();

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::attention::{decode_attention_online, decode_attention_range, padded_len, AttnShape, KvRun, Scores};
+use super::attention::{decode_attention_online, decode_attention_range, padded_len, AttnShape, KvRows, KvRun, Scores};
 use super::{isa, Isa};
 
 /// One decode token of [`decode_batch`]: its queries (`[n_head][head_dim]`) attending
@@ -210,9 +210,10 @@ pub struct GroupScratch {
 /// The range lies within one [`DECODE_CHUNK`]: [`decode_batch`] splits longer ones and merges
 /// the parts.
 ///
-/// With AVX-512 and heads of 64 the group runs as one kernel straight from the f16 rows
-/// (`attention_avx512`); otherwise the rows are widened once and each head runs
-/// [`decode_attention_range`]. Panics if the slices disagree.
+/// Q8_0 rows (`--kv-type q8_0`) always take [`decode_attention_online`]'s arithmetic over
+/// their dequantised values. With AVX-512 and heads of 64 or 128 the group runs as one kernel
+/// straight from the rows (`attention_avx512`); otherwise the rows are widened once and each
+/// head runs the twin. Panics if the slices disagree.
 #[allow(clippy::too_many_arguments)] // the rows, the range and the group's three slices
 pub fn decode_group(
     runs: &[KvRun<'_>],
@@ -232,7 +233,8 @@ pub fn decode_group(
     assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
     assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
     assert!(n == 0 || range.start / DECODE_CHUNK == (range.end - 1) / DECODE_CHUNK, "decode range {range:?} crosses a chunk boundary");
-    let online = n_padded > DECODE_CHUNK;
+    // Q8_0 rows always take the one-pass arithmetic (see `KvRows`).
+    let online = n_padded > DECODE_CHUNK || runs.iter().any(|r| matches!(r.k, KvRows::Q8_0(_)));
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx512 && super::attention_avx512::supports_head_dim(hd) && n > 0 && group <= super::attention_avx512::MAX_GROUP && scores.softcap.is_none() {
         let scale = scores.scale;
@@ -249,8 +251,8 @@ pub fn decode_group(
     scratch.v.resize(n * hd, 0.0);
     let mut at = 0;
     for run in runs {
-        super::widen_f16(run.k, &mut scratch.k[at..at + run.k.len()]);
-        super::widen_f16(run.v, &mut scratch.v[at..at + run.v.len()]);
+        run.k.widen_into(&mut scratch.k[at..at + run.k.len()]);
+        run.v.widen_into(&mut scratch.v[at..at + run.v.len()]);
         at += run.k.len();
     }
     for ((qh, oh), l) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(lse.iter_mut()) {

@@ -144,6 +144,29 @@ pub fn widen_f16_scalar(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// Q8_0 blocks (`src`, whole 34-byte blocks) dequantised to f32 as ggml does (`d · q`) into
+/// `dst` (32 values per block): the KV cache's `--kv-type q8_0` rows.
+pub fn widen_q8_0(src: &[u8], dst: &mut [f32]) {
+    assert!(src.len().is_multiple_of(attention::Q8_0_BLOCK_BYTES) && dst.len() == src.len() / attention::Q8_0_BLOCK_BYTES * 32, "Q8_0 rows and their f32 sizes");
+    #[cfg(target_arch = "x86_64")]
+    if isa() >= Isa::Avx2 {
+        // SAFETY: AVX2 and F16C were detected; the sizes were checked above.
+        unsafe { simd_x86::widen_q8_0(src, dst) };
+        return;
+    }
+    widen_q8_0_scalar(src, dst);
+}
+
+/// The scalar twin of [`widen_q8_0`] (panics on sizes that disagree).
+pub fn widen_q8_0_scalar(src: &[u8], dst: &mut [f32]) {
+    for (b, out) in src.chunks_exact(attention::Q8_0_BLOCK_BYTES).zip(dst.chunks_exact_mut(32)) {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        for (o, &q) in out.iter_mut().zip(&b[2..]) {
+            *o = q as i8 as f32 * d;
+        }
+    }
+}
+
 /// Dot product of a weight row of type `ty` (`n` elements) with an activation row quantised
 /// to `dot::vec_dot_type(ty)`, on the fastest kernel this machine has.
 #[inline]

@@ -160,6 +160,24 @@ pub unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
+/// `widen_q8_0`'s AVX2 path: each block's 32 bytes widened to f32 eight at a time and
+/// multiplied by its scale (exact: an f16 times a byte fits f32's mantissa).
+///
+/// # Safety
+/// AVX2 and F16C; `src` whole 34-byte blocks and `dst` 32 values per block.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn widen_q8_0(src: &[u8], dst: &mut [f32]) {
+    for (b, out) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {
+        let d = _mm256_set1_ps(half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+        for j in 0..4 {
+            // SAFETY: bytes 2 + 8j .. 10 + 8j of a 34-byte block; out holds 32 values.
+            let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * j) as *const __m128i);
+            let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(x, d));
+        }
+    }
+}
+
 /// `ggml_exact::dot_f16` for exactly 64 elements, in registers: the 64 fused products (into
 /// zero, as ggml's accumulators start), then `reduce64`'s tree — the same operations in the
 /// same order, so the same bits.

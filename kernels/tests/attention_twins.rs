@@ -1,9 +1,11 @@
 //! Decode and prefill attention kernels against their twins, bit for bit: the AVX-512 group
 //! kernels (two-pass, ggml's arithmetic; one-pass, online softmax) against the per-head
 //! widened twins, the dispatched prefill path against the widened one, and the one-pass
-//! arithmetic against the two-pass one and f64 attention. Inputs are random, the seeds fixed.
+//! arithmetic against the two-pass one and f64 attention; Q8_0 rows (`--kv-type q8_0`) through
+//! every entry against the one-pass twin over their dequantised values. Inputs are random, the
+//! seeds fixed.
 
-use duet_kernels::attention::KvRun;
+use duet_kernels::attention::{KvRows, KvRun};
 use duet_kernels::{self as kernels, Isa};
 use half::f16;
 use rand::rngs::StdRng;
@@ -18,7 +20,7 @@ fn uneven_runs<'a>(k: &'a [f16], v: &'a [f16], n: usize, hd: usize, rng: &mut St
     let mut at = 0;
     while at < n {
         let len = rng.random_range(1..=40).min(n - at);
-        runs.push(KvRun { k: &k[at * hd..(at + len) * hd], v: &v[at * hd..(at + len) * hd] });
+        runs.push(KvRun::f16(&k[at * hd..(at + len) * hd], &v[at * hd..(at + len) * hd]));
         at += len;
     }
     runs
@@ -198,7 +200,7 @@ fn prefill_attention_equals_widened_twin_bit_for_bit() {
         let n_ctx = pos0 + n_tok;
         let gain = if n_tok % 2 == 0 { 1.0 } else { 6.0 };
         let kv_data = random_kv(&mut rng, n_kv, n_ctx, hd);
-        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
+        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
         let q: Vec<f32> = (0..n_tok * shape.n_head * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
         let (mut fast, mut twin) = (vec![0f32; q.len()], vec![0f32; q.len()]);
         causal_attention(&q, &kv, shape, pos0, &mut fast);
@@ -228,7 +230,7 @@ fn decode_group_picks_the_arithmetic_by_context_length() {
         let n_padded = padded_len(n_ctx, KV_PADDING);
         let scale = attn_scale(hd);
         let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
-        decode_group(&[KvRun { k: &k, v: &v }], start..end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
+        decode_group(&[KvRun::f16(&k, &v)], start..end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
         let (kw, vw) = (widened(&k), widened(&v));
         assert_heads_equal(&out, &lse, &format!("heads of {hd}, context {n_ctx} range {start}..{end}"), |g, twin| {
             let qh = &q[g * hd..(g + 1) * hd];
@@ -254,7 +256,7 @@ fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
         let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: 64, softcap: None };
         let n_ctx = pos0 + n_tok;
         let kv_data = random_kv(&mut rng, n_kv, n_ctx, 64);
-        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k, v }).collect();
+        let kv: Vec<KvHead<'_>> = kv_data.iter().map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
         let q: Vec<f32> = (0..n_tok * shape.n_head * 64).map(|_| rng.random_range(-1.0f32..1.0) * 4.0).collect();
         let (mut fast, mut twin, mut full) = (vec![0f32; q.len()], vec![0f32; q.len()], vec![0f32; q.len()]);
         causal_attention_windowed(&q, &kv, shape, pos0, Some(window), &mut fast);
@@ -263,5 +265,113 @@ fn windowed_prefill_attention_equals_widened_twin_bit_for_bit() {
         let first_bad = fast.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
         assert!(first_bad.is_none(), "window {window}, group {group} x {n_kv}, pos0 {pos0}, {n_tok} tokens: differs at {first_bad:?}");
         assert_eq!(fast == full, window >= n_ctx, "window {window} of a context of {n_ctx}: changes the result exactly when it cuts");
+    }
+}
+
+/// Random K or V rows of `n` positions (heads of `hd`) as f32 and as Q8_0 blocks of them.
+fn random_q8_0(rng: &mut StdRng, n: usize, hd: usize, gain: f32) -> (Vec<f32>, Vec<u8>) {
+    use duet_kernels::dot::quantize_row;
+    use duet_kernels::GgmlType;
+    let x: Vec<f32> = (0..n * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+    let mut q = vec![0u8; GgmlType::Q8_0.row_bytes(n * hd)];
+    quantize_row(GgmlType::Q8_0, &x, &mut q);
+    (x, q)
+}
+
+/// Q8_0 K/V rows through `decode_group` (the AVX-512 one-pass kernel where the CPU has it) —
+/// in one run and in uneven runs, contexts inside one chunk and past it, every group size —
+/// against `decode_attention_online` per head over the scalar twin's dequantised values, bit
+/// for bit; and the same attention from f16 rows of the unquantised values is within Q8_0's
+/// rounding.
+#[test]
+fn q8_0_decode_attention_equals_online_twin_bit_for_bit() {
+    use duet_kernels::attention::{attn_scale, decode_attention_online, padded_len, KV_PADDING, Q8_0_BLOCK_BYTES};
+    use duet_kernels::decode_batch::{decode_group, GroupScratch, DECODE_CHUNK};
+    let mut rng = StdRng::seed_from_u64(808);
+    let mut scratch = GroupScratch::default();
+    for hd in HEAD_DIMS {
+        let row = hd / 32 * Q8_0_BLOCK_BYTES;
+        for (case, &(n, n_ctx)) in [(1usize, 1usize), (17, 17), (100, 700), (333, 333), (DECODE_CHUNK, DECODE_CHUNK + 40)].iter().enumerate() {
+            for group in 1..=8 {
+                let (k32, k) = random_q8_0(&mut rng, n, hd, 1.0);
+                let (v32, v) = random_q8_0(&mut rng, n, hd, 1.0);
+                let q: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0f32..1.0) * if case % 2 == 0 { 1.0 } else { 6.0 }).collect();
+                let (mut kw, mut vw) = (vec![0f32; n * hd], vec![0f32; n * hd]);
+                kernels::widen_q8_0_scalar(&k, &mut kw);
+                kernels::widen_q8_0_scalar(&v, &mut vw);
+                let scale = attn_scale(hd);
+                let n_padded = padded_len(n_ctx, KV_PADDING);
+                let mut cut = Vec::new();
+                let mut at = 0;
+                while at < n {
+                    let len = rng.random_range(1..=40).min(n - at);
+                    cut.push(KvRun { k: KvRows::Q8_0(&k[at * row..(at + len) * row]), v: KvRows::Q8_0(&v[at * row..(at + len) * row]) });
+                    at += len;
+                }
+                for runs in [vec![KvRun { k: KvRows::Q8_0(&k), v: KvRows::Q8_0(&v) }], cut] {
+                    let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
+                    decode_group(&runs, 0..n, n_padded, scale, &q, &mut out, &mut lse, &mut scratch);
+                    let what = format!("q8_0 heads of {hd}, n {n} of {n_ctx}, group {group}, {} runs", runs.len());
+                    assert_heads_equal(&out, &lse, &what, |g, twin| decode_attention_online(&q[g * hd..(g + 1) * hd], &kw, &vw, n, scale, twin));
+                    // The f16 cache of the unquantised rows gives nearly the same attention.
+                    let (k16, v16): (Vec<f16>, Vec<f16>) = (k32.iter().map(|&x| f16::from_f32(x)).collect(), v32.iter().map(|&x| f16::from_f32(x)).collect());
+                    let (mut exact, mut lse16) = (vec![0f32; group * hd], vec![0f32; group]);
+                    decode_group(&[KvRun::f16(&k16, &v16)], 0..n, n_padded, scale, &q, &mut exact, &mut lse16, &mut scratch);
+                    let worst = out.iter().zip(&exact).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(worst < 0.03, "{what}: {worst} from the f16 cache's attention");
+                }
+            }
+        }
+    }
+}
+
+/// A prompt's attention over a Q8_0 cache is the f16 cache's attention of the unquantised rows
+/// to within Q8_0's rounding (so the rows are read where they lie, whole blocks per row), and
+/// a single token's is the one-pass twin's over the dequantised rows, bit for bit.
+#[test]
+fn q8_0_prefill_attention_is_the_f16_attention_within_rounding() {
+    use duet_kernels::attention::{attn_scale, decode_attention_online, AttnShape, KvHead};
+    use duet_kernels::causal::causal_attention;
+    let mut rng = StdRng::seed_from_u64(909);
+    for &(hd, group, n_kv, pos0, n_tok) in &[(64, 3, 3, 0, 37), (64, 4, 2, 300, 17), (128, 4, 2, 0, 33), (128, 2, 1, 100, 1), (64, 1, 2, 40, 1)] {
+        let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: hd, softcap: None };
+        let n_ctx = pos0 + n_tok;
+        let data: Vec<_> = (0..n_kv).map(|_| (random_q8_0(&mut rng, n_ctx, hd, 1.0), random_q8_0(&mut rng, n_ctx, hd, 1.0))).collect();
+        let quantised: Vec<KvHead<'_>> = data.iter().map(|((_, k), (_, v))| KvHead { k: KvRows::Q8_0(k), v: KvRows::Q8_0(v) }).collect();
+        let halves: Vec<(Vec<f16>, Vec<f16>)> =
+            data.iter().map(|((k, _), (v, _))| (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect())).collect();
+        let f16_cache: Vec<KvHead<'_>> = halves.iter().map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
+        let q: Vec<f32> = (0..n_tok * shape.n_head * hd).map(|_| rng.random_range(-1.0f32..1.0) * 3.0).collect();
+        let (mut got, mut want) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        causal_attention(&q, &quantised, shape, pos0, &mut got);
+        causal_attention(&q, &f16_cache, shape, pos0, &mut want);
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 0.03, "heads of {hd}, pos0 {pos0}, {n_tok} tokens: {worst} from the f16 cache's attention");
+        if n_tok == 1 {
+            for h in 0..shape.n_head {
+                let ((_, k), (_, v)) = &data[h / group];
+                let (mut kw, mut vw) = (vec![0f32; n_ctx * hd], vec![0f32; n_ctx * hd]);
+                kernels::widen_q8_0_scalar(k, &mut kw);
+                kernels::widen_q8_0_scalar(v, &mut vw);
+                let mut twin = vec![0f32; hd];
+                decode_attention_online(&q[h * hd..(h + 1) * hd], &kw, &vw, n_ctx, attn_scale(hd), &mut twin);
+                assert!(got[h * hd..(h + 1) * hd].iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "decode head {h}");
+            }
+        }
+    }
+}
+
+/// `widen_q8_0`'s SIMD path equals its scalar twin, and both are `d · q`.
+#[test]
+fn widen_q8_0_equals_scalar_twin() {
+    let mut rng = StdRng::seed_from_u64(5);
+    for n in [32usize, 64, 128, 4096] {
+        let (x, q) = random_q8_0(&mut rng, n, 1, 3.0);
+        let (mut fast, mut twin) = (vec![0f32; n], vec![0f32; n]);
+        kernels::widen_q8_0(&q, &mut fast);
+        kernels::widen_q8_0_scalar(&q, &mut twin);
+        assert!(fast.iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "n {n}");
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(x.iter().zip(&twin).all(|(a, b)| (a - b).abs() <= amax / 127.0), "n {n}: dequantised values within a step");
     }
 }

@@ -9,7 +9,7 @@
 //! arena  = header (HEADER_BYTES) | layer 0 | layer 1 | ... | layer n_layer-1
 //! layer  = K head 0 | ... | K head n_kv_head-1 | V head 0 | ... | V head n_kv_head-1
 //! head   = run of block 0 | run of block 1 | ... | run of block n_blocks-1
-//! run    = [token 0..block_size][0..head_dim] elements of dtype, then padding
+//! run    = [token 0..block_size] rows of head_dim values of dtype, then padding
 //! ```
 //!
 //! so decode attention streams each KV head's run once for its whole GQA query group, and a
@@ -29,7 +29,7 @@
 //! | 0 | `[u8; 8]` | magic `DUETKVAR` |
 //! | 8 | u32 | version (2) |
 //! | 12 | u32 | header bytes (4096) |
-//! | 16 | u32 | dtype (0 f16, 1 bf16, 2 f32) |
+//! | 16 | u32 | dtype (0 f16, 1 bf16, 2 f32, 3 q8_0: ggml's 34-byte blocks of 32, `head_dim / 32` per row) |
 //! | 20 | u32 | n_layer |
 //! | 24 | u32 | n_kv_head |
 //! | 28 | u32 | head_dim |
@@ -72,14 +72,18 @@ pub enum KvDtype {
     F16,
     BF16,
     F32,
+    /// ggml's Q8_0 blocks (an f16 scale and 32 signed bytes): 34 bytes per 32 values, as
+    /// llama.cpp's `-ctk q8_0 -ctv q8_0`. Heads must be a multiple of 32 values.
+    Q8_0,
 }
 
 impl KvDtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
+    /// Bytes of one row of `head_dim` values; `None` for Q8_0 rows that are not whole blocks.
+    pub fn row_bytes(self, head_dim: usize) -> Option<usize> {
         match self {
-            KvDtype::F16 | KvDtype::BF16 => 2,
-            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::BF16 => head_dim.checked_mul(2),
+            KvDtype::F32 => head_dim.checked_mul(4),
+            KvDtype::Q8_0 => head_dim.is_multiple_of(32).then_some(head_dim / 32 * 34),
         }
     }
 
@@ -88,6 +92,7 @@ impl KvDtype {
             KvDtype::F16 => 0,
             KvDtype::BF16 => 1,
             KvDtype::F32 => 2,
+            KvDtype::Q8_0 => 3,
         }
     }
 
@@ -96,8 +101,51 @@ impl KvDtype {
             0 => Ok(KvDtype::F16),
             1 => Ok(KvDtype::BF16),
             2 => Ok(KvDtype::F32),
+            3 => Ok(KvDtype::Q8_0),
             _ => Err(KvError::UnknownDtype(code)),
         }
+    }
+
+    /// Whether Duet's attention reads this type (f16 and q8_0; bf16 and f32 arenas are only
+    /// described).
+    pub fn attended(self) -> bool {
+        matches!(self, KvDtype::F16 | KvDtype::Q8_0)
+    }
+}
+
+/// A `--kv-type` flag's value: a type attention reads (`f16`, `q8_0`).
+pub fn parse_kv_type(s: &str) -> Result<KvDtype, String> {
+    let t: KvDtype = s.parse()?;
+    if t.attended() {
+        Ok(t)
+    } else {
+        Err(format!("{t} KV is not supported (f16 or q8_0)"))
+    }
+}
+
+/// The names the flags take: `f16`, `q8_0` (and `bf16`, `f32`).
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f16" => Ok(KvDtype::F16),
+            "q8_0" => Ok(KvDtype::Q8_0),
+            "bf16" => Ok(KvDtype::BF16),
+            "f32" => Ok(KvDtype::F32),
+            _ => Err(format!("unknown KV cache type {s:?} (f16 or q8_0)")),
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F16 => "f16",
+            KvDtype::BF16 => "bf16",
+            KvDtype::F32 => "f32",
+            KvDtype::Q8_0 => "q8_0",
+        })
     }
 }
 
@@ -159,10 +207,14 @@ impl ArenaLayout {
             }
         }
         (self.block_size as usize)
-            .checked_mul(self.head_dim as usize)
-            .and_then(|n| n.checked_mul(self.dtype.bytes()))
+            .checked_mul(self.row_bytes()?)
             .and_then(|n| n.checked_next_multiple_of(ALIGN))
             .ok_or(KvError::SizeOverflow { what: "head run" })
+    }
+
+    /// Bytes of one token's row of one KV head (`head_dim` values of `dtype`).
+    pub fn row_bytes(&self) -> Result<usize, KvError> {
+        self.dtype.row_bytes(self.head_dim as usize).ok_or(KvError::RowNotWholeBlocks { dtype: self.dtype, head_dim: self.head_dim })
     }
 
     /// Bytes of one block: every layer's K and V runs of `block_size` tokens (spread over
@@ -321,7 +373,29 @@ mod tests {
     #[test]
     fn dtype_sizes_and_default() {
         assert_eq!(KvDtype::default(), KvDtype::F16);
-        assert_eq!([KvDtype::F16, KvDtype::BF16, KvDtype::F32].map(KvDtype::bytes), [2, 2, 4]);
+        assert_eq!([KvDtype::F16, KvDtype::BF16, KvDtype::F32, KvDtype::Q8_0].map(|t| t.row_bytes(64)), [Some(128), Some(128), Some(256), Some(68)]);
+        assert_eq!(KvDtype::Q8_0.row_bytes(48), None, "Q8_0 rows are whole blocks of 32");
+        for t in [KvDtype::F16, KvDtype::BF16, KvDtype::F32, KvDtype::Q8_0] {
+            assert_eq!(KvDtype::from_code(t.code()), Ok(t));
+            assert_eq!(t.to_string().parse::<KvDtype>(), Ok(t));
+        }
+        assert_eq!(parse_kv_type("Q8_0"), Ok(KvDtype::Q8_0));
+        assert!(parse_kv_type("f32").is_err() && parse_kv_type("q4_0").is_err());
+    }
+
+    #[test]
+    fn q8_0_arena_sizes() {
+        // SmolLM2's shape, 64-token blocks: a run is 64 rows of two 34-byte blocks.
+        let l = layout(30, 3, 64, 64, KvDtype::Q8_0, 10);
+        assert_eq!(l.row_bytes(), Ok(68));
+        assert_eq!(l.head_run_bytes(), Ok(64 * 68));
+        assert_eq!(l.block_bytes(), Ok(30 * 2 * 3 * 64 * 68));
+        let header = ArenaLayout::decode_header(&l.encode_header().unwrap()).unwrap();
+        assert_eq!(header, l);
+        assert_eq!(
+            layout(2, 1, 48, 16, KvDtype::Q8_0, 1).validate(),
+            Err(KvError::RowNotWholeBlocks { dtype: KvDtype::Q8_0, head_dim: 48 })
+        );
     }
 
     #[test]
@@ -364,7 +438,7 @@ mod tests {
             l.validate().unwrap();
             let total = l.total_bytes().unwrap();
             let run = l.head_run_bytes().unwrap();
-            let payload = l.block_size as usize * l.head_dim as usize * l.dtype.bytes();
+            let payload = l.block_size as usize * l.row_bytes().unwrap();
             assert!(run >= payload && run % ALIGN == 0, "{l:?}");
             let mut runs = Vec::new();
             for b in 0..l.n_blocks {
@@ -498,7 +572,7 @@ mod tests {
             decode(&patched(OFF_HEADER_BYTES, &8192u32.to_le_bytes())),
             KvError::HeaderMismatch { field: "header_bytes", stored: 8192, computed: 4096 }
         );
-        assert_eq!(decode(&patched(OFF_DTYPE, &3u32.to_le_bytes())), KvError::UnknownDtype(3));
+        assert_eq!(decode(&patched(OFF_DTYPE, &4u32.to_le_bytes())), KvError::UnknownDtype(4));
         for (field, off) in [
             ("n_layer", OFF_N_LAYER),
             ("n_kv_head", OFF_N_KV_HEAD),

@@ -16,7 +16,7 @@ pub mod paged;
 pub mod shm;
 
 pub use blocks::{BlockId, BlockTable, KvPool, Placement, TokenSlot, WorkerId};
-pub use layout::{ArenaLayout, KvDtype, KvShape};
+pub use layout::{parse_kv_type, ArenaLayout, KvDtype, KvShape};
 
 /// Everything that can go wrong in KV bookkeeping: a bad arena header or layout, or a
 /// request for more blocks than a worker has free.
@@ -28,8 +28,10 @@ pub enum KvError {
     BadMagic { found: [u8; 8], expected: [u8; 8] },
     #[error("unsupported KV arena version {found} (this build reads version {supported})")]
     UnsupportedVersion { found: u32, supported: u32 },
-    #[error("unknown KV dtype code {0} (0 = f16, 1 = bf16, 2 = f32)")]
+    #[error("unknown KV dtype code {0} (0 = f16, 1 = bf16, 2 = f32, 3 = q8_0)")]
     UnknownDtype(u32),
+    #[error("a {dtype} KV row of {head_dim} values is not whole blocks of 32")]
+    RowNotWholeBlocks { dtype: KvDtype, head_dim: u32 },
     #[error("KV layout field {field} is zero")]
     ZeroDimension { field: &'static str },
     #[error("KV layout is too large: its {what} overflows the address space")]

@@ -1,18 +1,21 @@
 //! One sequence's position range in a paged KV arena, as attention jobs name it: which
 //! blocks hold it ([`PagedRange`], checked against an [`ArenaLayout`] by [`PagedRange::fits`])
-//! and its f16 K/V rows read in place, one run per block ([`rows`]). Slices and offsets only:
-//! the attention kernels take those rows and know nothing of the layout.
+//! and its K/V rows (f16 or Q8_0) read in place, one run per block ([`rows`]). Slices and
+//! offsets only: the attention kernels take those rows and know nothing of the layout.
 
+use duet_kernels::attention::{KvRows, KvRun};
 use half::f16;
 
-use super::{ArenaLayout, BlockId, KvDtype};
+use super::{ArenaLayout, BlockId};
 
-/// Read access to the f16 K/V rows of a KV arena (a byte arena described by an
+/// Read access to the K/V rows of a KV arena (a byte arena described by an
 /// [`ArenaLayout`]; a shared-memory segment in the cpu-worker, a plain slice in tests).
 pub trait ArenaRows: Sync {
     /// `count` f16 values starting at byte `offset` of the arena (`offset` is even). May
     /// panic if the range is outside the arena; callers check [`PagedRange::fits`] first.
     fn f16s(&self, offset: usize, count: usize) -> &[f16];
+    /// `len` bytes starting at byte `offset`; may panic as [`Self::f16s`].
+    fn bytes(&self, offset: usize, len: usize) -> &[u8];
 }
 
 /// An arena held as f16 values from byte 0 (header included), e.g. in tests.
@@ -20,6 +23,12 @@ impl ArenaRows for [f16] {
     fn f16s(&self, offset: usize, count: usize) -> &[f16] {
         assert!(offset.is_multiple_of(2), "f16 rows at odd byte offset {offset}");
         &self[offset / 2..offset / 2 + count]
+    }
+
+    fn bytes(&self, offset: usize, len: usize) -> &[u8] {
+        // SAFETY: f16 is two plain bytes; the slice is bounds-checked below.
+        let all = unsafe { std::slice::from_raw_parts(self.as_ptr().cast::<u8>(), 2 * self.len()) };
+        &all[offset..offset + len]
     }
 }
 
@@ -45,7 +54,7 @@ pub struct PagedRange<'a> {
 }
 
 impl PagedRange<'_> {
-    /// Whether this range can be attended in an arena of `layout`: f16 arena, `layer` in
+    /// Whether this range can be attended in an arena of `layout`: an f16 or q8_0 arena, `layer` in
     /// range, `start < end <= n_ctx`, a non-zero padding, every block id in the arena and
     /// `first_pos <= start`, `end <= first_pos + blocks.len() * block_size`. The functions
     /// below assume it (and panic otherwise); job decoding checks each rule with its own error.
@@ -53,7 +62,7 @@ impl PagedRange<'_> {
         let bs = layout.block_size as usize;
         let covered = self.blocks.len().checked_mul(bs).and_then(|n| n.checked_add(self.first_pos));
         layout.validate().is_ok()
-            && layout.dtype == KvDtype::F16
+            && layout.dtype.attended()
             && self.layer < layout.n_layer
             && self.start < self.end
             && self.end <= self.n_ctx
@@ -65,9 +74,8 @@ impl PagedRange<'_> {
     }
 }
 
-/// The K/V rows of `kv_head` for `r`'s positions, in place in `arena`: one `(k, v)` pair of
-/// `[rows][head_dim]` slices per block, in position order (an iterator: callers collect them
-/// into the kernels' run type). Callers check `r.fits(layout)`
+/// The K/V rows of `kv_head` for `r`'s positions, in place in `arena`: one run of
+/// `[rows][head_dim]` per block, in position order, of the arena's type. Callers check `r.fits(layout)`
 /// once per range (job decoding does), not once per call: this runs per task of every job.
 /// Panics if it does not fit (the arena's `f16s` checks every slice) or `kv_head` is out of
 /// range.
@@ -76,15 +84,19 @@ pub fn rows<'a, 'r, 'b, A: ArenaRows + ?Sized>(
     layout: &'r ArenaLayout,
     r: &'r PagedRange<'b>,
     kv_head: u32,
-) -> impl Iterator<Item = (&'a [f16], &'a [f16])> + use<'a, 'r, 'b, A> {
+) -> impl Iterator<Item = KvRun<'a>> + use<'a, 'r, 'b, A> {
     debug_assert!(r.fits(layout), "paged range {r:?} does not fit arena {layout:?}");
     assert!(kv_head < layout.n_kv_head && r.start < r.end && r.first_pos <= r.start, "kv head {kv_head} of {}, range {r:?}", layout.n_kv_head);
     let hd = layout.head_dim as usize;
-    block_runs(layout, r).map(move |(block, lo, n)| {
-        (
-            arena.f16s(layout.k_offset(block, r.layer, kv_head) + lo * hd * 2, n * hd),
-            arena.f16s(layout.v_offset(block, r.layer, kv_head) + lo * hd * 2, n * hd),
-        )
+    let row = layout.row_bytes().expect("a validated layout");
+    let q8 = layout.dtype == super::KvDtype::Q8_0;
+    let rows = move |offset: usize, n: usize| match q8 {
+        true => KvRows::Q8_0(arena.bytes(offset, n * row)),
+        false => KvRows::F16(arena.f16s(offset, n * hd)),
+    };
+    block_runs(layout, r).map(move |(block, lo, n)| KvRun {
+        k: rows(layout.k_offset(block, r.layer, kv_head) + lo * row, n),
+        v: rows(layout.v_offset(block, r.layer, kv_head) + lo * row, n),
     })
 }
 
@@ -105,6 +117,7 @@ fn block_runs<'a>(layout: &ArenaLayout, r: &'a PagedRange<'_>) -> impl Iterator<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::KvDtype;
 
     #[test]
     fn fits_checks_every_rule() {

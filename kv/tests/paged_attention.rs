@@ -2,7 +2,7 @@
 //! context, and split into ranges merged by log-sum-exp within a stated tolerance of the
 //! unsplit result and of a float64 reference, for real and odd shapes.
 
-use duet_kernels::attention::{attn_scale, padded_len, AttnShape, KvHead, KvRun, KV_PADDING};
+use duet_kernels::attention::{attn_scale, padded_len, AttnShape, KvHead, KvRows, KvRun, KV_PADDING};
 use duet_kernels::causal::causal_attention;
 use duet_kernels::decode_batch::{decode_group, GroupScratch};
 use duet_kernels::decode_batch::{merge_lse, merge_partials};
@@ -28,7 +28,7 @@ const SPLIT_TOL: f64 = 2.0 * U * 1.01;
 /// place from the arena (as a cpu-worker reads them), then the kernel.
 #[allow(clippy::too_many_arguments)] // the arena, the range and the group's three slices
 fn attend_group(arena: &[f16], layout: &ArenaLayout, r: &PagedRange<'_>, kv_head: u32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut GroupScratch) {
-    let runs: Vec<KvRun<'_>> = rows(arena, layout, r, kv_head).map(|(k, v)| KvRun { k, v }).collect();
+    let runs: Vec<KvRun<'_>> = rows(arena, layout, r, kv_head).collect();
     decode_group(&runs, r.start..r.end, padded_len(r.n_ctx, r.kv_padding), attn_scale(layout.head_dim as usize), q, out, lse, scratch);
 }
 
@@ -85,7 +85,7 @@ impl Fixture {
 
     /// The single-process result for the decode token at position n - 1.
     fn reference(&self) -> Vec<f32> {
-        let heads: Vec<KvHead<'_>> = self.k.iter().zip(&self.v).map(|(k, v)| KvHead { k, v }).collect();
+        let heads: Vec<KvHead<'_>> = self.k.iter().zip(&self.v).map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
         let mut out = vec![0f32; self.q.len()];
         causal_attention(&self.q, &heads, self.shape, self.n - 1, &mut out);
         out

@@ -210,6 +210,12 @@ impl Reference {
         Reference { engine: Runner::load(model).expect("loading the model") }
     }
 
+    /// The reference with its cache in `kv_type` (f16 unless set).
+    pub fn with_kv_type(mut self, kv_type: duet_kv::KvDtype) -> Reference {
+        self.engine.kv_type = kv_type;
+        self
+    }
+
     pub fn generate(&self, prompt_ids: &[u32], max_tokens: usize) -> RefGeneration {
         let req = GenerateRequest { prompt_ids: prompt_ids.to_vec(), max_tokens, sampling: SamplingParams::default(), top_n: 2 };
         let g = self.engine.generate(&req, |_| {}).expect("reference generation");

@@ -2,13 +2,10 @@
 //! device's whole attention, and the CUDA device's own share until its attention kernels run
 //! on the GPU (stage A of the CUDA device: Q/K/V come to the host each layer anyway).
 
-use std::borrow::Cow;
-
-use duet_kernels::attention::{windowed, KvHead, KV_PADDING};
+use duet_kernels::attention::{windowed, KvHead, KvRows, KvRowsBuf, KvRun, KV_PADDING};
 use duet_kernels::causal::causal_attention_windowed;
 use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
 use duet_model::config::LlamaConfig;
-use half::f16;
 
 use super::{attn_shape, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
 use crate::error::Result;
@@ -32,16 +29,31 @@ pub fn prefill(config: &LlamaConfig, layer: usize, q: &[f32], items: &[PrefillIt
         let heads = (0..shape.n_kv_head)
             .map(|h| {
                 Ok(match kv.runs(it.seq, layer, h, 0..it.start + it.n)?.as_slice() {
-                    [one] => (Cow::Borrowed(one.k), Cow::Borrowed(one.v)),
-                    runs => (Cow::Owned(runs.iter().map(|r| r.k).collect::<Vec<_>>().concat()), Cow::Owned(runs.iter().map(|r| r.v).collect::<Vec<_>>().concat())),
+                    [one] => Heads::Borrowed(*one),
+                    runs => {
+                        let gather = |rows: Vec<KvRows<'_>>| KvRowsBuf::concat(&rows).ok_or(KvAccessError::MixedRowTypes);
+                        Heads::Gathered(gather(runs.iter().map(|r| r.k).collect())?, gather(runs.iter().map(|r| r.v).collect())?)
+                    }
                 })
             })
-            .collect::<Result<Vec<(Cow<'_, [f16]>, Cow<'_, [f16]>)>, KvAccessError>>()?;
-        let views: Vec<KvHead<'_>> = heads.iter().map(|(k, v)| KvHead { k, v }).collect();
+            .collect::<Result<Vec<Heads<'_>>, KvAccessError>>()?;
+        let views: Vec<KvHead<'_>> = heads
+            .iter()
+            .map(|h| match h {
+                Heads::Borrowed(run) => KvHead { k: run.k, v: run.v },
+                Heads::Gathered(k, v) => KvHead { k: k.rows(), v: v.rows() },
+            })
+            .collect();
         let rows = it.row0 * q_dim..(it.row0 + it.n) * q_dim;
         causal_attention_windowed(&q[rows.clone()], &views, shape, it.start, config.window(layer), &mut out[rows]);
     }
     Ok(())
+}
+
+/// One KV head's context for a prompt: in place when it is one run, else gathered.
+enum Heads<'a> {
+    Borrowed(KvRun<'a>),
+    Gathered(KvRowsBuf, KvRowsBuf),
 }
 
 /// Decode attention of `items`, one row of `q` each, over their ranges in `kv` (the part

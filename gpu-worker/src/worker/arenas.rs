@@ -5,7 +5,9 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use duet_kernels::attention::KvRun;
+use duet_kernels::attention::{KvRows, KvRun};
+use duet_kernels::dot::quantize_row;
+use duet_kernels::GgmlType;
 use duet_kv::{ArenaLayout, BlockId, KvDtype, KvShape};
 use duet_kv::shm::{Producer, Ring, Segment};
 use half::f16;
@@ -82,10 +84,13 @@ impl KvArenas {
             return Err(attach_err(format!("arena of {} bytes, its layout needs {need}", arena.len())));
         }
         let KvShape { n_layer, n_kv_head, head_dim } = self.shape;
-        if layout.kv_shape() != self.shape || layout.dtype != KvDtype::F16 {
+        if layout.kv_shape() != self.shape || !layout.dtype.attended() {
             return Err(attach_err(format!(
-                "arena layout {layout:?} does not fit the model ({n_layer} layers, {n_kv_head} KV heads of {head_dim}, f16)"
+                "arena layout {layout:?} does not fit the model ({n_layer} layers, {n_kv_head} KV heads of {head_dim}, f16 or q8_0)"
             )));
+        }
+        if let Some(other) = self.workers.iter().flatten().find(|w| w.layout.dtype != layout.dtype) {
+            return Err(attach_err(format!("KV type {} differs from the other workers' {}", layout.dtype, other.layout.dtype)));
         }
         if let Some(other) = self.workers.iter().flatten().find(|w| w.layout.block_size != layout.block_size) {
             return Err(attach_err(format!(
@@ -138,20 +143,26 @@ impl KvArenas {
         Ok(())
     }
 
-    /// Stores one token's K and V rows (`[kv_head][head_dim]` each, rounded to f16) of
-    /// `layer` in `slot` of `block` on `worker`. The block must have been checked.
+    /// Stores one token's K and V rows (`[kv_head][head_dim]` each, rounded to the arena's
+    /// f16 or quantised to its Q8_0) of `layer` in `slot` of `block` on `worker`. The block
+    /// must have been checked.
     pub fn write_token(&self, worker: u32, block: BlockId, slot: usize, layer: u32, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
         let w = self.worker(worker)?;
         let hd = w.layout.head_dim as usize;
+        let row = w.layout.row_bytes().expect("a validated layout");
         for (h, (kh, vh)) in k.chunks_exact(hd).zip(v.chunks_exact(hd)).enumerate() {
             for (offset, src) in [(w.layout.k_offset(block, layer, h as u32), kh), (w.layout.v_offset(block, layer, h as u32), vh)] {
-                // SAFETY: the offset lies inside the arena (block checked, layout validated
-                // against the segment's length). Nobody reads this slot while it is written:
-                // the plan gives each token position to one sequence, and its attention jobs
-                // are posted after this write (the ring's release/acquire orders them).
-                let dst = unsafe { w.arena.slice_mut::<f16>(offset + slot * hd * 2, hd) };
-                // Eight at a time with F16C where present (the same rounding).
-                dst.convert_from_f32_slice(src);
+                // SAFETY (both arms): the offset lies inside the arena (block checked, layout
+                // validated against the segment's length). Nobody reads this slot while it is
+                // written: the plan gives each token position to one sequence, and its
+                // attention jobs are posted after this write (the ring's release/acquire
+                // orders them).
+                if w.layout.dtype == KvDtype::Q8_0 {
+                    quantize_row(GgmlType::Q8_0, src, unsafe { w.arena.slice_mut::<u8>(offset + slot * row, row) });
+                } else {
+                    // Eight at a time with F16C where present (the same rounding).
+                    unsafe { w.arena.slice_mut::<f16>(offset + slot * row, hd) }.convert_from_f32_slice(src);
+                }
             }
         }
         Ok(())
@@ -172,12 +183,12 @@ impl KvArenas {
             // SAFETY: inside the arena (blocks checked when the step was accepted); these
             // rows were written by this process in this or an earlier step, and no one
             // writes them while the step reads them.
-            runs.push(unsafe {
-                KvRun {
-                    k: w.arena.slice::<f16>(w.layout.k_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
-                    v: w.arena.slice::<f16>(w.layout.v_offset(block, layer, kv_head) + slot * hd * 2, n * hd),
-                }
-            });
+            let row = w.layout.row_bytes().expect("a validated layout");
+            let rows = |offset: usize| match w.layout.dtype {
+                KvDtype::Q8_0 => KvRows::Q8_0(unsafe { w.arena.slice::<u8>(offset + slot * row, n * row) }),
+                _ => KvRows::F16(unsafe { w.arena.slice::<f16>(offset + slot * row, n * hd) }),
+            };
+            runs.push(KvRun { k: rows(w.layout.k_offset(block, layer, kv_head)), v: rows(w.layout.v_offset(block, layer, kv_head)) });
             pos += n;
         }
         Ok(runs)

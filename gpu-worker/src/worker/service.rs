@@ -145,7 +145,7 @@ pub fn status(e: StepError) -> Status {
         | StepError::Model(GpuWorkerError::Kv(KvAccessError::WorkerNotAttached(_)))
         | StepError::CpuWorker { .. } => Status::unavailable(msg),
         StepError::Kv(KvAccessError::NoBlock { .. }) | StepError::Model(GpuWorkerError::Kv(KvAccessError::NoBlock { .. })) => Status::invalid_argument(msg),
-        StepError::Kv(KvAccessError::NoRow { .. }) => Status::internal(msg),
+        StepError::Kv(KvAccessError::NoRow { .. } | KvAccessError::MixedRowTypes) => Status::internal(msg),
         StepError::Model(GpuWorkerError::DeviceUnavailable { .. }) => Status::unavailable(msg),
         StepError::Model(_) => Status::internal(msg),
     }

@@ -257,7 +257,7 @@ impl AttnJob {
     pub fn validate(&self, layout: &ArenaLayout) -> Result<(), JobError> {
         check_shape(self.n_head, self.n_kv_head, self.head_dim, self.kv_padding)?;
         check_softcap(self.softcap)?;
-        if layout.dtype != KvDtype::F16 {
+        if !layout.dtype.attended() {
             return Err(JobError::UnsupportedDtype(layout.dtype));
         }
         for (field, job, arena) in
