@@ -18,7 +18,11 @@ from `scripts/gen_random_model.py`); the batch-1 decode row then also says what 
 read bandwidth measured in the same run (kernel rows) its weight reads are (for a mixture of
 experts, the bytes a token reads: the shared weights and its share of the experts').
 `--experts-on cpu-workers` serves a mixture's routed experts from the cpu-workers. A depth
-row the model's context cannot hold is left out (for both).
+row the model's context cannot hold is left out (for both). `--kv-type q8_0` runs both with a
+Q8_0 KV cache (llama.cpp with the flash attention it needs for one). `--only ROW,...` runs
+only those system rows, among them `aggregate-16-depth-4096` (16 sessions, each with a
+4096-token prompt prefilled untimed: long contexts at batch; not in the default set, its
+prefill takes minutes).
 
 Run through scripts/bench.sh, which builds the binaries and fetches the model first.
 """
@@ -40,6 +44,7 @@ BIN = os.environ.get("DUET_BENCH_BIN") or os.path.join(ROOT, "target", "release"
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DECODE_TOKENS = 64
 EXPERTS_ON = "device"
+KV_TYPE = "f16"
 
 SYSTEM_ROWS = [
     # (row id, description, shape)
@@ -50,6 +55,7 @@ SYSTEM_ROWS = [
     ("aggregate-8", "whole system: aggregate decode", "8 concurrent sessions"),
     ("aggregate-16", "whole system: aggregate decode", "16 concurrent sessions"),
     ("aggregate-32", "whole system: aggregate decode", "32 concurrent sessions"),
+    ("aggregate-16-depth-4096", "whole system: aggregate decode", "16 concurrent sessions at depth 4096"),
     ("decode-depth-0-json", "whole system: decode, batch 1, JSON schema", "depth 0"),
     ("aggregate-16-json", "whole system: aggregate decode, JSON schema", "16 concurrent sessions"),
 ]
@@ -57,6 +63,9 @@ SYSTEM_ROWS = [
 # tokens timed (an array of at least 1000 strings), against the same rows unconstrained.
 JSON_SCHEMA = json.dumps({"type": "array", "items": {"type": "string"}, "minItems": 1000})
 CONSTRAINED_OF = {"decode-depth-0-json": "decode-depth-0", "aggregate-16-json": "aggregate-16"}
+# The rows run unless --only names others.
+DEFAULT_ROWS = [r for r, _, _ in SYSTEM_ROWS if r != "aggregate-16-depth-4096"]
+ROWS = DEFAULT_ROWS
 
 
 def log(msg):
@@ -88,7 +97,8 @@ class Server:
         self.err = open(os.path.join(self.dir, "gw.log"), "w")
         self.proc = subprocess.Popen(
             [os.path.join(BIN, "duet-gateway"), "serve", "--model", MODEL, "--listen", "127.0.0.1:0",
-             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads)]
+             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads), "--kv-type", KV_TYPE]
+            + (["--kv-bytes", str(deep_kv_bytes())] if "aggregate-16-depth-4096" in ROWS else [])
             + (["--experts-on", EXPERTS_ON] if EXPERTS_ON != "device" else []),
             stdout=self.out, stderr=self.err, env=env)
         deadline = time.time() + 120
@@ -144,26 +154,42 @@ def system_rows(threads, repeat, with_llama):
 
 
 def duet_pass(server):
-    """One pass over the whole-system rows."""
+    """One pass over the whole-system rows of ROWS."""
     res = {}
-    r = server.bench("--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "1")[0]
-    res["prefill-512"] = 512 / (r["ttft_median_ms"] / 1e3)
-    r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS))[0]
-    res["decode-depth-0"] = r["decode_tokens_per_s_per_stream"]
+    if "prefill-512" in ROWS:
+        r = server.bench("--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "1")[0]
+        res["prefill-512"] = 512 / (r["ttft_median_ms"] / 1e3)
+    if "decode-depth-0" in ROWS:
+        r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS))[0]
+        res["decode-depth-0"] = r["decode_tokens_per_s_per_stream"]
     for depth in (1024, 4096):
+        if f"decode-depth-{depth}" not in ROWS:
+            continue
         if depth + DECODE_TOKENS >= model_context():
             log(f"  decode at depth {depth}: left out, the model's context is {model_context()}")
             continue
         r = server.bench("--concurrency", "1", "--context", str(depth), "--max-tokens", str(DECODE_TOKENS))[0]
         res[f"decode-depth-{depth}"] = r["decode_tokens_per_s_per_stream"]
-    for n in (8, 16, 32):
-        r = server.bench("--concurrency", str(n), "--context", "16", "--max-tokens", str(DECODE_TOKENS))[0]
-        res[f"aggregate-{n}"] = r["aggregate_tokens_per_s"]
-    r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS), "--json-schema", JSON_SCHEMA)[0]
-    res["decode-depth-0-json"] = r["decode_tokens_per_s_per_stream"]
-    r = server.bench("--concurrency", "16", "--context", "16", "--max-tokens", str(DECODE_TOKENS), "--json-schema", JSON_SCHEMA)[0]
-    res["aggregate-16-json"] = r["aggregate_tokens_per_s"]
+    for row, n, depth in aggregate_rows():
+        r = server.bench("--concurrency", str(n), "--context", str(depth), "--max-tokens", str(DECODE_TOKENS))[0]
+        res[row] = r["aggregate_tokens_per_s"]
+    if "decode-depth-0-json" in ROWS:
+        r = server.bench("--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", str(DECODE_TOKENS), "--json-schema", JSON_SCHEMA)[0]
+        res["decode-depth-0-json"] = r["decode_tokens_per_s_per_stream"]
+    if "aggregate-16-json" in ROWS:
+        r = server.bench("--concurrency", "16", "--context", "16", "--max-tokens", str(DECODE_TOKENS), "--json-schema", JSON_SCHEMA)[0]
+        res["aggregate-16-json"] = r["aggregate_tokens_per_s"]
     return res
+
+
+def aggregate_rows():
+    """The aggregate rows of ROWS: (row, sessions, prompt tokens of each)."""
+    rows = []
+    for row in ROWS:
+        m = re.fullmatch(r"aggregate-(\d+)(?:-depth-(\d+))?", row)
+        if m:
+            rows.append((row, int(m.group(1)), int(m.group(2) or 16)))
+    return rows
 
 
 def llama_available():
@@ -177,8 +203,10 @@ def llama_available():
 
 def llama_pass(threads):
     """One pass of scripts/llama_cpp_bench.py over the same rows."""
+    # The JSON-schema rows are Duet's alone.
+    rows = [r for r in ROWS if r not in CONSTRAINED_OF and not (r.startswith("decode-depth-") and int(r.split("-")[2]) + DECODE_TOKENS >= model_context())]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "llama_cpp_bench.py"), "--model", MODEL, "--threads", str(threads),
-           "--decode-tokens", str(DECODE_TOKENS)]
+           "--decode-tokens", str(DECODE_TOKENS), "--kv-type", KV_TYPE, "--rows", ",".join(rows)]
     log("llama.cpp: " + " ".join(cmd[1:]))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -232,6 +260,18 @@ def bytes_per_token():
     return total
 
 
+def deep_kv_bytes():
+    """KV arena bytes for 16 sessions of 4096 + 80 tokens in f16, with a tenth to spare (the
+    model's K/V shape from gguf-py; 8 GiB without it)."""
+    reader = gguf_reader()
+    if reader is None:
+        return 8 << 30
+    n_layer, n_head = metadata(reader, ".block_count"), metadata(reader, ".attention.head_count")
+    n_kv = metadata(reader, ".attention.head_count_kv") or n_head
+    head_dim = metadata(reader, ".attention.key_length") or metadata(reader, ".embedding_length") // n_head
+    return int(16 * (4096 + 80) * n_layer * 2 * n_kv * head_dim * 2 * 1.1)
+
+
 def set_model(path):
     global MODEL
     if not os.path.exists(path):
@@ -257,10 +297,17 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="passes over the whole-system rows (each row: the median)")
     ap.add_argument("--model", default=MODEL, help="GGUF model of the whole-system rows (default: SmolLM2-135M Q4_1)")
     ap.add_argument("--experts-on", default="device", choices=["device", "cpu-workers"], help="where a mixture's routed experts run")
+    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="the KV cache type of both systems")
+    ap.add_argument("--only", help="comma-separated system rows to run (default: all but aggregate-16-depth-4096)")
     args = ap.parse_args()
     set_model(args.model)
-    global EXPERTS_ON
+    global EXPERTS_ON, KV_TYPE, ROWS
     EXPERTS_ON = args.experts_on
+    KV_TYPE = args.kv_type
+    known = [r for r, _, _ in SYSTEM_ROWS]
+    ROWS = args.only.split(",") if args.only else DEFAULT_ROWS
+    if unknown := [r for r in ROWS if r not in known]:
+        sys.exit(f"unknown rows {unknown}; the rows are: {', '.join(known)}")
     header, krows = ("", []) if args.no_kernels else kernel_rows(args.threads, args.quick)
     repeat = max(1, args.repeat)
     duet, llama = {}, None
@@ -269,7 +316,8 @@ def main():
     passes = "" if args.no_system else f"whole-system rows: the median of {repeat} passes"
     model = os.path.basename(MODEL)
     experts = "" if args.experts_on == "device" else "experts on the cpu-workers"
-    print("Duet benchmark: " + "; ".join(p for p in (model, experts, f"{args.threads} threads", header, passes) if p))
+    kv = f"{args.kv_type} KV cache"
+    print("Duet benchmark: " + "; ".join(p for p in (model, experts, kv, f"{args.threads} threads", header, passes) if p))
     print()
     print("| what | shape | Duet | unit | llama.cpp | Duet / llama.cpp | of read bandwidth |")
     print("|---|---|---:|---|---:|---:|---:|")

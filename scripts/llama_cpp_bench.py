@@ -7,9 +7,12 @@ Rows (names match scripts/bench.sh):
   decode-depth-D    batch 1: a D-token prompt prefilled untimed, then greedy decode timed
   aggregate-N       N sequences, each with a 16-token prompt prefilled untimed, then N
                     tokens per llama_decode call (one per sequence), greedy; all tokens / time
+  aggregate-N-depth-D  the same with a D-token prompt per sequence
 
 Prompts are random ordinary token ids (1000..40000) and end-of-generation is ignored, as in
-`duet bench`. llama.cpp's own defaults otherwise (flash attention "auto").
+`duet bench`. llama.cpp's own defaults otherwise (flash attention "auto"); `--kv-type q8_0`
+sets the K and V cache types to Q8_0 (`-ctk q8_0 -ctv q8_0`) with flash attention on, which
+llama.cpp needs for a quantised V cache.
 Prints one JSON object {row: tokens_per_s}.
 """
 
@@ -28,7 +31,7 @@ except ImportError:
 
 
 class Runner:
-    def __init__(self, model_path, threads, n_ctx, n_seq, n_batch):
+    def __init__(self, model_path, threads, n_ctx, n_seq, n_batch, kv_type="f16"):
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(model_path.encode(), mp)
@@ -41,6 +44,9 @@ class Runner:
         cp.n_seq_max = n_seq
         cp.n_threads = threads
         cp.n_threads_batch = threads
+        if kv_type == "q8_0":
+            cp.type_k = cp.type_v = L.GGML_TYPE_Q8_0
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             sys.exit("llama.cpp could not create a context")
@@ -89,14 +95,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="prefill-512,decode-depth-0,decode-depth-1024,decode-depth-4096,aggregate-8,aggregate-16,aggregate-32")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--kv-type", choices=["f16", "q8_0"], default="f16")
     args = ap.parse_args()
     rng = random.Random(1)
     rows = args.rows.split(",")
     results = {}
     n_batch = 512
-    max_seq = max([int(r.split("-")[1]) for r in rows if r.startswith("aggregate-")] or [1])
     # One context per shape of work, as a user would configure llama.cpp for it.
-    single = Runner(args.model, args.threads, 4096 + 256, 1, n_batch)
+    single = Runner(args.model, args.threads, 4096 + 256, 1, n_batch, args.kv_type)
     for row in rows:
         if row == "prefill-512":
             best = 0.0
@@ -118,14 +124,16 @@ def main():
                 nxt = single.decode([(nxt, pos, 0, True)])[0]
                 pos += 1
             results[row] = args.decode_tokens / (time.perf_counter() - t)
-    agg = [r for r in rows if r.startswith("aggregate-")]
+    # aggregate-N or aggregate-N-depth-D: (row, sessions, prompt tokens).
+    agg = [(r, int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in rows if r.startswith("aggregate-")]
     if agg:
-        multi = Runner(args.model, args.threads, max_seq * (16 + args.decode_tokens + 16), max_seq, n_batch)
-        for row in agg:
-            n = int(row.split("-")[1])
+        max_seq = max(n for _, n, _ in agg)
+        per_seq = max(d for _, _, d in agg) + args.decode_tokens + 16
+        multi = Runner(args.model, args.threads, max_seq * per_seq, max_seq, n_batch, args.kv_type)
+        for row, n, depth in agg:
             multi.clear()
-            nxt = [multi.prefill(s, prompt(rng, 16), n_batch) for s in range(n)]
-            pos = 16
+            nxt = [multi.prefill(s, prompt(rng, depth), n_batch) for s in range(n)]
+            pos = depth
             t = time.perf_counter()
             for _ in range(args.decode_tokens):
                 nxt = multi.decode([(nxt[s], pos, s, True) for s in range(n)])

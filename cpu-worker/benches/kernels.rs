@@ -1,6 +1,6 @@
 //! Kernel benchmark: the machine's read bandwidth (a STREAM-like sum in the same run, before
 //! and after the kernels), the
-//! cpu-worker's decode attention (GB/s of KV read, and its fraction of that bandwidth) at
+//! cpu-worker's decode attention over f16 and q8_0 caches (GB/s of KV read, and its fraction of that bandwidth) at
 //! contexts 1K/4K/16K × batches 1/8/32, and the quantised matrix-vector product of every
 //! weight type (GB/s of weights). One table on stdout.
 //!
@@ -122,21 +122,24 @@ fn layers_for(bytes_per_layer: usize) -> u32 {
     (64usize << 20).div_ceil(bytes_per_layer).clamp(2, 64) as u32
 }
 
-/// GB/s of KV read by one layer's attention job: `batch` sequences of `context` positions.
-fn attention(shape: AttnBench, batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+/// GB/s of KV read by one layer's attention job: `batch` sequences of `context` positions, the
+/// cache in `dtype` (f16 or q8_0; the bytes read are the type's).
+fn attention(shape: AttnBench, dtype: KvDtype, batch: usize, context: usize, rng: &mut rand::rngs::StdRng) -> f64 {
     let AttnBench { n_head, n_kv_head, head_dim } = shape;
     let blocks_per_seq = context.div_ceil(BLOCK as usize);
-    let bytes = batch * context * (n_kv_head * head_dim) as usize * 2 * 2;
+    let row = dtype.row_bytes(head_dim as usize).expect("heads of whole blocks");
+    let bytes = batch * context * n_kv_head as usize * row * 2;
     let n_layer = layers_for(bytes);
     let layout = ArenaLayout {
         n_layer,
         n_kv_head,
         head_dim,
         block_size: BLOCK,
-        dtype: KvDtype::F16,
+        dtype,
         n_blocks: (batch * blocks_per_seq) as u32,
     };
     let total = layout.total_bytes().expect("layout");
+    // Small finite f16 values everywhere: a Q8_0 block's scale (at an even offset) is one.
     let mut arena = vec![f16::ZERO; total / 2];
     arena.par_chunks_mut(4096).enumerate().for_each(|(i, c)| {
         for (j, x) in c.iter_mut().enumerate() {
@@ -290,12 +293,14 @@ fn main() {
     let wanted = |what: &str| a.only.as_deref().is_none_or(|o| what.contains(o));
     let mut rows: Vec<(String, String, f64)> = Vec::new();
     let contexts: &[usize] = if a.quick { &[1024, 4096] } else { &[1024, 4096, 16384] };
-    for shape in ATTENTION_SHAPES {
-        let what = format!("decode attention, one layer, f16 KV, {}/{} heads of {}", shape.n_head, shape.n_kv_head, shape.head_dim);
-        for &ctx in contexts.iter().filter(|_| wanted(&what)) {
-            for &batch in &[1usize, 8, 32] {
-                let g = attention(shape, batch, ctx, &mut rng);
-                rows.push((what.clone(), format!("context {ctx} × batch {batch}"), g));
+    for dtype in [KvDtype::F16, KvDtype::Q8_0] {
+        for shape in ATTENTION_SHAPES {
+            let what = format!("decode attention, one layer, {dtype} KV, {}/{} heads of {}", shape.n_head, shape.n_kv_head, shape.head_dim);
+            for &ctx in contexts.iter().filter(|_| wanted(&what)) {
+                for &batch in &[1usize, 8, 32] {
+                    let g = attention(shape, dtype, batch, ctx, &mut rng);
+                    rows.push((what.clone(), format!("context {ctx} × batch {batch}"), g));
+                }
             }
         }
     }

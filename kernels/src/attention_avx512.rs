@@ -20,7 +20,6 @@
 
 use std::arch::x86_64::*;
 
-use half::f16;
 
 use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
 
@@ -436,7 +435,7 @@ unsafe fn load_row<const NV: usize, const Q8: bool>(row: *const u8) -> [__m512; 
     let mut x = [_mm512_setzero_ps(); NV];
     for (j, xj) in x.iter_mut().enumerate() {
         let block = row.add(j / 2 * Q8_0_BLOCK_BYTES);
-        let d = _mm512_set1_ps(f16::from_bits((block as *const u16).read_unaligned()).to_f32());
+        let d = _mm512_cvtph_ps(_mm256_set1_epi16((block as *const i16).read_unaligned()));
         let q = _mm_loadu_si128(block.add(2 + 16 * (j % 2)) as *const __m128i);
         *xj = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
     }
