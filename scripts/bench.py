@@ -116,8 +116,10 @@ class Server:
 
     def bench(self, *args):
         cmd = [os.path.join(BIN, "duet"), "bench", "--addr", self.addr, "--json", *args]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed ({run.returncode}): {run.stderr.strip()}\nthe server's log: {os.path.join(self.dir, 'gw.log')}")
+        return json.loads(run.stdout.strip().splitlines()[-1])
 
     def stop(self):
         self.proc.terminate()

@@ -26,7 +26,7 @@ fn perplexity_matches_llama_cpp_within_half_a_percent() {
 /// same text: `scripts/llama_cpp_perplexity.py --kv-type q8_0` with llama-cpp-python 0.3.36.
 const LLAMA_CPP_PPL_Q8_0: f64 = 18.3843;
 
-/// With a Q8_0 cache the perplexity moves, by less than 1 % (18.4823 against f16's 18.3541 on
+/// With a Q8_0 cache the perplexity moves, by less than 1 % (18.4340 against f16's 18.3541 on
 /// this build; llama.cpp's moves to 18.3843): the cache is quantised, and not wrecked.
 #[test]
 fn q8_0_cache_perplexity_is_within_one_percent_of_f16() {

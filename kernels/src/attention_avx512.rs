@@ -20,7 +20,6 @@
 
 use std::arch::x86_64::*;
 
-
 use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
 
 /// Largest query group the kernel is built for (GQA ratios in use are 1 to 8).

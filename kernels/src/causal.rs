@@ -1,13 +1,14 @@
 //! Causal attention of a sequence's new rows over its cache: every query token sees the
 //! positions up to its own (within its sliding window, if any). Prefill rows run the scalar
-//! twins' arithmetic per head (the AVX-512 group kernel for heads of 64); a single decode
-//! token goes through the decode fan-out ([`decode_batch`]).
+//! twins' arithmetic per head (the AVX-512 group kernels for heads of 64 and 128; over a Q8_0
+//! cache each token's one-pass attention over its prefix); a single decode token goes through
+//! the decode fan-out ([`decode_batch`]).
 
 use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::attention::{padded_len, run, window_start, AttnShape, Job, KvHead, KvRun, Scores, KV_PADDING};
+use super::attention::{decode_attention_online, padded_len, run, window_start, AttnShape, Job, KvHead, KvRows, KvRun, Scores, KV_PADDING};
 use super::decode_batch::{decode_batch, DecodeQuery};
 use super::{isa, Isa};
 
@@ -39,10 +40,12 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
         && super::attention_avx512::supports_head_dim(hd)
         && group <= super::attention_avx512::MAX_GROUP
         && scores.softcap.is_none()
-        && kv.iter().all(|h| h.k.f16().is_some() && h.v.f16().is_some())
+        && kv.iter().all(|h| h.k.f16().is_some() == h.v.f16().is_some())
     {
         // Prefill: per token and KV head, the query group over the token's causal prefix in
-        // one pass over the rows, with tinyBLAS's arithmetic.
+        // one pass over the rows: f16 rows with tinyBLAS's arithmetic, Q8_0 rows with the
+        // one-pass online softmax (see `KvRows`).
+        let q8 = quantised(kv);
         out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
             let (t, h) = (i / n_kv_head, i % n_kv_head);
             let len = pos0 + t + 1;
@@ -51,7 +54,13 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
             let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
             let q = &q[i * group * hd..(i + 1) * group * hd];
             // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-            unsafe { super::attention_avx512::attend_group(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch) };
+            unsafe {
+                if q8 {
+                    super::attention_avx512::attend_group_online(&[run], len - first, scores.scale, q, o, &mut lse[..group], scratch)
+                } else {
+                    super::attention_avx512::attend_group(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch)
+                }
+            };
         });
         return;
     }
@@ -78,14 +87,24 @@ pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: At
             (k, v)
         })
         .collect();
+    let q8 = quantised(kv);
     out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
         let (t, head) = (i / n_head, i % n_head);
         let (k, v) = &widened[head / group];
         let q_row = &q[i * hd..(i + 1) * hd];
         let (first, end) = (window_start(pos0 + t, window), pos0 + t + 1);
+        if q8 {
+            decode_attention_online(q_row, &k[first * hd..], &v[first * hd..], end - first, scores, o);
+            return;
+        }
         let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scores, tiled: n_tok >= 2 };
         run(&job, o);
     });
+}
+
+/// Whether the cache holds Q8_0 rows (attended with the one-pass arithmetic, token by token).
+fn quantised(kv: &[KvHead<'_>]) -> bool {
+    kv.iter().any(|h| matches!(h.k, KvRows::Q8_0(_)) || matches!(h.v, KvRows::Q8_0(_)))
 }
 
 /// The sizes of one causal attention call, checked.

@@ -325,13 +325,14 @@ fn q8_0_decode_attention_equals_online_twin_bit_for_bit() {
     }
 }
 
-/// A prompt's attention over a Q8_0 cache is the f16 cache's attention of the unquantised rows
-/// to within Q8_0's rounding (so the rows are read where they lie, whole blocks per row), and
+/// A prompt's attention over a Q8_0 cache (the AVX-512 one-pass kernel per token where the CPU
+/// has it) is the widened twin's bit for bit, and the f16 cache's attention of the unquantised
+/// rows to within Q8_0's rounding (so the rows are read where they lie, whole blocks per row);
 /// a single token's is the one-pass twin's over the dequantised rows, bit for bit.
 #[test]
 fn q8_0_prefill_attention_is_the_f16_attention_within_rounding() {
     use duet_kernels::attention::{attn_scale, decode_attention_online, AttnShape, KvHead};
-    use duet_kernels::causal::causal_attention;
+    use duet_kernels::causal::{causal_attention, causal_attention_widened};
     let mut rng = StdRng::seed_from_u64(909);
     for &(hd, group, n_kv, pos0, n_tok) in &[(64, 3, 3, 0, 37), (64, 4, 2, 300, 17), (128, 4, 2, 0, 33), (128, 2, 1, 100, 1), (64, 1, 2, 40, 1)] {
         let shape = AttnShape { n_head: group * n_kv, n_kv_head: n_kv, head_dim: hd, softcap: None };
@@ -342,9 +343,13 @@ fn q8_0_prefill_attention_is_the_f16_attention_within_rounding() {
             data.iter().map(|((k, _), (v, _))| (k.iter().map(|&x| f16::from_f32(x)).collect(), v.iter().map(|&x| f16::from_f32(x)).collect())).collect();
         let f16_cache: Vec<KvHead<'_>> = halves.iter().map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
         let q: Vec<f32> = (0..n_tok * shape.n_head * hd).map(|_| rng.random_range(-1.0f32..1.0) * 3.0).collect();
-        let (mut got, mut want) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+        let (mut got, mut want, mut twin) = (vec![0f32; q.len()], vec![0f32; q.len()], vec![0f32; q.len()]);
         causal_attention(&q, &quantised, shape, pos0, &mut got);
         causal_attention(&q, &f16_cache, shape, pos0, &mut want);
+        // The dispatched path (the AVX-512 one-pass kernel per token) is the widened twin's.
+        causal_attention_widened(&q, &quantised, shape, pos0, &mut twin);
+        let first_bad = got.iter().zip(&twin).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(first_bad.is_none(), "heads of {hd}, pos0 {pos0}, {n_tok} tokens: differs from the widened twin at {first_bad:?}");
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(worst < 0.03, "heads of {hd}, pos0 {pos0}, {n_tok} tokens: {worst} from the f16 cache's attention");
         if n_tok == 1 {
