@@ -173,11 +173,6 @@ impl<'a> KvRun<'a> {
     pub fn f16(k: &'a [f16], v: &'a [f16]) -> Self {
         KvRun { k: KvRows::F16(k), v: KvRows::F16(v) }
     }
-
-    /// Both row sets as f16, if they are.
-    pub fn as_f16(&self) -> Option<(&'a [f16], &'a [f16])> {
-        Some((self.k.f16()?, self.v.f16()?))
-    }
 }
 
 /// The softmax scale of attention with heads of `head_dim`: `1 / sqrt(head_dim)` in f32.
