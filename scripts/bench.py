@@ -5,9 +5,10 @@
   in the same run, decode attention, matrix-vector per weight type);
 * whole-system rows, measured on a `duet-gateway serve` started here with `duet bench`:
   prefill of a 512-token prompt, decode at depth 0 / 1K / 4K with one stream, aggregate decode
-  of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed), and
-  decode at depth 0 and 16 sessions with every stream constrained to a JSON schema (structured
-  output's cost, as a share of the unconstrained rows);
+  of 8 / 16 / 32 concurrent sessions (each session's 16-token prompt prefilled untimed) and of
+  16 sessions at depth 1024 (1024-token prompts), and decode at depth 0 and 16 sessions
+  with every stream constrained to a JSON schema (structured output's cost, as a share of
+  the unconstrained rows);
 * the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
   installed, and the ratio Duet / llama.cpp. Each system row is the median of `--repeat`
   passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr.
@@ -55,6 +56,7 @@ SYSTEM_ROWS = [
     ("aggregate-8", "whole system: aggregate decode", "8 concurrent sessions"),
     ("aggregate-16", "whole system: aggregate decode", "16 concurrent sessions"),
     ("aggregate-32", "whole system: aggregate decode", "32 concurrent sessions"),
+    ("aggregate-16-depth-1024", "whole system: aggregate decode", "16 concurrent sessions at depth 1024"),
     ("aggregate-16-depth-4096", "whole system: aggregate decode", "16 concurrent sessions at depth 4096"),
     ("decode-depth-0-json", "whole system: decode, batch 1, JSON schema", "depth 0"),
     ("aggregate-16-json", "whole system: aggregate decode, JSON schema", "16 concurrent sessions"),
