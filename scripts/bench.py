@@ -100,7 +100,8 @@ class Server:
         self.proc = subprocess.Popen(
             [os.path.join(BIN, "duet-gateway"), "serve", "--model", MODEL, "--listen", "127.0.0.1:0",
              "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads), "--kv-type", KV_TYPE]
-            + (["--kv-bytes", str(deep_kv_bytes())] if "aggregate-16-depth-4096" in ROWS else [])
+            # The default arena (1 GiB) or as much as the rows hold at once, if more.
+            + (["--kv-bytes", str(kv_bytes_needed())] if kv_bytes_needed() > 1 << 30 else [])
             + (["--experts-on", EXPERTS_ON] if EXPERTS_ON != "device" else []),
             stdout=self.out, stderr=self.err, env=env)
         deadline = time.time() + 120
@@ -264,16 +265,18 @@ def bytes_per_token():
     return total
 
 
-def deep_kv_bytes():
-    """KV arena bytes for 16 sessions of 4096 + 80 tokens in f16, with a tenth to spare (the
-    model's K/V shape from gguf-py; 8 GiB without it)."""
+def kv_bytes_needed():
+    """KV arena bytes for the largest context the rows of ROWS hold at once (sessions ×
+    (prompt + decoded tokens), in f16), with a tenth to spare (the model's K/V shape from
+    gguf-py; 8 GiB without it)."""
+    tokens = max([n * (depth + DECODE_TOKENS + 16) for _, n, depth in aggregate_rows()] + [4096 + DECODE_TOKENS + 16])
     reader = gguf_reader()
     if reader is None:
         return 8 << 30
     n_layer, n_head = metadata(reader, ".block_count"), metadata(reader, ".attention.head_count")
     n_kv = metadata(reader, ".attention.head_count_kv") or n_head
     head_dim = metadata(reader, ".attention.key_length") or metadata(reader, ".embedding_length") // n_head
-    return int(16 * (4096 + 80) * n_layer * 2 * n_kv * head_dim * 2 * 1.1)
+    return int(tokens * n_layer * 2 * n_kv * head_dim * 2 * 1.1)
 
 
 def set_model(path):
