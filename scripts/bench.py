@@ -97,11 +97,12 @@ class Server:
         env = dict(os.environ, RUST_LOG=os.environ.get("DUET_BENCH_LOG", "warn"))
         self.out = open(os.path.join(self.dir, "gw.out"), "w+")
         self.err = open(os.path.join(self.dir, "gw.log"), "w")
+        kv_bytes = kv_bytes_needed()
         self.proc = subprocess.Popen(
             [os.path.join(BIN, "duet-gateway"), "serve", "--model", MODEL, "--listen", "127.0.0.1:0",
              "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads), "--kv-type", KV_TYPE]
             # The default arena (1 GiB) or as much as the rows hold at once, if more.
-            + (["--kv-bytes", str(kv_bytes_needed())] if kv_bytes_needed() > 1 << 30 else [])
+            + (["--kv-bytes", str(kv_bytes)] if kv_bytes > 1 << 30 else [])
             + (["--experts-on", EXPERTS_ON] if EXPERTS_ON != "device" else []),
             stdout=self.out, stderr=self.err, env=env)
         deadline = time.time() + 120

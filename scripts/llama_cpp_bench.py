@@ -49,10 +49,10 @@ class Runner:
         cp.n_ubatch = n_batch
         cp.n_seq_max = n_seq
         cp.n_threads = threads
+        cp.n_threads_batch = threads
         # A KV stream per sequence (llama.cpp's default, said here because copy_sequence relies
         # on it: in a unified cache a copy would share the prompt's cells, not duplicate them).
         cp.kv_unified = False
-        cp.n_threads_batch = threads
         if kv_type == "q8_0":
             cp.type_k = cp.type_v = L.GGML_TYPE_Q8_0
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
