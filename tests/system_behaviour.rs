@@ -70,6 +70,60 @@ fn serve_with_an_unusable_device_fails_with_the_reason() {
     assert!(pids_with(&[&instance]).is_empty(), "workers of {instance} left running");
 }
 
+/// SIGTERM while the workers start (health "loading"): the gateway stops the workers it
+/// spawned, removes their shared memory and exits cleanly, as it does once serving.
+#[test]
+fn a_signal_while_the_workers_start_stops_them() {
+    let instance = format!("start-signal-{}", std::process::id());
+    let runtime_dir = std::env::temp_dir().join(format!("duet-test-{instance}"));
+    let log_path = std::env::temp_dir().join(format!("duet-test-{instance}.log"));
+    let mut gw = std::process::Command::new(duet_tests::bin("duet-gateway"))
+        .args(["serve", "--cpu-workers", "1", "--kv-bytes", "64M", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"])
+        .args(["--instance", &instance, "--runtime-dir"])
+        .arg(&runtime_dir)
+        .arg("--model")
+        .arg(duet_model::testutil::model_path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log_path).expect("log file"))
+        .spawn()
+        .expect("starting duet-gateway");
+    // Both workers spawned: the gateway is waiting for them to load the model.
+    let start = Instant::now();
+    while pids_with(&["duet-gpu-worker", &runtime_dir.to_string_lossy()]).is_empty() || pids_with(&["duet-cpu-worker", &instance]).is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(30), "the workers of {instance} did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(gw.id() as libc::pid_t, libc::SIGTERM) };
+    let status = wait_exit(&mut gw, Duration::from_secs(60));
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(status.success(), "exit {status}: {log}");
+    if !log.contains("stopped while starting") {
+        // A machine fast enough to load the model before the signal lands: the usual stop.
+        println!("the workers were ready before the signal; the gateway stopped as when serving");
+    }
+    assert!(pids_with(&[&instance]).is_empty(), "workers of {instance} left running; log:\n{log}");
+    let shm: Vec<_> = std::fs::read_dir("/dev/shm").unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains(&instance)).collect();
+    assert!(shm.is_empty(), "segments of {instance} left in /dev/shm: {shm:?}");
+    assert!(!runtime_dir.exists(), "{} left behind", runtime_dir.display());
+    let _ = std::fs::remove_file(&log_path);
+}
+
+/// Waits for `child` to exit (killing it after `timeout`).
+fn wait_exit(child: &mut std::process::Child, timeout: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            panic!("the gateway did not stop within {timeout:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_behaves_as_a_client_expects() {
     let mut gw = Gateway::start(&["--cpu-workers", "1"]);

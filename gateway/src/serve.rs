@@ -161,15 +161,20 @@ impl Listeners {
     }
 }
 
-/// `duet-gateway serve`: binds the flags' addresses and runs until SIGTERM or Ctrl-C.
+/// `duet-gateway serve`: binds the flags' addresses and runs until SIGTERM or Ctrl-C (one
+/// while the workers start stops them and exits).
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Watched from here on: a signal's default action would kill the gateway and leave the
+    // workers it spawned running.
+    let shutdown = shutdown_signal();
     let listeners = Listeners::bind(&args).await?;
-    run(args, listeners, shutdown_signal()).await
+    run(args, listeners, shutdown).await
 }
 
 /// Runs the service on `listeners` until `shutdown` resolves, then drains (health says
 /// "draining" at once; after `--drain-grace-secs` the listeners close and the requests taken
-/// in finish) and stops the workers it started.
+/// in finish) and stops the workers it started. `shutdown` resolving while the workers
+/// start stops them and returns.
 pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     if args.device_experts > 0 && args.experts_on != "cpu-workers" {
         anyhow::bail!("--device-experts {} needs --experts-on cpu-workers (with the experts on the device it holds them all)", args.device_experts);
@@ -204,11 +209,26 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
     let grpc = tokio::spawn(crate::api::grpc::serve(backend.clone(), listener, api_key.clone(), closing()));
 
     let (stop_tx, stop_rx) = watch::channel(false);
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = shutdown_tx.send(true);
+    });
+    let stopped_while_starting = || {
+        let mut rx = shutdown_rx.clone();
+        async move {
+            let _ = rx.wait_for(|&s| s).await;
+            anyhow::anyhow!("stopped by a signal while the workers were starting")
+        }
+    };
     let local = args.gpu_worker.is_none();
     let instance = args.instance.clone().unwrap_or_else(|| format!("duet-{}", std::process::id()));
     let mut keeper = None;
     let connected = if let Some(gpu) = &args.gpu_worker {
-        supervisor::connect(gpu, &args.cpu_worker, None, false).await
+        tokio::select! {
+            c = supervisor::connect(gpu, &args.cpu_worker, None, false) => c,
+            e = stopped_while_starting() => Err(e),
+        }
     } else {
         let n = args.cpu_workers.unwrap_or_else(|| supervisor::cpu_nodes() as u32).max(1);
         let cfg = LocalWorkers {
@@ -227,8 +247,11 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
         match supervisor::spawn_local(&cfg) {
             Ok(mut children) => {
-                let cpu_addrs: Vec<_> = (0..n).map(|w| cfg.cpu_address(w)).collect();
-                let connected = supervisor::connect(&cfg.gpu_address(), &cpu_addrs, Some(&mut children), true).await;
+                let (gpu_addr, cpu_addrs): (_, Vec<_>) = (cfg.gpu_address(), (0..n).map(|w| cfg.cpu_address(w)).collect());
+                let connected = tokio::select! {
+                    c = supervisor::connect(&gpu_addr, &cpu_addrs, Some(&mut children), true) => c,
+                    e = stopped_while_starting() => Err(e),
+                };
                 let dir = cfg.runtime_dir.clone();
                 keeper = Some(supervisor::keep_running(cfg, children, stop_rx.clone()));
                 if connected.is_err() {
@@ -252,6 +275,10 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             }
             let _ = closing_tx.send(true);
             let _ = tokio::join!(http, grpc);
+            if *shutdown_rx.borrow() {
+                tracing::info!("duet-gateway stopped while starting: the workers it started are stopped");
+                return Ok(());
+            }
             return Err(e);
         }
     };
@@ -279,8 +306,9 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
     // listeners close, and the requests taken in finish (those left after a deadline fail).
     let deadline_commands = commands.clone();
     let grace = Duration::from_secs(args.drain_grace_secs);
+    let mut shutdown = shutdown_rx.clone();
     let signals = tokio::spawn(async move {
-        shutdown.await;
+        let _ = shutdown.wait_for(|&s| s).await;
         readiness.set(Phase::Draining);
         if !grace.is_zero() {
             tracing::info!("stopping: health reports draining; the listeners close in {grace:?}");
@@ -351,19 +379,24 @@ fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: 
     })
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
+/// Watches SIGTERM and SIGINT (Ctrl-C) from the call on (no longer killing the process):
+/// the future resolves on the first.
+fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
+    let watch = |kind, name: &str| signal(kind).map_err(|e| tracing::warn!("cannot watch {name} ({e}): it will not stop the gateway cleanly")).ok();
+    let (term, int) = (watch(SignalKind::terminate(), "SIGTERM"), watch(SignalKind::interrupt(), "SIGINT"));
+    async move {
+        let recv = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending().await,
             }
-        }
-        Err(e) => {
-            tracing::warn!("cannot watch SIGTERM ({e}); stopping on Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
+        };
+        tokio::select! {
+            _ = recv(term) => {}
+            _ = recv(int) => {}
         }
     }
 }
