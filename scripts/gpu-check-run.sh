@@ -6,7 +6,8 @@
 #          random-weight model of Llama-3.2-1B's shape, and the whole system serving a
 #          streamed completion with --device cuda;
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
-#          device (single process), and the served system at 1, 16 and 64 streams;
+#          device (single process; the 8B also with half its layers on the CPU device,
+#          --gpu-layers 16), and the served system at 1, 16 and 64 streams;
 #   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table, as far as
 #          stage A's prefill allows in one call).
 #
@@ -115,10 +116,10 @@ over_budget() { # MODEL
 
 # Single-process speed: a 512-token prompt, then 128 tokens, on one device (the GPU's memory
 # capped at a T4's 16 GB, as the CUDA issue's table asks).
-run_speed() { # DEVICE MODEL
+run_speed() { # DEVICE MODEL [GPU_LAYERS]
   local ids
   ids=$(python3 -c 'print(",".join(str(1000 + 7 * i) for i in range(512)))')
-  "$kit/duet-gpu-worker" --device "$1" --gpu-mem-bytes 16G run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json \
+  "$kit/duet-gpu-worker" --device "$1" ${3:+--gpu-layers "$3"} --gpu-mem-bytes 16G run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json \
     | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
 }
 
@@ -149,7 +150,7 @@ export -f serve_and_stream over_budget run_speed serve_bench model
 expand() {
   case $1 in
     tests) echo twins nvrtc tiny-models cuda-vs-cpu over-budget serve-stream ;;
-    bench) echo speed-1b speed-8b serve-bench-1b serve-bench-8b ;;
+    bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
     # The CUDA issue's table at the depths stage A can prefill within a call (~6 min).
     table) echo serve-bench-1b serve-1b-8k serve-1b-32k serve-8b-1k serve-8b-8k ;;
     *) echo "$1" ;;
@@ -169,6 +170,8 @@ for s in $(for g in $steps; do expand "$g"; done); do
       step speed-1b-cpu run_speed cpu "$(model llama-3.2-1b q4_k_m)"
       ;;
     speed-8b) step speed-8b-cuda run_speed cuda "$(model llama-3.1-8b q4_k_m)" ;;
+    # Half of the 8B shape's 32 layers on the GPU, the rest on the CPU device (--gpu-layers).
+    speed-8b-split) step speed-8b-split run_speed cuda "$(model llama-3.1-8b q4_k_m)" 16 ;;
     serve-bench-1b) step serve-bench-1b serve_bench "$(model llama-3.2-1b q4_k_m)" 8G ;;
     serve-bench-8b) step serve-bench-8b serve_bench "$(model llama-3.1-8b q4_k_m)" 12G ;;
     serve-1b-8k) step serve-1b-8k serve_bench "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;

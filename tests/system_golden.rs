@@ -3,7 +3,7 @@
 //! gets what it gets alone), with attention on one cpu-worker, on the gpu-worker, on two
 //! cpu-workers (each sequence on one, and long ones split across both), split between the
 //! gpu-worker and two cpu-workers, and as the lp balancer decides (overlapped sub-batches
-//! included).
+//! included), and with the gpu-worker's model split across two devices (`--gpu-layers`).
 
 use duet_model::testutil::golden;
 use duet_tests::{generate, greedy, same_up_to_near_tie, Gateway, Reference};
@@ -37,7 +37,7 @@ async fn greedy_over_grpc_matches_the_single_process_reference() {
 
     // 24 MiB arenas hold 1088 tokens each: the two long prompts (1548 and 1976 tokens) must
     // spread over both cpu-workers, whose partial results are merged.
-    let configs: [(&str, &[&str], bool); 7] = [
+    let configs: [(&str, &[&str], bool); 8] = [
         ("attention on one cpu-worker", &["--cpu-workers", "1", "--policy", "cpu"], true),
         ("attention on the gpu-worker", &["--cpu-workers", "1", "--policy", "gpu"], true),
         ("attention on two cpu-workers, each sequence on one", &["--cpu-workers", "2", "--policy", "cpu"], true),
@@ -47,6 +47,9 @@ async fn greedy_over_grpc_matches_the_single_process_reference() {
         // Unsplit attention in two interleaved sub-batches: every row computes what it
         // would in one batch, so bit-identical.
         ("attention on cpu-workers, every decode step overlapped", &["--cpu-workers", "2", "--policy", "cpu", "--overlap", "always"], true),
+        // Layers 0..12 on one device, 12..30 on another (`--gpu-layers` with both parts on
+        // the CPU): each row computes what it would on one device.
+        ("the model split across two devices at layer 12", &["--cpu-workers", "1", "--policy", "cpu", "--device", "cpu", "--gpu-layers", "12"], true),
     ];
     let mut failures = Vec::new();
     for (label, flags, exact) in configs {

@@ -107,6 +107,10 @@ pub struct ServeArgs {
     /// cpu, or cuda (fails if it cannot be used). The gpu-worker's own `--device` values.
     #[arg(long, env = "DUET_DEVICE", default_value = "auto", value_parser = ["auto", "cpu", "cuda"], conflicts_with = "gpu_worker")]
     pub device: String,
+    /// Only the first N layers on the spawned gpu-worker's device, the rest on its CPU device
+    /// (llama.cpp's `-ngl`), for dense models larger than the GPU (default: all on the device).
+    #[arg(long, env = "DUET_GPU_LAYERS", conflicts_with = "gpu_worker")]
+    pub gpu_layers: Option<usize>,
     /// Where a mixture-of-experts model's routed experts run: on the gpu-worker's device, or
     /// on the cpu-workers (each serving its share as expert jobs; KTransformers' split, for
     /// models whose experts do not fit the GPU).
@@ -240,6 +244,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,
             device: args.device.clone(),
+            gpu_layers: args.gpu_layers,
             max_running: args.max_running.max(1),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
             device_experts: args.device_experts,
@@ -374,8 +379,9 @@ fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: 
         vocab_size: g.n_vocab,
         gpu_device: g.device.clone(),
         node_name: readiness.node.to_string(),
-        // Local workers share the machine's cores; a gpu-worker on the CPU competes for them.
-        shared_cores: local && device_kind == pb::DeviceKind::Cpu,
+        // Local workers share the machine's cores; a gpu-worker computing layers on the CPU
+        // (its CPU device, or the layers --gpu-layers leaves to it) competes for them.
+        shared_cores: local && g.host_layers > 0,
     })
 }
 

@@ -10,7 +10,7 @@ use duet_model::gguf::GgufFile;
 use duet_model::tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::device::{AnyDevice, Device, DeviceChoice};
+use crate::device::{AnyDevice, Device, DeviceChoice, Placement};
 use crate::runner::{Runner, GenerateRequest};
 use crate::sampler::SamplingParams;
 
@@ -28,6 +28,11 @@ pub struct Cli {
     /// over it does not load there (`auto` then takes the CPU, saying why).
     #[arg(long, global = true, env = "DUET_GPU_MEM_BYTES", value_parser = duet_kv::parse_bytes)]
     pub gpu_mem_bytes: Option<usize>,
+    /// Only the first N layers on the device, the rest on the CPU device (llama.cpp's
+    /// `-ngl`), for dense models larger than the GPU (default: all layers on the device; 0:
+    /// all on the CPU). With --device cpu both parts run on the CPU (a check of the hand-off).
+    #[arg(long, global = true, env = "DUET_GPU_LAYERS")]
+    pub gpu_layers: Option<usize>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -166,7 +171,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;
     }
-    let device = cli.device;
+    let device = Placement { choice: cli.device, gpu_layers: cli.gpu_layers };
     match cli.command {
         Command::Serve(args) => serve(args, device),
         // Inside the pool (see `worker::service`): forward passes' parallel loops are cheap there.
@@ -199,7 +204,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Worker mode: load the model, serve until SIGTERM or Ctrl-C.
-fn serve(args: ServeArgs, device: DeviceChoice) -> anyhow::Result<()> {
+fn serve(args: ServeArgs, device: Placement) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
     let local_experts = args.experts_on == ExpertsOn::Device;
@@ -235,7 +240,7 @@ async fn shutdown_signal() {
     }
 }
 
-fn load(model: &ModelArg, cache: &CacheArg, device: DeviceChoice) -> anyhow::Result<Runner<AnyDevice>> {
+fn load(model: &ModelArg, cache: &CacheArg, device: Placement) -> anyhow::Result<Runner<AnyDevice>> {
     let start = std::time::Instant::now();
     let mut engine = Runner::load_on(&model.model, device).map_err(|e| anyhow::anyhow!("loading {}: {e}", model.model.display()))?;
     engine.kv_type = cache.kv_type;
@@ -243,7 +248,7 @@ fn load(model: &ModelArg, cache: &CacheArg, device: DeviceChoice) -> anyhow::Res
     Ok(engine)
 }
 
-fn run_generate(args: RunArgs, device: DeviceChoice) -> anyhow::Result<()> {
+fn run_generate(args: RunArgs, device: Placement) -> anyhow::Result<()> {
     let sampling = SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,

@@ -20,7 +20,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::device::cpu::CpuDevice;
-use crate::device::{AnyDevice, DecodeItem, Device, DeviceChoice, KvAccessError, KvSink, KvSource, PrefillItem, Qkv};
+use crate::device::{AnyDevice, DecodeItem, Device, KvAccessError, Placement, KvSink, KvSource, PrefillItem, Qkv};
 use crate::error::{Result, GpuWorkerError};
 use crate::forward::{run_layers, LayerAttention};
 use crate::sampler::{Sampler, SamplingParams};
@@ -90,9 +90,11 @@ impl Runner<CpuDevice> {
 }
 
 impl Runner<AnyDevice> {
-    /// Loads a GGUF model onto the device `choice` names.
-    pub fn load_on(path: &Path, choice: DeviceChoice) -> Result<Self> {
-        Runner::load_with(path, |file| crate::device::open(choice, file, true))
+    /// Loads a GGUF model where `placement` says (a device, or its first layers there and
+    /// the rest on the CPU device).
+    pub fn load_on(path: &Path, placement: impl Into<Placement>) -> Result<Self> {
+        let placement = placement.into();
+        Runner::load_with(path, |file| crate::device::open(placement, file, true))
     }
 }
 

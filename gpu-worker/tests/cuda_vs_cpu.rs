@@ -3,10 +3,12 @@
 //! `DUET_CUDA_TEST_MODEL`): the logits of a 48-token prefill at every position, and 16 greedy
 //! tokens, identical up to near ties. The two devices round differently (see the CUDA
 //! device's module documentation), so the logits agree within a tolerance: max |CUDA - CPU|
-//! within 10 % of the CPU logits' standard deviation, and the rms of the difference within 2 %. Skipped
-//! without a GPU or without the model (`DUET_REQUIRE_CUDA=1` makes either a failure).
+//! within 10 % of the CPU logits' standard deviation, and the rms of the difference within 2 %.
+//! The same holds with only the first half of the layers on the GPU and the rest on the CPU
+//! device (`--gpu-layers`). Skipped without a GPU or without the model (`DUET_REQUIRE_CUDA=1`
+//! makes either a failure).
 
-use duet_gpu_worker::device::{Device, DeviceChoice, KvAccessError, KvSink, KvSource, NoRemoteExperts, PrefillItem};
+use duet_gpu_worker::device::{Device, DeviceChoice, KvAccessError, KvSink, KvSource, NoRemoteExperts, Placement, PrefillItem};
 use duet_kernels::attention::KvRun;
 use duet_gpu_worker::runner::{Runner, KvCache, Logits};
 
@@ -27,14 +29,15 @@ fn top2_gap(row: &[f32]) -> f32 {
     row[best] - row.iter().enumerate().filter(|&(i, _)| i != best).map(|(_, &v)| v).fold(f32::NEG_INFINITY, f32::max)
 }
 
-/// The model in `DUET_CUDA_TEST_MODEL` on the CUDA device and on the CPU device; `None` (the
-/// test skipped, saying why) without the model or a usable GPU.
-fn devices() -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>)> {
+/// The model in `DUET_CUDA_TEST_MODEL` on the CUDA device (its first `gpu_layers` only, the
+/// rest on the CPU device, when given) and on the CPU device; `None` (the test skipped,
+/// saying why) without the model or a usable GPU.
+fn devices(gpu_layers: Option<usize>) -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>)> {
     let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
         skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
         return None;
     };
-    let cuda = match Runner::load_on(std::path::Path::new(&path), DeviceChoice::Cuda) {
+    let cuda = match Runner::load_on(std::path::Path::new(&path), Placement { choice: DeviceChoice::Cuda, gpu_layers }) {
         Ok(e) => e,
         Err(e) => {
             skip(&format!("the CUDA device: {e}"));
@@ -69,7 +72,19 @@ fn greedy<D: Device>(e: &Runner<D>, prompt: &[u32], n: usize) -> Vec<(u32, f32)>
 
 #[test]
 fn cuda_logits_and_greedy_tokens_match_the_cpu_device_on_a_real_shape() {
-    let Some((cuda, cpu)) = devices() else { return };
+    let Some((cuda, cpu)) = devices(None) else { return };
+    logits_and_greedy_tokens_match(&cuda, &cpu);
+}
+
+#[test]
+fn half_the_layers_on_the_gpu_match_the_cpu_device() {
+    // Llama-3.2-1B's shape has 16 layers: 8 on the GPU, 8 on the CPU device.
+    let Some((split, cpu)) = devices(Some(8)) else { return };
+    assert!(split.device.describe().contains("for layers 8..16"), "{}", split.device.describe());
+    logits_and_greedy_tokens_match(&split, &cpu);
+}
+
+fn logits_and_greedy_tokens_match<D: Device>(cuda: &Runner<D>, cpu: &Runner<duet_gpu_worker::device::cpu::CpuDevice>) {
     let c = cpu.device.config().clone();
     let (n, tokens) = (PROMPT, prompt(&c));
 
@@ -88,8 +103,8 @@ fn cuda_logits_and_greedy_tokens_match_the_cpu_device_on_a_real_shape() {
     // Greedy decoding: the same tokens until the CPU's choice is a near tie (a gap within
     // four times the observed rms difference).
     let near = 4.0 * rms_err * rms;
-    let g = greedy(&cuda, &tokens, 16);
-    let w = greedy(&cpu, &tokens, 16);
+    let g = greedy(cuda, &tokens, 16);
+    let w = greedy(cpu, &tokens, 16);
     let mut same = 0;
     for (i, (&(a, _), &(b, gap))) in g.iter().zip(&w).enumerate() {
         if (gap as f64) < near {
@@ -163,7 +178,7 @@ fn rows_off(a: &[f32], b: &[f32], width: usize) -> Vec<(usize, f32)> {
 /// rounding apart) and, with the attention shared, the logits within 2 %.
 #[test]
 fn layer_by_layer() {
-    let Some((cuda, cpu)) = devices() else { return };
+    let Some((cuda, cpu)) = devices(None) else { return };
     let c = cpu.device.config().clone();
     let (n, tokens) = (PROMPT, prompt(&c));
     let positions: Vec<usize> = (0..n).collect();

@@ -79,6 +79,12 @@ impl Device for Counting {
         bump(&self.calls.start_batch, 1);
         self.inner.start_batch(tokens, positions, logit_rows)
     }
+    fn hidden(&self, batch: &Self::Batch) -> Result<Vec<f32>> {
+        self.inner.hidden(batch)
+    }
+    fn resume_batch(&self, hidden: Vec<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch> {
+        self.inner.resume_batch(hidden, positions, logit_rows)
+    }
     fn qkv(&self, layer: usize, batch: &mut Self::Batch) -> Result<Qkv> {
         bump(&self.calls.qkv, 1);
         self.inner.qkv(layer, batch)

@@ -1,27 +1,31 @@
 //! The device `--device` picked, as one type: each [`Device`] call goes to the CPU or the
-//! CUDA device (candle's `Storage` enum is the model), so the runner, the executor and the
-//! service are built once, over [`AnyDevice`].
+//! CUDA device, or to a model split between one of them and the CPU device (`--gpu-layers`)
+//! (candle's `Storage` enum is the model), so the runner, the executor and the service are
+//! built once, over [`AnyDevice`].
 
 use duet_model::config::LlamaConfig;
 use duet_proto::pb;
 
 use super::cpu::{CpuBatch, CpuDevice};
 use super::cuda::{CudaBatch, CudaDevice};
+use super::split::{SplitBatch, SplitDevice};
 use super::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
-/// The CPU or the CUDA device.
+/// The CPU or the CUDA device, or the first layers on either and the rest on the CPU.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)] // one per process: its size does not matter
 pub enum AnyDevice {
     Cpu(CpuDevice),
     Cuda(CudaDevice),
+    Split(Box<SplitDevice<AnyDevice, CpuDevice>>),
 }
 
 /// A batch of whichever device started it.
 pub enum AnyBatch {
     Cpu(CpuBatch),
     Cuda(CudaBatch),
+    Split(Box<SplitBatch<AnyBatch, CpuBatch>>),
 }
 
 fn foreign_batch() -> GpuWorkerError {
@@ -34,6 +38,7 @@ macro_rules! on_batch {
         match ($self, $batch) {
             (AnyDevice::Cpu($d), AnyBatch::Cpu($b)) => $call,
             (AnyDevice::Cuda($d), AnyBatch::Cuda($b)) => $call,
+            (AnyDevice::Split($d), AnyBatch::Split($b)) => $call,
             _ => Err(foreign_batch()),
         }
     };
@@ -45,6 +50,7 @@ macro_rules! on_device {
         match $self {
             AnyDevice::Cpu($d) => $call,
             AnyDevice::Cuda($d) => $call,
+            AnyDevice::Split($d) => $call,
         }
     };
 }
@@ -68,6 +74,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.prefill_chunk())
     }
 
+    fn host_layers(&self) -> usize {
+        on_device!(self, d => d.host_layers())
+    }
+
     fn holds_all_experts(&self) -> bool {
         on_device!(self, d => d.holds_all_experts())
     }
@@ -80,6 +90,7 @@ impl Device for AnyDevice {
         match self {
             AnyDevice::Cpu(d) => d.place_experts(held),
             AnyDevice::Cuda(d) => d.place_experts(held),
+            AnyDevice::Split(d) => d.place_experts(held),
         }
     }
 
@@ -87,6 +98,23 @@ impl Device for AnyDevice {
         match self {
             AnyDevice::Cpu(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cpu),
             AnyDevice::Cuda(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cuda),
+            AnyDevice::Split(d) => d.start_batch(tokens, positions, logit_rows).map(|b| AnyBatch::Split(Box::new(b))),
+        }
+    }
+
+    fn layers(&self) -> std::ops::Range<usize> {
+        on_device!(self, d => d.layers())
+    }
+
+    fn hidden(&self, batch: &AnyBatch) -> Result<Vec<f32>> {
+        on_batch!(self, batch, d, b => d.hidden(b))
+    }
+
+    fn resume_batch(&self, hidden: Vec<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {
+        match self {
+            AnyDevice::Cpu(d) => d.resume_batch(hidden, positions, logit_rows).map(AnyBatch::Cpu),
+            AnyDevice::Cuda(d) => d.resume_batch(hidden, positions, logit_rows).map(AnyBatch::Cuda),
+            AnyDevice::Split(d) => d.resume_batch(hidden, positions, logit_rows).map(|b| AnyBatch::Split(Box::new(b))),
         }
     }
 

@@ -6,6 +6,7 @@
 //! rayon; attention on the host kernels (`host_attention`).
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,7 +23,7 @@ use duet_proto::pb;
 use rayon::prelude::*;
 
 use super::expert_usage::{ExpertUsage, RoutedTokens};
-use super::model::{check_batch, Ffn, ModelTensors, Weight};
+use super::model::{check_batch, check_hidden, Ffn, ModelTensors, Weight};
 use super::{host_attention, Device, DecodeItem, ExpertItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{GpuWorkerError, Result};
 
@@ -31,6 +32,8 @@ use crate::error::{GpuWorkerError, Result};
 pub struct CpuDevice {
     file: Arc<GgufFile>,
     m: ModelTensors,
+    /// The layers it computes: all, or its part of a model split across devices.
+    layers: Range<usize>,
     interleaved: HashMap<String, Interleaved>,
     /// A mixture's routed experts: all of them, or, when the cpu-workers serve them, the
     /// hot ones placed here (none at first).
@@ -53,25 +56,36 @@ impl CpuDevice {
     /// the matrices the interleaved kernels take unless `DUET_REPACK=0`. A mixture's routed
     /// experts are loaded only with `local_experts` (else the cpu-workers serve them).
     pub fn load(file: Arc<GgufFile>, local_experts: bool) -> Result<Self> {
-        let repack = !std::env::var("DUET_REPACK").is_ok_and(|v| v == "0");
-        Self::load_with(file, repack, local_experts)
+        Self::load_with(file, repack_default(), local_experts)
     }
 
     /// [`Self::load`] with the repacking chosen by the caller (`false`: every matrix in the
     /// file's own layout).
     pub fn load_with(file: Arc<GgufFile>, repack: bool, local_experts: bool) -> Result<Self> {
+        let n_layer = ModelTensors::load(&file)?.config.n_layer;
+        Self::load_layers(file, repack, local_experts, 0..n_layer)
+    }
+
+    /// [`Self::load_with`] for the part `layers` of a model split across devices: only their
+    /// weights (with the embedding where the part starts at layer 0, the LM head where it
+    /// ends at the last) are read in and repacked; the device refuses the other layers.
+    pub fn load_layers(file: Arc<GgufFile>, repack: bool, local_experts: bool, layers: Range<usize>) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
+        let n_layer = m.config.n_layer;
+        if layers.is_empty() || layers.end > n_layer {
+            return Err(GpuWorkerError::InvalidRequest(format!("layers {layers:?} of a model of {n_layer}")));
+        }
         let remote = m.experts.as_ref().filter(|_| !local_experts);
-        super::page_in::page_in_weights(&file, |name| remote.is_some_and(|t| t.is_expert_tensor(name)));
+        super::page_in::page_in_weights(&file, |name| !m.tensor_in(name, &layers) || remote.is_some_and(|t| t.is_expert_tensor(name)));
         let interleaved = if repack {
-            repack_matrices(&file, &m)
+            repack_matrices(&file, &m, &layers)
         } else {
             tracing::info!("weights not repacked (DUET_REPACK=0)");
             HashMap::new()
         };
         let experts = match m.experts.clone() {
             Some(t) => {
-                let bank = ExpertBank::load(file.clone(), &m.config, t, |_, _| local_experts, repack)?;
+                let bank = ExpertBank::load(file.clone(), &m.config, t, |l, _| local_experts && layers.contains(&l), repack)?;
                 tracing::info!(held = bank.held_count(), repacked = bank.repacked_matrices(), "routed experts on the device");
                 Some(bank)
             }
@@ -79,7 +93,23 @@ impl CpuDevice {
         };
         let act = gate_act(m.config.ffn_act);
         let usage = m.config.experts.map(|e| ExpertUsage::new(m.config.n_layer, e.n_expert));
-        Ok(CpuDevice { file, m, interleaved, experts, experts_remote: !local_experts, usage, act })
+        Ok(CpuDevice { file, m, layers, interleaved, experts, experts_remote: !local_experts, usage, act })
+    }
+
+    /// Fails unless the device computes layer `l`.
+    fn check_layer(&self, l: usize) -> Result<()> {
+        if self.layers.contains(&l) {
+            Ok(())
+        } else {
+            Err(GpuWorkerError::InvalidRequest(format!("layer {l} is not on this device (it holds layers {:?})", self.layers)))
+        }
+    }
+
+    /// A batch of hidden rows `x` (`[row][n_embd]`) at `positions`.
+    fn batch(&self, x: Vec<f32>, positions: &[usize], logit_rows: &[usize]) -> CpuBatch {
+        let tables = positions.iter().map(|&p| self.m.rope.table(p)).collect();
+        let tables_swa = self.m.rope_swa.as_ref().map(|r| positions.iter().map(|&p| r.table(p)).collect());
+        CpuBatch { xn: vec![0f32; x.len()], x, tables, tables_swa, positions: positions.to_vec(), logit_rows: logit_rows.to_vec() }
     }
 
     /// How many routed experts the device computes itself, summed over the layers.
@@ -186,6 +216,11 @@ impl CpuDevice {
     }
 }
 
+/// Whether matrices are repacked at load: yes, unless `DUET_REPACK=0`.
+pub fn repack_default() -> bool {
+    !std::env::var("DUET_REPACK").is_ok_and(|v| v == "0")
+}
+
 /// The longest prompt slice of one forward pass on the CPU device.
 pub const PREFILL_CHUNK: usize = 512;
 
@@ -245,9 +280,14 @@ impl Device for CpuDevice {
         self.usage.as_ref().map_or_else(Vec::new, ExpertUsage::take)
     }
 
+    fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CpuBatch> {
         let c = &self.m.config;
         check_batch(c, tokens, positions, logit_rows)?;
+        self.check_layer(0)?;
         let n = tokens.len();
         let d = c.n_embd;
         let mut x = vec![0f32; n * d];
@@ -259,12 +299,21 @@ impl Device for CpuDevice {
                 row.iter_mut().for_each(|v| *v *= scale);
             }
         });
-        let tables = positions.iter().map(|&p| self.m.rope.table(p)).collect();
-        let tables_swa = self.m.rope_swa.as_ref().map(|r| positions.iter().map(|&p| r.table(p)).collect());
-        Ok(CpuBatch { x, xn: vec![0f32; n * d], tables, tables_swa, positions: positions.to_vec(), logit_rows: logit_rows.to_vec() })
+        Ok(self.batch(x, positions, logit_rows))
+    }
+
+    fn hidden(&self, b: &CpuBatch) -> Result<Vec<f32>> {
+        Ok(b.x.clone())
+    }
+
+    fn resume_batch(&self, hidden: Vec<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<CpuBatch> {
+        check_hidden(&self.m.config, &hidden, positions, logit_rows)?;
+        self.check_layer(self.layers.start)?;
+        Ok(self.batch(hidden, positions, logit_rows))
     }
 
     fn qkv(&self, l: usize, b: &mut CpuBatch) -> Result<Qkv> {
+        self.check_layer(l)?;
         let c = &self.m.config;
         let (layer, hd, n_rot) = (&self.m.layers[l], c.head_dim, c.n_rot);
         norm_rows(&b.x, &layer.attn_norm, c.rms_eps, &mut b.xn);
@@ -326,6 +375,7 @@ impl Device for CpuDevice {
     }
 
     fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
+        self.check_layer(l)?;
         let c = &self.m.config;
         let layer = &self.m.layers[l];
         let mut o = self.linear(&layer.wo, attn);
@@ -346,6 +396,7 @@ impl Device for CpuDevice {
     }
 
     fn logits(&self, b: &CpuBatch) -> Result<Vec<f32>> {
+        self.check_layer(self.m.config.n_layer - 1)?;
         let d = self.m.config.n_embd;
         let picked: Vec<f32> = b.logit_rows.iter().flat_map(|&r| b.x[r * d..(r + 1) * d].iter().copied()).collect();
         let mut normed = vec![0f32; picked.len()];
@@ -365,7 +416,7 @@ impl Device for CpuDevice {
 /// kernels; the file's pages of a repacked Q4_K matrix are then released, except a tied
 /// embedding's (whose rows each step reads one by one). A Q6_K matrix keeps its rows too:
 /// batches of one read them (`Interleaved::serves`).
-fn repack_matrices(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interleaved> {
+fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> HashMap<String, Interleaved> {
     let mut out = HashMap::new();
     if !interleaved::available() {
         tracing::info!("weights not repacked: the interleaved kernels need AVX-512");
@@ -373,7 +424,7 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors) -> HashMap<String, Interle
     }
     let started = Instant::now();
     let mut bytes = 0usize;
-    let products = m.weights().filter(|w| w.name != m.token_embd.name || w.name == m.output.name);
+    let products = m.weights().filter(|w| (w.name != m.token_embd.name || w.name == m.output.name) && m.tensor_in(&w.name, layers));
     for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
         let data = w.bytes(file.tensor(&w.name).expect("tensor checked at load").data);
         if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {

@@ -17,8 +17,9 @@
 //!
 //! Loading the weights is each device's own constructor (`CpuDevice::load`,
 //! `CudaDevice::load`, both over the checked tensors of [`model`]), called by [`open`] for
-//! the device `--device` picks; [`AnyDevice`] holds either, so the runner, executor and
-//! service are built once. The CPU device ([`cpu`]) runs everywhere; the CUDA device
+//! the device `--device` picks; [`AnyDevice`] holds either, or a model split by layers between
+//! either and the CPU device (`--gpu-layers`, [`split`]), so the runner, executor and service
+//! are built once. The CPU device ([`cpu`]) runs everywhere; the CUDA device
 //! ([`cuda`]) wherever its probe finds a usable GPU (the binary itself needs no CUDA to
 //! build or start). `--device auto` picks CUDA when it can and says in one log line which
 //! device it chose and why; `--device cuda` fails with the probe's reason.
@@ -30,6 +31,7 @@ pub mod expert_usage;
 mod host_attention;
 pub mod model;
 mod page_in;
+pub mod split;
 
 pub use any::{AnyBatch, AnyDevice};
 
@@ -56,18 +58,68 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// Loads the model's weights onto the device `choice` names. `auto` takes the GPU when the
-/// probe finds one and the model loads onto it, else the CPU, logging which and why; a model
-/// that cannot load at all fails either way.
+/// Where the model's weights go: the device `--device` names, and with `--gpu-layers N` only
+/// the first N layers there and the rest on the CPU device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Placement {
+    pub choice: DeviceChoice,
+    /// Layers on the device (the rest on the CPU device); `None`: all of them.
+    pub gpu_layers: Option<usize>,
+}
+
+impl From<DeviceChoice> for Placement {
+    fn from(choice: DeviceChoice) -> Self {
+        Placement { choice, gpu_layers: None }
+    }
+}
+
+/// Loads the model's weights where `placement` says. `auto` takes the GPU when the probe
+/// finds one and the model loads onto it, else the CPU, logging which and why; a model that
+/// cannot load at all fails either way. `--gpu-layers N` below the model's layer count puts
+/// layers `N..` on the CPU device (`split`); with `--device cpu` both parts are CPU devices,
+/// which compute what one does (a check of the hand-off), and with `auto` and no GPU the
+/// whole model runs on one CPU device.
 /// `local_experts`: whether the device holds a mixture's routed experts itself (else the
 /// cpu-workers do, and the device loads none of them).
-pub fn open(choice: DeviceChoice, file: Arc<GgufFile>, local_experts: bool) -> Result<AnyDevice> {
-    let cpu = |file| Ok(AnyDevice::Cpu(cpu::CpuDevice::load(file, local_experts)?));
+pub fn open(placement: impl Into<Placement>, file: Arc<GgufFile>, local_experts: bool) -> Result<AnyDevice> {
+    let Placement { choice, gpu_layers } = placement.into();
+    let n_layer = LlamaConfig::from_gguf(&file).map_err(GpuWorkerError::Model)?.n_layer;
+    // The first layers on the device (`Some(0)`: none), the rest on the CPU; `None`: all.
+    let split = gpu_layers.filter(|&n| n < n_layer);
+    let repack = cpu::repack_default();
+    let cpu_part = |file: &Arc<GgufFile>, layers: Range<usize>| cpu::CpuDevice::load_layers(file.clone(), repack, local_experts, layers);
+    let with_tail = |head: AnyDevice, file: &Arc<GgufFile>| -> Result<AnyDevice> {
+        let n = head.layers().end;
+        let tail = cpu_part(file, n..n_layer)?;
+        tracing::info!("layers 0..{n} on {}, layers {n}..{n_layer} on the CPU device (--gpu-layers {n})", head.describe());
+        Ok(AnyDevice::Split(Box::new(split::SplitDevice::new(head, tail)?)))
+    };
+    let cpu = |file: Arc<GgufFile>| -> Result<AnyDevice> {
+        match split.filter(|&n| n > 0 && choice == DeviceChoice::Cpu) {
+            Some(n) => with_tail(AnyDevice::Cpu(cpu_part(&file, 0..n)?), &file),
+            None => {
+                if let Some(n) = gpu_layers.filter(|_| choice != DeviceChoice::Cpu) {
+                    tracing::info!("--gpu-layers {n} without the GPU: every layer on the CPU device");
+                }
+                Ok(AnyDevice::Cpu(cpu_part(&file, 0..n_layer)?))
+            }
+        }
+    };
+    let cuda = |gpu: cuda::Gpu, file: Arc<GgufFile>| -> Result<AnyDevice> {
+        match split {
+            Some(0) => {
+                tracing::info!("--gpu-layers 0: every layer on the CPU device");
+                Ok(AnyDevice::Cpu(cpu_part(&file, 0..n_layer)?))
+            }
+            Some(n) => with_tail(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file.clone(), Some(n))?), &file),
+            None => Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file, None)?)),
+        }
+    };
     match choice {
         DeviceChoice::Cpu => cpu(file),
         DeviceChoice::Cuda => {
             let gpu = cuda::probe(0).map_err(|why| GpuWorkerError::DeviceUnavailable { device: "cuda", why: format!("{why}; use --device cpu or auto") })?;
-            Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file)?))
+            cuda(gpu, file)
         }
         DeviceChoice::Auto => match cuda::probe(0) {
             Err(why) => {
@@ -76,10 +128,10 @@ pub fn open(choice: DeviceChoice, file: Arc<GgufFile>, local_experts: bool) -> R
             }
             Ok(gpu) => {
                 let name = gpu.name.clone();
-                match cuda::CudaDevice::load(gpu, file.clone()) {
+                match cuda(gpu, file.clone()) {
                     Ok(d) => {
                         tracing::info!("device auto: the CUDA device on {name}");
-                        Ok(AnyDevice::Cuda(d))
+                        Ok(d)
                     }
                     Err(GpuWorkerError::Cuda(e)) => {
                         tracing::warn!("device auto: the CPU device (the model did not load onto {name}: {e})");
@@ -188,9 +240,26 @@ pub trait Device: Send + Sync {
     /// the gateway (told by `Info`) schedules prefill chunks of it, so both compute the same.
     fn prefill_chunk(&self) -> usize;
 
+    /// The layers the device computes: all of them (the default), or its part of a model
+    /// split across devices (`split`).
+    fn layers(&self) -> Range<usize> {
+        0..self.config().n_layer
+    }
+
+    /// How many of its layers run on the host's cores (all of a CPU device's).
+    fn host_layers(&self) -> usize {
+        if self.kind() == pb::DeviceKind::Cpu { self.layers().len() } else { 0 }
+    }
+
     /// Checks a batch — `tokens[i]` at position `positions[i]` — and embeds its tokens;
     /// [`Device::logits`] will give the logits of `logit_rows`.
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch>;
+    /// The batch's hidden rows (`[row][n_embd]`) on the host, after the layers it has been
+    /// through: what a split model hands to the device of its next layers.
+    fn hidden(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
+    /// A batch that goes on from `hidden` (another device's [`Device::hidden`], rows at
+    /// `positions`) through this device's layers, from the first it holds.
+    fn resume_batch(&self, hidden: Vec<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch>;
     /// Layer `layer` up to attention: the rows' queries, keys and values.
     fn qkv(&self, layer: usize, batch: &mut Self::Batch) -> Result<Qkv>;
     /// Stores the rows' new keys and values of `layer` (from `qkv`) where `kv` says.

@@ -313,6 +313,24 @@ impl ModelTensors {
         out
     }
 
+    /// Whether a device holding `layers` (of a model split across devices) reads tensor
+    /// `name`: a layer's tensors where it holds the layer, the embedding where it holds the
+    /// first (or the last, when the LM head is tied to it), the LM head and the output norm
+    /// where it holds the last, and every tensor of no layer.
+    pub fn tensor_in(&self, name: &str, layers: &std::ops::Range<usize>) -> bool {
+        let last = layers.end == self.config.n_layer;
+        if let Some(l) = name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok()) {
+            return layers.contains(&l);
+        }
+        if name == self.token_embd.name {
+            return layers.start == 0 || (last && name == self.output.name);
+        }
+        if name == self.output.name || name.starts_with("output_norm.") {
+            return last;
+        }
+        true
+    }
+
     /// Every weight matrix, each once (a tied LM head is the embedding; the parts of a fused
     /// matrix each).
     pub fn weights(&self) -> impl Iterator<Item = &Weight> {
@@ -347,8 +365,22 @@ pub fn check_batch(config: &LlamaConfig, tokens: &[u32], positions: &[usize], lo
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= config.n_vocab) {
         return Err(GpuWorkerError::Model(duet_model::Error::TokenOutOfRange { id: bad, n_vocab: config.n_vocab }));
     }
-    if let Some(&bad) = logit_rows.iter().find(|&&r| r >= n) {
-        return Err(GpuWorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}")));
+    check_logit_rows(logit_rows, n)
+}
+
+/// Checks a batch of hidden rows (`[row][n_embd]`) at `positions` that a device goes on
+/// with from another's layers (a model split across devices).
+pub fn check_hidden(config: &LlamaConfig, hidden: &[f32], positions: &[usize], logit_rows: &[usize]) -> Result<()> {
+    let n = positions.len();
+    if n == 0 || hidden.len() != n * config.n_embd {
+        return Err(GpuWorkerError::InvalidRequest(format!("{} hidden values for {n} rows of {}", hidden.len(), config.n_embd)));
     }
-    Ok(())
+    check_logit_rows(logit_rows, n)
+}
+
+fn check_logit_rows(logit_rows: &[usize], n: usize) -> Result<()> {
+    match logit_rows.iter().find(|&&r| r >= n) {
+        Some(&bad) => Err(GpuWorkerError::InvalidRequest(format!("logits of row {bad} of a batch of {n}"))),
+        None => Ok(()),
+    }
 }

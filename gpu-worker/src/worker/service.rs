@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status};
 use super::executor::Executor;
 use super::step_order::Ordered;
 use super::StepError;
-use crate::device::{AnyDevice, Device, DeviceChoice, KvAccessError};
+use crate::device::{AnyDevice, Device, KvAccessError, Placement};
 use crate::error::GpuWorkerError;
 
 /// The service state.
@@ -36,10 +36,10 @@ const HOT_EXPERTS_EVERY: u64 = 64;
 const ORDER_WAIT: Duration = Duration::from_secs(60);
 
 impl GpuWorkerService<AnyDevice> {
-    /// Loads the model at `path` onto the device `choice` names (a mixture's routed experts
+    /// Loads the model at `path` where `placement` says (a mixture's routed experts
     /// too with `local_experts`, else the cpu-workers serve them, and the device holds the
     /// `hot_experts` most used of each layer; see [`Executor::with_hot_experts`]).
-    pub fn load(path: &Path, choice: DeviceChoice, job_timeout: Duration, local_experts: bool, hot_experts: usize) -> Result<Self, StepError> {
+    pub fn load(path: &Path, placement: Placement, job_timeout: Duration, local_experts: bool, hot_experts: usize) -> Result<Self, StepError> {
         let file = Arc::new(GgufFile::open(path).map_err(GpuWorkerError::from)?);
         let name = file
             .get(GeneralKey::Name.key())
@@ -52,7 +52,7 @@ impl GpuWorkerService<AnyDevice> {
             .and_then(|t| Grammars::new(&t).map_err(|e| e.to_string()))
             .inspect_err(|e| tracing::warn!("no structured output: {e}"))
             .ok();
-        let device = crate::device::open(choice, file, local_experts)?;
+        let device = crate::device::open(placement, file, local_experts)?;
         GpuWorkerService::new(device, name, job_timeout, grammars, hot_experts)
     }
 }
@@ -76,6 +76,7 @@ impl<D: Device + 'static> GpuWorkerService<D> {
             device_kind: device.kind() as i32,
             prefill_chunk_tokens: u32::try_from(device.prefill_chunk()).unwrap_or(u32::MAX),
             experts_on_cpu_workers: !device.holds_all_experts(),
+            host_layers: device.host_layers() as u32,
         };
         let mut executor = Executor::new(device, job_timeout)?;
         if let Some(g) = grammars {

@@ -18,6 +18,7 @@ mod probe;
 #[cfg(test)]
 mod twins;
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -29,7 +30,7 @@ pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FIL
 pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
-use super::model::{check_batch, Ffn, ModelTensors};
+use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
@@ -70,7 +71,9 @@ pub struct CudaDevice {
     token_embd: GpuWeight,
     /// The LM head; `None` when the file ties it to the embedding.
     output: Option<GpuWeight>,
-    output_norm: CudaSlice<f32>,
+    /// `None` when the device holds only the first layers (no LM head).
+    output_norm: Option<CudaSlice<f32>>,
+    /// Layers `0..layers.len()`: all, or the first of a model split with the CPU device.
     layers: Vec<GpuLayer>,
     weight_bytes: usize,
 }
@@ -82,9 +85,16 @@ impl std::fmt::Debug for CudaDevice {
 }
 
 impl CudaDevice {
-    /// Checks the model, compiles the kernels and uploads the weights to `gpu`.
-    pub fn load(gpu: Gpu, file: Arc<GgufFile>) -> Result<Self> {
+    /// Checks the model, compiles the kernels and uploads the weights to `gpu`: all of them,
+    /// or with `first_layers` those of the first layers and the embedding (the rest of the
+    /// model then runs on the CPU device, `super::split`).
+    pub fn load(gpu: Gpu, file: Arc<GgufFile>, first_layers: Option<usize>) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
+        let n_layer = m.config.n_layer;
+        let held = 0..first_layers.unwrap_or(n_layer).min(n_layer);
+        if held.is_empty() {
+            return Err(GpuWorkerError::InvalidRequest("no layer on the CUDA device (--gpu-layers 0 runs the model on the CPU device)".into()));
+        }
         let missing = m.extensions();
         if !missing.is_empty() {
             return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel(format!(
@@ -93,7 +103,7 @@ impl CudaDevice {
                 missing.join(", ")
             ))));
         }
-        let need: usize = m.weights().map(|w| file.tensor(&w.name).map(|t| w.bytes(t.data).len()).unwrap_or(0)).sum();
+        let need: usize = m.weights().filter(|w| m.tensor_in(&w.name, &held)).map(|w| file.tensor(&w.name).map(|t| w.bytes(t.data).len()).unwrap_or(0)).sum();
         let need = need + WORKSPACE_ELEMS * 2;
         if let Some(&budget) = MEMORY_BUDGET.get().filter(|&&b| need > b) {
             return Err(CudaError::OverBudget { need, budget }.into());
@@ -115,10 +125,10 @@ impl CudaDevice {
         };
         let vec_up = |v: &[f32]| -> Result<CudaSlice<f32>> { Ok(stream.clone_htod(v).map_err(CudaError::from)?) };
         let token_embd = up(&m.token_embd)?;
-        let output = if m.output.name == m.token_embd.name { None } else { Some(up(&m.output)?) };
-        let n_layer = m.layers.len();
-        let mut layers = Vec::with_capacity(n_layer);
-        for (i, l) in m.layers.iter().enumerate() {
+        let last = held.end == n_layer;
+        let output = if m.output.name == m.token_embd.name || !last { None } else { Some(up(&m.output)?) };
+        let mut layers = Vec::with_capacity(held.len());
+        for (i, l) in m.layers[held.clone()].iter().enumerate() {
             let Ffn::Dense { gate, up: up_w, down } = &l.ffn else {
                 return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
             };
@@ -133,11 +143,11 @@ impl CudaDevice {
                 up: up(up_w)?,
                 down: up(down)?,
             });
-            if (i + 1) % n_layer.div_ceil(4).max(1) == 0 {
-                tracing::info!("uploading weights: layer {}/{n_layer}", i + 1);
+            if (i + 1) % held.len().div_ceil(4).max(1) == 0 {
+                tracing::info!("uploading weights: layer {}/{}", i + 1, held.len());
             }
         }
-        let output_norm = vec_up(&m.output_norm)?;
+        let output_norm = if last { Some(vec_up(&m.output_norm)?) } else { None };
         stream.synchronize().map_err(CudaError::from)?;
         let weight_bytes = token_embd.bytes() + output.as_ref().map_or(0, GpuWeight::bytes)
             + layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>()).sum::<usize>();
@@ -152,6 +162,18 @@ impl CudaDevice {
 
     fn stream(&self) -> &Arc<CudaStream> {
         &self.k.stream
+    }
+
+    /// Layer `l`'s weights, or why the device has none.
+    fn layer(&self, l: usize) -> Result<&GpuLayer> {
+        self.layers.get(l).ok_or_else(|| GpuWorkerError::InvalidRequest(format!("layer {l} is not on the CUDA device (it holds layers 0..{})", self.layers.len())))
+    }
+
+    /// A batch of hidden rows `x` at `positions`.
+    fn batch(&self, n: usize, x: CudaSlice<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
+        let tables: Vec<f32> = positions.iter().flat_map(|&p| self.m.rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
+        let tables = self.stream().clone_htod(&tables).map_err(CudaError::from)?;
+        Ok(CudaBatch { n, x, tables, logit_rows: logit_rows.to_vec() })
     }
 
     fn download(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
@@ -194,14 +216,26 @@ impl Device for CudaDevice {
         let n = tokens.len();
         let ids = self.stream().clone_htod(tokens).map_err(CudaError::from)?;
         let x = self.k.get_rows(&self.token_embd, &ids, n)?;
-        let tables: Vec<f32> = positions.iter().flat_map(|&p| self.m.rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
-        let tables = self.stream().clone_htod(&tables).map_err(CudaError::from)?;
-        Ok(CudaBatch { n, x, tables, logit_rows: logit_rows.to_vec() })
+        self.batch(n, x, positions, logit_rows)
+    }
+
+    fn layers(&self) -> Range<usize> {
+        0..self.layers.len()
+    }
+
+    fn hidden(&self, b: &CudaBatch) -> Result<Vec<f32>> {
+        self.download(&b.x)
+    }
+
+    fn resume_batch(&self, hidden: Vec<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
+        check_hidden(&self.m.config, &hidden, positions, logit_rows)?;
+        let x = self.stream().clone_htod(&hidden).map_err(CudaError::from)?;
+        self.batch(positions.len(), x, positions, logit_rows)
     }
 
     fn qkv(&self, l: usize, b: &mut CudaBatch) -> Result<Qkv> {
         let c = &self.m.config;
-        let layer = &self.layers[l];
+        let layer = self.layer(l)?;
         let xn = self.k.rms_norm(&b.x, &layer.attn_norm, b.n, c.rms_eps)?;
         let mut acts = Acts::new(&xn, b.n, c.n_embd);
         let mut q = self.k.linear(&layer.wq, &mut acts)?;
@@ -226,7 +260,7 @@ impl Device for CudaDevice {
 
     fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], _remote: &mut dyn RemoteExperts) -> Result<()> {
         let c = &self.m.config;
-        let layer = &self.layers[l];
+        let layer = self.layer(l)?;
         let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;
         let o = self.k.linear(&layer.wo, &mut Acts::new(&a, b.n, c.q_dim()))?;
         self.k.add_assign(&mut b.x, &o)?;
@@ -242,11 +276,14 @@ impl Device for CudaDevice {
 
     fn logits(&self, b: &CudaBatch) -> Result<Vec<f32>> {
         let c = &self.m.config;
+        let Some(output_norm) = &self.output_norm else {
+            return Err(GpuWorkerError::InvalidRequest(format!("logits from the CUDA device, which holds only layers 0..{}", self.layers.len())));
+        };
         if b.logit_rows.is_empty() {
             return Ok(Vec::new());
         }
         let picked = self.k.gather_rows(&b.x, &b.logit_rows, c.n_embd)?;
-        let normed = self.k.rms_norm(&picked, &self.output_norm, b.logit_rows.len(), c.rms_eps)?;
+        let normed = self.k.rms_norm(&picked, output_norm, b.logit_rows.len(), c.rms_eps)?;
         let head = self.output.as_ref().unwrap_or(&self.token_embd);
         let logits = self.k.linear(head, &mut Acts::new(&normed, b.logit_rows.len(), c.n_embd))?;
         self.download(&logits)
