@@ -108,9 +108,10 @@ pub struct ServeArgs {
     #[arg(long, env = "DUET_DEVICE", default_value = "auto", value_parser = ["auto", "cpu", "cuda"], conflicts_with = "gpu_worker")]
     pub device: String,
     /// Only the first N layers on the spawned gpu-worker's device, the rest on its CPU device
-    /// (llama.cpp's `-ngl`), for dense models larger than the GPU (default: all on the device).
-    #[arg(long, env = "DUET_GPU_LAYERS", conflicts_with = "gpu_worker")]
-    pub gpu_layers: Option<usize>,
+    /// (llama.cpp's `-ngl`), for dense models larger than the GPU; `auto`: as many as the
+    /// GPU's memory holds (default: all on the device).
+    #[arg(long, env = "DUET_GPU_LAYERS", conflicts_with = "gpu_worker", value_parser = parse_gpu_layers)]
+    pub gpu_layers: Option<String>,
     /// Where a mixture-of-experts model's routed experts run: on the gpu-worker's device, or
     /// on the cpu-workers (each serving its share as expert jobs; KTransformers' split, for
     /// models whose experts do not fit the GPU).
@@ -244,7 +245,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             instance: instance.clone(),
             gpu_threads: args.gpu_threads,
             device: args.device.clone(),
-            gpu_layers: args.gpu_layers,
+            gpu_layers: args.gpu_layers.clone(),
             max_running: args.max_running.max(1),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
             device_experts: args.device_experts,
@@ -404,6 +405,15 @@ fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
             _ = recv(term) => {}
             _ = recv(int) => {}
         }
+    }
+}
+
+/// `--gpu-layers`: a layer count or `auto` (the gpu-worker's own values, passed on).
+fn parse_gpu_layers(s: &str) -> Result<String, String> {
+    if s == "auto" || s.parse::<usize>().is_ok() {
+        Ok(s.to_string())
+    } else {
+        Err(format!("a layer count or auto, got {s:?}"))
     }
 }
 

@@ -40,8 +40,9 @@ pub struct LocalWorkers {
     pub max_running: usize,
     /// The gpu-worker's `--device` (auto, cpu or cuda).
     pub device: String,
-    /// The gpu-worker's `--gpu-layers` (layers on its device; the rest on its CPU device).
-    pub gpu_layers: Option<usize>,
+    /// The gpu-worker's `--gpu-layers` (a layer count or `auto`: layers on its device, the
+    /// rest on its CPU device).
+    pub gpu_layers: Option<String>,
     /// A mixture's routed experts on the cpu-workers (`--experts-on cpu-workers`; cpu-worker
     /// `w` serves share `w` of them), else on the gpu-worker's device.
     pub experts_on_cpu_workers: bool,
@@ -136,8 +137,8 @@ impl LocalWorkers {
         let mut cmd = Process::new(worker_binary("duet-gpu-worker"));
         cmd.arg("serve").arg("--model").arg(&self.model).arg("--listen").arg(self.gpu_address().to_string());
         cmd.arg("--device").arg(&self.device);
-        if let Some(n) = self.gpu_layers {
-            cmd.args(["--gpu-layers", &n.to_string()]);
+        if let Some(n) = &self.gpu_layers {
+            cmd.args(["--gpu-layers", n]);
         }
         if self.experts_on_cpu_workers {
             cmd.args(["--experts-on", "cpu-workers"]);

@@ -10,7 +10,7 @@ use duet_model::gguf::GgufFile;
 use duet_model::tokenizer::Tokenizer;
 use serde_json::json;
 
-use crate::device::{AnyDevice, Device, DeviceChoice, Placement};
+use crate::device::{AnyDevice, Device, DeviceChoice, GpuLayers, Placement};
 use crate::runner::{Runner, GenerateRequest};
 use crate::sampler::SamplingParams;
 
@@ -29,10 +29,11 @@ pub struct Cli {
     #[arg(long, global = true, env = "DUET_GPU_MEM_BYTES", value_parser = duet_kv::parse_bytes)]
     pub gpu_mem_bytes: Option<usize>,
     /// Only the first N layers on the device, the rest on the CPU device (llama.cpp's
-    /// `-ngl`), for dense models larger than the GPU (default: all layers on the device; 0:
-    /// all on the CPU). With --device cpu both parts run on the CPU (a check of the hand-off).
+    /// `-ngl`), for dense models larger than the GPU; `auto`: as many as the GPU memory the
+    /// device may use holds (default: all layers on the device; 0: all on the CPU). With
+    /// --device cpu both parts run on the CPU (a check of the hand-off).
     #[arg(long, global = true, env = "DUET_GPU_LAYERS")]
-    pub gpu_layers: Option<usize>,
+    pub gpu_layers: Option<GpuLayers>,
     #[command(subcommand)]
     pub command: Command,
 }

@@ -8,7 +8,7 @@
 //! device (`--gpu-layers`). Skipped without a GPU or without the model (`DUET_REQUIRE_CUDA=1`
 //! makes either a failure).
 
-use duet_gpu_worker::device::{Device, DeviceChoice, KvAccessError, KvSink, KvSource, NoRemoteExperts, Placement, PrefillItem};
+use duet_gpu_worker::device::{Device, DeviceChoice, GpuLayers, KvAccessError, KvSink, KvSource, NoRemoteExperts, Placement, PrefillItem};
 use duet_kernels::attention::KvRun;
 use duet_gpu_worker::runner::{Runner, KvCache, Logits};
 
@@ -32,7 +32,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 /// The model in `DUET_CUDA_TEST_MODEL` on the CUDA device (its first `gpu_layers` only, the
 /// rest on the CPU device, when given) and on the CPU device; `None` (the test skipped,
 /// saying why) without the model or a usable GPU.
-fn devices(gpu_layers: Option<usize>) -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>)> {
+fn devices(gpu_layers: Option<GpuLayers>) -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>)> {
     let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
         skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
         return None;
@@ -79,7 +79,7 @@ fn cuda_logits_and_greedy_tokens_match_the_cpu_device_on_a_real_shape() {
 #[test]
 fn half_the_layers_on_the_gpu_match_the_cpu_device() {
     // Llama-3.2-1B's shape has 16 layers: 8 on the GPU, 8 on the CPU device.
-    let Some((split, cpu)) = devices(Some(8)) else { return };
+    let Some((split, cpu)) = devices(Some(GpuLayers::Count(8))) else { return };
     assert!(split.device.describe().contains("for layers 8..16"), "{}", split.device.describe());
     logits_and_greedy_tokens_match(&split, &cpu);
 }

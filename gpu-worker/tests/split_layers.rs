@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::split::SplitDevice;
-use duet_gpu_worker::device::{open, AnyDevice, Device, DeviceChoice, NoRemoteExperts, Placement};
+use duet_gpu_worker::device::model::ModelTensors;
+use duet_gpu_worker::device::{open, AnyDevice, Device, DeviceChoice, GpuLayers, NoRemoteExperts, Placement};
 use duet_gpu_worker::runner::{KvCache, Logits, Runner};
 use duet_model::gguf::GgufFile;
 use duet_model::testutil::{model_path, workspace_root};
@@ -105,7 +106,7 @@ fn open_splits_where_gpu_layers_says() {
     let path = model_path();
     let all = n_layer(&path);
     let file = || Arc::new(GgufFile::open(&path).unwrap());
-    let cpu = |gpu_layers| open(Placement { choice: DeviceChoice::Cpu, gpu_layers }, file(), true).unwrap();
+    let cpu = |n: Option<usize>| open(Placement { choice: DeviceChoice::Cpu, gpu_layers: n.map(GpuLayers::Count) }, file(), true).unwrap();
     match cpu(Some(10)) {
         AnyDevice::Split(d) => {
             assert_eq!(d.boundary(), 10);
@@ -119,7 +120,35 @@ fn open_splits_where_gpu_layers_says() {
     }
     // `auto` without a GPU: the whole model on one CPU device.
     if duet_gpu_worker::device::cuda::probe(0).is_err() {
-        let d = open(Placement { choice: DeviceChoice::Auto, gpu_layers: Some(10) }, file(), true).unwrap();
-        assert!(matches!(d, AnyDevice::Cpu(_)), "{}", d.describe());
+        for n in [GpuLayers::Count(10), GpuLayers::Fit] {
+            let d = open(Placement { choice: DeviceChoice::Auto, gpu_layers: Some(n) }, file(), true).unwrap();
+            assert!(matches!(d, AnyDevice::Cpu(_)), "{}", d.describe());
+        }
     }
+    assert_eq!("auto".parse(), Ok(GpuLayers::Fit));
+    assert_eq!("12".parse(), Ok(GpuLayers::Count(12)));
+    assert!("-1".parse::<GpuLayers>().unwrap_err().contains("a layer count or auto"));
+}
+
+/// `--gpu-layers auto` puts on the GPU the most first layers whose weights fit its budget.
+#[test]
+fn the_layers_that_fit_a_budget() {
+    let path = model_path();
+    let file = GgufFile::open(&path).unwrap();
+    let m = ModelTensors::load(&file).unwrap();
+    let all = m.config.n_layer;
+    let whole = m.weight_bytes(&file, &(0..all));
+    let (embd, first) = (m.weight_bytes(&file, &(0..0)), m.weight_bytes(&file, &(0..1)));
+    assert!(embd > 0 && first > embd && whole > m.weight_bytes(&file, &(0..all - 1)), "the LM head counts with the last layer");
+    let fixed = 1000;
+    assert_eq!(m.first_layers_within(&file, whole + fixed, fixed), all);
+    assert_eq!(m.first_layers_within(&file, whole + fixed - 1, fixed), all - 1);
+    assert_eq!(m.first_layers_within(&file, first + fixed, fixed), 1);
+    assert_eq!(m.first_layers_within(&file, first + fixed - 1, fixed), 0);
+    let half = m.weight_bytes(&file, &(0..all / 2));
+    assert_eq!(m.first_layers_within(&file, half + fixed, fixed), all / 2);
+    // The parts' bytes add up to the whole model's (a tied embedding on both: the head looks
+    // rows up in it, the tail's LM head reads it whole).
+    let tied = m.output.name == m.token_embd.name;
+    assert_eq!(half + m.weight_bytes(&file, &(all / 2..all)), whole + if tied { embd } else { 0 });
 }

@@ -58,13 +58,33 @@ pub enum DeviceChoice {
     Cuda,
 }
 
-/// Where the model's weights go: the device `--device` names, and with `--gpu-layers N` only
-/// the first N layers there and the rest on the CPU device.
+/// Where the model's weights go: the device `--device` names, and with `--gpu-layers` only
+/// the first layers there and the rest on the CPU device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Placement {
     pub choice: DeviceChoice,
     /// Layers on the device (the rest on the CPU device); `None`: all of them.
-    pub gpu_layers: Option<usize>,
+    pub gpu_layers: Option<GpuLayers>,
+}
+
+/// How many of the first layers go on the GPU (`--gpu-layers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuLayers {
+    /// This many.
+    Count(usize),
+    /// As many as the GPU memory the device may use holds (`auto`).
+    Fit,
+}
+
+impl std::str::FromStr for GpuLayers {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(GpuLayers::Fit),
+            n => n.parse().map(GpuLayers::Count).map_err(|_| format!("--gpu-layers takes a layer count or auto, got {n:?}")),
+        }
+    }
 }
 
 impl From<DeviceChoice> for Placement {
@@ -76,16 +96,15 @@ impl From<DeviceChoice> for Placement {
 /// Loads the model's weights where `placement` says. `auto` takes the GPU when the probe
 /// finds one and the model loads onto it, else the CPU, logging which and why; a model that
 /// cannot load at all fails either way. `--gpu-layers N` below the model's layer count puts
-/// layers `N..` on the CPU device (`split`); with `--device cpu` both parts are CPU devices,
-/// which compute what one does (a check of the hand-off), and with `auto` and no GPU the
+/// layers `N..` on the CPU device (`split`; `auto`: as many layers on the GPU as its memory
+/// budget holds); with `--device cpu` both parts are CPU devices, which compute what one
+/// does (a check of the hand-off; `auto` there means all), and with `auto` and no GPU the
 /// whole model runs on one CPU device.
 /// `local_experts`: whether the device holds a mixture's routed experts itself (else the
 /// cpu-workers do, and the device loads none of them).
 pub fn open(placement: impl Into<Placement>, file: Arc<GgufFile>, local_experts: bool) -> Result<AnyDevice> {
     let Placement { choice, gpu_layers } = placement.into();
     let n_layer = LlamaConfig::from_gguf(&file).map_err(GpuWorkerError::Model)?.n_layer;
-    // The first layers on the device (`Some(0)`: none), the rest on the CPU; `None`: all.
-    let split = gpu_layers.filter(|&n| n < n_layer);
     let repack = cpu::repack_default();
     let cpu_part = |file: &Arc<GgufFile>, layers: Range<usize>| cpu::CpuDevice::load_layers(file.clone(), repack, local_experts, layers);
     let with_tail = |head: AnyDevice, file: &Arc<GgufFile>| -> Result<AnyDevice> {
@@ -95,24 +114,34 @@ pub fn open(placement: impl Into<Placement>, file: Arc<GgufFile>, local_experts:
         Ok(AnyDevice::Split(Box::new(split::SplitDevice::new(head, tail)?)))
     };
     let cpu = |file: Arc<GgufFile>| -> Result<AnyDevice> {
-        match split.filter(|&n| n > 0 && choice == DeviceChoice::Cpu) {
-            Some(n) => with_tail(AnyDevice::Cpu(cpu_part(&file, 0..n)?), &file),
-            None => {
-                if let Some(n) = gpu_layers.filter(|_| choice != DeviceChoice::Cpu) {
-                    tracing::info!("--gpu-layers {n} without the GPU: every layer on the CPU device");
+        match gpu_layers {
+            Some(GpuLayers::Count(n)) if n > 0 && n < n_layer && choice == DeviceChoice::Cpu => with_tail(AnyDevice::Cpu(cpu_part(&file, 0..n)?), &file),
+            _ => {
+                if gpu_layers.is_some() && choice != DeviceChoice::Cpu {
+                    tracing::info!("--gpu-layers without the GPU: every layer on the CPU device");
                 }
                 Ok(AnyDevice::Cpu(cpu_part(&file, 0..n_layer)?))
             }
         }
     };
     let cuda = |gpu: cuda::Gpu, file: Arc<GgufFile>| -> Result<AnyDevice> {
-        match split {
-            Some(0) => {
-                tracing::info!("--gpu-layers 0: every layer on the CPU device");
+        let n = match gpu_layers {
+            None => n_layer,
+            Some(GpuLayers::Count(n)) => n.min(n_layer),
+            Some(GpuLayers::Fit) => {
+                let budget = cuda::usable_bytes(&gpu)?;
+                let n = model::ModelTensors::load(&file)?.first_layers_within(&file, budget, cuda::WORKSPACE_BYTES);
+                tracing::info!("--gpu-layers auto: {n} of {n_layer} layers fit in the {} MiB the device may use", budget >> 20);
+                n
+            }
+        };
+        match n {
+            0 => {
+                tracing::info!("no layer on the GPU (--gpu-layers): every layer on the CPU device");
                 Ok(AnyDevice::Cpu(cpu_part(&file, 0..n_layer)?))
             }
-            Some(n) => with_tail(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file.clone(), Some(n))?), &file),
-            None => Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file, None)?)),
+            n if n < n_layer => with_tail(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file.clone(), Some(n))?), &file),
+            _ => Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file, None)?)),
         }
     };
     match choice {

@@ -331,6 +331,19 @@ impl ModelTensors {
         true
     }
 
+    /// Bytes of the weight matrices a device holding `layers` reads (see [`Self::tensor_in`]).
+    pub fn weight_bytes(&self, file: &GgufFile, layers: &std::ops::Range<usize>) -> usize {
+        let bytes = |w: &Weight| file.tensor(&w.name).map_or(0, |t| w.bytes(t.data).len());
+        self.weights().filter(|w| self.tensor_in(&w.name, layers)).map(bytes).sum()
+    }
+
+    /// The most first layers whose weights fit in `budget` bytes beside `fixed` bytes of
+    /// workspace (the embedding counted; the LM head too when every layer fits): `n_layer`
+    /// when the whole model fits, 0 when not even one layer does.
+    pub fn first_layers_within(&self, file: &GgufFile, budget: usize, fixed: usize) -> usize {
+        (1..=self.config.n_layer).rev().find(|&n| self.weight_bytes(file, &(0..n)) + fixed <= budget).unwrap_or(0)
+    }
+
     /// Every weight matrix, each once (a tied LM head is the embedding; the parts of a fused
     /// matrix each).
     pub fn weights(&self) -> impl Iterator<Item = &Weight> {

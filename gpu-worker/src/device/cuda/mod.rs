@@ -47,6 +47,16 @@ pub fn set_memory_budget(bytes: usize) -> bool {
     MEMORY_BUDGET.set(bytes).is_ok()
 }
 
+/// GPU memory the device needs besides the weights: the dequantisation workspace (f16).
+pub const WORKSPACE_BYTES: usize = WORKSPACE_ELEMS * 2;
+
+/// The GPU memory the device may use on `gpu`: what is free, or less where
+/// `--gpu-mem-bytes` says.
+pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
+    let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
+    Ok(MEMORY_BUDGET.get().map_or(free, |&b| b.min(free)))
+}
+
 /// The longest prompt slice of one forward pass on the CUDA device (as the CPU's: the
 /// gateway's scheduling and the runner's chunks stay the same across devices).
 pub const PREFILL_CHUNK: usize = 512;
@@ -103,8 +113,7 @@ impl CudaDevice {
                 missing.join(", ")
             ))));
         }
-        let need: usize = m.weights().filter(|w| m.tensor_in(&w.name, &held)).map(|w| file.tensor(&w.name).map(|t| w.bytes(t.data).len()).unwrap_or(0)).sum();
-        let need = need + WORKSPACE_ELEMS * 2;
+        let need = m.weight_bytes(&file, &held) + WORKSPACE_BYTES;
         if let Some(&budget) = MEMORY_BUDGET.get().filter(|&&b| need > b) {
             return Err(CudaError::OverBudget { need, budget }.into());
         }
