@@ -3,8 +3,9 @@
 #
 #   tests  the CUDA tests with DUET_REQUIRE_CUDA=1 (a skip is a failure): kernel twins, NVRTC,
 #          every tiny model on the CUDA device, the CUDA device against the CPU device on a
-#          random-weight model of Llama-3.2-1B's shape, and the whole system serving a
-#          streamed completion with --device cuda;
+#          random-weight model of Llama-3.2-1B's shape (and the tiny models of other
+#          architectures), the whole system serving a streamed completion with --device cuda,
+#          and a tiny OLMoE served with its experts on the cpu-worker;
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
 #          device (single process; the 8B also with half its layers on the CPU device,
 #          --gpu-layers 16), and the served system at 1, 16 and 64 streams;
@@ -106,6 +107,40 @@ PY
   return $rc
 }
 
+# A tiny OLMoE served with --device cuda and its routed experts on the cpu-worker (the
+# router on the GPU): the greedy completion must be the single-process CUDA runner's (local
+# host experts, host attention), token for token.
+serve_moe() {
+  local m=$root/testdata/tiny/arch/olmoe_q8_0.gguf port=18070 log=$logs/serve-moe-server.log want
+  want=$("$kit/duet-gpu-worker" --device cuda run --model "$m" --prompt "tok1 tok2 tok3" --max-tokens 16 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["text"])') || return 1
+  "$kit/duet-gateway" serve --device cuda --experts-on cpu-workers --policy cpu --model "$m" --cpu-workers 1 --kv-bytes 256M \
+    --listen 127.0.0.1:18071 --http-listen 127.0.0.1:$port --instance gpumoe >"$log" 2>&1 &
+  local gw=$!
+  WANT="$want" python3 - "$port" <<'PY'
+import json, os, sys, time, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+for _ in range(240):
+    try:
+        urllib.request.urlopen(base + "/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(0.5)
+else:
+    sys.exit("the gateway did not become healthy")
+model = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
+body = json.dumps({"model": model, "prompt": "tok1 tok2 tok3", "max_tokens": 16, "temperature": 0}).encode()
+req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+got = json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["text"]
+print(f"served: {got!r}\nrunner: {os.environ['WANT']!r}")
+sys.exit(0 if got == os.environ["WANT"] else "the served completion differs from the runner's")
+PY
+  local rc=$?
+  grep -E "device|experts" "$log" | head -8
+  kill -TERM $gw
+  wait $gw
+  return $rc
+}
+
 # A model over the GPU memory budget: --device auto takes the CPU and says why.
 over_budget() { # MODEL
   local log
@@ -144,12 +179,12 @@ for _ in range(240):
 }
 
 export kit out logs models
-export -f serve_and_stream over_budget run_speed serve_bench model
+export -f serve_and_stream serve_moe over_budget run_speed serve_bench model
 
 # Groups of steps; a step's own name runs it alone.
 expand() {
   case $1 in
-    tests) echo twins nvrtc tiny-models cuda-vs-cpu over-budget serve-stream ;;
+    tests) echo twins nvrtc tiny-models cuda-vs-cpu over-budget serve-stream serve-moe ;;
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
     # The CUDA issue's table at the depths stage A can prefill within a call (~6 min).
     table) echo serve-bench-1b serve-1b-8k serve-1b-32k serve-8b-1k serve-8b-8k ;;
@@ -165,6 +200,7 @@ for s in $(for g in $steps; do expand "$g"; done); do
     cuda-vs-cpu) step cuda-vs-cpu env DUET_CUDA_TEST_MODEL="$(model llama-3.2-1b q4_k_m)" "$kit/deps/cuda_vs_cpu" --nocapture --test-threads 1 ;;
     over-budget) step over-budget over_budget "$(model llama-3.2-1b q4_k_m)" ;;
     serve-stream) step serve-stream serve_and_stream "$(model llama-3.2-1b q4_k_m)" ;;
+    serve-moe) step serve-moe serve_moe ;;
     speed-1b)
       step speed-1b-cuda run_speed cuda "$(model llama-3.2-1b q4_k_m)"
       step speed-1b-cpu run_speed cpu "$(model llama-3.2-1b q4_k_m)"

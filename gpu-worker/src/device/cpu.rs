@@ -13,18 +13,18 @@ use std::time::Instant;
 use duet_kernels::interleaved::{self, Interleaved};
 use duet_kernels::matmul::QMatrix;
 use duet_kernels::mlp::{self, GateAct};
-use duet_kernels::ggml_exact::soft_max_row;
 use duet_kernels::ops::{rms_norm, Rope};
 use duet_kernels::quant::{dequantize, GgmlType};
 use duet_model::config::LlamaConfig;
-use duet_model::experts::{gate_act, ExpertBank};
+use duet_model::experts::gate_act;
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use rayon::prelude::*;
 
-use super::expert_usage::{ExpertUsage, RoutedTokens};
+use super::expert_usage::RoutedTokens;
+use super::host_experts::HostExperts;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors, Weight};
-use super::{host_attention, Device, DecodeItem, ExpertItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{GpuWorkerError, Result};
 
 /// The CPU device: the model's weights, borrowed from the memory-mapped file, and the
@@ -37,11 +37,7 @@ pub struct CpuDevice {
     interleaved: HashMap<String, Interleaved>,
     /// A mixture's routed experts: all of them, or, when the cpu-workers serve them, the
     /// hot ones placed here (none at first).
-    experts: Option<ExpertBank>,
-    /// Whether the cpu-workers serve the experts (the device holds only those placed).
-    experts_remote: bool,
-    /// How often the router chose each expert (a mixture only).
-    usage: Option<ExpertUsage>,
+    experts: Option<HostExperts>,
     act: GateAct,
 }
 
@@ -84,16 +80,11 @@ impl CpuDevice {
             HashMap::new()
         };
         let experts = match m.experts.clone() {
-            Some(t) => {
-                let bank = ExpertBank::load(file.clone(), &m.config, t, |l, _| local_experts && layers.contains(&l), repack)?;
-                tracing::info!(held = bank.held_count(), repacked = bank.repacked_matrices(), "routed experts on the device");
-                Some(bank)
-            }
+            Some(t) => Some(HostExperts::load(file.clone(), &m.config, t, local_experts, &layers, repack)?),
             None => None,
         };
         let act = gate_act(m.config.ffn_act);
-        let usage = m.config.experts.map(|e| ExpertUsage::new(m.config.n_layer, e.n_expert));
-        Ok(CpuDevice { file, m, layers, interleaved, experts, experts_remote: !local_experts, usage, act })
+        Ok(CpuDevice { file, m, layers, interleaved, experts, act })
     }
 
     /// Fails unless the device computes layer `l`.
@@ -114,12 +105,12 @@ impl CpuDevice {
 
     /// How many routed experts the device computes itself, summed over the layers.
     pub fn held_experts(&self) -> usize {
-        self.experts.as_ref().map_or(0, ExpertBank::held_count)
+        self.experts.as_ref().map_or(0, HostExperts::held_count)
     }
 
     /// How many weight matrices were repacked into interleaved rows (experts' included).
     pub fn repacked_matrices(&self) -> usize {
-        self.interleaved.len() + self.experts.as_ref().map_or(0, ExpertBank::repacked_matrices)
+        self.interleaved.len() + self.experts.as_ref().map_or(0, HostExperts::repacked_matrices)
     }
 
     fn mat(&self, w: &Weight) -> QMatrix<'_> {
@@ -140,79 +131,6 @@ impl CpuDevice {
     fn linear_many<const N: usize>(&self, ws: [&Weight; N], x: &[f32]) -> [Vec<f32>; N] {
         let mats = ws.map(|w| self.mat(w));
         mlp::linear_many(std::array::from_fn(|i| &mats[i]), x)
-    }
-
-    /// A mixture of experts over rows `x` of layer `l`, as llama.cpp's `build_moe_ffn`
-    /// computes it: the router's softmax, the `n_used` likeliest experts (their probabilities
-    /// renormalised to sum 1 where the architecture does, the sum clamped at f16's smallest
-    /// normal), each expert's MLP on the rows routed to it, and per row the weighted outputs
-    /// added in the order the experts were chosen. The experts this device does not hold go
-    /// to `remote` first, so they run while it computes its own.
-    fn moe(&self, l: usize, router: &Weight, x: &[f32], remote: &mut dyn RemoteExperts) -> Result<Vec<f32>> {
-        let e = self.m.config.experts.expect("an MoE layer has its experts' counts");
-        let d = router.cols;
-        let mut probs = self.linear(router, x);
-        let routes: Vec<Vec<(usize, f32)>> = probs
-            .chunks_mut(e.n_expert)
-            .map(|p| {
-                soft_max_row(p);
-                let mut order: Vec<usize> = (0..e.n_expert).collect();
-                order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-                let mut chosen: Vec<(usize, f32)> = order[..e.n_used].iter().map(|&i| (i, p[i])).collect();
-                if e.norm_weights {
-                    let sum = (chosen.iter().map(|&(_, w)| f64::from(w)).sum::<f64>() as f32).max(6.103_515_6e-5);
-                    chosen.iter_mut().for_each(|(_, w)| *w /= sum);
-                }
-                chosen
-            })
-            .collect();
-        if let Some(u) = &self.usage {
-            u.record(l, routes.iter().map(Vec::as_slice));
-        }
-        let bank = self.experts.as_ref().expect("an MoE model has its expert bank");
-        let held = |ex: usize| bank.holds(l, ex);
-        // (row, choice) of each item sent away, in the order sent.
-        let (mut away, mut away_of) = (Vec::new(), Vec::new());
-        for (t, r) in routes.iter().enumerate() {
-            for (k, &(ex, w)) in r.iter().enumerate().filter(|(_, &(ex, _))| !held(ex)) {
-                away.push(ExpertItem { expert: ex as u32, row: t as u32, weight: w });
-                away_of.push((t, k));
-            }
-        }
-        if !away.is_empty() {
-            remote.start(l, x, &away)?;
-        }
-        // Each held expert once, on the rows routed to it; then each row's parts in choice order.
-        let mut parts: Vec<Vec<Vec<f32>>> = routes.iter().map(|r| vec![Vec::new(); r.len()]).collect();
-        for ex in (0..e.n_expert).filter(|&ex| held(ex)) {
-            let rows: Vec<(usize, usize)> =
-                routes.iter().enumerate().flat_map(|(t, r)| r.iter().position(|&(i, _)| i == ex).map(|k| (t, k))).collect();
-            if rows.is_empty() {
-                continue;
-            }
-            let xs: Vec<f32> = rows.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
-            let out = bank.mlp(l, ex, &xs).expect("the bank holds it");
-            for (&(t, k), o) in rows.iter().zip(out.chunks_exact(d)) {
-                parts[t][k] = mlp::scaled(o, routes[t][k].1);
-            }
-        }
-        if !away.is_empty() {
-            let outs = remote.finish()?;
-            if outs.len() != away.len() * d {
-                return Err(GpuWorkerError::RemoteExperts { worker: None, what: format!("{} values back for {} items of {d}", outs.len(), away.len()) });
-            }
-            for (&(t, k), o) in away_of.iter().zip(outs.chunks_exact(d)) {
-                parts[t][k] = o.to_vec();
-            }
-        }
-        let mut y = vec![0f32; x.len()];
-        for (row, p) in y.chunks_exact_mut(d).zip(&parts) {
-            row.copy_from_slice(&p[0]);
-            for more in &p[1..] {
-                add(row, more);
-            }
-        }
-        Ok(y)
     }
 }
 
@@ -256,28 +174,18 @@ impl Device for CpuDevice {
     }
 
     fn holds_all_experts(&self) -> bool {
-        self.experts.as_ref().is_none_or(ExpertBank::holds_all)
+        self.experts.as_ref().is_none_or(HostExperts::holds_all)
     }
 
     fn place_experts(&mut self, held: &[Vec<usize>]) -> Result<usize> {
-        let Some(bank) = self.experts.as_mut().filter(|_| self.experts_remote) else {
-            return Err(GpuWorkerError::InvalidRequest("placing routed experts needs a mixture with its experts on the cpu-workers".into()));
-        };
-        let (n_layer, n_expert) = (bank.tensors().layers.len(), bank.tensors().n_expert);
-        if held.len() != n_layer || held.iter().flatten().any(|&e| e >= n_expert) {
-            return Err(GpuWorkerError::InvalidRequest(format!("an expert placement names {} layers of {n_layer}, or an expert past {n_expert}", held.len())));
+        match &mut self.experts {
+            Some(e) => e.place(held),
+            None => Err(GpuWorkerError::InvalidRequest("placing routed experts needs a mixture with its experts on the cpu-workers".into())),
         }
-        let mut moved = 0;
-        for (l, want) in held.iter().enumerate() {
-            for e in 0..n_expert {
-                moved += usize::from(bank.set_held(l, e, want.contains(&e))?);
-            }
-        }
-        Ok(moved)
     }
 
     fn take_expert_usage(&self) -> Vec<RoutedTokens> {
-        self.usage.as_ref().map_or_else(Vec::new, ExpertUsage::take)
+        self.experts.as_ref().map_or_else(Vec::new, HostExperts::take_usage)
     }
 
     fn layers(&self) -> Range<usize> {
@@ -386,7 +294,10 @@ impl Device for CpuDevice {
         norm_rows(&b.x, &layer.ffn_norm, c.rms_eps, &mut b.xn);
         let mut down = match &layer.ffn {
             Ffn::Dense { gate, up, down } => mlp::gated_mlp([&self.mat(gate), &self.mat(up), &self.mat(down)], self.act, &b.xn),
-            Ffn::Moe { router } => self.moe(l, router, &b.xn, remote)?,
+            Ffn::Moe { router } => {
+                let experts = self.experts.as_ref().expect("an MoE model has its experts");
+                experts.moe(l, self.linear(router, &b.xn), &b.xn, remote)?
+            }
         };
         if let Some([_, post_ffn]) = &layer.post_norms {
             down = normed(&down, post_ffn, c.rms_eps);

@@ -29,6 +29,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod expert_usage;
 mod host_attention;
+pub mod host_experts;
 pub mod model;
 mod page_in;
 pub mod split;
@@ -140,8 +141,8 @@ pub fn open(placement: impl Into<Placement>, file: Arc<GgufFile>, local_experts:
                 tracing::info!("no layer on the GPU (--gpu-layers): every layer on the CPU device");
                 Ok(AnyDevice::Cpu(cpu_part(&file, 0..n_layer)?))
             }
-            n if n < n_layer => with_tail(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file.clone(), Some(n))?), &file),
-            _ => Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file, None)?)),
+            n if n < n_layer => with_tail(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file.clone(), Some(n), local_experts)?), &file),
+            _ => Ok(AnyDevice::Cuda(cuda::CudaDevice::load(gpu, file, None, local_experts)?)),
         }
     };
     match choice {

@@ -292,11 +292,13 @@ impl Launcher {
         Ok(out)
     }
 
-    /// RoPE in place on `x` (`[row][n_heads][head_dim]`) with the rows' (cos, sin) tables.
-    pub fn rope(&self, x: &mut CudaSlice<f32>, tables: &CudaSlice<f32>, n_rows: usize, n_heads: usize, head_dim: usize, n_rot: usize) -> Result<(), CudaError> {
-        let (r, h, d, nr) = (n_rows as i32, n_heads as i32, head_dim as i32, n_rot as i32);
+    /// RoPE in place on `x` (`[row][n_heads][head_dim]`) with the rows' (cos, sin) tables:
+    /// normal pairs, or NeoX's with `neox`.
+    #[allow(clippy::too_many_arguments)] // the kernel's arguments, one each
+    pub fn rope(&self, x: &mut CudaSlice<f32>, tables: &CudaSlice<f32>, n_rows: usize, n_heads: usize, head_dim: usize, n_rot: usize, neox: bool) -> Result<(), CudaError> {
+        let (r, h, d, nr, nx) = (n_rows as i32, n_heads as i32, head_dim as i32, n_rot as i32, i32::from(neox));
         let mut b = self.stream.launch_builder(self.f("rope")?);
-        b.arg(x).arg(tables).arg(&r).arg(&h).arg(&d).arg(&nr);
+        b.arg(x).arg(tables).arg(&r).arg(&h).arg(&d).arg(&nr).arg(&nx);
         // SAFETY: x holds n_rows * n_heads * head_dim; tables n_rows * n_rot pairs' halves.
         unsafe { b.launch(grid_1d(n_rows * n_heads * (n_rot / 2))) }?;
         Ok(())
@@ -318,6 +320,16 @@ impl Launcher {
         let mut b = self.stream.launch_builder(self.f("add_assign")?);
         b.arg(x).arg(y).arg(&n);
         // SAFETY: both hold n elements.
+        unsafe { b.launch(grid_1d(n)) }?;
+        Ok(())
+    }
+
+    /// `bias` added to every row of `x` (rows of `bias.len()`).
+    pub fn add_bias(&self, x: &mut CudaSlice<f32>, bias: &CudaSlice<f32>) -> Result<(), CudaError> {
+        let (n, cols) = (x.len(), bias.len() as i32);
+        let mut b = self.stream.launch_builder(self.f("add_bias")?);
+        b.arg(x).arg(bias).arg(&n).arg(&cols);
+        // SAFETY: x holds n elements, bias cols.
         unsafe { b.launch(grid_1d(n)) }?;
         Ok(())
     }

@@ -2,7 +2,10 @@
 //! on the GPU; each layer's Q/K/V come to the host, where the caller stores K/V into the
 //! cpu-workers' arenas (or its own cache) and attention runs on the host kernels, and the
 //! attention output goes back up for the rest of the layer. Weights stay on the GPU in their
-//! GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32).
+//! GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32). Beyond the
+//! plain Llama block: Q/K/V biases (Qwen 2), Q/K norms (Qwen 3, OLMoE), NeoX RoPE, and
+//! mixtures of experts as KTransformers runs them — the router on the GPU, the routed experts
+//! on the host (`HostExperts`: in this process, or the cpu-workers' expert jobs).
 //!
 //! Built with cudarc's dynamic loading: nothing CUDA is needed to build, and [`probe`]
 //! finds out, without panicking, whether this machine can run it. Kernels are CUDA C
@@ -31,6 +34,8 @@ pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
+use super::expert_usage::RoutedTokens;
+use super::host_experts::HostExperts;
 use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
@@ -61,16 +66,39 @@ pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
 /// gateway's scheduling and the runner's chunks stay the same across devices).
 pub const PREFILL_CHUNK: usize = 512;
 
+/// What the CUDA device implements of [`ModelTensors::extensions`]: Q/K/V biases, Q/K norms (one weight
+/// per head, or one as wide as the row), NeoX RoPE, and mixtures of experts (the router on
+/// the GPU, the routed experts on the host: [`HostExperts`]).
+const IMPLEMENTED: [&str; 4] = ["Q/K/V biases", "Q/K RMSNorm", "NeoX RoPE", "mixture-of-experts MLPs"];
+
 struct GpuLayer {
     attn_norm: CudaSlice<f32>,
     wq: GpuWeight,
     wk: GpuWeight,
     wv: GpuWeight,
     wo: GpuWeight,
+    /// Q/K/V biases, added after the projections (Qwen 2).
+    qkv_bias: Option<[CudaSlice<f32>; 3]>,
+    /// RMSNorm weights of Q and K, before RoPE (Qwen 3, OLMoE).
+    qk_norm: Option<[CudaSlice<f32>; 2]>,
     ffn_norm: CudaSlice<f32>,
-    gate: GpuWeight,
-    up: GpuWeight,
-    down: GpuWeight,
+    ffn: GpuFfn,
+}
+
+/// A layer's MLP on the GPU.
+enum GpuFfn {
+    Dense { gate: GpuWeight, up: GpuWeight, down: GpuWeight },
+    /// The router; the experts are the device's [`HostExperts`] or the cpu-workers'.
+    Moe { router: GpuWeight },
+}
+
+impl GpuFfn {
+    fn weights(&self) -> Vec<&GpuWeight> {
+        match self {
+            GpuFfn::Dense { gate, up, down } => vec![gate, up, down],
+            GpuFfn::Moe { router } => vec![router],
+        }
+    }
 }
 
 /// The CUDA device: the model's weights on one GPU.
@@ -85,6 +113,9 @@ pub struct CudaDevice {
     output_norm: Option<CudaSlice<f32>>,
     /// Layers `0..layers.len()`: all, or the first of a model split with the CPU device.
     layers: Vec<GpuLayer>,
+    /// A mixture's routed experts held on the host (all, or none when the cpu-workers serve
+    /// them).
+    experts: Option<HostExperts>,
     weight_bytes: usize,
 }
 
@@ -97,15 +128,17 @@ impl std::fmt::Debug for CudaDevice {
 impl CudaDevice {
     /// Checks the model, compiles the kernels and uploads the weights to `gpu`: all of them,
     /// or with `first_layers` those of the first layers and the embedding (the rest of the
-    /// model then runs on the CPU device, `super::split`).
-    pub fn load(gpu: Gpu, file: Arc<GgufFile>, first_layers: Option<usize>) -> Result<Self> {
+    /// model then runs on the CPU device, `super::split`). A mixture's routed experts stay
+    /// on the host: the device maps and computes them there with `local_experts`, else the
+    /// cpu-workers serve them.
+    pub fn load(gpu: Gpu, file: Arc<GgufFile>, first_layers: Option<usize>, local_experts: bool) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
         let n_layer = m.config.n_layer;
         let held = 0..first_layers.unwrap_or(n_layer).min(n_layer);
         if held.is_empty() {
             return Err(GpuWorkerError::InvalidRequest("no layer on the CUDA device (--gpu-layers 0 runs the model on the CPU device)".into()));
         }
-        let missing = m.extensions();
+        let missing: Vec<_> = m.extensions().into_iter().filter(|e| !IMPLEMENTED.contains(e)).collect();
         if !missing.is_empty() {
             return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel(format!(
                 "architecture {:?} on the CUDA device: its {} are not implemented there yet (use --device cpu)",
@@ -138,8 +171,17 @@ impl CudaDevice {
         let output = if m.output.name == m.token_embd.name || !last { None } else { Some(up(&m.output)?) };
         let mut layers = Vec::with_capacity(held.len());
         for (i, l) in m.layers[held.clone()].iter().enumerate() {
-            let Ffn::Dense { gate, up: up_w, down } = &l.ffn else {
-                return Err(GpuWorkerError::Model(duet_model::Error::UnsupportedModel("mixture-of-experts MLPs on the CUDA device".into())));
+            let ffn = match &l.ffn {
+                Ffn::Dense { gate, up: up_w, down } => GpuFfn::Dense { gate: up(gate)?, up: up(up_w)?, down: up(down)? },
+                Ffn::Moe { router } => GpuFfn::Moe { router: up(router)? },
+            };
+            let qkv_bias = match &l.qkv_bias {
+                Some([bq, bk, bv]) => Some([vec_up(bq)?, vec_up(bk)?, vec_up(bv)?]),
+                None => None,
+            };
+            let qk_norm = match &l.qk_norm {
+                Some([qn, kn]) => Some([vec_up(qn)?, vec_up(kn)?]),
+                None => None,
             };
             layers.push(GpuLayer {
                 attn_norm: vec_up(&l.attn_norm)?,
@@ -147,10 +189,10 @@ impl CudaDevice {
                 wk: up(&l.wk)?,
                 wv: up(&l.wv)?,
                 wo: up(&l.wo)?,
+                qkv_bias,
+                qk_norm,
                 ffn_norm: vec_up(&l.ffn_norm)?,
-                gate: up(gate)?,
-                up: up(up_w)?,
-                down: up(down)?,
+                ffn,
             });
             if (i + 1) % held.len().div_ceil(4).max(1) == 0 {
                 tracing::info!("uploading weights: layer {}/{}", i + 1, held.len());
@@ -158,10 +200,15 @@ impl CudaDevice {
         }
         let output_norm = if last { Some(vec_up(&m.output_norm)?) } else { None };
         stream.synchronize().map_err(CudaError::from)?;
-        let weight_bytes = token_embd.bytes() + output.as_ref().map_or(0, GpuWeight::bytes)
-            + layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>()).sum::<usize>();
+        let weight_bytes = token_embd.bytes()
+            + output.as_ref().map_or(0, GpuWeight::bytes)
+            + layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo].into_iter().chain(l.ffn.weights()).map(GpuWeight::bytes).sum::<usize>()).sum::<usize>();
         tracing::info!(gpu = %gpu.name, mib = weight_bytes >> 20, ms = started.elapsed().as_millis() as u64, "weights on the GPU");
-        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, weight_bytes })
+        let experts = match m.experts.clone() {
+            Some(t) => Some(HostExperts::load(file.clone(), &m.config, t, local_experts, &held, super::cpu::repack_default())?),
+            None => None,
+        };
+        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes })
     }
 
     /// Bytes of GPU memory the weights take.
@@ -220,6 +267,14 @@ impl Device for CudaDevice {
         PREFILL_CHUNK
     }
 
+    fn holds_all_experts(&self) -> bool {
+        self.experts.as_ref().is_none_or(HostExperts::holds_all)
+    }
+
+    fn take_expert_usage(&self) -> Vec<RoutedTokens> {
+        self.experts.as_ref().map_or_else(Vec::new, HostExperts::take_usage)
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
         check_batch(&self.m.config, tokens, positions, logit_rows)?;
         let n = tokens.len();
@@ -249,9 +304,19 @@ impl Device for CudaDevice {
         let mut acts = Acts::new(&xn, b.n, c.n_embd);
         let mut q = self.k.linear(&layer.wq, &mut acts)?;
         let mut k = self.k.linear(&layer.wk, &mut acts)?;
-        let v = self.k.linear(&layer.wv, &mut acts)?;
-        self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot)?;
-        self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot)?;
+        let mut v = self.k.linear(&layer.wv, &mut acts)?;
+        if let Some([bq, bk, bv]) = &layer.qkv_bias {
+            self.k.add_bias(&mut q, bq)?;
+            self.k.add_bias(&mut k, bk)?;
+            self.k.add_bias(&mut v, bv)?;
+        }
+        if let Some([qn, kn]) = &layer.qk_norm {
+            // Rows of the weight's width: each head, or the whole row (OLMoE).
+            q = self.k.rms_norm(&q, qn, b.n * c.q_dim() / qn.len(), c.rms_eps)?;
+            k = self.k.rms_norm(&k, kn, b.n * c.kv_dim() / kn.len(), c.rms_eps)?;
+        }
+        self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot, c.rope_neox)?;
+        self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
         Ok(Qkv { q: self.download(&q)?, k: self.download(&k)?, v: self.download(&v)? })
     }
 
@@ -267,7 +332,7 @@ impl Device for CudaDevice {
         host_attention::decode(&self.m.config, layer, q, items, kv)
     }
 
-    fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], _remote: &mut dyn RemoteExperts) -> Result<()> {
+    fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
         let c = &self.m.config;
         let layer = self.layer(l)?;
         let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;
@@ -275,10 +340,22 @@ impl Device for CudaDevice {
         self.k.add_assign(&mut b.x, &o)?;
         let xn = self.k.rms_norm(&b.x, &layer.ffn_norm, b.n, c.rms_eps)?;
         let mut acts = Acts::new(&xn, b.n, c.n_embd);
-        let mut g = self.k.linear(&layer.gate, &mut acts)?;
-        let u = self.k.linear(&layer.up, &mut acts)?;
-        self.k.silu_mul(&mut g, &u)?;
-        let down = self.k.linear(&layer.down, &mut Acts::new(&g, b.n, c.n_ff))?;
+        let down = match &layer.ffn {
+            GpuFfn::Dense { gate, up, down } => {
+                let mut g = self.k.linear(gate, &mut acts)?;
+                let u = self.k.linear(up, &mut acts)?;
+                self.k.silu_mul(&mut g, &u)?;
+                self.k.linear(down, &mut Acts::new(&g, b.n, c.n_ff))?
+            }
+            GpuFfn::Moe { router } => {
+                // The router on the GPU; the normed rows and its logits cross to the host,
+                // where the experts run, and the mixture's rows come back.
+                let logits = self.download(&self.k.linear(router, &mut acts)?)?;
+                let experts = self.experts.as_ref().expect("a mixture loads its host experts");
+                let y = experts.moe(l, logits, &self.download(&xn)?, remote)?;
+                self.stream().clone_htod(&y).map_err(CudaError::from)?
+            }
+        };
         self.k.add_assign(&mut b.x, &down)?;
         Ok(())
     }

@@ -202,14 +202,17 @@ fn row_ops_match_the_cpu() {
     let positions = [0usize, 1, 17, 300, 4095];
     let q: Vec<f32> = (0..positions.len() * heads * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let tables: Vec<f32> = positions.iter().flat_map(|&p| rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
-    let mut qd = k.stream.clone_htod(&q).unwrap();
-    k.rope(&mut qd, &k.stream.clone_htod(&tables).unwrap(), positions.len(), heads, hd, n_rot).unwrap();
-    let mut want = q.clone();
-    for (row, &p) in want.chunks_exact_mut(heads * hd).zip(&positions) {
-        let t = rope.table(p);
-        row.chunks_exact_mut(hd).for_each(|h| Rope::apply(&t, &mut h[..n_rot]));
+    for neox in [false, true] {
+        let mut qd = k.stream.clone_htod(&q).unwrap();
+        k.rope(&mut qd, &k.stream.clone_htod(&tables).unwrap(), positions.len(), heads, hd, n_rot, neox).unwrap();
+        let mut want = q.clone();
+        let apply = if neox { Rope::apply_neox } else { Rope::apply };
+        for (row, &p) in want.chunks_exact_mut(heads * hd).zip(&positions) {
+            let t = rope.table(p);
+            row.chunks_exact_mut(hd).for_each(|h| apply(&t, &mut h[..n_rot]));
+        }
+        close(if neox { "rope (NeoX)" } else { "rope" }, &down(&k, &qd), &want, 1e-6);
     }
-    close("rope", &down(&k, &qd), &want, 1e-6);
     // SiLU-mul, residual add, row gathering.
     let u: Vec<f32> = (0..n * d).map(|_| rng.random_range(-3.0f32..3.0)).collect();
     let ud = k.stream.clone_htod(&u).unwrap();
@@ -222,6 +225,10 @@ fn row_ops_match_the_cpu() {
     k.add_assign(&mut s, &ud).unwrap();
     let want: Vec<f32> = x.iter().zip(&u).map(|(a, b)| a + b).collect();
     assert_eq!(down(&k, &s), want, "add_assign");
+    let mut s = k.stream.clone_htod(&x).unwrap();
+    k.add_bias(&mut s, &k.stream.clone_htod(&u[..d]).unwrap()).unwrap();
+    let want: Vec<f32> = x.iter().enumerate().map(|(i, a)| a + u[i % d]).collect();
+    assert_eq!(down(&k, &s), want, "add_bias");
     let picked = down(&k, &k.gather_rows(&xd, &[4, 0, 2], d).unwrap());
     assert_eq!(picked, [&x[4 * d..5 * d], &x[..d], &x[2 * d..3 * d]].concat(), "gather_rows");
 }

@@ -20,11 +20,11 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __rest
     for (int c = threadIdx.x; c < cols; c += NORM_THREADS) orow[c] = (xr[c] * scale) * w[c];
 }
 
-// Normal (non-NeoX) RoPE in place: pairs (2i, 2i+1), i < n_rot / 2, of every head of every
-// row, rotated by the row's table ([row][n_rot / 2] of (cos, sin), computed on the host as
-// the CPU device computes it). One thread per pair.
+// RoPE in place: pairs (2i, 2i+1) (normal) or (i, i + n_rot/2) (NeoX, `neox` != 0), i <
+// n_rot / 2, of every head of every row, rotated by the row's table ([row][n_rot / 2] of
+// (cos, sin), computed on the host as the CPU device computes it). One thread per pair.
 extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ tables, int n_rows, int n_heads, int head_dim,
-                                int n_rot) {
+                                int n_rot, int neox) {
     int half = n_rot / 2;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n_rows * n_heads * half) return;
@@ -32,10 +32,11 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
     size_t rh = i / half;
     size_t row = rh / n_heads;
     float c = tables[(row * half + p) * 2], s = tables[(row * half + p) * 2 + 1];
-    float* h = x + rh * head_dim + 2 * p;
-    float x0 = h[0], x1 = h[1];
-    h[0] = x0 * c - x1 * s;
-    h[1] = x0 * s + x1 * c;
+    float* h = x + rh * head_dim;
+    int a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
+    float x0 = h[a], x1 = h[b];
+    h[a] = x0 * c - x1 * s;
+    h[b] = x0 * s + x1 * c;
 }
 
 // g = silu(g) * u, element-wise.
@@ -50,6 +51,12 @@ extern "C" __global__ void silu_mul(float* __restrict__ g, const float* __restri
 extern "C" __global__ void add_assign(float* __restrict__ x, const float* __restrict__ y, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
+}
+
+// x[r] += bias for every row r of `cols` (Qwen 2's Q/K/V biases).
+extern "C" __global__ void add_bias(float* __restrict__ x, const float* __restrict__ bias, size_t n, int cols) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[i % cols];
 }
 
 // f32 -> f16 (round to nearest even), element-wise: activations for cuBLAS.
