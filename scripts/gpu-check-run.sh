@@ -69,24 +69,32 @@ model() { # model SHAPE TYPE: makes the random-weight model once, prints its pat
   echo "$path"
 }
 
+# Waits (up to 2 minutes) until the gateway on 127.0.0.1:PORT answers /health.
+wait_healthy() { # PORT
+  python3 - "$1" <<'PY'
+import sys, time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(0.5)
+else:
+    sys.exit("the gateway did not become healthy")
+PY
+}
+
 # Streams a completion from a gateway serving with --device cuda; checks tokens arrived.
 serve_and_stream() {
   local m=$1 port=18080 log=$logs/serve.log
   "$kit/duet-gateway" serve --device cuda --model "$m" --cpu-workers 1 --kv-bytes 2G \
     --listen 127.0.0.1:18081 --http-listen 127.0.0.1:$port --instance gpucheck >"$log" 2>&1 &
   local gw=$!
+  wait_healthy $port || { kill -TERM $gw; wait $gw; return 1; }
   python3 - "$port" <<'PY'
 import json, sys, time, urllib.request
 port = sys.argv[1]
 base = f"http://127.0.0.1:{port}"
-for _ in range(240):
-    try:
-        urllib.request.urlopen(base + "/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(0.5)
-else:
-    sys.exit("the gateway did not become healthy")
 model = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
 body = json.dumps({"model": model, "prompt": "tok1 tok2 tok3", "max_tokens": 32, "stream": True, "temperature": 0}).encode()
 req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -116,17 +124,10 @@ serve_moe() {
   "$kit/duet-gateway" serve --device cuda --experts-on cpu-workers --policy cpu --model "$m" --cpu-workers 1 --kv-bytes 256M \
     --listen 127.0.0.1:18071 --http-listen 127.0.0.1:$port --instance gpumoe >"$log" 2>&1 &
   local gw=$!
+  wait_healthy $port || { kill -TERM $gw; wait $gw; return 1; }
   WANT="$want" python3 - "$port" <<'PY'
-import json, os, sys, time, urllib.request
+import json, os, sys, urllib.request
 base = f"http://127.0.0.1:{sys.argv[1]}"
-for _ in range(240):
-    try:
-        urllib.request.urlopen(base + "/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(0.5)
-else:
-    sys.exit("the gateway did not become healthy")
 model = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
 body = json.dumps({"model": model, "prompt": "tok1 tok2 tok3", "max_tokens": 16, "temperature": 0}).encode()
 req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -165,12 +166,7 @@ serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY]
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
   sleep 2
-  python3 -c 'import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:18090/health", timeout=2); break
-    except Exception:
-        time.sleep(0.5)'
+  wait_healthy 18090 || { kill -TERM $gw; wait $gw; return 1; }
   "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "${3:-1024}" --max-tokens 64 --policies cpu,gpu,lp
   local rc=$?
   kill -TERM $gw
@@ -179,7 +175,7 @@ for _ in range(240):
 }
 
 export kit out logs models
-export -f serve_and_stream serve_moe over_budget run_speed serve_bench model
+export -f wait_healthy serve_and_stream serve_moe over_budget run_speed serve_bench model
 
 # Groups of steps; a step's own name runs it alone.
 expand() {
