@@ -275,6 +275,13 @@ impl StepStats {
     pub fn observe(&mut self, t: &pb::StepTimings, predicted_s: Option<f64>) {
         let s = |ns: u64| ns as f64 * 1e-9;
         let tokens = (t.prefill_tokens + t.decode_tokens) as f64;
+        // Steady state only: the prediction errors of decode steps predicted by fits that
+        // had data then (judged before this step's samples go in: the step that warms a fit
+        // was predicted without it).
+        let fit = if t.sub_batches == 2 { &self.linear_overlapped } else { &self.linear };
+        let warm = fit.samples_at(tokens) >= WARM
+            && (t.gpu_attention_positions == 0 || self.gpu_attention.samples() >= WARM)
+            && t.cpu_workers.iter().all(|w| self.cpu_attention.get(w.worker as usize).is_none_or(|f| f.samples() >= WARM));
         let linear = s(t.linear_ns + t.kv_write_ns + t.merge_ns + t.sample_ns);
         if t.prefill_tokens > 0 {
             self.linear_prefill.add(tokens, linear + s(t.attention_gpu_ns));
@@ -307,11 +314,6 @@ impl StepStats {
                 let seen = (self.overlap_slowdown * measured / p).clamp(1.0, 2.0);
                 self.overlap_slowdown = FORGET * self.overlap_slowdown + (1.0 - FORGET) * seen;
             }
-            // Steady state only: decode steps, once every fit has data.
-            let linear = if t.sub_batches == 2 { &self.linear_overlapped } else { &self.linear };
-            let warm = linear.samples_at(tokens) >= WARM
-                && (t.gpu_attention_positions == 0 || self.gpu_attention.samples() >= WARM)
-                && t.cpu_workers.iter().all(|w| self.cpu_attention.get(w.worker as usize).is_none_or(|f| f.samples() >= WARM));
             if warm && t.prefill_tokens == 0 && measured > 0.0 {
                 if self.errors.len() == ERROR_WINDOW {
                     self.errors.pop_front();
@@ -463,6 +465,24 @@ mod tests {
         }
         let s = st.cost_model(16).overlap_slowdown;
         assert!((s - 1.12).abs() < 0.01, "{s}");
+    }
+
+    /// A step predicted before its batch size's band had data (a borrowed line) does not
+    /// count, the one that warms the band included; the steps after it do.
+    #[test]
+    fn only_steps_predicted_by_warm_fits_count_as_errors() {
+        let mut st = StepStats::new(1, false);
+        let step = |tokens: u32, secs: f64| pb::StepTimings { total_ns: (secs * 1e9) as u64, linear_ns: (secs * 1e9) as u64, decode_tokens: tokens, ..Default::default() };
+        for _ in 0..20 {
+            st.observe(&step(1, 0.2), Some(0.2));
+        }
+        for _ in 0..WARM {
+            // Four times too fast: the band of 64 borrows the line of 1.
+            st.observe(&step(64, 2.0), Some(0.5));
+        }
+        assert!(st.errors.len() == 20 - WARM as usize && st.errors.iter().all(|&e| e < 1e-9), "{:?}", st.errors);
+        st.observe(&step(64, 2.0), Some(0.5));
+        assert_eq!(st.errors.back().copied(), Some(0.75));
     }
 
     #[test]

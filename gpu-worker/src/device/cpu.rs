@@ -321,8 +321,9 @@ impl Device for CpuDevice {
     }
 }
 
-/// Repacks every Q4_K and Q6_K matrix the products read (the layers' and the LM head, not an
-/// untied embedding, whose rows are only looked up) whose rows fill whole groups into
+/// Repacks every Q4_K and Q6_K matrix the products of `layers` read (those layers', and the
+/// LM head where they end at the last; not an untied embedding, whose rows are only looked
+/// up) whose rows fill whole groups into
 /// interleaved rows (llama.cpp's CPU "repack" buffers do the same), when this CPU has the
 /// kernels; the file's pages of a repacked Q4_K matrix are then released, except a tied
 /// embedding's (whose rows each step reads one by one). A Q6_K matrix keeps its rows too:
@@ -335,7 +336,9 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
     }
     let started = Instant::now();
     let mut bytes = 0usize;
-    let products = m.weights().filter(|w| (w.name != m.token_embd.name || w.name == m.output.name) && m.tensor_in(&w.name, layers));
+    // The LM head where the device computes logits (a tied one too), and its layers' matrices.
+    let last = layers.end == m.config.n_layer;
+    let products = m.weights().filter(|w| if w.name == m.output.name { last } else { w.name != m.token_embd.name && m.tensor_in(&w.name, layers) });
     for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
         let data = w.bytes(file.tensor(&w.name).expect("tensor checked at load").data);
         if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {
