@@ -174,19 +174,32 @@ impl BatchFit {
         self.bands.get(Self::band(x)).map_or(0, LinearFit::samples)
     }
 
-    /// Intercept and slope of the line that predicts batches of `x`. A borrowed band whose
-    /// own x did not spread (batches of one size) lends a flat line at its mean: it knows
-    /// what its batches cost, not how the cost grows.
+    /// Intercept and slope of the line that predicts batches of `x`. A band not yet warm
+    /// borrows: above every warm band, the secant through the two highest warm bands (a new,
+    /// larger batch costs more than the largest seen: the 8B shape's batch of 64 took 2.2 s
+    /// where the flat line of 16 said 0.6); else the warm band nearest in log x (a batch of
+    /// 63 beside warm bands of 16 and 64 costs what 64 costs, one of 2 what 1 costs). A
+    /// borrowed band whose own x did not spread (batches of one size) lends a flat line at
+    /// its mean: it knows what its batches cost, not how the cost grows.
     pub fn coefficients_at(&self, x: f64) -> (f64, f64) {
-        let b = Self::band(x) as isize;
-        if let Some(own) = self.bands.get(b as usize).filter(|f| f.samples() >= WARM) {
+        let b = Self::band(x);
+        let warm: Vec<(usize, &LinearFit)> = self.bands.iter().enumerate().filter(|(_, f)| f.samples() >= WARM).collect();
+        if let Some((_, own)) = warm.iter().find(|&&(i, _)| i == b) {
             return own.coefficients();
         }
-        let warm = |i: isize| usize::try_from(i).ok().and_then(|i| self.bands.get(i)).filter(|f| f.samples() >= WARM);
-        match (1..self.bands.len() as isize + b).find_map(|d| warm(b - d).or_else(|| warm(b + d))) {
-            Some(f) if f.identified() => f.coefficients(),
-            Some(f) => (f.mean_y(), 0.0),
-            None => self.all.coefficients(),
+        let lend = |f: &LinearFit| if f.identified() { f.coefficients() } else { (f.mean_y(), 0.0) };
+        match warm.as_slice() {
+            [] => self.all.coefficients(),
+            [.., (_, lo), (top, hi)] if b > *top => {
+                let ((x1, y1), (x2, y2)) = ((lo.x_mean_var().0, lo.mean_y()), (hi.x_mean_var().0, hi.mean_y()));
+                let slope = if x2 > x1 { ((y2 - y1) / (x2 - x1)).max(0.0) } else { 0.0 };
+                ((y2 - slope * x2).max(0.0), slope)
+            }
+            _ => {
+                let distance = |f: &LinearFit| (x.max(1.0).ln() - f.x_mean_var().0.max(1.0).ln()).abs();
+                let nearest = warm.iter().map(|&(_, f)| f).min_by(|f, g| distance(f).total_cmp(&distance(g))).expect("one warm band");
+                lend(nearest)
+            }
         }
     }
 
@@ -389,6 +402,28 @@ mod tests {
         }
         // A band never seen borrows the nearest warm band's line.
         assert!((f.predict(2.0) - 0.026).abs() < 0.002, "{}", f.predict(2.0));
+    }
+
+    #[test]
+    fn a_new_batch_size_borrows_from_the_bands_around_it() {
+        let cost = |x: f64| if x < 8.0 { 0.026 } else { 0.026 + 0.004 * (x - 4.0) };
+        let mut f = BatchFit::new(1e-3, 1e-4);
+        for i in 0..40 {
+            let x = [1.0, 16.0][i % 2];
+            f.add(x, cost(x));
+        }
+        // Larger than any batch seen: the secant through the two largest (0.228 for 0.266;
+        // the flat line of 16 would say 0.074).
+        let p = f.predict(64.0);
+        assert!(p > cost(16.0) && (p - cost(64.0)).abs() < 0.2 * cost(64.0), "batch 64: {p} predicted, {} measured", cost(64.0));
+        for _ in 0..20 {
+            f.add(64.0, cost(64.0));
+        }
+        // Between warm bands: the nearest in log x (64, not 16).
+        let p = f.predict(63.0);
+        assert!((p - cost(63.0)).abs() < 0.05 * cost(63.0), "batch 63: {p} predicted, {} measured", cost(63.0));
+        let p = f.predict(3.0);
+        assert!((p - cost(3.0)).abs() < 0.01 * cost(3.0), "batch 3: {p} predicted");
     }
 
     #[test]
