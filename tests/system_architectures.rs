@@ -4,7 +4,8 @@
 //! cuts to the window, with `ratio:0.5` the gpu-worker's prefix share lying wholly before it;
 //! gemma2's soft-capped scores, whose cap the jobs carry to the cpu-worker) and the
 //! mixture-of-experts mixtral, qwen3moe and olmoe models of testdata/tiny/arch (their experts
-//! on the gpu-worker, and on two cpu-workers, bit for bit the same),
+//! on the gpu-worker, and on two cpu-workers, also with the gpu-worker's model split across
+//! two devices by `--gpu-layers`, bit for bit the same),
 //! which match llama.cpp's logits exactly in the single-process runner
 //! (gpu-worker/tests/tiny_arch_llamacpp.rs), give the runner's greedy tokens with decode
 //! attention on the cpu-worker (K/V in its arena) and on the gpu-worker.
@@ -70,9 +71,13 @@ async fn moe_models_with_experts_on_the_cpu_workers_decode_bit_for_bit_as_on_the
         let want = Reference::load_model(&model).generate(&prompt, 24);
         let mut runs = Vec::new();
         // The third run also holds hot experts on the device (--device-experts: the flag
-        // reaches the gpu-worker; tests/expert_jobs.rs moves experts mid-run).
-        for (experts_on, hot) in [("device", "0"), ("cpu-workers", "0"), ("cpu-workers", "2")] {
-            let mut gw = Gateway::start_with_model(&model, &["--cpu-workers", "2", "--policy", "cpu", "--experts-on", experts_on, "--device-experts", hot]);
+        // reaches the gpu-worker; tests/expert_jobs.rs moves experts mid-run); the fourth
+        // splits the gpu-worker's model after its first layer across two devices
+        // (`--gpu-layers 1`, both CPU devices), each part sending its layers' experts away.
+        let split: &[&str] = &["--device", "cpu", "--gpu-layers", "1"];
+        for (experts_on, hot, more) in [("device", "0", &[][..]), ("cpu-workers", "0", &[]), ("cpu-workers", "2", &[]), ("cpu-workers", "0", split)] {
+            let flags = [&["--cpu-workers", "2", "--policy", "cpu", "--experts-on", experts_on, "--device-experts", hot][..], more].concat();
+            let mut gw = Gateway::start_with_model(&model, &flags);
             let req = pb::GenerateRequest { top_logprobs: 4, ..greedy(prompt.clone(), 24) };
             let got = generate(&mut gw.client(), req).await.unwrap_or_else(|e| panic!("{name}, experts on {experts_on}: {e}"));
             assert_eq!(got.ids, want.ids, "{name}: experts on {experts_on}");
@@ -88,6 +93,7 @@ async fn moe_models_with_experts_on_the_cpu_workers_decode_bit_for_bit_as_on_the
         }
         assert_eq!(runs[0], runs[1], "{name}: top log-probabilities with the experts on the device and on the cpu-workers");
         assert_eq!(runs[0], runs[2], "{name}: top log-probabilities with hot experts on the device too");
+        assert_eq!(runs[0], runs[3], "{name}: top log-probabilities with the model split across two devices");
     }
 }
 
