@@ -182,7 +182,7 @@ fn matvec(ty: GgmlType, cols: usize, mib: usize, interleave: bool, rng: &mut ran
     let bytes = ty.row_bytes(cols) * rows;
     let data = &data[..bytes];
     let packed = interleave
-        .then(|| Interleaved::new(ty, rows, cols, data).expect("Q4_K or Q6_K, whole groups"));
+        .then(|| Interleaved::new(ty, rows, cols, data).expect("Q4_K, Q6_K or Q4_0, whole groups"));
     let mut w = QMatrix::new(ty, rows, cols, data);
     if let Some(p) = &packed {
         w = w.with_interleaved(p);
@@ -268,7 +268,7 @@ fn matmul_rows(
     let mut data = vec![0u8; ty.row_bytes(cols) * rows];
     rng.fill(data.as_mut_slice());
     let packed = interleave
-        .then(|| Interleaved::new(ty, rows, cols, &data).expect("Q4_K or Q6_K, whole groups"));
+        .then(|| Interleaved::new(ty, rows, cols, &data).expect("Q4_K, Q6_K or Q4_0, whole groups"));
     let mut w = QMatrix::new(ty, rows, cols, &data);
     if let Some(p) = &packed {
         w = w.with_interleaved(p);
@@ -337,7 +337,7 @@ fn main() {
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
         for interleave in [false, true] {
             let what = format!("matrix-vector {ty}{}", if interleave { " interleaved" } else { "" });
-            let packs = matches!(ty, GgmlType::Q4K | GgmlType::Q6K) && interleaved::available();
+            let packs = matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0) && interleaved::available();
             if wanted(&what) && (packs || !interleave) {
                 rows.push((what, format!("8 MiB (in L3), {cols} columns"), matvec(ty, cols, 8, interleave, &mut rng)));
             }
@@ -369,7 +369,7 @@ fn main() {
                     ));
                 }
                 let what = format!("matrix × {batch} rows {ty} interleaved");
-                if matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
+                if matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0)
                     && wanted(&what)
                     && interleaved::available()
                 {

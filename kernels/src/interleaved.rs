@@ -1,5 +1,6 @@
-//! Q4_K and Q6_K weights repacked at load into groups of sixteen interleaved rows, and the
-//! AVX-512 products of such a matrix with one to four Q8_K activation rows at a time: each of
+//! Q4_K, Q6_K and Q4_0 weights repacked at load into groups of sixteen interleaved rows, and
+//! the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for Q4_0) activation rows
+//! at a time: each of
 //! a register's sixteen 32-bit lanes is one weight row, so a block's integer sums, its float
 //! epilogue and the sum over blocks all run sixteen rows wide with no horizontal reduction.
 //! The results are bit-identical to the scalar twin `dot::vec_dot_scalar` on the original
@@ -52,13 +53,34 @@ const Q6K_FIELDS: [Field; 4] = [
     Field { from: 208, len: 2, size: 2, at: 3328 },
 ];
 
-/// The layout of a type: its fields and the bytes of a group's block.
-fn layout(ty: GgmlType) -> Option<(&'static [Field], usize)> {
-    match ty {
-        GgmlType::Q4K => Some((&Q4K_FIELDS, 2304)),
-        GgmlType::Q6K => Some((&Q6K_FIELDS, 3392)),
-        _ => None,
-    }
+/// Q4_0 (18-byte blocks of 32), two ggml blocks per group block (576 bytes, no padding: one
+/// line of the 32 rows-and-blocks' `d`, then each block's 16 bytes of nibbles as 4 words: word
+/// `i` holds quants `4i..4i + 4` in its low nibbles and `16 + 4i..` in its high ones). Fields
+/// count from the start of the row's two consecutive blocks (36 bytes).
+const Q40_FIELDS: [Field; 4] = [
+    Field { from: 0, len: 2, size: 2, at: 0 },
+    Field { from: 18, len: 2, size: 2, at: 32 },
+    Field { from: 2, len: 16, size: 4, at: 64 },
+    Field { from: 20, len: 16, size: 4, at: 320 },
+];
+
+/// The layout of a type: how a row's unit (a run of whole ggml blocks) lies in a group's
+/// block — its fields, the bytes of the group's block, and the unit's columns and bytes.
+struct Layout {
+    fields: &'static [Field],
+    group_block: usize,
+    unit_cols: usize,
+    unit_bytes: usize,
+}
+
+fn layout(ty: GgmlType) -> Option<Layout> {
+    let (fields, group_block, unit_cols): (&'static [Field], usize, usize) = match ty {
+        GgmlType::Q4K => (&Q4K_FIELDS, 2304, QK_K),
+        GgmlType::Q6K => (&Q6K_FIELDS, 3392, QK_K),
+        GgmlType::Q4_0 => (&Q40_FIELDS, 576, 64),
+        _ => return None,
+    };
+    Some(Layout { fields, group_block, unit_cols, unit_bytes: ty.row_bytes(unit_cols) })
 }
 
 /// A Q4_K or Q6_K matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
@@ -82,11 +104,11 @@ impl Interleaved {
     /// parallel; `None` for another type, rows that do not fill whole groups, `data` that is
     /// not that matrix, or no memory for the copy.
     pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Self> {
-        let (fields, group_block) = layout(ty)?;
-        if rows == 0 || !rows.is_multiple_of(GROUP_ROWS) || !cols.is_multiple_of(QK_K) || data.len() != rows * ty.row_bytes(cols) {
+        let Layout { fields, group_block, unit_cols, unit_bytes: block } = layout(ty)?;
+        if rows == 0 || !rows.is_multiple_of(GROUP_ROWS) || !cols.is_multiple_of(unit_cols) || data.len() != rows * ty.row_bytes(cols) {
             return None;
         }
-        let (nb, block) = (cols / QK_K, ty.block_bytes());
+        let nb = cols / unit_cols;
         let mut bytes = memmap2::MmapMut::map_anon(rows / GROUP_ROWS * nb * group_block).ok()?;
         // Streamed once per token: 4 KiB pages cost a TLB miss every 4 KiB. Advice only.
         #[cfg(target_os = "linux")]
@@ -125,24 +147,33 @@ impl Interleaved {
     /// row (the row kernel's per-block horizontal sums and scalar epilogue were the limit),
     /// 115 → 232 G multiply-adds/s at 8 rows; Q6_K 32.5 → 28.3 GB/s at one row (its row
     /// kernel already streams near the bandwidth), 65 → 143 at 8 rows, 133 → 193 at 16. So a
-    /// Q6_K matrix keeps its rows for batches of one.
+    /// Q6_K matrix keeps its rows for batches of one. Q4_0 (2026-11-26, same bench): 14–23 →
+    /// 49–78 GB/s at one row from L3, 87–95 → 159–184 G multiply-adds/s at 8 rows, 139–144 →
+    /// 164 at 16. Q4_0 takes every batch size: its row kernels sum in ggml's SIMD order, the
+    /// interleaved one in the scalar twin's, and a row must not change with its batch.
     pub fn serves(&self, n_rows: usize) -> bool {
-        available() && (self.ty == GgmlType::Q4K || n_rows >= 2)
+        available() && (self.ty != GgmlType::Q6K || n_rows >= 2)
+    }
+
+    /// The columns of one unit of a row in a group's block (see [`Self::block`]).
+    pub fn unit_cols(&self) -> usize {
+        layout(self.ty).expect("a packed type").unit_cols
     }
 
     /// The packed bytes of group `g` (all its blocks).
     fn group(&self, g: usize) -> &[u8] {
-        let group_block = layout(self.ty).expect("a packed type").1;
-        let group_bytes = self.cols / QK_K * group_block;
+        let l = layout(self.ty).expect("a packed type");
+        let group_bytes = self.cols / l.unit_cols * l.group_block;
         &self.bytes[g * group_bytes..(g + 1) * group_bytes]
     }
 
-    /// Row `r`'s block `b` as ggml lays it out (the inverse of the packing; for tests).
+    /// Row `r`'s unit `b` as ggml lays it out (the inverse of the packing; for tests): a
+    /// block of Q4_K or Q6_K, two blocks of Q4_0 ([`Self::unit_cols`] columns).
     pub fn block(&self, r: usize, b: usize) -> Vec<u8> {
-        let (fields, group_block) = layout(self.ty).expect("a packed type");
+        let Layout { fields, group_block, unit_bytes, .. } = layout(self.ty).expect("a packed type");
         let p = &self.group(r / GROUP_ROWS)[b * group_block..(b + 1) * group_block];
         let l = r % GROUP_ROWS;
-        let mut out = vec![0u8; self.ty.block_bytes()];
+        let mut out = vec![0u8; unit_bytes];
         for f in fields {
             for i in 0..f.len / f.size {
                 out[f.from + f.size * i..][..f.size].copy_from_slice(&p[f.at + 16 * f.size * i + f.size * l..][..f.size]);
@@ -159,8 +190,8 @@ pub fn available() -> bool {
 }
 
 /// `out[t * out_stride + r] = row r · acts[t]` for the rows of groups `groups` of `w` and
-/// every activation row (Q8_K, `w.cols()` columns), four activation rows at a time.
-/// Panics if the kernels are not [`available`] or the sizes disagree (caller bugs).
+/// every activation row (Q8_K, or Q8_0 for Q4_0; `w.cols()` columns), four activation rows at
+/// a time. Panics if the kernels are not [`available`] or the sizes disagree (caller bugs).
 ///
 /// # Safety
 /// `out` is valid for writes of `acts.len()` rows of `out_stride` floats.
@@ -168,16 +199,24 @@ pub fn available() -> bool {
 pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, acts: &[&[u8]], out: *mut f32, out_stride: usize) {
     assert!(available(), "the interleaved kernels need AVX-512");
     assert!(groups.end * GROUP_ROWS <= w.rows && out_stride >= w.rows);
-    let nb = w.cols / QK_K;
-    assert!(acts.iter().all(|a| a.len() == GgmlType::Q8K.row_bytes(w.cols)));
+    let nb = w.cols / w.unit_cols();
+    assert!(acts.iter().all(|a| a.len() == super::dot::vec_dot_type(w.ty).row_bytes(w.cols)));
+    // Q4_0's kernel takes `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`: each activation block's sum, once.
+    let sums: Vec<Vec<i32>> = match w.ty {
+        GgmlType::Q4_0 => acts.iter().map(|a| a.chunks_exact(34).map(|b| b[2..].iter().map(|&q| i32::from(q as i8)).sum()).collect()).collect(),
+        _ => Vec::new(),
+    };
+    let sums: Vec<&[i32]> = sums.iter().map(Vec::as_slice).collect();
     let kernel = avx512::kernel(w.ty, super::has_vnni());
     for g in groups {
         let packed = w.group(g);
         for (c, chunk) in acts.chunks(4).enumerate() {
+            let chunk_sums = sums.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
             // SAFETY: the kernel's CPU features were detected; `packed` is `nb` group blocks
-            // of `w.ty`, every activation row `nb` Q8_K blocks (asserted); the caller's `out`
-            // holds `acts.len()` rows of `out_stride` floats, of which this writes group `g`'s.
-            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
+            // of `w.ty`, every activation row `nb` units of its type (asserted), with its
+            // block sums for Q4_0; the caller's `out` holds `acts.len()` rows of `out_stride`
+            // floats, of which this writes group `g`'s.
+            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_sums, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
         }
     }
 }
@@ -271,7 +310,7 @@ mod avx512 {
 
     /// Sixteen Q4_K rows · `T` activation rows.
     #[inline(always)]
-    unsafe fn q4k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], out: *mut f32, stride: usize) {
+    unsafe fn q4k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _sums: &[&[i32]], out: *mut f32, stride: usize) {
         debug_assert!(packed.len() == nb * Q4K_BLOCK && acts.len() == T);
         let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
@@ -364,7 +403,7 @@ mod avx512 {
     /// byte product, each group of sixteen's sum started at −32 × its activation sum (ggml's
     /// `bsums`) to take the offset back, then scaled — the twin's integer `sumi`.
     #[inline(always)]
-    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], out: *mut f32, stride: usize) {
+    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _sums: &[&[i32]], out: *mut f32, stride: usize) {
         debug_assert!(packed.len() == nb * Q6K_BLOCK && acts.len() == T);
         let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
@@ -423,17 +462,70 @@ mod avx512 {
         }
     }
 
-    /// A kernel for one group against 1–4 activation rows.
-    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], *mut f32, usize);
+    /// Bytes of a Q4_0 group block (two ggml blocks of sixteen rows), where its blocks'
+    /// nibbles start, and the bytes of a Q8_0 activation block.
+    const Q40_BLOCK: usize = 576;
+    const Q40_QS: usize = 64;
+    const Q80_BYTES: usize = 34;
+
+    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`sums`: each activation block's sum):
+    /// per block the twin's integer `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`, then `sumi · (dx · dy)`
+    /// added to the total, block after block.
+    #[inline(always)]
+    unsafe fn q40<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], sums: &[&[i32]], out: *mut f32, stride: usize) {
+        debug_assert!(packed.len() == nb * Q40_BLOCK && acts.len() == T && sums.len() == T);
+        let low4 = _mm512_set1_epi8(0x0F);
+        let high4 = _mm512_set1_epi8(0xF0u8 as i8);
+        let mut total = [_mm512_set1_ps(-0.0); T];
+        for u in 0..nb {
+            let p = packed.as_ptr().add(u * Q40_BLOCK);
+            prefetch::<Q40_BLOCK>(p);
+            for k in 0..2 {
+                let blk = 2 * u + k;
+                let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(-8 * sums[t][blk]));
+                let mut hi = [_mm512_setzero_si512(); T];
+                for i in 0..4 {
+                    let raw = _mm512_load_si512(p.add(Q40_QS + 256 * k + 64 * i).cast());
+                    let ql = _mm512_and_si512(raw, low4);
+                    // With VNNI the high nibbles stay in place (16 × the quant), shifted back
+                    // below, as in `q4k`.
+                    let qh = if VNNI { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
+                    for t in 0..T {
+                        let q = acts[t].as_ptr().add(blk * Q80_BYTES + 2 + 4 * i);
+                        lo[t] = dpbusd::<VNNI>(lo[t], ql, word(q));
+                        hi[t] = dpbusd::<VNNI>(hi[t], qh, word(q.add(16)));
+                    }
+                }
+                let dx = _mm512_cvtph_ps(_mm256_load_si256(p.add(32 * k).cast()));
+                for t in 0..T {
+                    // |Σ| ≤ 16 · 240 · 128 per lane: no overflow, and a multiple of 16.
+                    let h = if VNNI { _mm512_srai_epi32::<4>(hi[t]) } else { hi[t] };
+                    let sumi = _mm512_add_epi32(lo[t], h);
+                    let a = acts[t].as_ptr().add(blk * Q80_BYTES);
+                    let dy = _mm512_set1_ps(crate::quant::f16_bytes([*a, *a.add(1)]));
+                    // The twin: sumi · (dx · dy), then added to the total.
+                    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, dy));
+                    total[t] = _mm512_add_ps(total[t], v);
+                }
+            }
+        }
+        for (t, v) in total.iter().enumerate() {
+            _mm512_storeu_ps(out.add(t * stride), *v);
+        }
+    }
+
+    /// A kernel for one group against 1–4 activation rows (with their block sums for Q4_0).
+    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[i32]], *mut f32, usize);
 
     macro_rules! kernels {
         ($($name:ident: $body:ident, $t:literal, $vnni:literal, $features:literal;)*) => {$(
             /// # Safety
             /// The CPU features named; `packed` the group's `nb` blocks (64-byte aligned),
-            /// every row of `acts` `nb` Q8_K blocks, `out` `T` rows of 16 floats `stride` apart.
+            /// every row of `acts` `nb` units of its type (and for Q4_0 `sums` its blocks'
+            /// sums), `out` `T` rows of 16 floats `stride` apart.
             #[target_feature(enable = $features)]
-            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], out: *mut f32, stride: usize) {
-                $body::<$t, $vnni>(packed, nb, acts, out, stride)
+            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], sums: &[&[i32]], out: *mut f32, stride: usize) {
+                $body::<$t, $vnni>(packed, nb, acts, sums, out, stride)
             }
         )*};
     }
@@ -455,6 +547,14 @@ mod avx512 {
         q6k_2: q6k, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
         q6k_3: q6k, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
         q6k_4: q6k, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_1_vnni: q40, 1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_2_vnni: q40, 2, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_3_vnni: q40, 3, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_4_vnni: q40, 4, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_1: q40, 1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_2: q40, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_3: q40, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_4: q40, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
     }
 
     /// The kernels for 1, 2, 3 and 4 activation rows of a packed type, with `vpdpbusd` or
@@ -465,6 +565,8 @@ mod avx512 {
             (GgmlType::Q4K, false) => [q4k_1, q4k_2, q4k_3, q4k_4],
             (GgmlType::Q6K, true) => [q6k_1_vnni, q6k_2_vnni, q6k_3_vnni, q6k_4_vnni],
             (GgmlType::Q6K, false) => [q6k_1, q6k_2, q6k_3, q6k_4],
+            (GgmlType::Q4_0, true) => [q40_1_vnni, q40_2_vnni, q40_3_vnni, q40_4_vnni],
+            (GgmlType::Q4_0, false) => [q40_1, q40_2, q40_3, q40_4],
             (other, _) => panic!("{other} is never interleaved"),
         }
     }

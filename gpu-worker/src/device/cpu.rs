@@ -321,13 +321,12 @@ impl Device for CpuDevice {
     }
 }
 
-/// Repacks every Q4_K and Q6_K matrix the products of `layers` read (those layers', and the
-/// LM head where they end at the last; not an untied embedding, whose rows are only looked
-/// up) whose rows fill whole groups into
-/// interleaved rows (llama.cpp's CPU "repack" buffers do the same), when this CPU has the
-/// kernels; the file's pages of a repacked Q4_K matrix are then released, except a tied
-/// embedding's (whose rows each step reads one by one). A Q6_K matrix keeps its rows too:
-/// batches of one read them (`Interleaved::serves`).
+/// Repacks every Q4_K, Q6_K and Q4_0 matrix the products of `layers` read (those layers', and
+/// the LM head where they end at the last; not an untied embedding, whose rows are only
+/// looked up) whose rows fill whole groups into interleaved rows (llama.cpp's CPU "repack"
+/// buffers do the same), when this CPU has the kernels; the file's pages of a repacked Q4_K
+/// or Q4_0 matrix are then released, except a tied embedding's (whose rows each step reads
+/// one by one). A Q6_K matrix keeps its rows: batches of one read them (`Interleaved::serves`).
 fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> HashMap<String, Interleaved> {
     let mut out = HashMap::new();
     if !interleaved::available() {
@@ -339,14 +338,14 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
     // The LM head where the device computes logits (a tied one too), and its layers' matrices.
     let last = layers.end == m.config.n_layer;
     let products = m.weights().filter(|w| if w.name == m.output.name { last } else { w.name != m.token_embd.name && m.tensor_in(&w.name, layers) });
-    for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K)) {
+    for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0)) {
         let data = w.bytes(file.tensor(&w.name).expect("tensor checked at load").data);
         if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {
             bytes += data.len();
             out.insert(w.key(), packed);
             // The pages of a part of a fused matrix stay: its other parts may not be repacked.
             let whole = file.tensor_info(&w.name).is_some_and(|t| t.dims == [w.cols as u64, w.rows as u64]);
-            if w.ty == GgmlType::Q4K && w.name != m.token_embd.name && whole {
+            if w.ty != GgmlType::Q6K && w.name != m.token_embd.name && whole {
                 if let Err(e) = file.release_tensor_pages(&w.name) {
                     tracing::debug!(tensor = %w.name, error = %e, "could not release the file's pages");
                 }
@@ -358,7 +357,7 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
             matrices = out.len(),
             mib = bytes >> 20,
             secs = started.elapsed().as_secs_f32(),
-            "Q4_K and Q6_K weights repacked into interleaved rows"
+            "Q4_K, Q6_K and Q4_0 weights repacked into interleaved rows"
         );
     }
     out
