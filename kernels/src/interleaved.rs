@@ -17,7 +17,7 @@
 
 use rayon::prelude::*;
 
-use super::quant::{GgmlType, QK_K};
+use super::quant::{BlockQ8_0, ByteBlock, GgmlType, QK_K};
 
 /// Rows per interleaved group: one per 32-bit lane of a 512-bit register.
 pub const GROUP_ROWS: usize = 16;
@@ -189,33 +189,51 @@ pub fn available() -> bool {
     super::isa() == super::Isa::Avx512
 }
 
+/// A product's activation rows as the interleaved kernels take them, made once per product
+/// (not per task): the rows' bytes and, for Q8_0 rows (Q4_0's kernel takes `Σ (q − 8)·a` as
+/// `Σ q·a − 8 Σ a`), each block's sum.
+pub struct GroupActs<'a> {
+    ty: GgmlType,
+    rows: Vec<&'a [u8]>,
+    sums: Vec<Vec<i32>>,
+}
+
+impl<'a> GroupActs<'a> {
+    /// `rows` quantised to `ty` (Q8_K, or Q8_0). Panics on rows of partial blocks (a caller bug).
+    pub fn new(ty: GgmlType, rows: Vec<&'a [u8]>) -> Self {
+        let sums = match ty {
+            GgmlType::Q8_0 => rows
+                .iter()
+                .map(|r| BlockQ8_0::slice(r).expect("whole Q8_0 blocks").iter().map(|b| b.qs.iter().map(|&q| i32::from(q as i8)).sum()).collect())
+                .collect(),
+            _ => Vec::new(),
+        };
+        GroupActs { ty, rows, sums }
+    }
+}
+
 /// `out[t * out_stride + r] = row r · acts[t]` for the rows of groups `groups` of `w` and
 /// every activation row (Q8_K, or Q8_0 for Q4_0; `w.cols()` columns), four activation rows at
 /// a time. Panics if the kernels are not [`available`] or the sizes disagree (caller bugs).
 ///
 /// # Safety
-/// `out` is valid for writes of `acts.len()` rows of `out_stride` floats.
+/// `out` is valid for writes of as many rows of `out_stride` floats as `acts` has.
 #[cfg(target_arch = "x86_64")]
-pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, acts: &[&[u8]], out: *mut f32, out_stride: usize) {
+pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, acts: &GroupActs<'_>, out: *mut f32, out_stride: usize) {
     assert!(available(), "the interleaved kernels need AVX-512");
     assert!(groups.end * GROUP_ROWS <= w.rows && out_stride >= w.rows);
     let nb = w.cols / w.unit_cols();
-    assert!(acts.iter().all(|a| a.len() == super::dot::vec_dot_type(w.ty).row_bytes(w.cols)));
-    // Q4_0's kernel takes `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`: each activation block's sum, once.
-    let sums: Vec<Vec<i32>> = match w.ty {
-        GgmlType::Q4_0 => acts.iter().map(|a| a.chunks_exact(34).map(|b| b[2..].iter().map(|&q| i32::from(q as i8)).sum()).collect()).collect(),
-        _ => Vec::new(),
-    };
-    let sums: Vec<&[i32]> = sums.iter().map(Vec::as_slice).collect();
+    assert!(acts.ty == super::dot::vec_dot_type(w.ty) && acts.rows.iter().all(|a| a.len() == acts.ty.row_bytes(w.cols)));
+    let sums: Vec<&[i32]> = acts.sums.iter().map(Vec::as_slice).collect();
     let kernel = avx512::kernel(w.ty, super::has_vnni());
     for g in groups {
         let packed = w.group(g);
-        for (c, chunk) in acts.chunks(4).enumerate() {
+        for (c, chunk) in acts.rows.chunks(4).enumerate() {
             let chunk_sums = sums.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
             // SAFETY: the kernel's CPU features were detected; `packed` is `nb` group blocks
             // of `w.ty`, every activation row `nb` units of its type (asserted), with its
-            // block sums for Q4_0; the caller's `out` holds `acts.len()` rows of `out_stride`
-            // floats, of which this writes group `g`'s.
+            // block sums for Q4_0; the caller's `out` holds a row of `out_stride` floats per
+            // activation row, of which this writes group `g`'s.
             unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_sums, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
         }
     }
@@ -228,7 +246,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::GgmlType;
-    use crate::quant::{BlockQ8K, ByteBlock};
+    use crate::quant::{BlockQ8K, BlockQ8_0, ByteBlock};
 
     /// How far ahead of the block being read its group's stream is prefetched.
     const AHEAD: usize = crate::matvec_avx512::LINEAR_AHEAD;
@@ -462,11 +480,10 @@ mod avx512 {
         }
     }
 
-    /// Bytes of a Q4_0 group block (two ggml blocks of sixteen rows), where its blocks'
-    /// nibbles start, and the bytes of a Q8_0 activation block.
+    /// Bytes of a Q4_0 group block (two ggml blocks of sixteen rows), and where its blocks'
+    /// nibbles start.
     const Q40_BLOCK: usize = 576;
     const Q40_QS: usize = 64;
-    const Q80_BYTES: usize = 34;
 
     /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`sums`: each activation block's sum):
     /// per block the twin's integer `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`, then `sumi · (dx · dy)`
@@ -474,6 +491,7 @@ mod avx512 {
     #[inline(always)]
     unsafe fn q40<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], sums: &[&[i32]], out: *mut f32, stride: usize) {
         debug_assert!(packed.len() == nb * Q40_BLOCK && acts.len() == T && sums.len() == T);
+        let ys: [&[BlockQ8_0]; T] = std::array::from_fn(|t| BlockQ8_0::slice(acts[t]).expect("whole Q8_0 blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
         let high4 = _mm512_set1_epi8(0xF0u8 as i8);
         let mut total = [_mm512_set1_ps(-0.0); T];
@@ -491,7 +509,7 @@ mod avx512 {
                     // below, as in `q4k`.
                     let qh = if VNNI { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
                     for t in 0..T {
-                        let q = acts[t].as_ptr().add(blk * Q80_BYTES + 2 + 4 * i);
+                        let q = ys[t][blk].qs.as_ptr().add(4 * i);
                         lo[t] = dpbusd::<VNNI>(lo[t], ql, word(q));
                         hi[t] = dpbusd::<VNNI>(hi[t], qh, word(q.add(16)));
                     }
@@ -501,8 +519,7 @@ mod avx512 {
                     // |Σ| ≤ 16 · 240 · 128 per lane: no overflow, and a multiple of 16.
                     let h = if VNNI { _mm512_srai_epi32::<4>(hi[t]) } else { hi[t] };
                     let sumi = _mm512_add_epi32(lo[t], h);
-                    let a = acts[t].as_ptr().add(blk * Q80_BYTES);
-                    let dy = _mm512_set1_ps(crate::quant::f16_bytes([*a, *a.add(1)]));
+                    let dy = _mm512_set1_ps(crate::quant::f16_bytes(ys[t][blk].d));
                     // The twin: sumi · (dx · dy), then added to the total.
                     let v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, dy));
                     total[t] = _mm512_add_ps(total[t], v);

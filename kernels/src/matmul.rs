@@ -7,7 +7,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::dot::{quantize_row, vec_dot_type};
-use super::interleaved::{Interleaved, GROUP_ROWS};
+use super::interleaved::{GroupActs, Interleaved, GROUP_ROWS};
 use super::quant::GgmlType;
 use super::{vec_dot, vec_dot_r4, vec_dot_x4};
 
@@ -145,17 +145,18 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
         // SAFETY: AVX-512 was detected (`isa()`); `x.data` is `n_rows` rows of `nb` blocks.
         unsafe { super::matmul_k_avx512::KTileActs::new(&x.data, x.n_rows, nb) }
     });
+    // The interleaved kernels' activations, once for every task.
+    let group_acts = packed.iter().any(Option::is_some).then(|| GroupActs::new(x.ty, (0..x.n_rows).map(|t| x.row(t)).collect()));
     tasks.into_par_iter().for_each(|(i, rows)| {
         let (w, out) = (&ws[i], outs[i]);
         #[cfg(target_arch = "x86_64")]
         {
-            if let Some(packed) = packed[i] {
-                let acts: Vec<&[u8]> = (0..x.n_rows).map(|t| x.row(t)).collect();
+            if let (Some(packed), Some(acts)) = (packed[i], &group_acts) {
                 let groups = rows.start / GROUP_ROWS..rows.end / GROUP_ROWS;
                 // SAFETY: `out` is this weight's output of `x.n_rows` rows of `w.rows` floats
                 // (asserted above); each task writes only its own groups' rows.
                 unsafe {
-                    super::interleaved::matmul_groups(packed, groups, &acts, out.get(), w.rows)
+                    super::interleaved::matmul_groups(packed, groups, acts, out.get(), w.rows)
                 };
                 return;
             }

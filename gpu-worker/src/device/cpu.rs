@@ -58,7 +58,7 @@ impl CpuDevice {
     /// [`Self::load`] with the repacking chosen by the caller (`false`: every matrix in the
     /// file's own layout).
     pub fn load_with(file: Arc<GgufFile>, repack: bool, local_experts: bool) -> Result<Self> {
-        let n_layer = ModelTensors::load(&file)?.config.n_layer;
+        let n_layer = LlamaConfig::from_gguf(&file).map_err(GpuWorkerError::Model)?.n_layer;
         Self::load_layers(file, repack, local_experts, 0..n_layer)
     }
 
