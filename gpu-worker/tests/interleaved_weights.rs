@@ -3,8 +3,7 @@
 //! (`testdata/tiny/random_q4_k_m.gguf`, `scripts/gen_random_model.py --shape tiny`: every
 //! matrix whole groups of sixteen rows, a Q6_K LM head and one layer's Q6_K V and down
 //! projections), through a whole prefill (batches of 40 rows: four activation rows per pass
-//! and a rest), uneven chunks (batches of 13, 1 and 26 rows) and one token at a time (batch 1,
-//! where Q6_K keeps its rows).
+//! and a rest), uneven chunks (batches of 13, 1 and 26 rows) and one token at a time (batch 1).
 
 use std::path::PathBuf;
 

@@ -141,20 +141,6 @@ impl Interleaved {
         self.cols
     }
 
-    /// Whether the interleaved kernels are the faster way to multiply this matrix with
-    /// `n_rows` activation rows on this machine. Measured (`cargo bench -p duet-cpu-worker
-    /// --bench kernels -- --only Q`, 4096 columns, 2 threads): Q4_K 23.6 → 29.8 GB/s at one
-    /// row (the row kernel's per-block horizontal sums and scalar epilogue were the limit),
-    /// 115 → 232 G multiply-adds/s at 8 rows; Q6_K 32.5 → 28.3 GB/s at one row (its row
-    /// kernel already streams near the bandwidth), 65 → 143 at 8 rows, 133 → 193 at 16. So a
-    /// Q6_K matrix keeps its rows for batches of one. Q4_0 (2026-11-26, same bench): 14–23 →
-    /// 49–78 GB/s at one row from L3, 87–95 → 159–184 G multiply-adds/s at 8 rows, 139–144 →
-    /// 164 at 16. Q4_0 takes every batch size: its row kernels sum in ggml's SIMD order, the
-    /// interleaved one in the scalar twin's, and a row must not change with its batch.
-    pub fn serves(&self, n_rows: usize) -> bool {
-        available() && (self.ty != GgmlType::Q6K || n_rows >= 2)
-    }
-
     /// The columns of one unit of a row in a group's block (see [`Self::block`]).
     pub fn unit_cols(&self) -> usize {
         layout(self.ty).expect("a packed type").unit_cols
@@ -184,7 +170,14 @@ impl Interleaved {
 }
 
 /// Whether this machine runs the interleaved kernels (AVX-512 F/BW/VL/DQ): elsewhere a
-/// repacked copy would only cost memory.
+/// repacked copy would only cost memory. Where it does, they serve every batch size — a row
+/// computes the same bits in any batch — and they are the faster kernels at each. Measured
+/// (`cargo bench -p duet-cpu-worker --bench kernels -- --only Q`, 4096 columns, 2 threads):
+/// Q4_K 23.6 → 29.8 GB/s at one row (the row kernel's per-block horizontal sums and scalar
+/// epilogue were the limit), 115 → 232 G multiply-adds/s at 8 rows; Q6_K 35 → 77 GB/s at one
+/// row from L3 (from DRAM about the same as the row kernel, both near the bandwidth, once the
+/// prefetches were spread through the block), 65 → 143 at 8 rows, 133 → 193 at 16; Q4_0 14–23
+/// → 49–78 GB/s at one row from L3, 87–95 → 159–184 at 8 rows, 139–144 → 164 at 16.
 pub fn available() -> bool {
     super::isa() == super::Isa::Avx512
 }
@@ -308,16 +301,23 @@ mod avx512 {
         _mm512_set1_epi32((p as *const i32).read_unaligned())
     }
 
-    /// Prefetches a group block's lines `AHEAD` bytes on, into L2 only: prefetching into L1
-    /// as the row kernels do measured 9.7 GB/s on one thread against 20.7–23.4 this way (the
-    /// kernels outrun a single L1 stream). A lone 256 MiB matrix streams 14 % faster with no
-    /// software prefetch at all, but a model's matrices (a few MiB, cut into tasks) do not:
-    /// the 1B-shape model decoded 22.5–25.2 tok/s without against 29.2–34.5 with (runner, 2
-    /// threads, alternating), and 4 KiB, 16 KiB, every other line or into L1 were no better.
+    /// Prefetches the line `AHEAD` bytes past `p` into L2, where `p` is a line the kernel is
+    /// about to read: one prefetch per line read, spread through the block's arithmetic, so
+    /// that the stream's requests stay evenly in flight. Measured (2 threads, alternating): the
+    /// 1B-shape Q4_K_M model decoded 28.0–32.7 tok/s with each group block's lines prefetched
+    /// in one burst at its start against 33.3–35.0 this way; a lone 256 MiB Q6_K matrix streamed
+    /// 20.5–20.7 GB/s against 27.8–32.8 (the machine's sum: 32.8). Into L1 (17.5–17.9) or with
+    /// no software prefetch (13.6–16.0) was slower; 4–32 KiB ahead about the same from 8 KiB.
     #[inline(always)]
-    unsafe fn prefetch<const BYTES: usize>(p: *const u8) {
-        for off in (0..BYTES).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD + off).cast());
+    unsafe fn prefetch_line(p: *const u8) {
+        _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD).cast());
+    }
+
+    /// [`prefetch_line`] for each line of `bytes` bytes from `p` (a block's non-quant fields).
+    #[inline(always)]
+    unsafe fn prefetch_lines(p: *const u8, bytes: usize) {
+        for off in (0..bytes).step_by(64) {
+            prefetch_line(p.wrapping_add(off));
         }
     }
 
@@ -340,7 +340,7 @@ mod avx512 {
         let mut total = [_mm512_set1_ps(-0.0); T];
         for b in 0..nb {
             let p = packed.as_ptr().add(b * Q4K_BLOCK);
-            prefetch::<Q4K_BLOCK>(p);
+            prefetch_lines(p, Q4K_QS);
             // The sixteen rows' 6-bit scales and mins, byte j of a lane for sub-block j mod 4
             // (ggml's `scale_min_k4`, as `k4_scales_mins` decodes one row).
             let u0 = _mm512_load_si512(p.add(Q4K_SCALES).cast());
@@ -360,6 +360,7 @@ mod avx512 {
                 let mut lo = [_mm512_setzero_si512(); T];
                 let mut hi = [_mm512_setzero_si512(); T];
                 for c in 0..8 {
+                    prefetch_line(p.add(Q4K_QS + 64 * (8 * pair + c)));
                     let raw = _mm512_load_si512(p.add(Q4K_QS + 64 * (8 * pair + c)).cast());
                     let ql = _mm512_and_si512(raw, low4);
                     // With VNNI the high nibbles stay in place (16 × the quant): `vpdpbusd`
@@ -429,7 +430,7 @@ mod avx512 {
         let mut total = [_mm512_set1_ps(-0.0); T];
         for b in 0..nb {
             let p = packed.as_ptr().add(b * Q6K_BLOCK);
-            prefetch::<Q6K_BLOCK>(p);
+            prefetch_lines(p.add(Q6K_SCALES), Q6K_BLOCK - Q6K_SCALES);
             let y: [&BlockQ8K; T] = std::array::from_fn(|t| &ys[t][b]);
             let mut sumi = [_mm512_setzero_si512(); T];
             // Half n of the block (128 quants), quarter h of each 32 (the scale groups
@@ -443,6 +444,9 @@ mod avx512 {
                         }
                     }
                     for c in 4 * h..4 * h + 4 {
+                        prefetch_line(p.add(64 * (16 * n + c)));
+                        prefetch_line(p.add(64 * (16 * n + 8 + c)));
+                        prefetch_line(p.add(Q6K_QH + 64 * (8 * n + c)));
                         let a = _mm512_load_si512(p.add(64 * (16 * n + c)).cast());
                         let bq = _mm512_load_si512(p.add(64 * (16 * n + 8 + c)).cast());
                         let hb = _mm512_load_si512(p.add(Q6K_QH + 64 * (8 * n + c)).cast());
@@ -497,12 +501,13 @@ mod avx512 {
         let mut total = [_mm512_set1_ps(-0.0); T];
         for u in 0..nb {
             let p = packed.as_ptr().add(u * Q40_BLOCK);
-            prefetch::<Q40_BLOCK>(p);
+            prefetch_lines(p, Q40_QS);
             for k in 0..2 {
                 let blk = 2 * u + k;
                 let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(-8 * sums[t][blk]));
                 let mut hi = [_mm512_setzero_si512(); T];
                 for i in 0..4 {
+                    prefetch_line(p.add(Q40_QS + 256 * k + 64 * i));
                     let raw = _mm512_load_si512(p.add(Q40_QS + 256 * k + 64 * i).cast());
                     let ql = _mm512_and_si512(raw, low4);
                     // With VNNI the high nibbles stay in place (16 × the quant), shifted back

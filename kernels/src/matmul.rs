@@ -113,11 +113,11 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
             (0..w.rows.div_ceil(chunk)).map(move |c| (i, c * chunk..((c + 1) * chunk).min(w.rows)))
         })
         .collect();
-    // The interleaved matrices (where their kernels serve this batch) take their own kernels;
-    // the others' path is chosen by their types.
+    // The interleaved matrices (where this CPU has their kernels) take their own kernels; the
+    // others' path is chosen by their types.
     let packed: Vec<Option<&Interleaved>> = ws
         .iter()
-        .map(|w| w.interleaved.filter(|p| p.serves(x.n_rows)))
+        .map(|w| w.interleaved.filter(|_| super::interleaved::available()))
         .collect();
     let rows_layout = || {
         ws.iter()

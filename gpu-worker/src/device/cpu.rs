@@ -324,9 +324,8 @@ impl Device for CpuDevice {
 /// Repacks every Q4_K, Q6_K and Q4_0 matrix the products of `layers` read (those layers', and
 /// the LM head where they end at the last; not an untied embedding, whose rows are only
 /// looked up) whose rows fill whole groups into interleaved rows (llama.cpp's CPU "repack"
-/// buffers do the same), when this CPU has the kernels; the file's pages of a repacked Q4_K
-/// or Q4_0 matrix are then released, except a tied embedding's (whose rows each step reads
-/// one by one). A Q6_K matrix keeps its rows: batches of one read them (`Interleaved::serves`).
+/// buffers do the same), when this CPU has the kernels; the file's pages of a repacked matrix
+/// are then released, except a tied embedding's (whose rows each step reads one by one).
 fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> HashMap<String, Interleaved> {
     let mut out = HashMap::new();
     if !interleaved::available() {
@@ -345,7 +344,7 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
             out.insert(w.key(), packed);
             // The pages of a part of a fused matrix stay: its other parts may not be repacked.
             let whole = file.tensor_info(&w.name).is_some_and(|t| t.dims == [w.cols as u64, w.rows as u64]);
-            if w.ty != GgmlType::Q6K && w.name != m.token_embd.name && whole {
+            if w.name != m.token_embd.name && whole {
                 if let Err(e) = file.release_tensor_pages(&w.name) {
                     tracing::debug!(tensor = %w.name, error = %e, "could not release the file's pages");
                 }
