@@ -360,7 +360,7 @@ mod avx512 {
                 // Two accumulators per sum for one or two activation rows (odd and even
                 // lines; integer sums, so the same bits): one chain of eight dependent
                 // `vpdpbusd` per sum held the stream back. Measured (2 threads, alternating):
-                // a lone 256 MiB matrix 25.4–28.1 → 27.0–31.9 GB/s, the 1B shape's layers
+                // a lone 256 MiB matrix 26.3–28.0 → 30.0–32.8 GB/s, the 1B shape's layers
                 // 76–83 → 83–100 % of the sum's bandwidth, the 1B-shape Q4_K_M model 30.6–37.4
                 // (median 31.5) → 33.8–38.7 (34.5) tok/s.
                 let mut lo = [[_mm512_setzero_si512(); T]; 2];
