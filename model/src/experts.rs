@@ -122,9 +122,10 @@ impl ExpertBank {
                 let data = file.tensor(&s.name)?.data;
                 *out = (0..tensors.n_expert).map(|e| if held[e] { packed_copy(repack, s, data, e) } else { None }).collect();
                 let all_packed = (0..tensors.n_expert).all(|e| !held[e] || out[e].is_some());
-                if s.ty == GgmlType::Q4K && all_packed {
-                    // Advice only: pages not released just stay mapped (and come back from
-                    // the file if an expert is held later).
+                if all_packed {
+                    // Every held expert is read from its interleaved copy (at every batch
+                    // size). Advice only: pages not released just stay mapped (and come back
+                    // from the file if an expert is held later).
                     let _ = file.release_tensor_pages(&s.name);
                 }
             }
