@@ -96,9 +96,6 @@ pub fn answer<A: ArenaRows + ?Sized>(slot: &mut [u8], arena: &A, layout: &ArenaL
     write_results(slot, &job, &results)
 }
 
-/// Jobs attending fewer (position, KV head) pairs than this run on one thread.
-pub const PARALLEL_MIN_POSITIONS: usize = 8192;
-
 /// Paged attention of every (sequence, KV head) of a validated job, in parallel (the decode
 /// fan-out every device uses, `decode_batch`: long contexts as one task per `DECODE_CHUNK`,
 /// merged), each task reading its KV head's rows in place, once for the query group.
@@ -110,6 +107,6 @@ pub fn attend_job<A: ArenaRows + ?Sized>(job: &AttnJob, arena: &A, layout: &Aren
         let r = PagedRange { start: chunk.start, end: chunk.end, ..job.seqs[s].paged_range(job.layer, job.kv_padding) };
         Ok::<_, std::convert::Infallible>(rows(arena, layout, &r, h as u32).collect())
     };
-    let Ok(parts) = decode_batch(&queries, shape, job.kv_padding as usize, PARALLEL_MIN_POSITIONS, runs);
+    let Ok(parts) = decode_batch(&queries, shape, job.kv_padding as usize, duet_kernels::decode_batch::PARALLEL_MIN_POSITIONS, runs);
     parts.into_iter().map(|(out, lse)| SeqResult { out, lse }).collect()
 }

@@ -66,6 +66,13 @@ pub fn decode_batch<'k, E>(
     Ok(merge_chunk_tasks(&tasks, &parts, queries.len(), n_kv, group, hd))
 }
 
+/// Decode attention jobs of fewer (position, KV head) pairs than this run on the calling thread
+/// (`decode_batch`'s `serial_below`, wherever decode attention runs: a cpu-worker's jobs, the
+/// CPU device's own attention): waking the pool costs more than it saves there (a batch-1 step
+/// of the 1B shape at depth 0–64: 0.6–0.8 ms of attention across the pool, 0.5–0.55 on one
+/// thread).
+pub const PARALLEL_MIN_POSITIONS: usize = 8192;
+
 /// Decode attention over a long context is computed in chunks of this many positions,
 /// aligned to multiples of it, and the chunks merged by log-sum-exp ([`decode_batch`] does both).
 /// The chunks of one KV head can then run on different threads (a batch-1 step of a model with

@@ -4,7 +4,7 @@
 
 use duet_kernels::attention::{windowed, KvHead, KvRows, KvRowsBuf, KvRun, KV_PADDING};
 use duet_kernels::causal::causal_attention_windowed;
-use duet_kernels::decode_batch::{decode_batch, DecodeQuery};
+use duet_kernels::decode_batch::{decode_batch, DecodeQuery, PARALLEL_MIN_POSITIONS};
 use duet_model::config::LlamaConfig;
 
 use super::{attn_shape, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
@@ -70,7 +70,7 @@ pub fn decode(config: &LlamaConfig, layer: usize, q: &[f32], items: &[DecodeItem
         .map(|&i| DecodeQuery { q: &q[items[i].row * q_dim..(items[i].row + 1) * q_dim], range: ranges[i].clone(), n_ctx: items[i].n_ctx })
         .collect();
     let rows = |j: usize, h: usize, chunk| kv.runs(items[live[j]].seq, layer, h, chunk);
-    let mut done = decode_batch::<KvAccessError>(&queries, attn_shape(config), KV_PADDING, 0, rows)?.into_iter();
+    let mut done = decode_batch::<KvAccessError>(&queries, attn_shape(config), KV_PADDING, PARALLEL_MIN_POSITIONS, rows)?.into_iter();
     Ok(ranges
         .iter()
         .map(|r| match r.is_empty() {
