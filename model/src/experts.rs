@@ -3,7 +3,7 @@
 //! the experts it serves over the exchange ring. Each layer's `ffn_{gate,up,down}_exps` tensors
 //! stack `n_expert` matrices; a bank holds a chosen set of experts per layer
 //! ([`ExpertBank::holds`], changed at run time by [`ExpertBank::set_held`]),
-//! checked against the hyper-parameters, their Q4_K/Q6_K matrices repacked into interleaved
+//! checked against the hyper-parameters, their Q4_K/Q6_K/Q4_0 matrices repacked into interleaved
 //! rows where this CPU has the kernels, and computes an expert's gated MLP with the same
 //! kernels (`duet_kernels::mlp`) wherever it runs, so a row's output is the same bits on
 //! either side.
@@ -110,7 +110,7 @@ impl std::fmt::Debug for ExpertBank {
 impl ExpertBank {
     /// The bank of the experts `e` of each layer `l` with `held(l, e)`, checked; `repack`
     /// makes the interleaved copies (where this CPU has their kernels) and then lets go of
-    /// the file's pages of a stacked Q4_K tensor whose held experts were all repacked.
+    /// the file's pages of a stacked tensor whose held experts were all repacked.
     pub fn load(file: Arc<GgufFile>, c: &LlamaConfig, tensors: ExpertTensors, held: impl Fn(usize, usize) -> bool, repack: bool) -> Result<Self> {
         let act = gate_act(c.ffn_act);
         let held: Vec<Vec<bool>> = (0..tensors.layers.len()).map(|l| (0..tensors.n_expert).map(|e| held(l, e)).collect()).collect();
