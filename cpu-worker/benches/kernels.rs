@@ -256,7 +256,7 @@ fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
 }
 
 /// Multiply-accumulates per second (G) of one matrix product of `batch` activation rows with
-/// a `cols`-column matrix of 64 MiB (a batched decode step's tiles).
+/// a `cols`-column matrix of 64 MiB (a batched decode step's tiles, or a prefill chunk's).
 fn matmul_rows(
     ty: GgmlType,
     cols: usize,
@@ -357,7 +357,9 @@ fn main() {
     let mut macs = Vec::new();
     // SmolLM2's width, and a 7–8B model's (where a tile's activations outgrow L1).
     for cols in [576usize, 4096] {
-        for batch in [8usize, 16] {
+        // Batched decode (8, 16, 64 sessions) and a prefill chunk (512 tokens) at the wide shape.
+        let batches: &[usize] = if cols == 4096 { &[8, 16, 64, 512] } else { &[8, 16] };
+        for &batch in batches {
             // The k-quants (blocks of 256) at the wide shape only.
             let k_quants = if cols % 256 == 0 { vec![GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] } else { vec![] };
             for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0].into_iter().chain(k_quants) {

@@ -183,25 +183,37 @@ pub fn available() -> bool {
 }
 
 /// A product's activation rows as the interleaved kernels take them, made once per product
-/// (not per task): the rows' bytes and, for Q8_0 rows (Q4_0's kernel takes `Σ (q − 8)·a` as
-/// `Σ q·a − 8 Σ a`), each block's sum.
+/// (not per task): the rows' bytes and, for Q8_0 rows (Q4_0's kernel), each block's
+/// [`Q80Block`].
 pub struct GroupActs<'a> {
     ty: GgmlType,
     rows: Vec<&'a [u8]>,
-    sums: Vec<Vec<i32>>,
+    q8_0: Vec<Vec<Q80Block>>,
+}
+
+/// What Q4_0's kernel takes from a Q8_0 activation block besides its quants, computed once per
+/// product rather than once per group of weight rows: `Σ (q − 8)·a` is taken as `Σ q·a − 8 Σ a`,
+/// so `bias` = −8 Σ a, and `d` is the block's f16 scale as f32.
+#[derive(Clone, Copy, Debug)]
+pub struct Q80Block {
+    bias: i32,
+    d: f32,
 }
 
 impl<'a> GroupActs<'a> {
     /// `rows` quantised to `ty` (Q8_K, or Q8_0). Panics on rows of partial blocks (a caller bug).
     pub fn new(ty: GgmlType, rows: Vec<&'a [u8]>) -> Self {
-        let sums = match ty {
+        let q8_0 = match ty {
             GgmlType::Q8_0 => rows
                 .iter()
-                .map(|r| BlockQ8_0::slice(r).expect("whole Q8_0 blocks").iter().map(|b| b.qs.iter().map(|&q| i32::from(q as i8)).sum()).collect())
+                .map(|r| {
+                    let blocks = BlockQ8_0::slice(r).expect("whole Q8_0 blocks");
+                    blocks.iter().map(|b| Q80Block { bias: -8 * b.qs.iter().map(|&q| i32::from(q as i8)).sum::<i32>(), d: super::quant::f16_bytes(b.d) }).collect()
+                })
                 .collect(),
             _ => Vec::new(),
         };
-        GroupActs { ty, rows, sums }
+        GroupActs { ty, rows, q8_0 }
     }
 }
 
@@ -217,17 +229,17 @@ pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, act
     assert!(groups.end * GROUP_ROWS <= w.rows && out_stride >= w.rows);
     let nb = w.cols / w.unit_cols();
     assert!(acts.ty == super::dot::vec_dot_type(w.ty) && acts.rows.iter().all(|a| a.len() == acts.ty.row_bytes(w.cols)));
-    let sums: Vec<&[i32]> = acts.sums.iter().map(Vec::as_slice).collect();
+    let q8_0: Vec<&[Q80Block]> = acts.q8_0.iter().map(Vec::as_slice).collect();
     let kernel = avx512::kernel(w.ty, super::has_vnni());
     for g in groups {
         let packed = w.group(g);
         for (c, chunk) in acts.rows.chunks(4).enumerate() {
-            let chunk_sums = sums.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
+            let chunk_q8_0 = q8_0.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
             // SAFETY: the kernel's CPU features were detected; `packed` is `nb` group blocks
             // of `w.ty`, every activation row `nb` units of its type (asserted), with its
-            // block sums for Q4_0; the caller's `out` holds a row of `out_stride` floats per
+            // blocks' `Q80Block`s for Q4_0; the caller's `out` holds a row of `out_stride` floats per
             // activation row, of which this writes group `g`'s.
-            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_sums, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
+            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_q8_0, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
         }
     }
 }
@@ -238,7 +250,7 @@ pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, act
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::GgmlType;
+    use super::{GgmlType, Q80Block};
     use crate::quant::{BlockQ8K, BlockQ8_0, ByteBlock};
 
     /// How far ahead of the block being read its group's stream is prefetched.
@@ -328,7 +340,7 @@ mod avx512 {
 
     /// Sixteen Q4_K rows · `T` activation rows.
     #[inline(always)]
-    unsafe fn q4k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _sums: &[&[i32]], out: *mut f32, stride: usize) {
+    unsafe fn q4k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
         debug_assert!(packed.len() == nb * Q4K_BLOCK && acts.len() == T);
         let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
@@ -431,7 +443,7 @@ mod avx512 {
     /// byte product, each group of sixteen's sum started at −32 × its activation sum (ggml's
     /// `bsums`) to take the offset back, then scaled — the twin's integer `sumi`.
     #[inline(always)]
-    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _sums: &[&[i32]], out: *mut f32, stride: usize) {
+    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
         debug_assert!(packed.len() == nb * Q6K_BLOCK && acts.len() == T);
         let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
@@ -498,13 +510,17 @@ mod avx512 {
     const Q40_BLOCK: usize = 576;
     const Q40_QS: usize = 64;
 
-    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`sums`: each activation block's sum):
-    /// per block the twin's integer `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`, then `sumi · (dx · dy)`
-    /// added to the total, block after block.
+    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`q8_0`: each activation block's bias and
+    /// scale): per block the twin's integer `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`, then
+    /// `sumi · (dx · dy)` added to the total, block after block. The rows are read through raw
+    /// pointers: indexed per block, their bounds checks kept the compiler from unrolling the
+    /// float epilogue over the rows, whose sums then went through the stack.
     #[inline(always)]
-    unsafe fn q40<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], sums: &[&[i32]], out: *mut f32, stride: usize) {
-        debug_assert!(packed.len() == nb * Q40_BLOCK && acts.len() == T && sums.len() == T);
-        let ys: [&[BlockQ8_0]; T] = std::array::from_fn(|t| BlockQ8_0::slice(acts[t]).expect("whole Q8_0 blocks"));
+    unsafe fn q40<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
+        debug_assert!(packed.len() == nb * Q40_BLOCK && acts.len() == T && q8_0.len() == T);
+        debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * BlockQ8_0::BYTES && q8_0[t].len() == 2 * nb));
+        let ys: [*const u8; T] = std::array::from_fn(|t| acts[t].as_ptr());
+        let ex: [*const Q80Block; T] = std::array::from_fn(|t| q8_0[t].as_ptr());
         let low4 = _mm512_set1_epi8(0x0F);
         let high4 = _mm512_set1_epi8(0xF0u8 as i8);
         let mut total = [_mm512_set1_ps(-0.0); T];
@@ -513,7 +529,10 @@ mod avx512 {
             prefetch_lines(p, Q40_QS);
             for k in 0..2 {
                 let blk = 2 * u + k;
-                let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(-8 * sums[t][blk]));
+                let e: [Q80Block; T] = std::array::from_fn(|t| *ex[t].add(blk));
+                // The quants of activation block `blk` (after its 2-byte scale).
+                let qs: [*const u8; T] = std::array::from_fn(|t| ys[t].add(BlockQ8_0::BYTES * blk + 2));
+                let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(e[t].bias));
                 let mut hi = [_mm512_setzero_si512(); T];
                 for i in 0..4 {
                     prefetch_line(p.add(Q40_QS + 256 * k + 64 * i));
@@ -523,9 +542,8 @@ mod avx512 {
                     // below, as in `q4k`.
                     let qh = if VNNI { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
                     for t in 0..T {
-                        let q = ys[t][blk].qs.as_ptr().add(4 * i);
-                        lo[t] = dpbusd::<VNNI>(lo[t], ql, word(q));
-                        hi[t] = dpbusd::<VNNI>(hi[t], qh, word(q.add(16)));
+                        lo[t] = dpbusd::<VNNI>(lo[t], ql, word(qs[t].add(4 * i)));
+                        hi[t] = dpbusd::<VNNI>(hi[t], qh, word(qs[t].add(16 + 4 * i)));
                     }
                 }
                 let dx = _mm512_cvtph_ps(_mm256_load_si256(p.add(32 * k).cast()));
@@ -533,9 +551,8 @@ mod avx512 {
                     // |Σ| ≤ 16 · 240 · 128 per lane: no overflow, and a multiple of 16.
                     let h = if VNNI { _mm512_srai_epi32::<4>(hi[t]) } else { hi[t] };
                     let sumi = _mm512_add_epi32(lo[t], h);
-                    let dy = _mm512_set1_ps(crate::quant::f16_bytes(ys[t][blk].d));
                     // The twin: sumi · (dx · dy), then added to the total.
-                    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, dy));
+                    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, _mm512_set1_ps(e[t].d)));
                     total[t] = _mm512_add_ps(total[t], v);
                 }
             }
@@ -545,18 +562,18 @@ mod avx512 {
         }
     }
 
-    /// A kernel for one group against 1–4 activation rows (with their block sums for Q4_0).
-    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[i32]], *mut f32, usize);
+    /// A kernel for one group against 1–4 activation rows (with their blocks' `Q80Block`s for Q4_0).
+    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[Q80Block]], *mut f32, usize);
 
     macro_rules! kernels {
         ($($name:ident: $body:ident, $t:literal, $vnni:literal, $features:literal;)*) => {$(
             /// # Safety
             /// The CPU features named; `packed` the group's `nb` blocks (64-byte aligned),
-            /// every row of `acts` `nb` units of its type (and for Q4_0 `sums` its blocks'
-            /// sums), `out` `T` rows of 16 floats `stride` apart.
+            /// every row of `acts` `nb` units of its type (and for Q4_0 `q8_0` its blocks'
+            /// `Q80Block`s), `out` `T` rows of 16 floats `stride` apart.
             #[target_feature(enable = $features)]
-            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], sums: &[&[i32]], out: *mut f32, stride: usize) {
-                $body::<$t, $vnni>(packed, nb, acts, sums, out, stride)
+            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
+                $body::<$t, $vnni>(packed, nb, acts, q8_0, out, stride)
             }
         )*};
     }
