@@ -14,11 +14,14 @@ extern "C" fn on_signal(_signal: libc::c_int) {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Before any other thread: the forward passes' buffers are reused, not faulted in anew.
+    let heap_set = duet_kernels::heap::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    tracing::debug!(heap_set, "heap thresholds for reused buffers");
     let config = duet_cpu_worker::cli::Args::parse().into_config()?;
     for signal in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.

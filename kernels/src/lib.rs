@@ -8,6 +8,7 @@ pub mod causal;
 pub mod decode_batch;
 pub mod dot;
 pub mod ggml_exact;
+pub mod heap;
 #[cfg(target_arch = "x86_64")]
 pub mod blockdot_avx512;
 pub mod matmul;
