@@ -255,6 +255,20 @@ fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
     (gbs(best_stack), gbs(best_sum))
 }
 
+/// GB/s of f32 activations `quantize` turns into `ty` blocks: 512 rows of 2048, row by row on
+/// one thread (as a product quantises its input).
+fn quantize_rows(ty: GgmlType, quantize: fn(GgmlType, &[f32], &mut [u8]), rng: &mut rand::rngs::StdRng) -> f64 {
+    let (rows, cols) = (512usize, 2048usize);
+    let x: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut out = vec![0u8; ty.row_bytes(cols) * rows];
+    let t = best(9, || {
+        for (x, o) in x.chunks_exact(cols).zip(out.chunks_exact_mut(ty.row_bytes(cols))) {
+            quantize(ty, x, o);
+        }
+    });
+    (rows * cols * 4) as f64 / t.as_secs_f64() / 1e9
+}
+
 /// Multiply-accumulates per second (G) of one matrix product of `batch` activation rows with
 /// a `cols`-column matrix of 64 MiB (a batched decode step's tiles, or a prefill chunk's).
 fn matmul_rows(
@@ -352,6 +366,16 @@ fn main() {
                 "256 MiB, 576 columns (SmolLM2's width)".into(),
                 matvec(ty, 576, 256, false, &mut rng),
             ));
+        }
+    }
+    // Activation quantisation (every product's input), GB/s of f32 read: the dispatched kernel
+    // and its scalar twin.
+    for ty in [GgmlType::Q8_0, GgmlType::Q8K] {
+        for (name, f) in [("", duet_kernels::dot::quantize_row as fn(GgmlType, &[f32], &mut [u8])), (", scalar twin", duet_kernels::dot::quantize_row_scalar)] {
+            let what = format!("activation quantisation to {ty}{name}");
+            if wanted(&what) {
+                rows.push((what, "512 rows of 2048 (in L2/L3)".into(), quantize_rows(ty, f, &mut rng)));
+            }
         }
     }
     let mut macs = Vec::new();

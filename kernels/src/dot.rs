@@ -25,16 +25,17 @@ pub fn vec_dot_type(weight: GgmlType) -> GgmlType {
 ///
 /// Q8_0/Q8_1 follow ggml's x86 path (`id = 127/amax`, round half to even); Q8_K follows
 /// `quantize_row_q8_K_ref`. Panics if the lengths disagree (a caller bug, not input).
-/// Q8_0/Q8_1 run the AVX-512 kernel where the CPU has it (the same bytes for finite `x`).
+/// Q8_0/Q8_1/Q8_K run the AVX-512 kernels where the CPU has them (the same bytes for finite `x`).
 pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) {
     assert_eq!(out.len(), ty.row_bytes(x.len()), "quantize_row: output length");
     #[cfg(target_arch = "x86_64")]
     if super::isa() == super::Isa::Avx512 {
-        use super::quantize_avx512::quantize_row_q8;
+        use super::quantize_avx512::{quantize_row_q8, quantize_row_q8_k};
         match ty {
             // SAFETY: AVX-512 F/BW/VL/DQ were detected (`isa()`); the sizes were checked.
             GgmlType::Q8_0 => return unsafe { quantize_row_q8::<false>(x, out) },
             GgmlType::Q8_1 => return unsafe { quantize_row_q8::<true>(x, out) },
+            GgmlType::Q8K => return unsafe { quantize_row_q8_k(x, out) },
             _ => {}
         }
     }

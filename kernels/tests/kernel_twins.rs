@@ -826,9 +826,10 @@ fn k_quant_tile_kernels_equal_vec_dot_bit_for_bit() {
     }
 }
 
-/// Activation quantisation to Q8_0 / Q8_1 on the dispatched path (the AVX-512 kernel where
-/// the CPU has it) against the scalar twin, byte for byte: odd block counts, scales from tiny
-/// to huge, an all-zero block, and values that land exactly halfway between two quants.
+/// Activation quantisation to Q8_0 / Q8_1 / Q8_K on the dispatched path (the AVX-512 kernels
+/// where the CPU has them) against the scalar twin, byte for byte: odd block counts, scales from
+/// tiny to huge, an all-zero block, values that land exactly halfway between two quants, and
+/// the largest magnitude twice with both signs (the first sets the scale).
 #[test]
 fn q8_quantisation_equals_scalar_twin_byte_for_byte() {
     use duet_kernels::dot::quantize_row_scalar;
@@ -836,18 +837,20 @@ fn q8_quantisation_equals_scalar_twin_byte_for_byte() {
         println!("SKIPPED: this CPU has no AVX-512; quantize_row is its scalar twin here");
     }
     let mut rng = StdRng::seed_from_u64(0x5eed_0008);
-    for ty in [GgmlType::Q8_0, GgmlType::Q8_1] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q8_1, GgmlType::Q8K] {
+        let bs = ty.block_size();
         for blocks in [1usize, 3, 18, 47] {
             for scale in [1e-30f32, 1e-3, 1.0, 7.5, 1e30] {
-                let mut x: Vec<f32> = (0..blocks * 32).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect();
+                let mut x: Vec<f32> = (0..blocks * bs).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect();
                 // Block 0 all zero when there are several; in the last block, amax = 127 and
                 // values at k + 0.5 (ties, rounded to even).
                 if blocks > 1 {
-                    x[..32].fill(0.0);
+                    x[..bs].fill(0.0);
                 }
-                let last = (blocks - 1) * 32;
-                x[last] = 127.0;
-                for (i, v) in x[last + 1..last + 9].iter_mut().enumerate() {
+                let last = (blocks - 1) * bs;
+                x[last + 3] = 127.0;
+                x[last + 20] = -127.0;
+                for (i, v) in x[last + 4..last + 12].iter_mut().enumerate() {
                     *v = i as f32 - 3.5;
                 }
                 let (mut got, mut want) = (vec![0u8; ty.row_bytes(x.len())], vec![0u8; ty.row_bytes(x.len())]);
