@@ -8,6 +8,8 @@ use std::arch::x86_64::*;
 
 use half::f16;
 
+use crate::quant::{BlockQ8K, ByteBlock, QK_K};
+
 /// `x` (a multiple of 32 values) as Q8_0 blocks (`d`, 32 quants) or, with `Q8_1`, Q8_1
 /// blocks (`d`, `s = d · Σq`, 32 quants) into `out`: ggml's `id = 127 / amax`, products
 /// rounded half to even, as the scalar code does.
@@ -49,17 +51,16 @@ pub unsafe fn quantize_row_q8<const Q8_1: bool>(x: &[f32], out: &mut [u8]) {
 /// The CPU must support AVX-512 F/BW/VL/DQ. Panics if `out` is not the row's size.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
 pub unsafe fn quantize_row_q8_k(x: &[f32], out: &mut [u8]) {
-    const QK: usize = 256;
-    const BLOCK: usize = 292;
-    assert!(x.len().is_multiple_of(QK) && out.len() == x.len() / QK * BLOCK, "quantize_row_q8_k: sizes");
-    for (b, x) in out.chunks_exact_mut(BLOCK).zip(x.chunks_exact(QK)) {
+    let blocks = BlockQ8K::slice_mut(out).filter(|b| x.len().is_multiple_of(QK_K) && b.len() == x.len() / QK_K);
+    let blocks = blocks.expect("quantize_row_q8_k: sizes");
+    for (b, x) in blocks.iter_mut().zip(x.chunks_exact(QK_K)) {
         let v: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(x.as_ptr().add(16 * i)));
         // `max_ps` returns its second operand where either is NaN: NaN values are passed
         // over, as the scalar's `>` passes them over.
         let m = v.iter().fold(_mm512_setzero_ps(), |m, &v| _mm512_max_ps(_mm512_abs_ps(v), m));
         let amax = _mm512_reduce_max_ps(m);
         if amax == 0.0 {
-            b.fill(0);
+            *b = BlockQ8K { d: [0; 4], qs: [0; QK_K], bsums: [0; 32] };
             continue;
         }
         let wanted = _mm512_set1_ps(amax);
@@ -78,11 +79,11 @@ pub unsafe fn quantize_row_q8_k(x: &[f32], out: &mut [u8]) {
             // Round half to even first (as `round_ties_even`), so the conversion is exact.
             let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(scale, v));
             let q8 = _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_cvtps_epi32(r), cap));
-            _mm_storeu_si128(b.as_mut_ptr().add(4 + 16 * i).cast(), q8);
+            _mm_storeu_si128(b.qs.as_mut_ptr().add(16 * i).cast(), q8);
             // The group's sum from the stored bytes, as the scalar sums them.
             let sum = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q8));
-            b[260 + 2 * i..262 + 2 * i].copy_from_slice(&(sum as i16).to_le_bytes());
+            b.bsums[2 * i..2 * i + 2].copy_from_slice(&(sum as i16).to_le_bytes());
         }
-        b[..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+        b.d = (1.0 / iscale).to_le_bytes();
     }
 }
