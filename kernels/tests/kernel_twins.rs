@@ -843,12 +843,14 @@ fn q8_quantisation_equals_scalar_twin_byte_for_byte() {
             for scale in [1e-30f32, 1e-3, 1.0, 7.5, 1e30] {
                 let mut x: Vec<f32> = (0..blocks * bs).map(|_| rng.random_range(-1.0f32..1.0) * scale).collect();
                 // Block 0 all zero when there are several; in the last block, amax = 127 and
-                // values at k + 0.5 (ties, rounded to even).
+                // values at k + 0.5 (ties, rounded to even); -127 twice after it, in the same vector of
+                // sixteen and in the next.
                 if blocks > 1 {
                     x[..bs].fill(0.0);
                 }
                 let last = (blocks - 1) * bs;
                 x[last + 3] = 127.0;
+                x[last + 14] = -127.0;
                 x[last + 20] = -127.0;
                 for (i, v) in x[last + 4..last + 12].iter_mut().enumerate() {
                     *v = i as f32 - 3.5;
