@@ -1,9 +1,11 @@
 //! Nothing lost when a worker dies, under load: 8 streams run and 4 multi-turn sessions sit
 //! idle while the cpu-worker is killed with SIGKILL, then the same while the gpu-worker is.
 //! Every stream completes with the tokens of an uninterrupted greedy run (up to near ties),
-//! and every session's next turn works from the KV kept in the arena.
+//! and every session's next turn works from the KV kept in the arena. And a gateway killed
+//! with SIGKILL takes its workers and their shared memory with it.
 
-use std::time::Duration;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 use duet_proto::pb;
 use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration};
@@ -98,4 +100,33 @@ async fn streams_and_sessions_survive_a_cpu_worker_and_a_gpu_worker_crash() {
     sessions_go_on(&gw, &sessions).await;
     let status = gw.stop();
     assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
+}
+
+#[test]
+fn a_gateway_killed_with_sigkill_takes_its_workers_and_their_segments_with_it() {
+    let mut gw = Gateway::start(&["--cpu-workers", "1"]);
+    // The workers the gateway started carry its pid; a worker that exited may stay a zombie
+    // (its new parent need not reap it), whose command line is empty, so it no longer matches.
+    let its_workers = format!("--parent-pid {}", gw.pid());
+    let workers = pids_with(&[&its_workers]);
+    assert_eq!(workers.len(), 2, "a gpu-worker and a cpu-worker: {workers:?}");
+    let segments = ["kv", "xchg"].map(|k| Path::new("/dev/shm").join(format!("duet-{}-{k}-0", gw.instance)));
+    assert!(segments.iter().all(|s| s.exists()), "the cpu-worker's segments exist: {segments:?}");
+    // SAFETY: killing the test's own child.
+    unsafe { libc::kill(gw.pid() as libc::pid_t, libc::SIGKILL) };
+    let start = Instant::now();
+    while !pids_with(&[&its_workers]).is_empty() || segments.iter().any(|s| s.exists()) {
+        if start.elapsed() > Duration::from_secs(20) {
+            let left = pids_with(&[&its_workers]);
+            for &p in &left {
+                // SAFETY: killing the orphans of the test's own child, not to leave them running.
+                unsafe { libc::kill(p as libc::pid_t, libc::SIGKILL) };
+            }
+            let segs: Vec<_> = segments.iter().filter(|s| s.exists()).collect();
+            panic!("20 s after the gateway's SIGKILL: workers {left:?} still ran, segments {segs:?} remain; log:\n{}", gw.log_tail());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(gw.log_tail().contains("the process that started this worker exited"), "log:\n{}", gw.log_tail());
+    gw.stop();
 }

@@ -7,12 +7,13 @@ use std::sync::atomic::Ordering;
 use duet_kv::layout::{HEADER_BYTES, OFF_GENERATION, OFF_MODEL_ID};
 use duet_kv::paged::ArenaRows;
 use duet_kv::ArenaLayout;
+use duet_kv::shm::owner::OwnerLock;
 use duet_kv::shm::Segment;
 use half::f16;
 use rayon::prelude::*;
 
 use crate::numa::{self, NodeInfo};
-use crate::owner_lock::{lock_owner, OwnerLock};
+use crate::owner_lock::lock_owner;
 use crate::CpuWorkerError;
 
 /// A created KV arena; its segment is removed when this drops, and only then is its owner

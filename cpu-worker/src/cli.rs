@@ -100,6 +100,10 @@ pub struct Args {
     /// duet-cpu-worker@W with DUET_EXPERT_SHARES=N in the shared environment file).
     #[arg(long, env = "DUET_EXPERT_SHARES")]
     pub expert_shares: Option<u32>,
+    /// Stop, as on SIGTERM, when process PID (which must be this worker's parent) exits:
+    /// `duet-gateway serve` passes its own, so that its workers never outlive it.
+    #[arg(long)]
+    pub parent_pid: Option<u32>,
 }
 
 impl Args {

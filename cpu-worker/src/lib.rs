@@ -60,15 +60,8 @@ pub enum CpuWorkerError {
     ControlPanic,
 }
 
-/// Name of worker `worker`'s KV arena segment in instance `instance`.
-pub fn arena_name(instance: &str, worker: u32) -> String {
-    format!("duet-{instance}-kv-{worker}")
-}
-
-/// Name of worker `worker`'s exchange-ring segment in instance `instance`.
-pub fn ring_name(instance: &str, worker: u32) -> String {
-    format!("duet-{instance}-xchg-{worker}")
-}
+/// The names of a worker's segments, defined beside their owner lock.
+pub use duet_kv::shm::owner::{arena_name, ring_name};
 
 /// A model file's configuration (its GGUF metadata).
 pub fn model_config(path: &Path) -> Result<LlamaConfig, CpuWorkerError> {

@@ -1,4 +1,5 @@
-//! duet-cpu-worker binary: parse flags, start tracing, stop on SIGTERM or Ctrl-C, run.
+//! duet-cpu-worker binary: parse flags, start tracing, stop on SIGTERM or Ctrl-C (or when the
+//! gateway that started it exits), run.
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,12 +23,17 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     tracing::debug!(heap_set, "heap thresholds for reused buffers");
-    let config = duet_cpu_worker::cli::Args::parse().into_config()?;
+    let args = duet_cpu_worker::cli::Args::parse();
+    let parent = args.parent_pid;
+    let config = args.into_config()?;
     for signal in [libc::SIGTERM, libc::SIGINT] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         if unsafe { libc::signal(signal, on_signal as *const () as libc::sighandler_t) } == libc::SIG_ERR {
             anyhow::bail!("installing the handler of signal {signal}: {}", std::io::Error::last_os_error());
         }
+    }
+    if let Some(pid) = parent {
+        duet_proto::lifeline::stop_with_parent(pid)?;
     }
     duet_cpu_worker::run(config, &SHUTDOWN)?;
     Ok(())

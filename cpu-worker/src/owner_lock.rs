@@ -1,45 +1,23 @@
-//! Segments a dead worker left behind: an exclusive `flock` on the arena file, held for the
-//! whole life of the worker that created it, tells them apart from a live worker's, and
-//! `--replace` removes them. The kernel drops the lock when its holder exits, SIGKILL
-//! included, so a lock that is free means nobody serves from those segments any more.
+//! Segments a dead worker of this name left behind: the owner lock on the arena file
+//! (`duet_kv::shm::owner`, held for the whole life of the worker that created it) tells them
+//! apart from a live worker's, and `--replace` removes them.
 
-use std::fs::{File, OpenOptions};
-use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use duet_kv::shm::owner::{self, Holder, OwnerLock};
 use duet_kv::shm::{Segment, SHM_DIR};
 
 use crate::CpuWorkerError;
 
-/// The owner lock on a worker's arena file; released when this drops (after the segment
-/// was removed, see `Arena`).
-#[derive(Debug)]
-pub struct OwnerLock {
-    _file: File,
-}
-
-/// Takes the owner lock on the arena segment this process has just created at `path`.
+/// Takes the owner lock on the arena segment this process has just created at `path`,
+/// held until the worker exits (after its segment was removed, see `Arena`).
 pub fn lock_owner(path: &Path) -> Result<OwnerLock, CpuWorkerError> {
-    let lock_err = |source| CpuWorkerError::OwnerLock { path: path.to_path_buf(), source };
-    let file = open_no_follow(path).map_err(lock_err)?;
-    match try_lock(&file) {
-        Ok(true) => Ok(OwnerLock { _file: file }),
+    match owner::lock_owner(path) {
+        Ok(Some(lock)) => Ok(lock),
         // Another worker of the same name locked it between our creating and locking it.
-        Ok(false) => Err(CpuWorkerError::SegmentInUse { path: path.to_path_buf() }),
-        Err(e) => Err(lock_err(e)),
+        Ok(None) => Err(CpuWorkerError::SegmentInUse { path: path.to_path_buf() }),
+        Err(source) => Err(CpuWorkerError::OwnerLock { path: path.to_path_buf(), source }),
     }
-}
-
-/// What is at a segment's name before this worker creates it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Found {
-    Nothing,
-    /// A file nobody holds the owner lock on.
-    Stale,
-    /// A file a running worker holds the owner lock on.
-    Live,
 }
 
 /// Makes sure the worker can create `ring`, and `arena` unless it is kept. A live worker's
@@ -51,13 +29,13 @@ enum Found {
 pub fn clear_leftovers(arena: &str, ring: &str, replace: bool, keep_arena: bool) -> Result<bool, CpuWorkerError> {
     let arena_path = Path::new(SHM_DIR).join(arena);
     let ring_path = Path::new(SHM_DIR).join(ring);
-    let arena_found = probe(&arena_path)?;
-    if arena_found == Found::Live {
+    let arena_found = owner::probe(&arena_path).map_err(|source| CpuWorkerError::OwnerLock { path: arena_path.clone(), source })?;
+    if arena_found == Holder::Live {
         return Err(CpuWorkerError::SegmentInUse { path: arena_path });
     }
-    let kept = keep_arena && arena_found == Found::Stale;
+    let kept = keep_arena && arena_found == Holder::Nobody;
     let mut leftovers: Vec<(&str, PathBuf)> = Vec::new();
-    if arena_found != Found::Nothing && !kept {
+    if arena_found != Holder::Nothing && !kept {
         leftovers.push((arena, arena_path));
     }
     if exists(&ring_path) {
@@ -81,43 +59,6 @@ pub fn clear_leftovers(arena: &str, ring: &str, replace: bool, keep_arena: bool)
 /// Whether `path` exists (a dangling link counts: creating over it fails too).
 fn exists(path: &Path) -> bool {
     path.symlink_metadata().is_ok()
-}
-
-/// What is at `path`: nothing, a file nobody holds the owner lock on, or a live worker's.
-fn probe(path: &Path) -> Result<Found, CpuWorkerError> {
-    let file = match open_no_follow(path) {
-        Ok(file) => file,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Found::Nothing),
-        // Not ours to open (another user's file, or a link): no worker of this user serves
-        // from it, and removing it is up to `--replace` (which may fail in turn).
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM | libc::ELOOP)) => {
-            return Ok(Found::Stale)
-        }
-        Err(e) => return Err(CpuWorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
-    };
-    // Our probe's lock, if taken, is released when `file` closes at the end of this call.
-    match try_lock(&file) {
-        Ok(true) => Ok(Found::Stale),
-        Ok(false) => Ok(Found::Live),
-        Err(e) => Err(CpuWorkerError::OwnerLock { path: path.to_path_buf(), source: e }),
-    }
-}
-
-fn open_no_follow(path: &Path) -> io::Result<File> {
-    OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path)
-}
-
-/// `flock(LOCK_EX | LOCK_NB)`: `Ok(false)` when another open file holds a lock.
-fn try_lock(file: &File) -> io::Result<bool> {
-    // SAFETY: flock only takes a lock on the open file; the fd is valid while `file` lives.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        return Ok(false);
-    }
-    Err(e)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ pub mod balancer;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod leftovers;
 pub mod metrics;
 pub mod readiness;
 pub mod request;

@@ -227,7 +227,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
         }
     };
     let local = args.gpu_worker.is_none();
-    let instance = args.instance.clone().unwrap_or_else(|| format!("duet-{}", std::process::id()));
+    let instance = args.instance.clone().unwrap_or_else(|| crate::leftovers::default_instance(std::process::id()));
     let mut keeper = None;
     let connected = if let Some(gpu) = &args.gpu_worker {
         tokio::select! {
@@ -235,6 +235,8 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             e = stopped_while_starting() => Err(e),
         }
     } else {
+        // Before this instance's workers create theirs: each removal is logged.
+        crate::leftovers::sweep_dead_instances();
         let n = args.cpu_workers.unwrap_or_else(|| supervisor::cpu_nodes() as u32).max(1);
         let cfg = LocalWorkers {
             model: args.model.clone(),

@@ -216,7 +216,9 @@ mod expert_share_tests {
 }
 
 fn spawn(mut cmd: Process) -> std::io::Result<Child> {
-    // Workers log to the gateway's stderr; they die with it if it is killed.
+    // Workers log to the gateway's stderr. They are killed when their handle drops, and stop
+    // by themselves when the gateway dies without dropping it (SIGKILL, the OOM killer).
+    cmd.arg("--parent-pid").arg(std::process::id().to_string());
     cmd.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit()).kill_on_drop(true);
     let child = cmd.spawn()?;
     Ok(child)

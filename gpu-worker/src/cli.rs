@@ -86,6 +86,10 @@ pub struct ServeArgs {
     /// counts); 0: none.
     #[arg(long, env = "DUET_DEVICE_EXPERTS", default_value_t = 0)]
     pub device_experts: usize,
+    /// Stop, as on SIGTERM, when process PID (which must be this worker's parent) exits:
+    /// `duet-gateway serve` passes its own, so that its workers never outlive it.
+    #[arg(long)]
+    pub parent_pid: Option<u32>,
 }
 
 /// Where a mixture's routed experts run.
@@ -204,8 +208,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-/// Worker mode: load the model, serve until SIGTERM or Ctrl-C.
+/// Worker mode: load the model, serve until SIGTERM or Ctrl-C (or the --parent-pid's exit).
 fn serve(args: ServeArgs, device: Placement) -> anyhow::Result<()> {
+    if let Some(pid) = args.parent_pid {
+        duet_proto::lifeline::stop_with_parent(pid)?;
+    }
     let start = std::time::Instant::now();
     let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
     let local_experts = args.experts_on == ExpertsOn::Device;

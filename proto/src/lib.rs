@@ -1,6 +1,8 @@
 //! gRPC plumbing shared by the processes: the code generated from `proto/duet/v1/`, worker
 //! addresses (`unix:PATH` or `HOST:PORT`), connecting a channel and serving a router on
-//! either kind of listener.
+//! either kind of listener; and the [`lifeline`] that stops a gateway's workers with it.
+
+pub mod lifeline;
 
 use std::fmt;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,7 @@
 //! The data plane's shared-memory primitives: named segments in `/dev/shm`, cross-process
 //! futexes, the single-producer/single-consumer exchange ring built on them, and the
-//! attention job format carried in its slots ([`job`]).
+//! attention job format carried in its slots ([`job`]), and who owns a worker's segments
+//! ([`owner`]).
 //!
 //! Memory rules for everything in here: a segment is shared with other processes, which
 //! Rust's borrow checker cannot see. Only atomics and plain-old-data ([`Pod`]) are ever
@@ -11,6 +12,7 @@
 pub mod expert_job;
 mod futex;
 pub mod job;
+pub mod owner;
 mod ring;
 mod segment;
 
