@@ -70,14 +70,18 @@ model() { # model SHAPE TYPE: makes the random-weight model once, prints its pat
 }
 
 # Waits (up to 2 minutes) until the gateway on 127.0.0.1:PORT answers /health.
-wait_healthy() { # PORT
-  python3 - "$1" <<'PY'
-import sys, time, urllib.request
+wait_healthy() { # PORT PID: fails at once when the gateway (PID) exits, so as not to spend device time
+  python3 - "$1" "$2" <<'PY'
+import os, sys, time, urllib.request
 for _ in range(240):
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=2)
         break
     except Exception:
+        try:
+            os.kill(int(sys.argv[2]), 0)
+        except ProcessLookupError:
+            sys.exit("the gateway exited before it became healthy")
         time.sleep(0.5)
 else:
     sys.exit("the gateway did not become healthy")
@@ -90,7 +94,7 @@ serve_and_stream() {
   "$kit/duet-gateway" serve --device cuda --model "$m" --cpu-workers 1 --kv-bytes 2G \
     --listen 127.0.0.1:18081 --http-listen 127.0.0.1:$port --instance gpucheck >"$log" 2>&1 &
   local gw=$!
-  wait_healthy $port || { kill -TERM $gw; wait $gw; return 1; }
+  wait_healthy $port $gw || { kill -TERM $gw; wait $gw; return 1; }
   python3 - "$port" <<'PY'
 import json, sys, time, urllib.request
 port = sys.argv[1]
@@ -124,7 +128,7 @@ serve_moe() {
   "$kit/duet-gateway" serve --device cuda --experts-on cpu-workers --policy cpu --model "$m" --cpu-workers 1 --kv-bytes 256M \
     --listen 127.0.0.1:18071 --http-listen 127.0.0.1:$port --instance gpumoe >"$log" 2>&1 &
   local gw=$!
-  wait_healthy $port || { kill -TERM $gw; wait $gw; return 1; }
+  wait_healthy $port $gw || { kill -TERM $gw; wait $gw; return 1; }
   WANT="$want" python3 - "$port" <<'PY'
 import json, os, sys, urllib.request
 base = f"http://127.0.0.1:{sys.argv[1]}"
@@ -166,7 +170,7 @@ serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY]
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
   sleep 2
-  wait_healthy 18090 || { kill -TERM $gw; wait $gw; return 1; }
+  wait_healthy 18090 $gw || { kill -TERM $gw; wait $gw; return 1; }
   "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "${3:-1024}" --max-tokens 64 --policies cpu,gpu,lp
   local rc=$?
   kill -TERM $gw
