@@ -100,7 +100,10 @@ class Server:
         kv_bytes = kv_bytes_needed()
         self.proc = subprocess.Popen(
             [os.path.join(BIN, "duet-gateway"), "serve", "--model", MODEL, "--listen", "127.0.0.1:0",
-             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads), "--kv-type", KV_TYPE]
+             "--http-listen", "127.0.0.1:0", "--gpu-threads", str(threads), "--kv-type", KV_TYPE,
+             # The depth rows' sessions wait idle while the others are prefilled (16 × 4096
+             # tokens of the 8B shape: over 40 minutes); the default 10 minutes closed them.
+             "--session-idle-secs", str(24 * 3600)]
             # The default arena (1 GiB) or as much as the rows hold at once, if more.
             + (["--kv-bytes", str(kv_bytes)] if kv_bytes > 1 << 30 else [])
             + (["--experts-on", EXPERTS_ON] if EXPERTS_ON != "device" else []),

@@ -105,9 +105,10 @@ async fn streams_and_sessions_survive_a_cpu_worker_and_a_gpu_worker_crash() {
 #[test]
 fn a_gateway_killed_with_sigkill_takes_its_workers_and_their_segments_with_it() {
     let mut gw = Gateway::start(&["--cpu-workers", "1"]);
-    // The workers the gateway started carry its pid; a worker that exited may stay a zombie
-    // (its new parent need not reap it), whose command line is empty, so it no longer matches.
-    let its_workers = format!("--parent-pid {}", gw.pid());
+    // The workers the gateway started carry its pid, as their last argument (the space is the
+    // NUL after it: pid 12 must not match 123); a worker that exited may stay a zombie (its new
+    // parent need not reap it), whose command line is empty, so it no longer matches.
+    let its_workers = format!("--parent-pid {} ", gw.pid());
     let workers = pids_with(&[&its_workers]);
     assert_eq!(workers.len(), 2, "a gpu-worker and a cpu-worker: {workers:?}");
     let segments = ["kv", "xchg"].map(|k| Path::new("/dev/shm").join(format!("duet-{}-{k}-0", gw.instance)));

@@ -170,7 +170,17 @@ async fn open_sessions(client: &InferenceClient<tonic::transport::Channel>, c: u
 async fn one_stream(client: &mut InferenceClient<tonic::transport::Channel>, req: pb::GenerateRequest) -> anyhow::Result<StreamTiming> {
     use pb::generate_response::Event;
     let start = Instant::now();
-    let mut stream = client.generate(req).await.map_err(|e| anyhow::anyhow!("Generate: {}", e.message()))?.into_inner();
+    let mut stream = client.generate(req).await.map_err(|e| {
+        // --context's sessions wait, idle, while the others are prefilled: a long setup
+        // outlasts the server's session idle time.
+        let hint = if e.code() == tonic::Code::NotFound && e.message().contains("session") {
+            " (a --context session sat idle while the others were prefilled longer than the server keeps idle sessions: start it with a larger --session-idle-secs)"
+        } else {
+            ""
+        };
+        anyhow::anyhow!("Generate: {}{hint}", e.message())
+    })?
+    .into_inner();
     let (mut ttft, mut generated) = (None, 0u32);
     while let Some(msg) = stream.message().await.map_err(|e| anyhow::anyhow!("Generate stream: {}", e.message()))? {
         if let Some(Event::Token(_)) = msg.event {
