@@ -123,7 +123,7 @@ PY
 # router on the GPU): the greedy completion must be the single-process CUDA runner's (local
 # host experts, host attention), token for token.
 serve_moe() {
-  local m=$root/testdata/tiny/arch/olmoe_q8_0.gguf port=18070 log=$logs/serve-moe-server.log want
+  local m=$DUET_WORKSPACE/testdata/tiny/arch/olmoe_q8_0.gguf port=18070 log=$logs/serve-moe-server.log want
   want=$("$kit/duet-gpu-worker" --device cuda run --model "$m" --prompt "tok1 tok2 tok3" --max-tokens 16 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["text"])') || return 1
   "$kit/duet-gateway" serve --device cuda --experts-on cpu-workers --policy cpu --model "$m" --cpu-workers 1 --kv-bytes 256M \
     --listen 127.0.0.1:18071 --http-listen 127.0.0.1:$port --instance gpumoe >"$log" 2>&1 &

@@ -1,19 +1,28 @@
 //! The CUDA device against the CPU device on a model of a real shape (a random-weight GGUF in
 //! Llama-3.2-1B's shape, made by `scripts/gen_random_model.py` on the GPU machine; its path in
-//! `DUET_CUDA_TEST_MODEL`): the logits of a 48-token prefill at every position, and 16 greedy
-//! tokens, identical up to near ties. The two devices round differently (see the CUDA
-//! device's module documentation), so the logits agree within a tolerance: max |CUDA - CPU|
-//! within 10 % of the CPU logits' standard deviation, and the rms of the difference within 2 %.
-//! The same holds with only the first half of the layers on the GPU and the rest on the CPU
-//! device (`--gpu-layers`). And every tiny model of another architecture
+//! `DUET_CUDA_TEST_MODEL`): the logits of a 48-token prefill at every position, and 64 greedy
+//! tokens. The two devices round differently (see the CUDA device's module documentation),
+//! and a random network of 16 layers carries a rounding difference on and grows it (the CPU
+//! device's 8-bit activations alone put 0.6 % into layer 0's Q/K/V, 7 % into the logits), so
+//! neither device is the other's reference: both are held against the exact computation, a
+//! float64 forward on the dequantised weights (`support/f64_forward.rs`, itself checked
+//! against the tiny models' numpy references). The CUDA device must be as close to it as the
+//! CPU device (whose rounding is llama.cpp's), within 25 % (rms) and 50 % (max), and each of
+//! its greedy tokens must be the exact forward's arg-max after the same tokens, unless that
+//! is a near tie. The same holds with only the first half of the layers on the GPU and the
+//! rest on the CPU device (`--gpu-layers`). And every tiny model of another architecture
 //! (`testdata/tiny/arch/`) that the CUDA device takes — Q/K norms, NeoX RoPE, mixtures of
 //! experts with the experts on the host — gives the CPU device's prefill logits within 5 %
-//! rms and its greedy tokens up to a near tie; the others are refused naming what is missing.
-//! Skipped without a GPU or without the model (`DUET_REQUIRE_CUDA=1` makes either a failure).
+//! rms and its greedy tokens up to a near tie; the others are refused naming what is
+//! missing. Skipped without a GPU or without the model (`DUET_REQUIRE_CUDA=1` makes either a
+//! failure).
 
 use duet_gpu_worker::device::{Device, DeviceChoice, GpuLayers, KvAccessError, KvSink, KvSource, NoRemoteExperts, Placement, PrefillItem};
 use duet_kernels::attention::KvRun;
 use duet_gpu_worker::runner::{Runner, KvCache, Logits};
+
+#[path = "support/f64_forward.rs"]
+mod f64_forward;
 
 fn skip(why: &str) {
     if std::env::var("DUET_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
@@ -35,7 +44,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 /// The model in `DUET_CUDA_TEST_MODEL` on the CUDA device (its first `gpu_layers` only, the
 /// rest on the CPU device, when given) and on the CPU device; `None` (the test skipped,
 /// saying why) without the model or a usable GPU.
-fn devices(gpu_layers: Option<GpuLayers>) -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>)> {
+fn devices(gpu_layers: Option<GpuLayers>) -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>, std::path::PathBuf)> {
     let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
         skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
         return None;
@@ -49,7 +58,7 @@ fn devices(gpu_layers: Option<GpuLayers>) -> Option<(Runner<duet_gpu_worker::dev
     };
     let cpu = Runner::load(std::path::Path::new(&path)).unwrap();
     println!("{} vs {}", cuda.device.describe(), cpu.device.describe());
-    Some((cuda, cpu))
+    Some((cuda, cpu, path.into()))
 }
 
 /// Tokens of the prompt both tests run.
@@ -60,31 +69,31 @@ fn prompt(c: &duet_model::config::LlamaConfig) -> Vec<u32> {
     (0..PROMPT as u64).map(|i| ((i * 2_654_435_761 + 12_345) % c.n_vocab as u64) as u32).collect()
 }
 
-/// `n` greedy tokens after `prompt`, each with the top-2 gap of the logits it came from.
-fn greedy<D: Device>(e: &Runner<D>, prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
+/// `n` greedy tokens after `prompt`, each with the logits it came from.
+fn greedy<D: Device>(e: &Runner<D>, prompt: &[u32], n: usize) -> Vec<(u32, Vec<f32>)> {
     let mut kv = KvCache::new(e.device.config(), prompt.len() + n + 1);
     let mut logits = e.forward(prompt, &mut kv, Logits::Last).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
         let t = argmax(&logits) as u32;
-        out.push((t, top2_gap(&logits)));
-        logits = e.forward(&[t], &mut kv, Logits::Last).unwrap();
+        let next = e.forward(&[t], &mut kv, Logits::Last).unwrap();
+        out.push((t, std::mem::replace(&mut logits, next)));
     }
     out
 }
 
 #[test]
 fn cuda_logits_and_greedy_tokens_match_the_cpu_device_on_a_real_shape() {
-    let Some((cuda, cpu)) = devices(None) else { return };
-    logits_and_greedy_tokens_match(&cuda, &cpu);
+    let Some((cuda, cpu, path)) = devices(None) else { return };
+    logits_and_greedy_tokens_match(&cuda, &cpu, &path);
 }
 
 #[test]
 fn half_the_layers_on_the_gpu_match_the_cpu_device() {
     // Llama-3.2-1B's shape has 16 layers: 8 on the GPU, 8 on the CPU device.
-    let Some((split, cpu)) = devices(Some(GpuLayers::Count(8))) else { return };
+    let Some((split, cpu, path)) = devices(Some(GpuLayers::Count(8))) else { return };
     assert!(split.device.describe().contains("for layers 8..16"), "{}", split.device.describe());
-    logits_and_greedy_tokens_match(&split, &cpu);
+    logits_and_greedy_tokens_match(&split, &cpu, &path);
 }
 
 #[test]
@@ -116,48 +125,78 @@ fn tiny_architectures_on_the_cuda_device_match_the_cpu_device() {
         let rms_err = (got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b as f64).powi(2)).sum::<f64>() / want.len() as f64).sqrt() / sd;
         let near = 4.0 * rms_err * sd;
         let (g, w) = (greedy(&cuda, &tokens, 16), greedy(&cpu, &tokens, 16));
-        let same = g.iter().zip(&w).take_while(|(&(a, _), &(b, gap))| a == b && gap as f64 >= near).count();
-        let parted_at_tie = w.get(same).is_none_or(|&(_, gap)| (gap as f64) < near);
+        let same = g.iter().zip(&w).take_while(|((a, _), (b, row))| a == b && top2_gap(row) as f64 >= near).count();
+        let parted_at_tie = w.get(same).is_none_or(|(_, row)| (top2_gap(row) as f64) < near);
         println!("{name}: prefill logits rms difference {rms_err:.2e} of sd {sd:.3}; greedy {same}/16 identical before any near tie");
         assert!(rms_err <= 0.05, "{name}: prefill logits differ by {rms_err:.3e} (rms, of the CPU logits' sd)");
-        assert!(parted_at_tie, "{name}: greedy token {same}: CUDA {:?}, CPU {:?}", g[same], w[same]);
+        assert!(parted_at_tie, "{name}: greedy token {same}: CUDA {}, CPU {} (CPU top-2 gap {})", g[same].0, w[same].0, top2_gap(&w[same].1));
         taken += 1;
     }
     assert!(taken >= 6, "the CUDA device took only {taken} of the tiny architectures (mistral3, mixtral, olmoe, qwen2, qwen3, qwen3moe at least)");
 }
 
-fn logits_and_greedy_tokens_match<D: Device>(cuda: &Runner<D>, cpu: &Runner<duet_gpu_worker::device::cpu::CpuDevice>) {
+/// Greedy tokens judged by [`logits_and_greedy_tokens_match`]: a random model's top-2 gaps are
+/// small (on the 1B shape most fall within the CUDA device's decode rounding), so it takes
+/// many to compare a few.
+const GREEDY: usize = 64;
+
+fn logits_and_greedy_tokens_match<D: Device>(cuda: &Runner<D>, cpu: &Runner<duet_gpu_worker::device::cpu::CpuDevice>, path: &std::path::Path) {
     let c = cpu.device.config().clone();
     let (n, tokens) = (PROMPT, prompt(&c));
 
-    // Prefill logits at every position.
+    // Prefill logits at every position, and greedy tokens (mat-vec kernels) from each.
     let got = cuda.forward(&tokens, &mut KvCache::new(&c, n + 32), Logits::From(0)).unwrap();
     let want = cpu.forward(&tokens, &mut KvCache::new(&c, n + 32), Logits::From(0)).unwrap();
-    assert_eq!(got.len(), want.len());
-    // The scale: the CPU logits' spread about their mean (a random model's logits sit on an offset).
-    let mean = want.iter().map(|&v| v as f64).sum::<f64>() / want.len() as f64;
-    let rms = (want.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / want.len() as f64).sqrt();
-    let max_err = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b as f64).abs()).fold(0.0, f64::max) / rms;
-    let rms_err = (got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b as f64).powi(2)).sum::<f64>() / want.len() as f64).sqrt() / rms;
-    println!("prefill logits, {n} positions: max |CUDA - CPU| {max_err:.2e} of sd {rms:.3}, rms difference {rms_err:.2e}");
-    assert!(max_err <= 0.10 && rms_err <= 0.02, "prefill logits differ: max {max_err:.3e}, rms {rms_err:.3e} (of the CPU logits' sd)");
+    let (g, w) = (greedy(cuda, &tokens, GREEDY), greedy(cpu, &tokens, GREEDY));
+    // The exact logits of the prompt followed by the CUDA device's tokens: the first n rows
+    // judge the prefill, the rows from n - 1 on each greedy choice.
+    let mut seq = tokens.clone();
+    seq.extend(g[..GREEDY - 1].iter().map(|(t, _)| *t));
+    let (exact, n_vocab) = f64_forward::logits(path, &seq);
+    assert_eq!((got.len(), want.len(), n_vocab), (n * n_vocab, n * n_vocab, c.n_vocab));
+    let exact_prefill = &exact[..n * n_vocab];
+    // The scale: the exact logits' spread about their mean (a random model's logits sit on an offset).
+    let mean = exact_prefill.iter().sum::<f64>() / exact_prefill.len() as f64;
+    let sd = (exact_prefill.iter().map(|&v| (v - mean).powi(2)).sum::<f64>() / exact_prefill.len() as f64).sqrt();
+    let (max_of, rms_of) = (|a: &[f32], b: &[f64]| max_diff(a, b) / sd, |a: &[f32], b: &[f64]| rms_diff(a, b) / sd);
+    let (cuda_max, cuda_rms) = (max_of(&got, exact_prefill), rms_of(&got, exact_prefill));
+    let (cpu_max, cpu_rms) = (max_of(&want, exact_prefill), rms_of(&want, exact_prefill));
+    let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+    println!(
+        "prefill logits, {n} positions, against the f64 forward (of its sd {sd:.3}): CUDA max {cuda_max:.2e} rms {cuda_rms:.2e}, \
+         CPU max {cpu_max:.2e} rms {cpu_rms:.2e}; CUDA vs CPU rms {:.2e}",
+        rms_of(&got, &want64)
+    );
+    assert!(
+        cuda_rms <= 1.25 * cpu_rms && cuda_max <= 1.5 * cpu_max,
+        "the CUDA device is further from the exact logits than the CPU device: rms {cuda_rms:.3e} vs {cpu_rms:.3e}, max {cuda_max:.3e} vs {cpu_max:.3e}"
+    );
 
-    // Greedy decoding: the same tokens until the CPU's choice is a near tie (a gap within
-    // four times the observed rms difference).
-    let near = 4.0 * rms_err * rms;
-    let g = greedy(cuda, &tokens, 16);
-    let w = greedy(cpu, &tokens, 16);
-    let mut same = 0;
-    for (i, (&(a, _), &(b, gap))) in g.iter().zip(&w).enumerate() {
-        if (gap as f64) < near {
-            println!("greedy: stopped comparing at token {i}, a near tie (gap {gap:.4})");
-            break;
+    // Greedy decoding: each of the CUDA device's tokens is the exact arg-max after the same
+    // tokens, unless the exact top-2 gap is a near tie (within four times the rms error of
+    // the CUDA device's decode logits, which must be as close as the CPU's prefill).
+    let exact_row = |i: usize| &exact[(n - 1 + i) * n_vocab..(n + i) * n_vocab];
+    let decode_got: Vec<f32> = g.iter().flat_map(|(_, row)| row.iter().copied()).collect();
+    let decode_rms = rms_of(&decode_got, &exact[(n - 1) * n_vocab..(n + GREEDY - 1) * n_vocab]);
+    let near = 4.0 * decode_rms * sd;
+    let mut compared = 0;
+    for (i, (t, _)) in g.iter().enumerate() {
+        let row: Vec<f32> = exact_row(i).iter().map(|&v| v as f32).collect();
+        let gap = top2_gap(&row) as f64;
+        if gap < near {
+            println!("greedy token {i}: a near tie (exact top-2 gap {gap:.4}), not compared");
+            continue;
         }
-        assert_eq!(a, b, "greedy token {i}: CUDA {a}, CPU {b} (CPU top-2 gap {gap:.4})");
-        same += 1;
+        assert_eq!(*t as usize, argmax(&row), "greedy token {i}: CUDA {t}, exact {} (exact top-2 gap {gap:.4})", argmax(&row));
+        compared += 1;
     }
-    println!("greedy: {same}/16 tokens identical before any near tie");
-    assert!(same >= 4, "only {same} greedy tokens compared");
+    let same_as_cpu = g.iter().zip(&w).take_while(|((a, _), (b, _))| a == b).count();
+    println!(
+        "greedy: decode logits rms {decode_rms:.2e} from the exact ones; {compared}/{GREEDY} tokens the exact arg-max, the rest near ties \
+         (within {near:.4}); the CPU device's tokens the same for the first {same_as_cpu}"
+    );
+    assert!(decode_rms <= 1.25 * cpu_rms, "the CUDA device's decode logits are {decode_rms:.3e} (rms) from the exact ones, the CPU's prefill {cpu_rms:.3e}");
+    assert!(compared >= 4, "only {compared} greedy tokens compared");
 }
 
 /// A plain host KV store for [`layer_by_layer`]: `[layer][kv_head][position * head_dim]`.
@@ -195,6 +234,16 @@ impl KvSource for Store {
     }
 }
 
+/// max |a - b|.
+fn max_diff(a: &[f32], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).abs()).fold(0.0, f64::max)
+}
+
+/// rms(a - b).
+fn rms_diff(a: &[f32], b: &[f64]) -> f64 {
+    (a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum::<f64>() / a.len() as f64).sqrt()
+}
+
 /// rms(a - b) / rms(b).
 fn rel(a: &[f32], b: &[f32]) -> f64 {
     let d: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
@@ -217,10 +266,13 @@ fn rows_off(a: &[f32], b: &[f32], width: usize) -> Vec<(usize, f32)> {
 /// (relative rms difference) when every layer's attention output is the CPU device's for both
 /// (only the linear layers, norms and RoPE differ), and when each device attends its own
 /// Q/K/V. The first layer's Q/K/V must agree within 1 % (one norm and one linear layer of
-/// rounding apart) and, with the attention shared, the logits within 2 %.
+/// rounding apart; the CPU's 8-bit activations alone make 0.6 %) and, with the attention
+/// shared, the difference may grow by at most 2 points a layer (rounding carried through a
+/// random network grows it slowly, about 0.3 points a layer on the 1B shape; a layer computed
+/// wrongly jumps by tens).
 #[test]
 fn layer_by_layer() {
-    let Some((cuda, cpu)) = devices(None) else { return };
+    let Some((cuda, cpu, _)) = devices(None) else { return };
     let c = cpu.device.config().clone();
     let (n, tokens) = (PROMPT, prompt(&c));
     let positions: Vec<usize> = (0..n).collect();
@@ -232,7 +284,7 @@ fn layer_by_layer() {
         cuda.device.start_batch(&tokens, &positions, &rows).unwrap(),
     );
     let (mut sc, mut so) = (Store::new(&c, n), Store::new(&c, n));
-    let mut first = None;
+    let mut shared_q = Vec::new();
     for l in 0..c.n_layer {
         let qc = cpu.device.qkv(l, &mut bc).unwrap();
         let qg = cuda.device.qkv(l, &mut bg).unwrap();
@@ -243,7 +295,7 @@ fn layer_by_layer() {
             max_abs(&qo.q), max_abs(&qo.k), max_abs(&qo.v), max_abs(&qc.q), max_abs(&qc.k), max_abs(&qc.v),
             rows_off(&qo.q, &qc.q, c.q_dim())
         );
-        first.get_or_insert([rel(&qg.q, &qc.q), rel(&qg.k, &qc.k), rel(&qg.v, &qc.v)]);
+        shared_q.push([rel(&qg.q, &qc.q), rel(&qg.k, &qc.k), rel(&qg.v, &qc.v)]);
         cpu.device.store_kv(l, &qc, &mut sc).unwrap();
         cuda.device.store_kv(l, &qo, &mut so).unwrap();
         let (mut ac, mut ao) = (vec![0f32; n * c.q_dim()], vec![0f32; n * c.q_dim()]);
@@ -256,7 +308,11 @@ fn layer_by_layer() {
     let (lc, lg, lo) = (cpu.device.logits(&bc).unwrap(), cuda.device.logits(&bg).unwrap(), cuda.device.logits(&bo).unwrap());
     let (shared, own) = (rel(&lg, &lc), rel(&lo, &lc));
     println!("logits: shared attention {shared:.2e}, own attention {own:.2e}; rows off (own > 5 %): {:?}", rows_off(&lo, &lc, c.n_vocab));
-    let first = first.unwrap();
-    assert!(first.iter().all(|&e| e <= 0.01), "layer 0's Q/K/V differ by {first:?}");
-    assert!(shared <= 0.02, "with the attention shared, the logits differ by {shared:.2e}");
+    assert!(shared_q[0].iter().all(|&e| e <= 0.01), "layer 0's Q/K/V differ by {:?}", shared_q[0]);
+    for (l, pair) in shared_q.windows(2).enumerate() {
+        let grew = (0..3).map(|i| pair[1][i] - pair[0][i]).fold(f64::NEG_INFINITY, f64::max);
+        assert!(grew <= 0.02, "with the attention shared, layer {}'s Q/K/V differ by {:?}, layer {l}'s by {:?}", l + 1, pair[1], pair[0]);
+    }
+    let last = shared_q.last().unwrap()[0];
+    assert!(shared <= last + 0.02, "with the attention shared, the logits differ by {shared:.2e}, the last layer's Q by {last:.2e}");
 }

@@ -39,6 +39,9 @@ use duet_gpu_worker::runner::{KvCache, Logits};
 use duet_gpu_worker::runner::Runner;
 use serde_json::Value;
 
+#[path = "support/f64_forward.rs"]
+mod f64_forward;
+
 fn dir() -> PathBuf {
     workspace_root().join("testdata/tiny")
 }
@@ -268,5 +271,20 @@ fn f16_head_dim_not_a_multiple_of_16() {
 fn cuda_device_on_every_tiny_model() {
     for name in ["f32_untied_freqs", "f16_llama3_meta", "q8_0_linear_tied", "mixed_quant", "f16_head_dim_24"] {
         check_cuda(name);
+    }
+}
+
+/// The float64 forward that judges devices on models too big for stored references
+/// (`cuda_vs_cpu.rs`) is itself exact: it gives every tiny model's numpy reference logits.
+#[test]
+fn the_f64_forward_gives_the_numpy_references() {
+    for name in ["f32_untied_freqs", "f16_llama3_meta", "q8_0_linear_tied", "mixed_quant", "f16_head_dim_24"] {
+        let r = reference(name);
+        let (got, n_vocab) = f64_forward::logits(&dir().join(format!("{name}.gguf")), &r.tokens);
+        assert_eq!(n_vocab, r.n_vocab);
+        let got: Vec<f32> = got.into_iter().map(|v| v as f32).collect();
+        let err = rel_max(&got, &r.logits, rms(&r.logits));
+        println!("{name}: f64 forward vs numpy reference: max {err:.2e} of rms");
+        assert!(err <= 1e-5, "{name}: the f64 forward differs from the numpy reference by {err:.3e} (max, of the logits' rms)");
     }
 }
