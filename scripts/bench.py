@@ -145,21 +145,47 @@ def median_rows(passes):
 def system_rows(threads, repeat, with_llama):
     """The whole-system rows of Duet (on one server) and of llama.cpp (or None), each the
     median of `repeat` passes, Duet's and llama.cpp's passes taking turns so that both see the
-    same phases of this machine (a VM's speed drifts by 10-20 % between minutes)."""
-    server = Server(threads)
+    same phases of this machine (a VM's speed drifts by 10-20 % between minutes). Where the
+    two would not fit in memory together, the Duet server is stopped for llama.cpp's passes
+    and each Duet pass starts a fresh one."""
+    apart = with_llama and not both_fit()
+    server = None
     duet, llama = [], []
     try:
-        log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}, {repeat} passes")
         for i in range(repeat):
+            if server is None:
+                server = Server(threads)
+                log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}, {repeat} passes")
             log(f"pass {i + 1} of {repeat}")
             duet.append(duet_pass(server))
             log("  Duet: " + ", ".join(f"{k} {v:.1f}" for k, v in duet[-1].items()))
             if with_llama:
+                if apart:
+                    server.stop()
+                    server = None
                 llama.append(llama_pass(threads))
                 log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     return median_rows(duet), (median_rows(llama) if with_llama else None)
+
+
+def both_fit():
+    """Whether the Duet server and a llama.cpp pass fit in this machine's memory at once: each
+    holds the model and a KV cache for the rows (Duet's arena locked in RAM). When not (the 8B
+    shape's 16 sessions at depth 4096 hold a 9.6 GB arena), says what is done instead."""
+    # Each process also holds about 2 GiB beside its weights and cache (llama.cpp's compute
+    # buffers; Duet's repacked weights and rings): llama.cpp reached 11.8 GB on the 8B shape's
+    # 16 x 4096 rows with a 4.4 GiB q8_0 cache.
+    need = 2 * (os.path.getsize(MODEL) + kv_bytes_needed() + (2 << 30))
+    with open("/proc/meminfo") as f:
+        avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    if avail is None or need <= 0.9 * avail:
+        return True
+    log(f"Duet and llama.cpp would need about {need / 2**30:.1f} GiB together, {avail / 2**30:.1f} GiB are available: "
+        "the Duet server is stopped during llama.cpp's passes, and each Duet pass starts a fresh one")
+    return False
 
 
 def duet_pass(server):
@@ -271,8 +297,8 @@ def bytes_per_token():
 
 def kv_bytes_needed():
     """KV arena bytes for the largest context the rows of ROWS hold at once (sessions ×
-    (prompt + decoded tokens), in f16), with a tenth to spare (the model's K/V shape from
-    gguf-py; 8 GiB without it)."""
+    (prompt + decoded tokens), in the KV type: 2 bytes a value in f16, 34 per 32 in q8_0),
+    with a tenth to spare (the model's K/V shape from gguf-py; 8 GiB without it)."""
     tokens = max([n * (depth + DECODE_TOKENS + 16) for _, n, depth in aggregate_rows()] + [4096 + DECODE_TOKENS + 16])
     reader = gguf_reader()
     if reader is None:
@@ -280,7 +306,8 @@ def kv_bytes_needed():
     n_layer, n_head = metadata(reader, ".block_count"), metadata(reader, ".attention.head_count")
     n_kv = metadata(reader, ".attention.head_count_kv") or n_head
     head_dim = metadata(reader, ".attention.key_length") or metadata(reader, ".embedding_length") // n_head
-    return int(tokens * n_layer * 2 * n_kv * head_dim * 2 * 1.1)
+    value_bytes = 34 / 32 if KV_TYPE == "q8_0" else 2
+    return int(tokens * n_layer * 2 * n_kv * head_dim * value_bytes * 1.1)
 
 
 def set_model(path):
