@@ -123,9 +123,10 @@ class Server:
 
     def bench(self, *args):
         cmd = [os.path.join(BIN, "duet"), "bench", "--addr", self.addr, "--json", *args]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        # stderr passes through: a long prefill's progress, and an error's message.
+        run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if run.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed ({run.returncode}): {run.stderr.strip()}\nthe server's log: {os.path.join(self.dir, 'gw.log')}")
+            sys.exit(f"{' '.join(cmd)} failed ({run.returncode}); the server's log: {os.path.join(self.dir, 'gw.log')}")
         return json.loads(run.stdout.strip().splitlines()[-1])
 
     def stop(self):

@@ -160,11 +160,47 @@ async fn open_sessions(client: &InferenceClient<tonic::transport::Channel>, c: u
             })
         })
         .collect();
-    let mut ids = Vec::with_capacity(c);
-    for t in tasks {
-        ids.push(t.await??);
+    let all = async move {
+        let mut ids = Vec::with_capacity(c);
+        for t in tasks {
+            ids.push(t.await??);
+        }
+        anyhow::Ok(ids)
+    };
+    tokio::pin!(all);
+    // Long prefills (16 × 4096 tokens of an 8B model: 40 minutes on 2 cores) say how far
+    // they are, on stderr, from the server's count of prefilled tokens.
+    let mut info = client.clone();
+    let base = prefilled_tokens(&mut info).await;
+    let started = Instant::now();
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + PROGRESS_EVERY, PROGRESS_EVERY);
+    loop {
+        tokio::select! {
+            ids = &mut all => return ids,
+            _ = tick.tick() => {
+                if let (Some(base), Some(now)) = (base, prefilled_tokens(&mut info).await) {
+                    eprintln!("{}", progress_line(c, n, now.saturating_sub(base), started.elapsed()));
+                }
+            }
+        }
     }
-    Ok(ids)
+}
+
+/// How often [`open_sessions`] reports its progress.
+const PROGRESS_EVERY: Duration = Duration::from_secs(30);
+
+/// The server's count of prompt tokens prefilled since it started (`None` if Info fails).
+async fn prefilled_tokens(client: &mut InferenceClient<tonic::transport::Channel>) -> Option<u64> {
+    client.info(pb::InfoRequest {}).await.ok().map(|r| r.into_inner().prefilled_tokens_total)
+}
+
+/// One progress line of opening `c` sessions of `n` tokens, `done` tokens prefilled after `elapsed`.
+fn progress_line(c: usize, n: usize, done: u64, elapsed: Duration) -> String {
+    let total = (c * n) as u64;
+    let secs = elapsed.as_secs_f64();
+    let rate = done as f64 / secs.max(1e-9);
+    let left = if done > 0 && done < total { format!(", about {:.0} s left", total.saturating_sub(done) as f64 / rate) } else { String::new() };
+    format!("opening {c} sessions of {n} tokens: {done} of {total} prompt tokens prefilled in {secs:.0} s ({rate:.1} tok/s{left})")
 }
 
 async fn one_stream(client: &mut InferenceClient<tonic::transport::Channel>, req: pb::GenerateRequest) -> anyhow::Result<StreamTiming> {
@@ -216,5 +252,19 @@ fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[Strea
         ttft_median_ms: median(ttfts),
         prediction_error_p50: None,
         prediction_error_p90: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines_say_how_far_and_how_long_is_left() {
+        let line = progress_line(16, 4096, 16384, Duration::from_secs(600));
+        assert_eq!(line, "opening 16 sessions of 4096 tokens: 16384 of 65536 prompt tokens prefilled in 600 s (27.3 tok/s, about 1800 s left)");
+        // Nothing counted yet, or all of it: no estimate.
+        assert!(!progress_line(16, 4096, 0, Duration::from_secs(30)).contains("left"));
+        assert!(!progress_line(1, 8, 8, Duration::from_secs(30)).contains("left"));
     }
 }
