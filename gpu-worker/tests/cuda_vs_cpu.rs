@@ -284,18 +284,19 @@ fn layer_by_layer() {
         cuda.device.start_batch(&tokens, &positions, &rows).unwrap(),
     );
     let (mut sc, mut so) = (Store::new(&c, n), Store::new(&c, n));
-    let mut shared_q = Vec::new();
+    let mut shared_qkv = Vec::new();
     for l in 0..c.n_layer {
         let qc = cpu.device.qkv(l, &mut bc).unwrap();
         let qg = cuda.device.qkv(l, &mut bg).unwrap();
         let qo = cuda.device.qkv(l, &mut bo).unwrap();
+        let shared = [rel(&qg.q, &qc.q), rel(&qg.k, &qc.k), rel(&qg.v, &qc.v)];
         println!(
             "layer {l:2}: shared attention q {:.2e} k {:.2e} v {:.2e} | own attention q {:.2e} k {:.2e} v {:.2e} | max |q| {:.3e} |k| {:.3e} |v| {:.3e} (CPU {:.3e} {:.3e} {:.3e}) | rows off (own q > 5 %): {:?}",
-            rel(&qg.q, &qc.q), rel(&qg.k, &qc.k), rel(&qg.v, &qc.v), rel(&qo.q, &qc.q), rel(&qo.k, &qc.k), rel(&qo.v, &qc.v),
+            shared[0], shared[1], shared[2], rel(&qo.q, &qc.q), rel(&qo.k, &qc.k), rel(&qo.v, &qc.v),
             max_abs(&qo.q), max_abs(&qo.k), max_abs(&qo.v), max_abs(&qc.q), max_abs(&qc.k), max_abs(&qc.v),
             rows_off(&qo.q, &qc.q, c.q_dim())
         );
-        shared_q.push([rel(&qg.q, &qc.q), rel(&qg.k, &qc.k), rel(&qg.v, &qc.v)]);
+        shared_qkv.push(shared);
         cpu.device.store_kv(l, &qc, &mut sc).unwrap();
         cuda.device.store_kv(l, &qo, &mut so).unwrap();
         let (mut ac, mut ao) = (vec![0f32; n * c.q_dim()], vec![0f32; n * c.q_dim()]);
@@ -308,11 +309,11 @@ fn layer_by_layer() {
     let (lc, lg, lo) = (cpu.device.logits(&bc).unwrap(), cuda.device.logits(&bg).unwrap(), cuda.device.logits(&bo).unwrap());
     let (shared, own) = (rel(&lg, &lc), rel(&lo, &lc));
     println!("logits: shared attention {shared:.2e}, own attention {own:.2e}; rows off (own > 5 %): {:?}", rows_off(&lo, &lc, c.n_vocab));
-    assert!(shared_q[0].iter().all(|&e| e <= 0.01), "layer 0's Q/K/V differ by {:?}", shared_q[0]);
-    for (l, pair) in shared_q.windows(2).enumerate() {
+    assert!(shared_qkv[0].iter().all(|&e| e <= 0.01), "layer 0's Q/K/V differ by {:?}", shared_qkv[0]);
+    for (l, pair) in shared_qkv.windows(2).enumerate() {
         let grew = (0..3).map(|i| pair[1][i] - pair[0][i]).fold(f64::NEG_INFINITY, f64::max);
         assert!(grew <= 0.02, "with the attention shared, layer {}'s Q/K/V differ by {:?}, layer {l}'s by {:?}", l + 1, pair[1], pair[0]);
     }
-    let last = shared_q.last().unwrap()[0];
+    let last = shared_qkv.last().unwrap()[0];
     assert!(shared <= last + 0.02, "with the attention shared, the logits differ by {shared:.2e}, the last layer's Q by {last:.2e}");
 }
