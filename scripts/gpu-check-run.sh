@@ -214,6 +214,13 @@ for s in $(for g in $steps; do expand "$g"; done); do
     serve-1b-32k) step serve-1b-32k serve_bench "$(model llama-3.2-1b q4_k_m)" 8G 32768 1 ;;
     serve-8b-1k) step serve-8b-1k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 1024 1,16 ;;
     serve-8b-8k) step serve-8b-8k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 8192 1 ;;
+    # Stage A for comparison: no KV mirror, the gpu-worker's attention on its host cores.
+    serve-bench-1b-host) step serve-bench-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
+    serve-1b-8k-host) step serve-1b-8k-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
+    speed-1b-host) step speed-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'run_speed "$@"' _ cuda "$(model llama-3.2-1b q4_k_m)" ;;
+    # 16 sessions of 8K on the 8B shape: 128K positions, over what the mirror holds under the
+    # 16 GB cap (~80K): gpu alone against the cpu-workers' and lp's split.
+    serve-8b-16x8k) step serve-8b-16x8k serve_bench "$(model llama-3.1-8b q4_k_m)" 24G 8192 16 ;;
     *) echo "unknown step $s (groups: tests, bench)" >&2; exit 2 ;;
   esac
 done

@@ -28,6 +28,11 @@ pub struct Cli {
     /// over it does not load there (`auto` then takes the CPU, saying why).
     #[arg(long, global = true, env = "DUET_GPU_MEM_BYTES", value_parser = duet_kv::parse_bytes)]
     pub gpu_mem_bytes: Option<usize>,
+    /// GPU memory for the KV mirror, on which the GPU's share of attention runs (default: what
+    /// the weights leave of --gpu-mem-bytes, less 768 MiB for activations; 0: no mirror,
+    /// attention on the host's cores).
+    #[arg(long, global = true, env = "DUET_GPU_KV_BYTES", value_parser = duet_kv::parse_bytes)]
+    pub gpu_kv_bytes: Option<usize>,
     /// Only the first N layers on the device, the rest on the CPU device (llama.cpp's
     /// `-ngl`), for dense models larger than the GPU; `auto`: as many as the GPU memory the
     /// device may use holds (default: all layers on the device; 0: all on the CPU). With
@@ -172,6 +177,9 @@ pub struct PerplexityArgs {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(bytes) = cli.gpu_mem_bytes {
         crate::device::cuda::set_memory_budget(bytes);
+    }
+    if let Some(bytes) = cli.gpu_kv_bytes {
+        crate::device::cuda::set_kv_budget(bytes);
     }
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global()?;

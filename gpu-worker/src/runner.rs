@@ -287,6 +287,15 @@ pub struct KvCache {
     head_dim: usize,
     capacity: usize,
     len: usize,
+    /// The identity of the sequence the cache holds (`KvSource::seq_key`), new whenever the
+    /// cache is cleared.
+    id: u64,
+}
+
+/// A new cache identity (see `KvCache::id`).
+fn next_cache_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One KV head's rows in the cache's type.
@@ -337,7 +346,7 @@ impl KvCache {
             _ => return Err(GpuWorkerError::InvalidRequest(format!("a {dtype} KV cache for heads of {hd} (f16, or q8_0 for heads of a multiple of 32)"))),
         };
         let make = || vec![vec![rows.clone(); config.n_kv_head]; config.n_layer];
-        Ok(KvCache { k: make(), v: make(), head_dim: hd, capacity, len: 0 })
+        Ok(KvCache { k: make(), v: make(), head_dim: hd, capacity, len: 0, id: next_cache_id() })
     }
 
     /// Positions already cached.
@@ -356,6 +365,7 @@ impl KvCache {
     /// Forgets every position (the memory is reused).
     pub fn clear(&mut self) {
         self.len = 0;
+        self.id = next_cache_id();
     }
 }
 
@@ -381,6 +391,10 @@ impl KvSink for CacheAttention<'_> {
         }
         Ok(())
     }
+
+    fn position_of(&self, row: usize) -> Option<(u64, usize)> {
+        Some((self.kv.id, self.pos0 + row))
+    }
 }
 
 /// The cache holds one sequence (index 0), each KV head contiguous: one run.
@@ -392,6 +406,10 @@ impl KvSource for KvCache {
         }
         let (k, v) = (&self.k[layer][kv_head], &self.v[layer][kv_head]);
         Ok(vec![KvRun { k: k.rows(range.clone(), hd), v: v.rows(range, hd) }])
+    }
+
+    fn seq_key(&self, _seq: usize) -> Option<u64> {
+        Some(self.id)
     }
 }
 

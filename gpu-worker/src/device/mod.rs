@@ -194,6 +194,12 @@ pub struct Qkv {
 pub trait KvSink {
     /// Stores one row's K and V (`[n_kv_head][head_dim]` each, rounded to the cache's f16).
     fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError>;
+    /// Which sequence (its [`KvSource::seq_key`]) and position batch row `row` is, for a
+    /// device that keeps a copy of the KV of its own (the CUDA device's GPU mirror); `None`
+    /// where the caller's KV has no identity that outlives the call.
+    fn position_of(&self, _row: usize) -> Option<(u64, usize)> {
+        None
+    }
 }
 
 /// The KV a device attends over, addressed by the caller's sequence index.
@@ -201,6 +207,12 @@ pub trait KvSource {
     /// The f16 K/V rows of positions `range` of sequence `seq`'s context for one KV head of
     /// `layer`, in place, in position order (one run per block of a paged cache).
     fn runs(&self, seq: usize, layer: usize, kv_head: usize, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError>;
+    /// An identity of sequence `seq` that outlives the call (the gateway's sequence id), under
+    /// which a device may keep a copy of its KV: every later change of its positions reaches
+    /// the device through [`KvSink::write`] under the same identity. `None`: no such identity.
+    fn seq_key(&self, _seq: usize) -> Option<u64> {
+        None
+    }
 }
 
 pub use crate::error::KvAccessError;

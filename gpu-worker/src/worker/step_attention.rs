@@ -58,13 +58,23 @@ struct PlanSlots<'s> {
     block_size: usize,
 }
 
+impl PlanSlots<'_> {
+    /// The plan entry holding batch row `row`, and the row's position.
+    fn entry(&self, row: usize) -> Option<(&Planned, usize)> {
+        let p = self.plan.get(self.plan.partition_point(|p| p.row0 + p.n <= row)).filter(|p| p.row0 <= row)?;
+        Some((p, p.start + (row - p.row0)))
+    }
+}
+
 impl KvSink for PlanSlots<'_> {
     fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
-        let p = self.plan.get(self.plan.partition_point(|p| p.row0 + p.n <= row)).filter(|p| p.row0 <= row);
-        let p = p.ok_or(KvAccessError::NoRow { row })?;
-        let pos = p.start + (row - p.row0);
+        let (p, pos) = self.entry(row).ok_or(KvAccessError::NoRow { row })?;
         let (w, b) = *p.blocks.get(pos / self.block_size).ok_or(KvAccessError::NoBlock { position: pos })?;
         self.arenas.write_token(w, b, pos % self.block_size, layer as u32, k, v)
+    }
+
+    fn position_of(&self, row: usize) -> Option<(u64, usize)> {
+        self.entry(row).map(|(p, pos)| (p.seq_id, pos))
     }
 }
 
@@ -72,6 +82,10 @@ impl KvSink for PlanSlots<'_> {
 impl KvSource for PlanSlots<'_> {
     fn runs(&self, seq: usize, layer: usize, kv_head: usize, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
         self.arenas.runs(&self.plan[seq].blocks, layer as u32, kv_head as u32, range)
+    }
+
+    fn seq_key(&self, seq: usize) -> Option<u64> {
+        self.plan.get(seq).map(|p| p.seq_id)
     }
 }
 

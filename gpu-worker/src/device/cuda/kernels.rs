@@ -25,7 +25,7 @@ pub struct KernelFile {
 }
 
 /// Every kernel file, with every entry point the device uses.
-pub const FILES: [KernelFile; 3] = [
+pub const FILES: [KernelFile; 4] = [
     KernelFile {
         name: "matvec.cu",
         body: include_str!("kernels/matvec.cu"),
@@ -73,6 +73,7 @@ pub const FILES: [KernelFile; 3] = [
         body: include_str!("kernels/ops.cu"),
         entries: &["rms_norm", "rope", "silu_mul", "add_assign", "add_bias", "to_f16", "gather_rows"],
     },
+    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "attn_partial", "attn_merge"] },
 ];
 
 impl KernelFile {

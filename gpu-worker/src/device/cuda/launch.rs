@@ -101,6 +101,11 @@ impl Launcher {
         Ok(Launcher { stream, kernels, blas, workspace })
     }
 
+    /// The loaded kernels (for launches outside this file: the KV mirror's).
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
     fn f(&self, name: &str) -> Result<&CudaFunction, CudaError> {
         self.kernels.get(name)
     }

@@ -17,12 +17,15 @@
 
 mod kernels;
 mod launch;
+mod mirror;
+#[cfg(test)]
+mod mirror_twins;
 mod probe;
 #[cfg(test)]
 mod twins;
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use duet_model::config::LlamaConfig;
@@ -33,6 +36,8 @@ pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FIL
 pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
+use self::mirror::{KvMirror, MirrorItem};
+use duet_kernels::attention::windowed;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
 use super::expert_usage::RoutedTokens;
 use super::host_experts::HostExperts;
@@ -51,6 +56,19 @@ static MEMORY_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
 pub fn set_memory_budget(bytes: usize) -> bool {
     MEMORY_BUDGET.set(bytes).is_ok()
 }
+
+/// The GPU memory the KV mirror may take (`--gpu-kv-bytes`), set once for the process.
+static KV_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Sets the process's KV mirror budget (0: no mirror, attention on the host as at stage A);
+/// false if one was already set.
+pub fn set_kv_budget(bytes: usize) -> bool {
+    KV_BUDGET.set(bytes).is_ok()
+}
+
+/// GPU memory left for activations, cuBLAS and attention's partial results when the KV
+/// mirror takes the rest by default.
+const ACTIVATION_RESERVE: usize = 768 << 20;
 
 /// GPU memory the device needs besides the weights: the dequantisation workspace (f16).
 pub const WORKSPACE_BYTES: usize = WORKSPACE_ELEMS * 2;
@@ -117,6 +135,8 @@ pub struct CudaDevice {
     /// them).
     experts: Option<HostExperts>,
     weight_bytes: usize,
+    /// The KV mirror and the GPU's attention on it; `None`: attention on the host.
+    mirror: Option<Mutex<KvMirror>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -208,7 +228,51 @@ impl CudaDevice {
             Some(t) => Some(HostExperts::load(file.clone(), &m.config, t, local_experts, &held, super::cpu::repack_default())?),
             None => None,
         };
-        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes })
+        let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES)?;
+        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes, mirror })
+    }
+
+    /// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
+    /// leaves after `used` bytes and a reserve for activations; none for 0, or heads the
+    /// attention kernel does not take.
+    fn make_mirror(gpu: &Gpu, stream: &Arc<CudaStream>, config: &LlamaConfig, layers: usize, used: usize) -> Result<Option<Mutex<KvMirror>>> {
+        let shape = super::attn_shape(config);
+        if !KvMirror::supports(&shape) {
+            tracing::info!(head_dim = shape.head_dim, "no KV mirror: the GPU's attention takes even heads of up to {} values; attention on the host", mirror::MAX_HEAD_DIM);
+            return Ok(None);
+        }
+        let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
+        let left = MEMORY_BUDGET.get().map_or(free, |&b| b.saturating_sub(used).min(free)).saturating_sub(ACTIVATION_RESERVE);
+        let bytes = match KV_BUDGET.get() {
+            Some(&b) if b > left => {
+                tracing::warn!("--gpu-kv-bytes {b} is over the {left} bytes of GPU memory left; the mirror takes those");
+                left
+            }
+            Some(&b) => b,
+            None => left,
+        };
+        let page = KvMirror::page_bytes(layers, &shape);
+        if bytes < page {
+            tracing::info!(bytes, "no KV mirror (under one page of {page} bytes): attention on the host");
+            return Ok(None);
+        }
+        let sms = gpu.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(CudaError::from)?;
+        let mirror = KvMirror::new(stream, bytes, layers, shape, sms.max(1) as usize)?;
+        tracing::info!(mib = bytes >> 20, positions = mirror.capacity(), "KV mirror on the GPU: attention there");
+        Ok(Some(Mutex::new(mirror)))
+    }
+
+    /// The GPU's attention of `items` over the mirror: per item its output and per-head
+    /// log-sum-exp, `None` where the mirror cannot hold the item's sequence (or there is no
+    /// mirror, or `kv` names no sequences).
+    fn mirror_attend(&self, layer: usize, q: &[f32], items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
+        match &self.mirror {
+            Some(m) if !items.is_empty() => {
+                let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+                m.attend(&self.k, layer, q, items, kv)
+            }
+            _ => Ok(vec![None; items.len()]),
+        }
     }
 
     /// Bytes of GPU memory the weights take.
@@ -321,15 +385,61 @@ impl Device for CudaDevice {
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
-        host_attention::store(&self.m.config, layer, qkv, kv)
+        host_attention::store(&self.m.config, layer, qkv, kv)?;
+        if let Some(m) = &self.mirror {
+            let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+            m.store(&self.k, layer, &qkv.k, &qkv.v, kv)?;
+        }
+        Ok(())
     }
 
+    /// On the GPU where the mirror holds the sequences (each row of a chunk an item over its
+    /// causal prefix), else on the host.
     fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
-        host_attention::prefill(&self.m.config, layer, q, items, kv, out)
+        let c = &self.m.config;
+        let q_dim = c.q_dim();
+        let window = c.window(layer);
+        let keyed: Vec<(&PrefillItem, u64)> = items.iter().filter_map(|it| Some((it, kv.seq_key(it.seq)?))).collect();
+        let rows: Vec<MirrorItem> = keyed
+            .iter()
+            .flat_map(|&(it, key)| (0..it.n).map(move |i| MirrorItem { row: it.row0 + i, range: windowed(0..it.start + i + 1, it.start + i + 1, window), seq: it.seq, key }))
+            .collect();
+        let done = self.mirror_attend(layer, q, &rows, kv)?;
+        let mut on_gpu = std::collections::HashSet::new();
+        for (row, result) in rows.iter().zip(done) {
+            if let Some((o, _)) = result {
+                out[row.row * q_dim..(row.row + 1) * q_dim].copy_from_slice(&o);
+                on_gpu.insert(row.seq);
+            }
+        }
+        let rest: Vec<PrefillItem> = items.iter().filter(|it| !on_gpu.contains(&it.seq)).cloned().collect();
+        host_attention::prefill(c, layer, q, &rest, kv, out)
     }
 
+    /// On the GPU where the mirror holds the sequences, else on the host.
     fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
-        host_attention::decode(&self.m.config, layer, q, items, kv)
+        let c = &self.m.config;
+        let window = c.window(layer);
+        let (keyed, unkeyed): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| kv.seq_key(items[i].seq).is_some());
+        let gpu_items: Vec<MirrorItem> = keyed
+            .iter()
+            .map(|&i| {
+                let it = &items[i];
+                MirrorItem { row: it.row, range: windowed(it.range.clone(), it.n_ctx, window), seq: it.seq, key: kv.seq_key(it.seq).expect("keyed") }
+            })
+            .collect();
+        let mut results: Vec<Option<Partial>> = vec![None; items.len()];
+        for (&i, r) in keyed.iter().zip(self.mirror_attend(layer, q, &gpu_items, kv)?) {
+            results[i] = r;
+        }
+        let host: Vec<usize> = keyed.into_iter().filter(|&i| results[i].is_none()).chain(unkeyed).collect();
+        if !host.is_empty() {
+            let host_items: Vec<DecodeItem> = host.iter().map(|&i| items[i].clone()).collect();
+            for (&i, r) in host.iter().zip(host_attention::decode(c, layer, q, &host_items, kv)?) {
+                results[i] = Some(r);
+            }
+        }
+        Ok(results.into_iter().map(|r| r.expect("every item attended")).collect())
     }
 
     fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {

@@ -1,0 +1,282 @@
+//! The GPU's KV mirror (stage B): a pool of GPU pages within `--gpu-kv-bytes`, each holding
+//! [`PAGE`] consecutive positions of one sequence for every layer the device holds (f16, see
+//! `kernels/attention.cu`), and the device's attention on it. The arenas (or the runner's
+//! cache) stay the truth: the mirror is a cache of them, keyed by the caller's sequence
+//! identity ([`KvSource::seq_key`]). New K/V rows are written to both; a layer's positions
+//! the mirror lacks (a sequence it evicted, or met after its prefill) are uploaded from the
+//! host before the GPU attends them; the least recently used sequences make room. A sequence
+//! that does not fit even alone is attended on the host, as at stage A.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use duet_kernels::attention::{attn_scale, AttnShape};
+
+use super::launch::Launcher;
+use super::CudaError;
+use crate::device::{KvAccessError, KvSink, KvSource, Partial};
+use crate::error::Result;
+
+/// Positions per page.
+pub const PAGE: usize = 16;
+/// Threads per attention block, positions per tile and query heads per block (`ATT_*` in
+/// attention.cu).
+const ATT_THREADS: u32 = 128;
+const ATT_TILE: usize = 128;
+const ATT_HEADS: usize = 4;
+/// The widest head the attention kernel takes.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// One row's attention on the GPU: the row of `q`, the positions attended and the sequence.
+#[derive(Debug, Clone)]
+pub struct MirrorItem {
+    pub row: usize,
+    pub range: Range<usize>,
+    /// The caller's index of the sequence (for [`KvSource::runs`]) and its identity.
+    pub seq: usize,
+    pub key: u64,
+}
+
+/// A sequence's pages and, per layer, how many of its first positions the mirror holds.
+struct Mirrored {
+    pages: Vec<i32>,
+    filled: Vec<usize>,
+    used: u64,
+}
+
+/// The mirror: its pool on the GPU and which sequence holds which page.
+pub struct KvMirror {
+    pool: CudaSlice<u16>,
+    page_elems: usize,
+    n_pages: usize,
+    shape: AttnShape,
+    /// The layers the device holds (each page has all of them).
+    layers: usize,
+    free: Vec<i32>,
+    seqs: HashMap<u64, Mirrored>,
+    /// Ticks once per call; sequences used in the current call are never evicted by it.
+    clock: u64,
+    /// Blocks the attention launch aims for (a few per multiprocessor).
+    target_blocks: usize,
+}
+
+impl KvMirror {
+    /// Bytes of one page for `layers` layers of `shape`'s KV heads.
+    pub fn page_bytes(layers: usize, shape: &AttnShape) -> usize {
+        layers * 2 * shape.n_kv_head * shape.head_dim * PAGE * 2
+    }
+
+    /// Whether the attention kernel takes heads of `shape` (even widths up to [`MAX_HEAD_DIM`]).
+    pub fn supports(shape: &AttnShape) -> bool {
+        shape.head_dim.is_multiple_of(2) && shape.head_dim <= MAX_HEAD_DIM && shape.n_head.is_multiple_of(shape.n_kv_head)
+    }
+
+    /// A mirror of `bytes` (whole pages) on `stream`'s GPU for `layers` layers.
+    pub fn new(stream: &Arc<CudaStream>, bytes: usize, layers: usize, shape: AttnShape, sm_count: usize) -> Result<Self, CudaError> {
+        let page_bytes = Self::page_bytes(layers, &shape);
+        let n_pages = (bytes / page_bytes).min(i32::MAX as usize);
+        let page_elems = page_bytes / 2;
+        // SAFETY: a page is read only for the positions written into it (`filled`).
+        let pool = unsafe { stream.alloc::<u16>((n_pages * page_elems).max(1)) }?;
+        Ok(KvMirror { pool, page_elems, n_pages, shape, layers, free: (0..n_pages as i32).rev().collect(), seqs: HashMap::new(), clock: 0, target_blocks: 4 * sm_count.max(1) })
+    }
+
+    /// Positions of one sequence the mirror can hold.
+    pub fn capacity(&self) -> usize {
+        self.n_pages * PAGE
+    }
+
+    /// Pages for positions `0..end` of `key`, evicting the least recently used sequences not
+    /// used in this call; false (nothing changed for others) when it cannot fit.
+    fn reserve(&mut self, key: u64, end: usize) -> bool {
+        let need = end.div_ceil(PAGE);
+        let clock = self.clock;
+        let have = self.seqs.get(&key).map_or(0, |m| m.pages.len());
+        if need > self.n_pages {
+            return false;
+        }
+        while self.free.len() < need.saturating_sub(have) {
+            let victim = self.seqs.iter().filter(|(_, m)| m.used < clock).min_by_key(|(_, m)| m.used).map(|(&k, _)| k);
+            let Some(victim) = victim else { return false };
+            let gone = self.seqs.remove(&victim).expect("found above");
+            self.free.extend(gone.pages);
+        }
+        let m = self.seqs.entry(key).or_insert_with(|| Mirrored { pages: Vec::new(), filled: vec![0; self.layers], used: clock });
+        m.used = clock;
+        while m.pages.len() < need {
+            m.pages.push(self.free.pop().expect("made room above"));
+        }
+        true
+    }
+
+    fn slot(&self, key: u64, pos: usize) -> i32 {
+        self.seqs[&key].pages[pos / PAGE] * PAGE as i32 + (pos % PAGE) as i32
+    }
+
+    /// Writes `n_rows` rows of K and V (`[row][kv_dim]`, f32 on the host) into `slots`.
+    fn store_rows(&mut self, k: &Launcher, layer: usize, rows: (&[f32], &[f32]), slots: &[i32]) -> Result<(), CudaError> {
+        let stream = &k.stream;
+        let AttnShape { n_kv_head, head_dim, .. } = self.shape;
+        let kv_dim = n_kv_head * head_dim;
+        let n = slots.len();
+        let (kd, vd, sd) = (stream.clone_htod(rows.0)?, stream.clone_htod(rows.1)?, stream.clone_htod(slots)?);
+        let (n_i, kv_i, hd_i, page_elems, layer_i, page_i) = (n as i32, kv_dim as i32, head_dim as i32, self.page_elems as i64, layer as i32, PAGE as i32);
+        let mut b = stream.launch_builder(k.kernels().get("kv_store")?);
+        b.arg(&kd).arg(&vd).arg(&sd).arg(&n_i).arg(&kv_i).arg(&hd_i).arg(&mut self.pool).arg(&page_elems).arg(&layer_i).arg(&page_i);
+        // SAFETY: k and v hold n rows of kv_dim; every slot is a page of the pool (or -1).
+        unsafe { b.launch(LaunchConfig::for_num_elems((n * kv_dim) as u32)) }?;
+        Ok(())
+    }
+
+    /// Stores a batch's new K/V rows of `layer` (`k`, `v`: `[row][kv_dim]`) for the rows `kv`
+    /// can name; a row that would leave a gap in its sequence's mirrored prefix is left to the
+    /// upload before attention.
+    pub fn store(&mut self, kern: &Launcher, layer: usize, k: &[f32], v: &[f32], kv: &dyn KvSink) -> Result<(), CudaError> {
+        self.clock += 1;
+        let kv_dim = self.shape.n_kv_head * self.shape.head_dim;
+        let mut slots = Vec::with_capacity(k.len() / kv_dim);
+        for row in 0..k.len() / kv_dim {
+            let slot = match kv.position_of(row) {
+                Some((key, pos)) if self.reserve(key, pos + 1) => {
+                    let m = self.seqs.get_mut(&key).expect("reserved");
+                    // Positions before `filled` rewritten (a sequence taken back) drop the
+                    // ones after them; a write past `filled` would leave a gap.
+                    if pos <= m.filled[layer] {
+                        m.filled[layer] = pos + 1;
+                        self.slot(key, pos)
+                    } else {
+                        -1
+                    }
+                }
+                _ => -1,
+            };
+            slots.push(slot);
+        }
+        if slots.iter().any(|&s| s >= 0) {
+            self.store_rows(kern, layer, (k, v), &slots)?;
+        }
+        Ok(())
+    }
+
+    /// Makes positions `0..end` of `item`'s sequence of `layer` present, uploading what is
+    /// missing from `kv`; false when the sequence cannot fit.
+    fn ensure(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, end: usize, kv: &dyn KvSource) -> Result<bool> {
+        if !self.reserve(key, end) {
+            return Ok(false);
+        }
+        let from = self.seqs[&key].filled[layer];
+        if from >= end {
+            return Ok(true);
+        }
+        let AttnShape { n_kv_head, head_dim, .. } = self.shape;
+        let kv_dim = n_kv_head * head_dim;
+        let n = end - from;
+        let (mut k, mut v) = (vec![0f32; n * kv_dim], vec![0f32; n * kv_dim]);
+        let mut widened = Vec::new();
+        for h in 0..n_kv_head {
+            let mut p = 0;
+            for run in kv.runs(seq, layer, h, from..end)? {
+                let rows = run.k.len() / head_dim;
+                for (src, dst) in [(run.k, &mut k), (run.v, &mut v)] {
+                    widened.resize(src.len(), 0.0);
+                    src.widen_into(&mut widened);
+                    for (r, x) in widened.chunks_exact(head_dim).enumerate() {
+                        dst[(p + r) * kv_dim + h * head_dim..][..head_dim].copy_from_slice(x);
+                    }
+                }
+                p += rows;
+            }
+            if p != n {
+                return Err(KvAccessError::NoBlock { position: from + p }.into());
+            }
+        }
+        let slots: Vec<i32> = (from..end).map(|pos| self.slot(key, pos)).collect();
+        self.store_rows(kern, layer, (&k, &v), &slots)?;
+        self.seqs.get_mut(&key).expect("reserved").filled[layer] = end;
+        Ok(true)
+    }
+
+    /// Attention of `items` on layer `layer` (`q`: the batch's rows on the host) over the
+    /// mirror: per item its output (`[n_head][head_dim]`) and per-head log-sum-exp, or
+    /// `None` for an item whose sequence does not fit (the caller attends it on the host).
+    pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &[f32], items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
+        self.clock += 1;
+        let stream = &kern.stream;
+        let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
+        let q_dim = n_head * head_dim;
+        // Each sequence's table once; the items of a sequence (a prefill's rows) share it.
+        let mut ends: HashMap<u64, usize> = HashMap::new();
+        for it in items {
+            let e = ends.entry(it.key).or_default();
+            *e = (*e).max(it.range.end);
+        }
+        // Per sequence: the offset of its table in `pages`, or `None` if it does not fit.
+        let mut tables: HashMap<u64, Option<i32>> = HashMap::new();
+        let (mut pages, mut meta, mut placed) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, it) in items.iter().enumerate() {
+            let table = match tables.get(&it.key) {
+                Some(&t) => t,
+                None => {
+                    let t = match self.ensure(kern, layer, it.key, it.seq, ends[&it.key], kv)? {
+                        true => {
+                            let at = pages.len() as i32;
+                            pages.extend_from_slice(&self.seqs[&it.key].pages);
+                            Some(at)
+                        }
+                        false => None,
+                    };
+                    tables.insert(it.key, t);
+                    t
+                }
+            };
+            let Some(table) = table else { continue };
+            meta.extend([it.row as i32, it.range.start as i32, it.range.end as i32, table]);
+            placed.push(i);
+        }
+        let mut results = vec![None; items.len()];
+        if placed.is_empty() {
+            return Ok(results);
+        }
+        let n = placed.len();
+        let group = n_head / n_kv_head;
+        let hgroups = group.div_ceil(ATT_HEADS);
+        let base = n * n_kv_head * hgroups;
+        let longest = placed.iter().map(|&i| items[i].range.len()).max().unwrap_or(0);
+        let n_split = self.target_blocks.div_ceil(base).clamp(1, longest.div_ceil(ATT_TILE).max(1));
+        let (qd, pd, md) = (stream.clone_htod(q).map_err(CudaError::from)?, stream.clone_htod(&pages).map_err(CudaError::from)?, stream.clone_htod(&meta).map_err(CudaError::from)?);
+        let parts = n * n_head * n_split;
+        // SAFETY: attn_partial writes every partial, attn_merge every output.
+        let (mut pm, mut pl, mut po, mut out, mut lse) = unsafe {
+            (
+                stream.alloc::<f32>(parts).map_err(CudaError::from)?,
+                stream.alloc::<f32>(parts).map_err(CudaError::from)?,
+                stream.alloc::<f32>(parts * head_dim).map_err(CudaError::from)?,
+                stream.alloc::<f32>(n * q_dim).map_err(CudaError::from)?,
+                stream.alloc::<f32>(n * n_head).map_err(CudaError::from)?,
+            )
+        };
+        let (page_elems, layer_i, nkv, hd, grp, page_i, ns) = (self.page_elems as i64, layer as i32, n_kv_head as i32, head_dim as i32, group as i32, PAGE as i32, n_split as i32);
+        let (scale, cap) = (attn_scale(head_dim), softcap.unwrap_or(0.0));
+        let mut b = stream.launch_builder(kern.kernels().get("attn_partial")?);
+        b.arg(&qd).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
+        b.arg(&mut pm).arg(&mut pl).arg(&mut po);
+        let cfg = LaunchConfig { grid_dim: (n as u32, (n_kv_head * hgroups) as u32, n_split as u32), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: q holds the rows the items name; every item's positions are mirrored in
+        // pages its table lists; the partials hold n * n_head * n_split entries.
+        unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+        let mut b = stream.launch_builder(kern.kernels().get("attn_merge")?);
+        b.arg(&pm).arg(&pl).arg(&po).arg(&ns).arg(&hd).arg(&mut out).arg(&mut lse);
+        let cfg = LaunchConfig { grid_dim: ((n * n_head) as u32, 1, 1), block_dim: (head_dim.min(128) as u32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as above; out holds n * q_dim, lse n * n_head.
+        unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+        let out = stream.clone_dtoh(&out).map_err(CudaError::from)?;
+        let lse = stream.clone_dtoh(&lse).map_err(CudaError::from)?;
+        stream.synchronize().map_err(CudaError::from)?;
+        for (j, &i) in placed.iter().enumerate() {
+            results[i] = Some((out[j * q_dim..(j + 1) * q_dim].to_vec(), lse[j * n_head..(j + 1) * n_head].to_vec()));
+        }
+        Ok(results)
+    }
+}
