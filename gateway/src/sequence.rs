@@ -27,6 +27,22 @@ pub fn attention_demand(table: &BlockTable, pos: usize) -> SeqDemand {
     SeqDemand { n_ctx, held, gpu_max: n_ctx }
 }
 
+/// Shares the GPU's KV mirror of `capacity` positions among the decoding sequences: each
+/// may be attended on the GPU over a prefix no longer than its part (`gpu_max`), the parts
+/// filled shortest context first (a context shorter than an even part leaves the rest to the
+/// longer ones), rounded down to whole blocks.
+pub fn share_gpu_kv(demands: &mut [SeqDemand], capacity: usize, block_size: usize) {
+    let mut order: Vec<usize> = (0..demands.len()).collect();
+    order.sort_by_key(|&i| demands[i].n_ctx);
+    let mut left = capacity;
+    for (k, &i) in order.iter().enumerate() {
+        let d = &mut demands[i];
+        let even = left / (order.len() - k);
+        d.gpu_max = if d.n_ctx <= even { d.n_ctx } else { even / block_size.max(1) * block_size.max(1) };
+        left -= d.gpu_max;
+    }
+}
+
 /// A planned sequence's shares for the step request. All on the gpu-worker is sent as no
 /// shares: the gpu-worker then attends the whole context unsplit, exactly as the
 /// single-process runner does.
@@ -192,6 +208,27 @@ mod tests {
     use crate::balancer::planner::CostModel;
     use crate::balancer::Policy;
     use duet_kv::KvPool;
+
+    #[test]
+    fn the_gpu_mirror_is_shared_shortest_context_first() {
+        let on = |n_ctx| SeqDemand { n_ctx, held: vec![(0, 0..n_ctx)], gpu_max: n_ctx };
+        // 1000 positions for contexts of 100, 2000 and 5000: the short one whole, the other
+        // two 450 each, rounded down to blocks of 16.
+        let mut d = vec![on(2000), on(100), on(5000)];
+        share_gpu_kv(&mut d, 1000, 16);
+        assert_eq!(d.iter().map(|d| d.gpu_max).collect::<Vec<_>>(), [448, 100, 448]);
+        // Room for everything: every context whole.
+        let mut d = vec![on(2000), on(100)];
+        share_gpu_kv(&mut d, 1 << 20, 16);
+        assert_eq!(d.iter().map(|d| d.gpu_max).collect::<Vec<_>>(), [2000, 100]);
+        // The planner keeps the GPU's share within it and gives the rest to the cpu-worker.
+        let mut d = vec![on(5000)];
+        share_gpu_kv(&mut d, 1000, 16);
+        let cost = CostModel { linear_fixed: 0.0, linear_per_token: 0.0, gpu_attn_per_pos: 1.0, cpu_fixed: vec![0.0], cpu_attn_per_pos: vec![1.0], overlapped_fixed: 0.0, overlapped_per_token: 0.0, overlap_slowdown: 1.0, shared_cores: false };
+        let plan = Policy::Gpu.plan(&cost, 1, &d, 16, false, crate::balancer::Overlap::Never);
+        let ranges: Vec<_> = plan.shares[0].iter().map(|s| (s.cpu_worker, s.range.clone())).collect();
+        assert_eq!(ranges, [(None, 0..992), (Some(0), 992..5000)]);
+    }
 
     #[test]
     fn shares_cover_the_context_once() {

@@ -385,6 +385,7 @@ fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: 
         // Local workers share the machine's cores; a gpu-worker computing layers on the CPU
         // (its CPU device, or the layers --gpu-layers leaves to it) competes for them.
         shared_cores: local && g.host_layers > 0,
+        gpu_kv_positions: g.gpu_kv_positions as usize,
     })
 }
 

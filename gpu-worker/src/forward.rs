@@ -19,8 +19,8 @@ pub trait LayerAttention<D: Device + ?Sized> {
     type Error: From<GpuWorkerError>;
 
     fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Self::Begun, Self::Error>;
-    /// `q` is the layer's queries of the sub-batch (`Qkv::q` of [`LayerAttention::begin`]).
-    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, q: &[f32], out: &mut [f32]) -> Result<(), Self::Error>;
+    /// `qkv` is the sub-batch's of [`LayerAttention::begin`].
+    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), Self::Error>;
     /// The rest of the layer on the device ([`Device::finish_layer`]), with the routed
     /// experts it does not hold computed wherever this attention's owner sends them (by
     /// default nowhere: the device holds them all).
@@ -35,13 +35,13 @@ pub trait LayerAttention<D: Device + ?Sized> {
 /// and each row computing exactly what it would alone.
 pub fn run_layers<D: Device + ?Sized, A: LayerAttention<D>>(device: &D, batches: &mut [D::Batch], attention: &mut A) -> Result<(), A::Error> {
     let k = batches.len();
-    // Begun layers, oldest first, with their queries (K and V are stored by then).
-    let mut begun: VecDeque<(usize, usize, A::Begun, Vec<f32>)> = VecDeque::with_capacity(k);
+    // Begun layers, oldest first, with their queries, keys and values (stored by then).
+    let mut begun: VecDeque<(usize, usize, A::Begun, Qkv)> = VecDeque::with_capacity(k);
     for layer in 0..device.config().n_layer {
         for sub in 0..k {
             let qkv = device.qkv(layer, &mut batches[sub])?;
             let b = attention.begin(device, sub, layer, &qkv)?;
-            begun.push_back((sub, layer, b, qkv.q));
+            begun.push_back((sub, layer, b, qkv));
             while begun.len() >= k {
                 finish_oldest(device, batches, attention, &mut begun)?;
             }
@@ -57,11 +57,11 @@ fn finish_oldest<D: Device + ?Sized, A: LayerAttention<D>>(
     device: &D,
     batches: &mut [D::Batch],
     attention: &mut A,
-    begun: &mut VecDeque<(usize, usize, A::Begun, Vec<f32>)>,
+    begun: &mut VecDeque<(usize, usize, A::Begun, Qkv)>,
 ) -> Result<(), A::Error> {
-    let Some((sub, layer, b, q)) = begun.pop_front() else { return Ok(()) };
-    let mut out = vec![0f32; q.len()];
-    attention.finish(device, sub, layer, b, &q, &mut out)?;
+    let Some((sub, layer, b, qkv)) = begun.pop_front() else { return Ok(()) };
+    let mut out = vec![0f32; qkv.q.len()];
+    attention.finish(device, sub, layer, b, &qkv, &mut out)?;
     attention.finish_layer(device, layer, &mut batches[sub], &out)?;
     Ok(())
 }

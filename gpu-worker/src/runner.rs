@@ -421,15 +421,15 @@ impl<D: Device> LayerAttention<D> for CacheAttention<'_> {
         device.store_kv(layer, qkv, self)
     }
 
-    fn finish(&mut self, device: &D, _sub: usize, layer: usize, _: (), q: &[f32], out: &mut [f32]) -> Result<()> {
+    fn finish(&mut self, device: &D, _sub: usize, layer: usize, _: (), qkv: &Qkv, out: &mut [f32]) -> Result<()> {
         let n_ctx = self.pos0 + self.n;
         if self.n == 1 {
             let item = DecodeItem { seq: 0, row: 0, range: 0..n_ctx, n_ctx };
-            let mut parts = device.decode_attention(layer, q, &[item], &*self.kv)?;
+            let mut parts = device.decode_attention(layer, qkv, &[item], &*self.kv)?;
             out.copy_from_slice(&parts.remove(0).0);
             return Ok(());
         }
         let item = PrefillItem { seq: 0, row0: 0, n: self.n, start: self.pos0 };
-        device.prefill_attention(layer, q, &[item], &*self.kv, out)
+        device.prefill_attention(layer, qkv, &[item], &*self.kv, out)
     }
 }

@@ -44,11 +44,18 @@ fn top2_gap(row: &[f32]) -> f32 {
 /// The model in `DUET_CUDA_TEST_MODEL` on the CUDA device (its first `gpu_layers` only, the
 /// rest on the CPU device, when given) and on the CPU device; `None` (the test skipped,
 /// saying why) without the model or a usable GPU.
+/// A KV mirror of 1 GiB (by default it takes what the GPU has free, and a test loads several
+/// devices in turn, whose freed memory the driver may hold a while).
+fn kv_budget() {
+    duet_gpu_worker::device::cuda::set_kv_budget(1 << 30);
+}
+
 fn devices(gpu_layers: Option<GpuLayers>) -> Option<(Runner<duet_gpu_worker::device::AnyDevice>, Runner<duet_gpu_worker::device::cpu::CpuDevice>, std::path::PathBuf)> {
     let Some(path) = std::env::var_os("DUET_CUDA_TEST_MODEL") else {
         skip("DUET_CUDA_TEST_MODEL names no model (scripts/gpu-check.sh makes one on the GPU machine)");
         return None;
     };
+    kv_budget();
     let cuda = match Runner::load_on(std::path::Path::new(&path), Placement { choice: DeviceChoice::Cuda, gpu_layers }) {
         Ok(e) => e,
         Err(e) => {
@@ -101,6 +108,7 @@ fn tiny_architectures_on_the_cuda_device_match_the_cpu_device() {
     if let Err(why) = duet_gpu_worker::device::cuda::probe(0) {
         return skip(&format!("no usable GPU: {why}"));
     }
+    kv_budget();
     let dir = duet_model::testutil::workspace_root().join("testdata/tiny/arch");
     let mut paths: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "gguf")).collect();
     paths.sort();
@@ -300,8 +308,8 @@ fn layer_by_layer() {
         cpu.device.store_kv(l, &qc, &mut sc).unwrap();
         cuda.device.store_kv(l, &qo, &mut so).unwrap();
         let (mut ac, mut ao) = (vec![0f32; n * c.q_dim()], vec![0f32; n * c.q_dim()]);
-        cpu.device.prefill_attention(l, &qc.q, &item, &sc, &mut ac).unwrap();
-        cuda.device.prefill_attention(l, &qo.q, &item, &so, &mut ao).unwrap();
+        cpu.device.prefill_attention(l, &qc, &item, &sc, &mut ac).unwrap();
+        cuda.device.prefill_attention(l, &qo, &item, &so, &mut ao).unwrap();
         cpu.device.finish_layer(l, &mut bc, &ac, &mut NoRemoteExperts).unwrap();
         cuda.device.finish_layer(l, &mut bg, &ac, &mut NoRemoteExperts).unwrap();
         cuda.device.finish_layer(l, &mut bo, &ao, &mut NoRemoteExperts).unwrap();

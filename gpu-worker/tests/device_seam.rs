@@ -93,15 +93,15 @@ impl Device for Counting {
         bump(&self.calls.store_kv, 1);
         self.inner.store_kv(layer, qkv, kv)
     }
-    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+    fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
         bump(&self.calls.prefill_attention, 1);
         bump(&self.calls.prefill_items, items.len());
-        self.inner.prefill_attention(layer, q, items, kv, out)
+        self.inner.prefill_attention(layer, qkv, items, kv, out)
     }
-    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+    fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
         bump(&self.calls.decode_attention, 1);
         bump(&self.calls.decode_items, items.len());
-        self.inner.decode_attention(layer, q, items, kv)
+        self.inner.decode_attention(layer, qkv, items, kv)
     }
     fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
         bump(&self.calls.finish_layer, 1);

@@ -108,6 +108,9 @@ fn check(name: &str, tol_paths: f64) {
 /// by as much as that tolerance.
 fn check_cuda(name: &str) {
     let path = dir().join(format!("{name}.gguf"));
+    // A KV mirror of 256 MiB (by default it takes what the GPU has free), so that the test's
+    // other devices find room.
+    duet_gpu_worker::device::cuda::set_kv_budget(256 << 20);
     let engine = match Runner::load_on(&path, DeviceChoice::Cuda) {
         Ok(engine) => engine,
         Err(e) => {

@@ -80,6 +80,8 @@ pub struct SchedulerConfig {
     /// The gpu-worker computes on the CPU cores the cpu-workers use (local mode without a
     /// GPU): the balancer plans their attention as taking turns, not running side by side.
     pub shared_cores: bool,
+    /// Positions of KV the gpu-worker's GPU mirror holds (0: none, it attends on the host).
+    pub gpu_kv_positions: usize,
 }
 
 /// The scheduler's command channel (made before the scheduler, so that the front ends can

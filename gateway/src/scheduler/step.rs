@@ -18,7 +18,7 @@ use crate::request::{Event, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::planner::{Plan, SeqDemand, Share};
-use crate::sequence::{attention_demand, shares_to_proto, Seq};
+use crate::sequence::{attention_demand, share_gpu_kv, shares_to_proto, Seq};
 
 /// A step sent to the gpu-worker whose results are not applied yet.
 pub(super) struct InFlight {
@@ -139,7 +139,10 @@ impl Scheduler {
             return None;
         }
         let tokens: usize = entries.iter().map(|e| e.n).sum();
-        let demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
+        let mut demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
+        if self.cfg.gpu_kv_positions > 0 {
+            share_gpu_kv(&mut demands, self.cfg.gpu_kv_positions, self.cfg.block_size);
+        }
         // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
         let may_overlap = decoding.len() == steps.len();
         let plan = self.policy.plan(&self.stats.cost_model(tokens), tokens, &demands, self.cfg.block_size, may_overlap, self.cfg.overlap);

@@ -159,6 +159,7 @@ fn harness(blocks: u32) -> Harness {
         gpu_device: "fake".into(),
         node_name: "here".into(),
         shared_cores: false,
+        gpu_kv_positions: 0,
     };
     let gpu = Arc::new(FakeGpu::default());
     let (commands, rx) = super::commands();

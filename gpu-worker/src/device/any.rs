@@ -78,6 +78,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.host_layers())
     }
 
+    fn gpu_kv_positions(&self) -> usize {
+        on_device!(self, d => d.gpu_kv_positions())
+    }
+
     fn holds_all_experts(&self) -> bool {
         on_device!(self, d => d.holds_all_experts())
     }
@@ -126,12 +130,12 @@ impl Device for AnyDevice {
         on_device!(self, d => d.store_kv(layer, qkv, kv))
     }
 
-    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
-        on_device!(self, d => d.prefill_attention(layer, q, items, kv, out))
+    fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+        on_device!(self, d => d.prefill_attention(layer, qkv, items, kv, out))
     }
 
-    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
-        on_device!(self, d => d.decode_attention(layer, q, items, kv))
+    fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+        on_device!(self, d => d.decode_attention(layer, qkv, items, kv))
     }
 
     fn finish_layer(&self, layer: usize, batch: &mut AnyBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {

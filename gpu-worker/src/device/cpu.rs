@@ -267,19 +267,19 @@ impl Device for CpuDevice {
                 row.iter_mut().for_each(|v| *v *= f);
             });
         }
-        Ok(Qkv { q, k, v })
+        Ok(Qkv { q, k, v, on_device: None })
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
         host_attention::store(&self.m.config, layer, qkv, kv)
     }
 
-    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
-        host_attention::prefill(&self.m.config, layer, q, items, kv, out)
+    fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+        host_attention::prefill(&self.m.config, layer, &qkv.q, items, kv, out)
     }
 
-    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
-        host_attention::decode(&self.m.config, layer, q, items, kv)
+    fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+        host_attention::decode(&self.m.config, layer, &qkv.q, items, kv)
     }
 
     fn finish_layer(&self, l: usize, b: &mut CpuBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {

@@ -181,12 +181,25 @@ pub fn attn_shape(c: &LlamaConfig) -> AttnShape {
 }
 
 /// A batch's queries, keys and values for one layer, RoPE applied, on the host:
-/// `q` is `[row][n_head][head_dim]`, `k` and `v` are `[row][n_kv_head][head_dim]`.
+/// `q` is `[row][n_head][head_dim]`, `k` and `v` are `[row][n_kv_head][head_dim]`; and the
+/// device's own copies, if it keeps them (the CUDA device's on the GPU, which its KV mirror
+/// and attention then read without uploading them again).
 #[derive(Debug, Clone, Default)]
 pub struct Qkv {
     pub q: Vec<f32>,
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    pub on_device: Option<DeviceCopy>,
+}
+
+/// A device's own copy of a [`Qkv`], opaque to the callers.
+#[derive(Clone)]
+pub struct DeviceCopy(pub Arc<dyn std::any::Any + Send + Sync>);
+
+impl std::fmt::Debug for DeviceCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceCopy")
+    }
 }
 
 /// Where a batch's new K/V rows go (the slots the gateway allocated in the cpu-workers'
@@ -293,6 +306,12 @@ pub trait Device: Send + Sync {
         if self.kind() == pb::DeviceKind::Cpu { self.layers().len() } else { 0 }
     }
 
+    /// Positions of KV the device keeps on the GPU for its own attention (the CUDA device's
+    /// mirror; 0 where it attends on the host).
+    fn gpu_kv_positions(&self) -> usize {
+        0
+    }
+
     /// Checks a batch — `tokens[i]` at position `positions[i]` — and embeds its tokens;
     /// [`Device::logits`] will give the logits of `logit_rows`.
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch>;
@@ -306,13 +325,14 @@ pub trait Device: Send + Sync {
     fn qkv(&self, layer: usize, batch: &mut Self::Batch) -> Result<Qkv>;
     /// Stores the rows' new keys and values of `layer` (from `qkv`) where `kv` says.
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()>;
-    /// Prefill attention of `items` over their contexts in `kv` (their new rows stored
-    /// already): writes their rows of `out` (`[row][n_head][head_dim]`, like `q`).
-    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()>;
+    /// Prefill attention of `items` (rows of `qkv`'s queries) over their contexts in `kv`
+    /// (their new rows stored already): writes their rows of `out` (`[row][n_head][head_dim]`,
+    /// like `q`).
+    fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()>;
     /// Decode attention of `items`, one row each, over their ranges in `kv`: each item's
     /// output (`[n_head][head_dim]`) and per-head log-sum-exp, for the caller to use whole or
     /// merge with other devices' partial results.
-    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>>;
+    fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>>;
     /// Layer `layer` after attention (`attn`, `[row][n_head][head_dim]`, merged): output
     /// projection, residual, MLP, residual. The routed experts of a mixture the device does
     /// not hold are computed by `remote`.

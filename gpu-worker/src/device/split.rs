@@ -95,6 +95,11 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         self.head.host_layers() + self.tail.host_layers()
     }
 
+    /// The head's mirror; the tail (the CPU device) attends on the host.
+    fn gpu_kv_positions(&self) -> usize {
+        self.head.gpu_kv_positions()
+    }
+
     fn holds_all_experts(&self) -> bool {
         self.head.holds_all_experts() && self.tail.holds_all_experts()
     }
@@ -144,19 +149,19 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         }
     }
 
-    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+    fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
         if self.on_head(layer) {
-            self.head.prefill_attention(layer, q, items, kv, out)
+            self.head.prefill_attention(layer, qkv, items, kv, out)
         } else {
-            self.tail.prefill_attention(layer, q, items, kv, out)
+            self.tail.prefill_attention(layer, qkv, items, kv, out)
         }
     }
 
-    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+    fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
         if self.on_head(layer) {
-            self.head.decode_attention(layer, q, items, kv)
+            self.head.decode_attention(layer, qkv, items, kv)
         } else {
-            self.tail.decode_attention(layer, q, items, kv)
+            self.tail.decode_attention(layer, qkv, items, kv)
         }
     }
 

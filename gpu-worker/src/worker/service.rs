@@ -77,6 +77,7 @@ impl<D: Device + 'static> GpuWorkerService<D> {
             prefill_chunk_tokens: u32::try_from(device.prefill_chunk()).unwrap_or(u32::MAX),
             experts_on_cpu_workers: !device.holds_all_experts(),
             host_layers: device.host_layers() as u32,
+            gpu_kv_positions: device.gpu_kv_positions() as u64,
         };
         let mut executor = Executor::new(device, job_timeout)?;
         if let Some(g) = grammars {

@@ -115,7 +115,7 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
 
     /// The device's own part of a begun layer (prefill chunks, unsplit decode tokens, its
     /// decode shares), then the cpu-workers' results, merged by log-sum-exp into `out`.
-    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Begun, q: &[f32], out: &mut [f32]) -> Result<(), StepError> {
+    fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), StepError> {
         let plan = self.plans[sub];
         let Begun { posted } = begun;
         let layer = layer as u32;
@@ -152,9 +152,9 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         }
         let kv = PlanSlots { arenas: self.arenas, plan, block_size: self.block_size };
         if !prefill.is_empty() {
-            device.prefill_attention(layer as usize, q, &prefill, &kv, out)?;
+            device.prefill_attention(layer as usize, qkv, &prefill, &kv, out)?;
         }
-        let results = if decode.is_empty() { Vec::new() } else { device.decode_attention(layer as usize, q, &decode, &kv)? };
+        let results = if decode.is_empty() { Vec::new() } else { device.decode_attention(layer as usize, qkv, &decode, &kv)? };
         for ((pi, share), (o, l)) in decode_of.into_iter().zip(results) {
             match share {
                 Some(si) => partials[pi][si] = (o, l),

@@ -115,40 +115,36 @@ impl KvMirror {
         self.seqs[&key].pages[pos / PAGE] * PAGE as i32 + (pos % PAGE) as i32
     }
 
-    /// Writes `n_rows` rows of K and V (`[row][kv_dim]`, f32 on the host) into `slots`.
-    fn store_rows(&mut self, k: &Launcher, layer: usize, rows: (&[f32], &[f32]), slots: &[i32]) -> Result<(), CudaError> {
+    /// Writes rows of K and V (`[row][kv_dim]`, f32 on the GPU) into `slots`, one per row.
+    fn store_rows(&mut self, k: &Launcher, layer: usize, rows: (&CudaSlice<f32>, &CudaSlice<f32>), slots: &[i32]) -> Result<(), CudaError> {
         let stream = &k.stream;
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         let kv_dim = n_kv_head * head_dim;
         let n = slots.len();
-        let (kd, vd, sd) = (stream.clone_htod(rows.0)?, stream.clone_htod(rows.1)?, stream.clone_htod(slots)?);
+        let (kd, vd, sd) = (rows.0, rows.1, stream.clone_htod(slots)?);
         let (n_i, kv_i, hd_i, page_elems, layer_i, page_i) = (n as i32, kv_dim as i32, head_dim as i32, self.page_elems as i64, layer as i32, PAGE as i32);
         let mut b = stream.launch_builder(k.kernels().get("kv_store")?);
-        b.arg(&kd).arg(&vd).arg(&sd).arg(&n_i).arg(&kv_i).arg(&hd_i).arg(&mut self.pool).arg(&page_elems).arg(&layer_i).arg(&page_i);
+        b.arg(kd).arg(vd).arg(&sd).arg(&n_i).arg(&kv_i).arg(&hd_i).arg(&mut self.pool).arg(&page_elems).arg(&layer_i).arg(&page_i);
         // SAFETY: k and v hold n rows of kv_dim; every slot is a page of the pool (or -1).
         unsafe { b.launch(LaunchConfig::for_num_elems((n * kv_dim) as u32)) }?;
         Ok(())
     }
 
-    /// Stores a batch's new K/V rows of `layer` (`k`, `v`: `[row][kv_dim]`) for the rows `kv`
-    /// can name; a row that would leave a gap in its sequence's mirrored prefix is left to the
-    /// upload before attention.
-    pub fn store(&mut self, kern: &Launcher, layer: usize, k: &[f32], v: &[f32], kv: &dyn KvSink) -> Result<(), CudaError> {
+    /// Stores a batch's new K/V rows of `layer` (`k`, `v`: `[row][kv_dim]` on the GPU) for the
+    /// rows `kv` can name; a row that would leave a gap in its sequence's mirrored prefix is
+    /// left to the upload before attention.
+    pub fn store(&mut self, kern: &Launcher, layer: usize, k: &CudaSlice<f32>, v: &CudaSlice<f32>, kv: &dyn KvSink) -> Result<(), CudaError> {
         self.clock += 1;
         let kv_dim = self.shape.n_kv_head * self.shape.head_dim;
         let mut slots = Vec::with_capacity(k.len() / kv_dim);
         for row in 0..k.len() / kv_dim {
+            // A write past the mirrored prefix would leave a gap (the GPU attends only the
+            // prefix of a sequence the cpu-workers share); one before its end (a sequence
+            // taken back) drops the positions after it.
             let slot = match kv.position_of(row) {
-                Some((key, pos)) if self.reserve(key, pos + 1) => {
-                    let m = self.seqs.get_mut(&key).expect("reserved");
-                    // Positions before `filled` rewritten (a sequence taken back) drop the
-                    // ones after them; a write past `filled` would leave a gap.
-                    if pos <= m.filled[layer] {
-                        m.filled[layer] = pos + 1;
-                        self.slot(key, pos)
-                    } else {
-                        -1
-                    }
+                Some((key, pos)) if pos <= self.seqs.get(&key).map_or(0, |m| m.filled[layer]) && self.reserve(key, pos + 1) => {
+                    self.seqs.get_mut(&key).expect("reserved").filled[layer] = pos + 1;
+                    self.slot(key, pos)
                 }
                 _ => -1,
             };
@@ -193,15 +189,16 @@ impl KvMirror {
             }
         }
         let slots: Vec<i32> = (from..end).map(|pos| self.slot(key, pos)).collect();
+        let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
         self.store_rows(kern, layer, (&k, &v), &slots)?;
         self.seqs.get_mut(&key).expect("reserved").filled[layer] = end;
         Ok(true)
     }
 
-    /// Attention of `items` on layer `layer` (`q`: the batch's rows on the host) over the
+    /// Attention of `items` on layer `layer` (`q`: the batch's rows on the GPU) over the
     /// mirror: per item its output (`[n_head][head_dim]`) and per-head log-sum-exp, or
     /// `None` for an item whose sequence does not fit (the caller attends it on the host).
-    pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &[f32], items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
+    pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
         self.clock += 1;
         let stream = &kern.stream;
         let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
@@ -245,7 +242,7 @@ impl KvMirror {
         let base = n * n_kv_head * hgroups;
         let longest = placed.iter().map(|&i| items[i].range.len()).max().unwrap_or(0);
         let n_split = self.target_blocks.div_ceil(base).clamp(1, longest.div_ceil(ATT_TILE).max(1));
-        let (qd, pd, md) = (stream.clone_htod(q).map_err(CudaError::from)?, stream.clone_htod(&pages).map_err(CudaError::from)?, stream.clone_htod(&meta).map_err(CudaError::from)?);
+        let (pd, md) = (stream.clone_htod(&pages).map_err(CudaError::from)?, stream.clone_htod(&meta).map_err(CudaError::from)?);
         let parts = n * n_head * n_split;
         // SAFETY: attn_partial writes every partial, attn_merge every output.
         let (mut pm, mut pl, mut po, mut out, mut lse) = unsafe {
@@ -260,7 +257,7 @@ impl KvMirror {
         let (page_elems, layer_i, nkv, hd, grp, page_i, ns) = (self.page_elems as i64, layer as i32, n_kv_head as i32, head_dim as i32, group as i32, PAGE as i32, n_split as i32);
         let (scale, cap) = (attn_scale(head_dim), softcap.unwrap_or(0.0));
         let mut b = stream.launch_builder(kern.kernels().get("attn_partial")?);
-        b.arg(&qd).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
+        b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
         b.arg(&mut pm).arg(&mut pl).arg(&mut po);
         let cfg = LaunchConfig { grid_dim: (n as u32, (n_kv_head * hgroups) as u32, n_split as u32), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: q holds the rows the items name; every item's positions are mirrored in

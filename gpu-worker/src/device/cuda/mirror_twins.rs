@@ -113,7 +113,8 @@ fn reference(kv: &HostKv, shape: &AttnShape, seq: usize, layer: usize, q: &[f32]
         }
         let (k, v) = (&kv.k[seq][layer][h / group], &kv.v[seq][layer][h / group]);
         let qh = &q[h * hd..(h + 1) * hd];
-        let s: Vec<f64> = range.clone().map(|p| qh.iter().zip(&k[p * hd..(p + 1) * hd]).map(|(&a, b)| a as f64 * b.to_f64()).sum::<f64>() * scale).collect();
+        let cap = |s: f64| shape.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh());
+        let s: Vec<f64> = range.clone().map(|p| cap(qh.iter().zip(&k[p * hd..(p + 1) * hd]).map(|(&a, b)| a as f64 * b.to_f64()).sum::<f64>() * scale)).collect();
         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let sum: f64 = s.iter().map(|x| (x - m).exp()).sum();
         for (j, p) in range.clone().enumerate() {
@@ -137,6 +138,7 @@ fn store(k: &super::launch::Launcher, mirror: &mut KvMirror, kv: &HostKv, shape:
         };
         let (kr, vr) = (rows(&kv.k), rows(&kv.v));
         assert_eq!(kr.len(), range.len() * kv_dim);
+        let (kr, vr) = (k.stream.clone_htod(&kr).unwrap(), k.stream.clone_htod(&vr).unwrap());
         mirror.store(k, layer, &kr, &vr, &Rows { key: kv.keys[seq], pos0: range.start }).unwrap();
     }
 }
@@ -146,8 +148,9 @@ fn check(k: &super::launch::Launcher, mirror: &mut KvMirror, kv: &HostKv, shape:
     let layers = kv.k[0].len();
     let q_dim = shape.n_head * shape.head_dim;
     let mut placed = Vec::new();
+    let qd = k.stream.clone_htod(q).unwrap();
     for layer in 0..layers {
-        let got = mirror.attend(k, layer, q, items, kv).unwrap();
+        let got = mirror.attend(k, layer, &qd, items, kv).unwrap();
         placed = got.iter().map(Option::is_some).collect();
         for (it, g) in items.iter().zip(got) {
             let Some((o, l)) = g else { continue };

@@ -41,7 +41,7 @@ use duet_kernels::attention::windowed;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
 use super::expert_usage::RoutedTokens;
 use super::host_experts::HostExperts;
-use super::{host_attention, Device, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{host_attention, Device, DeviceCopy, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 pub use crate::error::CudaError;
@@ -265,11 +265,12 @@ impl CudaDevice {
     /// The GPU's attention of `items` over the mirror: per item its output and per-head
     /// log-sum-exp, `None` where the mirror cannot hold the item's sequence (or there is no
     /// mirror, or `kv` names no sequences).
-    fn mirror_attend(&self, layer: usize, q: &[f32], items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
+    fn mirror_attend(&self, layer: usize, qkv: &Qkv, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
         match &self.mirror {
             Some(m) if !items.is_empty() => {
+                let g = self.gpu_qkv(qkv)?;
                 let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
-                m.attend(&self.k, layer, q, items, kv)
+                m.attend(&self.k, layer, &g.q, items, kv)
             }
             _ => Ok(vec![None; items.len()]),
         }
@@ -300,6 +301,25 @@ impl CudaDevice {
         let v = self.stream().clone_dtoh(x).map_err(CudaError::from)?;
         self.stream().synchronize().map_err(CudaError::from)?;
         Ok(v)
+    }
+}
+
+/// A layer's queries, keys and values as the CUDA device computed them, on the GPU
+/// ([`Qkv::on_device`]).
+struct GpuQkv {
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+}
+
+impl CudaDevice {
+    /// `qkv`'s GPU copy: its own when this device made it, else `qkv` uploaded.
+    fn gpu_qkv(&self, qkv: &Qkv) -> Result<Arc<GpuQkv>> {
+        if let Some(g) = qkv.on_device.as_ref().and_then(|d| d.0.clone().downcast::<GpuQkv>().ok()) {
+            return Ok(g);
+        }
+        let up = |x: &[f32]| self.stream().clone_htod(x).map_err(CudaError::from);
+        Ok(Arc::new(GpuQkv { q: up(&qkv.q)?, k: up(&qkv.k)?, v: up(&qkv.v)? }))
     }
 }
 
@@ -351,6 +371,10 @@ impl Device for CudaDevice {
         0..self.layers.len()
     }
 
+    fn gpu_kv_positions(&self) -> usize {
+        self.mirror.as_ref().map_or(0, |m| m.lock().unwrap_or_else(|p| p.into_inner()).capacity())
+    }
+
     fn hidden(&self, b: &CudaBatch) -> Result<Vec<f32>> {
         self.download(&b.x)
     }
@@ -381,21 +405,27 @@ impl Device for CudaDevice {
         }
         self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot, c.rope_neox)?;
         self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
-        Ok(Qkv { q: self.download(&q)?, k: self.download(&k)?, v: self.download(&v)? })
+        // The three copies with one wait; the GPU's own stay for the mirror and attention.
+        let s = self.stream();
+        let host = (s.clone_dtoh(&q), s.clone_dtoh(&k), s.clone_dtoh(&v));
+        s.synchronize().map_err(CudaError::from)?;
+        let on_device = Some(DeviceCopy(Arc::new(GpuQkv { q, k, v })));
+        Ok(Qkv { q: host.0.map_err(CudaError::from)?, k: host.1.map_err(CudaError::from)?, v: host.2.map_err(CudaError::from)?, on_device })
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
         host_attention::store(&self.m.config, layer, qkv, kv)?;
         if let Some(m) = &self.mirror {
             let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
-            m.store(&self.k, layer, &qkv.k, &qkv.v, kv)?;
+            let g = self.gpu_qkv(qkv)?;
+            m.store(&self.k, layer, &g.k, &g.v, kv)?;
         }
         Ok(())
     }
 
     /// On the GPU where the mirror holds the sequences (each row of a chunk an item over its
     /// causal prefix), else on the host.
-    fn prefill_attention(&self, layer: usize, q: &[f32], items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
+    fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {
         let c = &self.m.config;
         let q_dim = c.q_dim();
         let window = c.window(layer);
@@ -404,7 +434,7 @@ impl Device for CudaDevice {
             .iter()
             .flat_map(|&(it, key)| (0..it.n).map(move |i| MirrorItem { row: it.row0 + i, range: windowed(0..it.start + i + 1, it.start + i + 1, window), seq: it.seq, key }))
             .collect();
-        let done = self.mirror_attend(layer, q, &rows, kv)?;
+        let done = self.mirror_attend(layer, qkv, &rows, kv)?;
         let mut on_gpu = std::collections::HashSet::new();
         for (row, result) in rows.iter().zip(done) {
             if let Some((o, _)) = result {
@@ -413,11 +443,11 @@ impl Device for CudaDevice {
             }
         }
         let rest: Vec<PrefillItem> = items.iter().filter(|it| !on_gpu.contains(&it.seq)).cloned().collect();
-        host_attention::prefill(c, layer, q, &rest, kv, out)
+        host_attention::prefill(c, layer, &qkv.q, &rest, kv, out)
     }
 
     /// On the GPU where the mirror holds the sequences, else on the host.
-    fn decode_attention(&self, layer: usize, q: &[f32], items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
+    fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
         let c = &self.m.config;
         let window = c.window(layer);
         let (keyed, unkeyed): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| kv.seq_key(items[i].seq).is_some());
@@ -429,13 +459,13 @@ impl Device for CudaDevice {
             })
             .collect();
         let mut results: Vec<Option<Partial>> = vec![None; items.len()];
-        for (&i, r) in keyed.iter().zip(self.mirror_attend(layer, q, &gpu_items, kv)?) {
+        for (&i, r) in keyed.iter().zip(self.mirror_attend(layer, qkv, &gpu_items, kv)?) {
             results[i] = r;
         }
         let host: Vec<usize> = keyed.into_iter().filter(|&i| results[i].is_none()).chain(unkeyed).collect();
         if !host.is_empty() {
             let host_items: Vec<DecodeItem> = host.iter().map(|&i| items[i].clone()).collect();
-            for (&i, r) in host.iter().zip(host_attention::decode(c, layer, q, &host_items, kv)?) {
+            for (&i, r) in host.iter().zip(host_attention::decode(c, layer, &qkv.q, &host_items, kv)?) {
                 results[i] = Some(r);
             }
         }
