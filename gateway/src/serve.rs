@@ -112,6 +112,15 @@ pub struct ServeArgs {
     /// GPU's memory holds (default: all on the device).
     #[arg(long, env = "DUET_GPU_LAYERS", conflicts_with = "gpu_worker", value_parser = parse_gpu_layers)]
     pub gpu_layers: Option<String>,
+    /// GPU memory the spawned gpu-worker's CUDA device may use, e.g. 16G (default: all that
+    /// is free).
+    #[arg(long, env = "DUET_GPU_MEM_BYTES", conflicts_with = "gpu_worker", value_parser = duet_kv::parse_bytes)]
+    pub gpu_mem_bytes: Option<usize>,
+    /// GPU memory for the CUDA device's KV mirror, on which its share of attention runs
+    /// (default: what the weights leave of --gpu-mem-bytes, less 768 MiB; 0: attention on
+    /// the host's cores). The balancer gives the GPU no more positions than it holds.
+    #[arg(long, env = "DUET_GPU_KV_BYTES", conflicts_with = "gpu_worker", value_parser = duet_kv::parse_bytes)]
+    pub gpu_kv_bytes: Option<usize>,
     /// Where a mixture-of-experts model's routed experts run: on the gpu-worker's device, or
     /// on the cpu-workers (each serving its share as expert jobs; KTransformers' split, for
     /// models whose experts do not fit the GPU).
@@ -248,6 +257,8 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             gpu_threads: args.gpu_threads,
             device: args.device.clone(),
             gpu_layers: args.gpu_layers.clone(),
+            gpu_mem_bytes: args.gpu_mem_bytes,
+            gpu_kv_bytes: args.gpu_kv_bytes,
             max_running: args.max_running.max(1),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
             device_experts: args.device_experts,

@@ -43,6 +43,9 @@ pub struct LocalWorkers {
     /// The gpu-worker's `--gpu-layers` (a layer count or `auto`: layers on its device, the
     /// rest on its CPU device).
     pub gpu_layers: Option<String>,
+    /// The gpu-worker's `--gpu-mem-bytes` and `--gpu-kv-bytes`.
+    pub gpu_mem_bytes: Option<usize>,
+    pub gpu_kv_bytes: Option<usize>,
     /// A mixture's routed experts on the cpu-workers (`--experts-on cpu-workers`; cpu-worker
     /// `w` serves share `w` of them), else on the gpu-worker's device.
     pub experts_on_cpu_workers: bool,
@@ -139,6 +142,11 @@ impl LocalWorkers {
         cmd.arg("--device").arg(&self.device);
         if let Some(n) = &self.gpu_layers {
             cmd.args(["--gpu-layers", n]);
+        }
+        for (flag, bytes) in [("--gpu-mem-bytes", self.gpu_mem_bytes), ("--gpu-kv-bytes", self.gpu_kv_bytes)] {
+            if let Some(b) = bytes {
+                cmd.arg(flag).arg(b.to_string());
+            }
         }
         if self.experts_on_cpu_workers {
             cmd.args(["--experts-on", "cpu-workers"]);
