@@ -21,6 +21,7 @@ use duet_model::grammar::{self, Grammar, GrammarError, Grammars};
 use duet_proto::pb;
 use llguidance::toktrie::SimpleVob;
 use llguidance::Matcher;
+use rayon::prelude::*;
 
 use super::arenas::KvArenas;
 use super::hot_experts::HotExperts;
@@ -250,35 +251,16 @@ impl<D: Device> Executor<D> {
                 (&subs[k].plan[i], &logits[k][r * n_vocab..(r + 1) * n_vocab])
             })
             .collect();
-        let mut sampled = Vec::with_capacity(rows.len());
-        for (p, row) in rows {
-            let seq = self.seqs.get_mut(&p.seq_id).expect("planned sequences are held");
-            let masked_row;
-            let row = match step_masks.get(&p.seq_id) {
-                Some(mask) => {
-                    let mut r = row.to_vec();
-                    grammar::apply_mask(mask, &mut r);
-                    masked_row = r;
-                    &masked_row[..]
-                }
-                None => row,
-            };
-            let sampler = seq.sampler.as_mut().expect("checked when accepted");
-            let id = sampler.sample(row, &seq.tokens);
-            // Once the grammar is complete only end of generation was allowed: nothing to follow.
-            if let Some(m) = seq.matcher.as_mut().filter(|m| !m.is_stopped()) {
-                m.consume_token(id).map_err(|e| StepError::Sequence { seq_id: p.seq_id, problem: GrammarError::Refused(e.to_string()).into() })?;
-            }
-            seq.last_sampled = Some(id);
-            let (logprob, top) = if seq.top_n > 0 {
-                let lp = log_softmax(row);
-                let top = top_n(row, seq.top_n).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
-                (lp[id as usize] as f32, top)
-            } else {
-                (0.0, Vec::new())
-            };
-            sampled.push(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob }), top });
-        }
+        // Rows sample in parallel: each sequence's sampler, grammar and history are its own
+        // (a step names a sequence once), and a large vocabulary's filters take a while.
+        let wanted: HashSet<u64> = rows.iter().map(|(p, _)| p.seq_id).collect();
+        let mut states: HashMap<u64, &mut Sequence> = self.seqs.iter_mut().filter(|(id, _)| wanted.contains(id)).map(|(&id, s)| (id, s)).collect();
+        let work: Vec<(&Planned, &[f32], &mut Sequence)> =
+            rows.into_iter().map(|(p, row)| (p, row, states.remove(&p.seq_id).expect("planned sequences are held, once each"))).collect();
+        let sampled = work
+            .into_par_iter()
+            .map(|(p, row, seq)| sample_row(p, row, seq, step_masks.get(&p.seq_id)))
+            .collect::<Result<Vec<_>, StepError>>()?;
         timings.sample_ns = ns(t_sample.elapsed());
         timings.expert_routed = self
             .device
@@ -408,4 +390,34 @@ fn masks(matchers: Vec<(u64, Matcher)>) -> Vec<(u64, Matcher, Result<SimpleVob, 
             (id, m, mask)
         })
         .collect()
+}
+
+/// Samples one sequence's next token from its logits row (its grammar's mask applied), and
+/// advances its grammar.
+fn sample_row(p: &Planned, row: &[f32], seq: &mut Sequence, mask: Option<&SimpleVob>) -> Result<pb::Sampled, StepError> {
+    let masked_row;
+    let row = match mask {
+        Some(mask) => {
+            let mut r = row.to_vec();
+            grammar::apply_mask(mask, &mut r);
+            masked_row = r;
+            &masked_row[..]
+        }
+        None => row,
+    };
+    let sampler = seq.sampler.as_mut().expect("checked when accepted");
+    let id = sampler.sample(row, &seq.tokens);
+    // Once the grammar is complete only end of generation was allowed: nothing to follow.
+    if let Some(m) = seq.matcher.as_mut().filter(|m| !m.is_stopped()) {
+        m.consume_token(id).map_err(|e| StepError::Sequence { seq_id: p.seq_id, problem: GrammarError::Refused(e.to_string()).into() })?;
+    }
+    seq.last_sampled = Some(id);
+    let (logprob, top) = if seq.top_n > 0 {
+        let lp = log_softmax(row);
+        let top = top_n(row, seq.top_n).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
+        (lp[id as usize] as f32, top)
+    } else {
+        (0.0, Vec::new())
+    };
+    Ok(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob }), top })
 }
