@@ -77,6 +77,11 @@ impl Sampler {
         Ok(Sampler { params, rng: StdRng::seed_from_u64(params.seed) })
     }
 
+    /// Whether every draw is the plain arg-max of the logits (greedy, no penalty).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// Draws the next token; `history` holds the sequence's tokens so far (prompt included),
     /// the last [`PENALTY_LAST_N`] of which the repetition penalty applies to.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {

@@ -1,7 +1,8 @@
 //! The runner and the executor reach the device only through the `Device` trait: a test
 //! device wrapping the CPU device counts every call, and what the runner and the executor
 //! compute through it — plain and overlapped steps, prefill and decode — is bit for bit what
-//! the runner computes on the CPU device itself.
+//! the runner computes on the CPU device itself; greedy steps take the tokens a device finds
+//! itself (the CUDA device's arg-max) without asking for logits.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,7 +16,7 @@ use duet_gpu_worker::device::cpu::CpuDevice;
 use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
 use duet_gpu_worker::error::Result;
 use duet_gpu_worker::runner::{Runner, GenerateRequest};
-use duet_gpu_worker::sampler::SamplingParams;
+use duet_gpu_worker::sampler::{argmax, SamplingParams};
 
 mod support;
 
@@ -31,6 +32,8 @@ struct Calls {
     decode_items: AtomicUsize,
     finish_layer: AtomicUsize,
     logits: AtomicUsize,
+    /// Batches whose greedy tokens the device gave (not in the snapshot).
+    greedy_tokens: AtomicUsize,
 }
 
 impl Calls {
@@ -54,10 +57,12 @@ fn bump(c: &AtomicUsize, by: usize) {
     c.fetch_add(by, Ordering::Relaxed);
 }
 
-/// The CPU device, counting its calls.
+/// The CPU device, counting its calls; with `greedy_on_device` it gives greedy tokens itself
+/// (the arg-max of its logits), as the CUDA device does.
 struct Counting {
     inner: CpuDevice,
     calls: Arc<Calls>,
+    greedy_on_device: bool,
 }
 
 impl Device for Counting {
@@ -111,10 +116,18 @@ impl Device for Counting {
         bump(&self.calls.logits, 1);
         self.inner.logits(batch)
     }
+    fn greedy_tokens(&self, batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
+        if !self.greedy_on_device {
+            return Ok(None);
+        }
+        bump(&self.calls.greedy_tokens, 1);
+        let n_vocab = self.inner.config().n_vocab;
+        Ok(Some(self.inner.logits(batch)?.chunks_exact(n_vocab).map(argmax).collect()))
+    }
 }
 
 fn counting(calls: &Arc<Calls>) -> impl FnOnce(Arc<GgufFile>) -> Result<Counting> + '_ {
-    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone() })
+    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false })
 }
 
 const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
@@ -158,7 +171,12 @@ fn the_runner_reaches_the_device_only_through_the_trait() {
 /// A sequence's part of a step: `tokens` at `start` (none: fed its last sample), in
 /// sub-batch `sub`, all its attention on the gpu-worker.
 fn part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: u32) -> pb::SequenceStep {
-    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None };
+    greedy_part(seq_id, start, tokens, new_blocks, sub, 1)
+}
+
+/// [`part`] asking for `top_logprobs` alternatives.
+fn greedy_part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: u32, top_logprobs: u32) -> pb::SequenceStep {
+    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs, constraint: None };
     pb::SequenceStep {
         seq_id,
         start_pos: start as u32,
@@ -214,4 +232,32 @@ fn the_executor_reaches_the_device_only_through_the_trait() {
     assert_eq!(bits(&sampled[1]), want_bits[..GENERATED - 1]);
     let (split, whole) = (sampled[0][GENERATED - 1], want[GENERATED - 1]);
     assert!(split.0 == whole.0 && (split.1 as f64 - whole.1).abs() < 0.1, "split decode: {split:?}, whole: {whole:?}");
+}
+
+#[test]
+fn greedy_steps_take_the_tokens_the_device_finds() {
+    let want: Vec<u32> = reference().iter().map(|r| r.0).collect();
+    let calls = Arc::new(Calls::default());
+    let file = Arc::new(GgufFile::open(model_path()).unwrap());
+    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: true };
+    let (mut ex, _segments) = support::executor_with_arena(device, "seam-greedy");
+    let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap().sampled;
+    // Two greedy sequences asking for no log-probabilities: their tokens come from the device
+    // and no logits are handed over.
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(), Vec::new()];
+    let mut keep = |sampled: Vec<pb::Sampled>| sampled.into_iter().for_each(|s| got[s.seq_id as usize - 1].push(s.token.unwrap().id));
+    keep(run(1, vec![greedy_part(1, 0, &PROMPT, 0..1, 0, 0), greedy_part(2, 0, &PROMPT, 1..2, 0, 0)]));
+    for i in 0..GENERATED - 1 {
+        let at = PROMPT.len() + i;
+        keep(run(2 + i as u64, vec![greedy_part(1, at, &[], 0..0, 0, 0), greedy_part(2, at, &[], 0..0, 0, 0)]));
+    }
+    assert_eq!(got, [want.clone(), want.clone()]);
+    assert_eq!((calls.greedy_tokens.load(Ordering::Relaxed), calls.logits.load(Ordering::Relaxed)), (GENERATED, 0));
+    // A sequence asking for log-probabilities needs the logits: the step samples from them.
+    let at = PROMPT.len() + GENERATED - 1;
+    let sampled = run(GENERATED as u64 + 1, vec![greedy_part(1, at, &[], 0..0, 0, 0), greedy_part(3, 0, &PROMPT, 2..3, 0, 2)]);
+    assert_eq!(sampled.len(), 2);
+    assert_eq!(sampled[1].top.len(), 2);
+    assert_eq!(sampled[1].token.as_ref().unwrap().id, want[0]);
+    assert_eq!(calls.logits.load(Ordering::Relaxed), 1);
 }

@@ -145,4 +145,8 @@ impl Device for AnyDevice {
     fn logits(&self, batch: &AnyBatch) -> Result<Vec<f32>> {
         on_batch!(self, batch, d, b => d.logits(b))
     }
+
+    fn greedy_tokens(&self, batch: &AnyBatch) -> Result<Option<Vec<u32>>> {
+        on_batch!(self, batch, d, b => d.greedy_tokens(b))
+    }
 }

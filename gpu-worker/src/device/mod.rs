@@ -339,6 +339,13 @@ pub trait Device: Send + Sync {
     fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()>;
     /// The logits of the batch's logit rows after the last layer, `[row][vocab]`.
     fn logits(&self, batch: &Self::Batch) -> Result<Vec<f32>>;
+    /// The greedy token (the first arg-max, as `sampler::argmax`) of each logit row, where
+    /// the device finds it without handing the logits over (the CUDA device: a 128K
+    /// vocabulary's logits of 64 rows are 32 MiB to download); `None`: the caller samples
+    /// from [`Device::logits`].
+    fn greedy_tokens(&self, _batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
+        Ok(None)
+    }
     /// Whether the device computes every routed expert of a mixture itself (true for a dense
     /// model), so that [`Device::finish_layer`] never calls its `remote`.
     fn holds_all_experts(&self) -> bool {

@@ -233,12 +233,47 @@ impl<D: Device> Executor<D> {
             step_masks.insert(id, mask.map_err(|e| StepError::Sequence { seq_id: id, problem: e.into() })?);
         }
         forward?;
+        // Greedy rows whose logits nothing else needs (no grammar, no log-probabilities)
+        // take their tokens from the device, which may find them without handing the logits
+        // over; the others sample from the logits.
+        let plain_greedy = subs.iter().flat_map(|s| &s.plan).filter(|p| p.sample).all(|p| {
+            let seq = &self.seqs[&p.seq_id];
+            seq.sampler.as_ref().is_some_and(Sampler::is_plain_greedy) && seq.matcher.is_none() && seq.top_n == 0
+        });
+        let mut device_tokens: Option<[Vec<u32>; 2]> = None;
+        if plain_greedy {
+            let mut got: [Vec<u32>; 2] = Default::default();
+            let mut all = true;
+            for (batch, &k) in batches.iter().zip(&used) {
+                match self.device.greedy_tokens(batch)? {
+                    Some(ids) => got[k] = ids,
+                    None => {
+                        all = false;
+                        break;
+                    }
+                }
+            }
+            device_tokens = all.then_some(got);
+        }
         let mut logits: [Vec<f32>; 2] = Default::default();
-        for (batch, &k) in batches.iter().zip(&used) {
-            logits[k] = self.device.logits(batch)?;
+        if device_tokens.is_none() {
+            for (batch, &k) in batches.iter().zip(&used) {
+                logits[k] = self.device.logits(batch)?;
+            }
         }
 
         let t_sample = Instant::now();
+        if let Some(tokens) = device_tokens {
+            let mut next_row = [0usize; 2];
+            let mut sampled = Vec::new();
+            for &(k, i) in order.iter().filter(|&&(k, i)| subs[k].plan[i].sample) {
+                let (p, id) = (&subs[k].plan[i], tokens[k][next_row[k]]);
+                next_row[k] += 1;
+                self.seqs.get_mut(&p.seq_id).expect("planned sequences are held").last_sampled = Some(id);
+                sampled.push(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob: 0.0 }), top: Vec::new() });
+            }
+            return Ok(self.finish_step(sampled, timings, t_sample, t0));
+        }
         let n_vocab = self.device.config().n_vocab;
         // Each sampled sequence's logits row, in request order.
         let mut next_row = [0usize; 2];
@@ -261,6 +296,11 @@ impl<D: Device> Executor<D> {
             .into_par_iter()
             .map(|(p, row, seq)| sample_row(p, row, seq, step_masks.get(&p.seq_id)))
             .collect::<Result<Vec<_>, StepError>>()?;
+        Ok(self.finish_step(sampled, timings, t_sample, t0))
+    }
+
+    /// The step's response: its sampled tokens and its timings, closed.
+    fn finish_step(&self, sampled: Vec<pb::Sampled>, mut timings: pb::StepTimings, t_sample: Instant, t0: Instant) -> pb::StepResponse {
         timings.sample_ns = ns(t_sample.elapsed());
         timings.expert_routed = self
             .device
@@ -272,7 +312,7 @@ impl<D: Device> Executor<D> {
         timings.linear_ns = timings
             .total_ns
             .saturating_sub(timings.kv_write_ns + timings.attention_gpu_ns + timings.attention_wait_ns + timings.merge_ns + timings.sample_ns);
-        Ok(pb::StepResponse { sampled, timings: Some(timings) })
+        pb::StepResponse { sampled, timings: Some(timings) }
     }
 
     /// Checks one sequence's part of a step and applies it to the sequence's state. With

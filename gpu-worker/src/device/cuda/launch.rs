@@ -21,6 +21,8 @@ pub const MV_MAX_TOK: usize = 8;
 const MV_WARPS: u32 = 4;
 /// Threads per row of `rms_norm` (`NORM_THREADS` in ops.cu).
 const NORM_THREADS: u32 = 256;
+/// Threads per row of `argmax_rows` (`ARGMAX_THREADS` in ops.cu).
+const ARGMAX_THREADS: u32 = 256;
 /// Bytes of one Q8_1 activation unit (`BlockQ8_1` in quants.cuh: d, s, 32 quants).
 const Q8_1_BYTES: usize = 40;
 /// Elements of the f16 workspace a weight is dequantised into for cuBLAS (128 MiB).
@@ -337,6 +339,20 @@ impl Launcher {
         // SAFETY: x holds n elements, bias cols.
         unsafe { b.launch(grid_1d(n)) }?;
         Ok(())
+    }
+
+    /// The index of the largest value of each of `x`'s `n` rows of `cols` (the first on ties;
+    /// as `sampler::argmax`).
+    pub fn argmax_rows(&self, x: &CudaSlice<f32>, n: usize, cols: usize) -> Result<CudaSlice<u32>, CudaError> {
+        // SAFETY: argmax_rows writes one index per row.
+        let mut out = unsafe { self.stream.alloc::<u32>(n.max(1)) }?;
+        let cols_i = cols as i32;
+        let mut b = self.stream.launch_builder(self.f("argmax_rows")?);
+        b.arg(x).arg(&cols_i).arg(&mut out);
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (ARGMAX_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x holds n rows of cols.
+        unsafe { b.launch(cfg) }?;
+        Ok(out)
     }
 
     /// Rows `rows` of `x` (rows of `cols`), in that order.

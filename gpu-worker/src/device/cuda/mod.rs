@@ -302,6 +302,21 @@ impl CudaDevice {
         self.stream().synchronize().map_err(CudaError::from)?;
         Ok(v)
     }
+
+    /// The logits of the batch's logit rows, `[row][vocab]` on the GPU (`None`: no rows).
+    fn gpu_logits(&self, b: &CudaBatch) -> Result<Option<CudaSlice<f32>>> {
+        let c = &self.m.config;
+        let Some(output_norm) = &self.output_norm else {
+            return Err(GpuWorkerError::InvalidRequest(format!("logits from the CUDA device, which holds only layers 0..{}", self.layers.len())));
+        };
+        if b.logit_rows.is_empty() {
+            return Ok(None);
+        }
+        let picked = self.k.gather_rows(&b.x, &b.logit_rows, c.n_embd)?;
+        let normed = self.k.rms_norm(&picked, output_norm, b.logit_rows.len(), c.rms_eps)?;
+        let head = self.output.as_ref().unwrap_or(&self.token_embd);
+        Ok(Some(self.k.linear(head, &mut Acts::new(&normed, b.logit_rows.len(), c.n_embd))?))
+    }
 }
 
 /// A layer's queries, keys and values as the CUDA device computed them, on the GPU
@@ -501,17 +516,18 @@ impl Device for CudaDevice {
     }
 
     fn logits(&self, b: &CudaBatch) -> Result<Vec<f32>> {
-        let c = &self.m.config;
-        let Some(output_norm) = &self.output_norm else {
-            return Err(GpuWorkerError::InvalidRequest(format!("logits from the CUDA device, which holds only layers 0..{}", self.layers.len())));
-        };
-        if b.logit_rows.is_empty() {
-            return Ok(Vec::new());
+        match self.gpu_logits(b)? {
+            Some(logits) => self.download(&logits),
+            None => Ok(Vec::new()),
         }
-        let picked = self.k.gather_rows(&b.x, &b.logit_rows, c.n_embd)?;
-        let normed = self.k.rms_norm(&picked, output_norm, b.logit_rows.len(), c.rms_eps)?;
-        let head = self.output.as_ref().unwrap_or(&self.token_embd);
-        let logits = self.k.linear(head, &mut Acts::new(&normed, b.logit_rows.len(), c.n_embd))?;
-        self.download(&logits)
+    }
+
+    /// The arg-max on the GPU: only the tokens come down.
+    fn greedy_tokens(&self, b: &CudaBatch) -> Result<Option<Vec<u32>>> {
+        let Some(logits) = self.gpu_logits(b)? else { return Ok(Some(Vec::new())) };
+        let ids = self.k.argmax_rows(&logits, b.logit_rows.len(), self.m.config.n_vocab)?;
+        let ids = self.stream().clone_dtoh(&ids).map_err(CudaError::from)?;
+        self.stream().synchronize().map_err(CudaError::from)?;
+        Ok(Some(ids))
     }
 }

@@ -232,3 +232,28 @@ fn row_ops_match_the_cpu() {
     let picked = down(&k, &k.gather_rows(&xd, &[4, 0, 2], d).unwrap());
     assert_eq!(picked, [&x[4 * d..5 * d], &x[..d], &x[2 * d..3 * d]].concat(), "gather_rows");
 }
+
+#[test]
+fn argmax_rows_picks_what_the_host_greedy_sampler_picks() {
+    let Some(k) = launcher() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let cols = 128_256;
+    let mut rows: Vec<Vec<f32>> = (0..5).map(|_| (0..cols).map(|_| rng.random_range(-10.0f32..10.0)).collect()).collect();
+    // Ties (the first maximum wins), NaNs (never chosen; a NaN first gives 0), nothing
+    // above minus infinity (0), the maximum last.
+    rows[1][7] = 50.0;
+    rows[1][90_000] = 50.0;
+    rows[2][0] = f32::NAN;
+    rows[3][11] = f32::NAN;
+    rows[3][12] = 40.0;
+    rows.push(vec![f32::NEG_INFINITY; cols]);
+    let mut last = vec![0.0f32; cols];
+    last[cols - 1] = 1.0;
+    rows.push(last);
+    let flat: Vec<f32> = rows.concat();
+    let x = k.stream.clone_htod(&flat).unwrap();
+    let got = down(&k, &k.argmax_rows(&x, rows.len(), cols).unwrap());
+    let want: Vec<u32> = rows.iter().map(|r| crate::sampler::argmax(r)).collect();
+    assert_eq!(got, want);
+    println!("argmax_rows: {} rows of {cols}, the host's picks {want:?}", rows.len());
+}

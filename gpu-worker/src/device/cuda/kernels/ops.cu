@@ -73,3 +73,38 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
     size_t j = i / cols, c = i % cols;
     out[i] = x[(size_t)rows[j] * cols + c];
 }
+
+// The index of each row's largest value (`out[row]`), as the host's greedy sampler picks it:
+// the first maximum, NaNs never chosen, and 0 when the row's first value is NaN or no value
+// is above minus infinity. One block of ARGMAX_THREADS per row.
+#define ARGMAX_THREADS 256
+extern "C" __global__ void argmax_rows(const float* __restrict__ x, int cols, u32* __restrict__ out) {
+    __shared__ float sv[ARGMAX_THREADS];
+    __shared__ int si[ARGMAX_THREADS];
+    const float* row = x + (size_t)blockIdx.x * cols;
+    const int t = threadIdx.x;
+    float best = -__int_as_float(0x7f800000);
+    int bi = cols;
+    for (int i = t; i < cols; i += ARGMAX_THREADS) {
+        float v = row[i];
+        if (v > best) {
+            best = v;
+            bi = i;
+        }
+    }
+    sv[t] = best;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = ARGMAX_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            float v = sv[t + s];
+            int i = si[t + s];
+            if (v > sv[t] || (v == sv[t] && i < si[t])) {
+                sv[t] = v;
+                si[t] = i;
+            }
+        }
+        __syncthreads();
+    }
+    if (t == 0) out[blockIdx.x] = (row[0] != row[0] || si[0] == cols) ? 0u : (u32)si[0];
+}
