@@ -221,7 +221,8 @@ for s in $(for g in $steps; do expand "$g"; done); do
     speed-1b-host) step speed-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'run_speed "$@"' _ cuda "$(model llama-3.2-1b q4_k_m)" ;;
     # 16 sessions of 8K on the 8B shape: 128K positions, over what the mirror holds under the
     # 16 GB cap (~80K): gpu alone against the cpu-workers' and lp's split.
-    serve-8b-16x8k) step serve-8b-16x8k serve_bench "$(model llama-3.1-8b q4_k_m)" 24G 8192 16 ;;
+    # ~200 s of prefill before its decode: its own longer limit.
+    serve-8b-16x8k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-420} step serve-8b-16x8k serve_bench "$(model llama-3.1-8b q4_k_m)" 24G 8192 16 ;;
     *) echo "unknown step $s (groups: tests, bench)" >&2; exit 2 ;;
   esac
 done
