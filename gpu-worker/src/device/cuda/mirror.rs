@@ -4,8 +4,8 @@
 //! cache) stay the truth: the mirror is a cache of them, keyed by the caller's sequence
 //! identity ([`KvSource::seq_key`]). New K/V rows are written to both; a layer's positions
 //! the mirror lacks (a sequence it evicted, or met after its prefill) are uploaded from the
-//! host before the GPU attends them; the least recently used sequences make room. A sequence
-//! that does not fit even alone is attended on the host, as at stage A.
+//! host before the GPU attends them; room is made as `mirror_pages` says. A sequence that
+//! does not fit even alone is attended on the host, as at stage A.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -15,12 +15,12 @@ use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use duet_kernels::attention::{attn_scale, AttnShape};
 
 use super::launch::Launcher;
+pub use super::mirror_pages::PAGE;
+use super::mirror_pages::Pages;
 use super::CudaError;
 use crate::device::{KvAccessError, KvSink, KvSource, Partial};
 use crate::error::Result;
 
-/// Positions per page.
-pub const PAGE: usize = 16;
 /// Threads per attention block, positions per tile and query heads per block (`ATT_*` in
 /// attention.cu).
 const ATT_THREADS: u32 = 128;
@@ -39,25 +39,12 @@ pub struct MirrorItem {
     pub key: u64,
 }
 
-/// A sequence's pages and, per layer, how many of its first positions the mirror holds.
-struct Mirrored {
-    pages: Vec<i32>,
-    filled: Vec<usize>,
-    used: u64,
-}
-
 /// The mirror: its pool on the GPU and which sequence holds which page.
 pub struct KvMirror {
     pool: CudaSlice<u16>,
     page_elems: usize,
-    n_pages: usize,
     shape: AttnShape,
-    /// The layers the device holds (each page has all of them).
-    layers: usize,
-    free: Vec<i32>,
-    seqs: HashMap<u64, Mirrored>,
-    /// Ticks once per call; sequences used in the current call are never evicted by it.
-    clock: u64,
+    pages: Pages,
     /// Blocks the attention launch aims for (a few per multiprocessor).
     target_blocks: usize,
 }
@@ -80,39 +67,12 @@ impl KvMirror {
         let page_elems = page_bytes / 2;
         // SAFETY: a page is read only for the positions written into it (`filled`).
         let pool = unsafe { stream.alloc::<u16>((n_pages * page_elems).max(1)) }?;
-        Ok(KvMirror { pool, page_elems, n_pages, shape, layers, free: (0..n_pages as i32).rev().collect(), seqs: HashMap::new(), clock: 0, target_blocks: 4 * sm_count.max(1) })
+        Ok(KvMirror { pool, page_elems, shape, pages: Pages::new(n_pages, layers), target_blocks: 4 * sm_count.max(1) })
     }
 
-    /// Positions of one sequence the mirror can hold.
+    /// Positions the mirror holds, all sequences together.
     pub fn capacity(&self) -> usize {
-        self.n_pages * PAGE
-    }
-
-    /// Pages for positions `0..end` of `key`, evicting the least recently used sequences not
-    /// used in this call; false (nothing changed for others) when it cannot fit.
-    fn reserve(&mut self, key: u64, end: usize) -> bool {
-        let need = end.div_ceil(PAGE);
-        let clock = self.clock;
-        let have = self.seqs.get(&key).map_or(0, |m| m.pages.len());
-        if need > self.n_pages {
-            return false;
-        }
-        while self.free.len() < need.saturating_sub(have) {
-            let victim = self.seqs.iter().filter(|(_, m)| m.used < clock).min_by_key(|(_, m)| m.used).map(|(&k, _)| k);
-            let Some(victim) = victim else { return false };
-            let gone = self.seqs.remove(&victim).expect("found above");
-            self.free.extend(gone.pages);
-        }
-        let m = self.seqs.entry(key).or_insert_with(|| Mirrored { pages: Vec::new(), filled: vec![0; self.layers], used: clock });
-        m.used = clock;
-        while m.pages.len() < need {
-            m.pages.push(self.free.pop().expect("made room above"));
-        }
-        true
-    }
-
-    fn slot(&self, key: u64, pos: usize) -> i32 {
-        self.seqs[&key].pages[pos / PAGE] * PAGE as i32 + (pos % PAGE) as i32
+        self.pages.capacity()
     }
 
     /// Writes rows of K and V (`[row][kv_dim]`, f32 on the GPU) into `slots`, one per row.
@@ -134,22 +94,11 @@ impl KvMirror {
     /// rows `kv` can name; a row that would leave a gap in its sequence's mirrored prefix is
     /// left to the upload before attention.
     pub fn store(&mut self, kern: &Launcher, layer: usize, k: &CudaSlice<f32>, v: &CudaSlice<f32>, kv: &dyn KvSink) -> Result<(), CudaError> {
-        self.clock += 1;
+        self.pages.tick();
         let kv_dim = self.shape.n_kv_head * self.shape.head_dim;
-        let mut slots = Vec::with_capacity(k.len() / kv_dim);
-        for row in 0..k.len() / kv_dim {
-            // A write past the mirrored prefix would leave a gap (the GPU attends only the
-            // prefix of a sequence the cpu-workers share); one before its end (a sequence
-            // taken back) drops the positions after it.
-            let slot = match kv.position_of(row) {
-                Some((key, pos)) if pos <= self.seqs.get(&key).map_or(0, |m| m.filled[layer]) && self.reserve(key, pos + 1) => {
-                    self.seqs.get_mut(&key).expect("reserved").filled[layer] = pos + 1;
-                    self.slot(key, pos)
-                }
-                _ => -1,
-            };
-            slots.push(slot);
-        }
+        let slots: Vec<i32> = (0..k.len() / kv_dim)
+            .map(|row| kv.position_of(row).and_then(|(key, pos)| self.pages.write_slot(key, layer, pos)).unwrap_or(-1))
+            .collect();
         if slots.iter().any(|&s| s >= 0) {
             self.store_rows(kern, layer, (k, v), &slots)?;
         }
@@ -159,10 +108,10 @@ impl KvMirror {
     /// Makes positions `0..end` of `item`'s sequence of `layer` present, uploading what is
     /// missing from `kv`; false when the sequence cannot fit.
     fn ensure(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, end: usize, kv: &dyn KvSource) -> Result<bool> {
-        if !self.reserve(key, end) {
+        if !self.pages.reserve(key, end) {
             return Ok(false);
         }
-        let from = self.seqs[&key].filled[layer];
+        let from = self.pages.filled(key, layer);
         if from >= end {
             return Ok(true);
         }
@@ -188,10 +137,10 @@ impl KvMirror {
                 return Err(KvAccessError::NoBlock { position: from + p }.into());
             }
         }
-        let slots: Vec<i32> = (from..end).map(|pos| self.slot(key, pos)).collect();
+        let slots: Vec<i32> = (from..end).map(|pos| self.pages.slot(key, pos)).collect();
         let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
         self.store_rows(kern, layer, (&k, &v), &slots)?;
-        self.seqs.get_mut(&key).expect("reserved").filled[layer] = end;
+        self.pages.set_filled(key, layer, end);
         Ok(true)
     }
 
@@ -199,7 +148,7 @@ impl KvMirror {
     /// mirror: per item its output (`[n_head][head_dim]`) and per-head log-sum-exp, or
     /// `None` for an item whose sequence does not fit (the caller attends it on the host).
     pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
-        self.clock += 1;
+        self.pages.tick();
         let stream = &kern.stream;
         let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
         let q_dim = n_head * head_dim;
@@ -218,8 +167,9 @@ impl KvMirror {
                 None => {
                     let t = match self.ensure(kern, layer, it.key, it.seq, ends[&it.key], kv)? {
                         true => {
+                            self.pages.attended(it.key, ends[&it.key]);
                             let at = pages.len() as i32;
-                            pages.extend_from_slice(&self.seqs[&it.key].pages);
+                            pages.extend_from_slice(self.pages.table(it.key));
                             Some(at)
                         }
                         false => None,

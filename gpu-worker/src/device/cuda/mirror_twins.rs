@@ -1,8 +1,8 @@
 //! The KV mirror and the GPU's attention on it against a float64 reference over the same f16
 //! K/V rows: decode ranges (whole contexts, shares, a sliding window's cut, an empty range),
 //! prefill rows over their causal prefixes, rows written through the mirror and rows uploaded
-//! from the host (f16 and Q8_0 caches), eviction under a small budget, and a sequence too long
-//! for the mirror left to the host. Needs a GPU (see `twins`).
+//! from the host (f16 and Q8_0 caches), trimming and eviction under a small budget, and a
+//! sequence too long for the mirror left to the host. Needs a GPU (see `twins`).
 
 use std::ops::Range;
 
@@ -214,6 +214,13 @@ fn attention_on_the_mirror_matches_a_float64_reference() {
                     }
                 }
             }
+            // Sequence 3 written whole but attended over 0..300 only gives back its pages
+            // past 300 when sequence 2 needs room, and stays right; then both fit.
+            let mut trim = KvMirror::new(&k.stream, 1100usize.div_ceil(PAGE) * page, layers, *shape, 8).unwrap();
+            store(&k, &mut trim, &kv, shape, layers, 3, 0..1000);
+            check(&k, &mut trim, &kv, shape, &q, &[it(0, 3, 0..300)], &what);
+            assert_eq!(check(&k, &mut trim, &kv, shape, &q, &[it(1, 2, 0..300)], &what), [true]);
+            assert_eq!(check(&k, &mut trim, &kv, shape, &q, &[it(0, 3, 0..300), it(1, 2, 0..300)], &what), [true, true], "{what}: trimmed, both fit");
             let mut tiny = KvMirror::new(&k.stream, 4 * page, layers, *shape, 8).unwrap();
             let placed = check(&k, &mut tiny, &kv, shape, &q, &[it(0, 3, 0..1000), it(1, 0, 0..1)], &what);
             assert_eq!(placed, [false, true], "{what}: a sequence over the mirror goes to the host, the others stay");

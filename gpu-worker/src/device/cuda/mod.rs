@@ -18,6 +18,7 @@
 mod kernels;
 mod launch;
 mod mirror;
+mod mirror_pages;
 #[cfg(test)]
 mod mirror_twins;
 mod probe;

@@ -1,0 +1,205 @@
+//! The KV mirror's bookkeeping, apart from the GPU (and so tested on every machine): which
+//! of the pool's pages hold which sequence's positions, how many of each layer's first
+//! positions are mirrored, and how room is made. Room comes first from sequences holding
+//! more than the GPU last attended of them (the balancer gives the GPU a prefix of each
+//! context, and the mirror keeps whole prompts after their prefill), trimmed to that; then
+//! from the least recently used sequences, evicted whole. A call never takes room from a
+//! sequence it used itself.
+
+use std::collections::HashMap;
+
+/// Positions per page.
+pub const PAGE: usize = 16;
+
+/// A sequence's pages, per layer how many of its first positions the mirror holds, when it
+/// was last used, and how far the GPU last attended it.
+struct Mirrored {
+    pages: Vec<i32>,
+    filled: Vec<usize>,
+    used: u64,
+    attended: usize,
+}
+
+/// The pool's pages and the sequences holding them.
+pub struct Pages {
+    n_pages: usize,
+    layers: usize,
+    free: Vec<i32>,
+    seqs: HashMap<u64, Mirrored>,
+    /// Ticks once per call.
+    clock: u64,
+}
+
+impl Pages {
+    /// `n_pages` pages, each holding [`PAGE`] positions of `layers` layers.
+    pub fn new(n_pages: usize, layers: usize) -> Self {
+        Pages { n_pages, layers, free: (0..n_pages as i32).rev().collect(), seqs: HashMap::new(), clock: 0 }
+    }
+
+    /// Positions the pool holds, all sequences together.
+    pub fn capacity(&self) -> usize {
+        self.n_pages * PAGE
+    }
+
+    /// Starts a call (a store or an attention): what it uses is safe from it.
+    pub fn tick(&mut self) {
+        self.clock += 1;
+    }
+
+    /// Pages for positions `0..end` of `key`, making room from other sequences; false
+    /// (nothing taken from others) when even all the room they give is not enough.
+    pub fn reserve(&mut self, key: u64, end: usize) -> bool {
+        let need = end.div_ceil(PAGE);
+        let have = self.seqs.get(&key).map_or(0, |m| m.pages.len());
+        let clock = self.clock;
+        if need > have {
+            let spare: usize = self.seqs.iter().filter(|&(&k, m)| k != key && m.used < clock).map(|(_, m)| m.pages.len()).sum();
+            if self.free.len() + spare < need - have {
+                return false;
+            }
+        }
+        while self.free.len() < need.saturating_sub(have) {
+            self.make_room(key);
+        }
+        let layers = self.layers;
+        let m = self.seqs.entry(key).or_insert_with(|| Mirrored { pages: Vec::new(), filled: vec![0; layers], used: clock, attended: 0 });
+        m.used = clock;
+        while m.pages.len() < need {
+            m.pages.push(self.free.pop().expect("made room above"));
+        }
+        true
+    }
+
+    /// Frees some pages of a sequence other than `key` not used in this call: the least
+    /// recently used one holding pages past what the GPU last attended, trimmed to that;
+    /// else the least recently used one, whole.
+    fn make_room(&mut self, key: u64) {
+        let clock = self.clock;
+        let others = || self.seqs.iter().filter(move |&(&k, m)| k != key && m.used < clock);
+        let trim = others().filter(|(_, m)| m.pages.len() > m.attended.div_ceil(PAGE)).min_by_key(|(_, m)| m.used).map(|(&k, _)| k);
+        let victim = trim.or_else(|| others().min_by_key(|(_, m)| m.used).map(|(&k, _)| k)).expect("reserve counted the room");
+        let m = self.seqs.get_mut(&victim).expect("found above");
+        let keep = if trim.is_some() { m.attended.div_ceil(PAGE) } else { 0 };
+        self.free.extend(m.pages.drain(keep..));
+        if keep == 0 {
+            self.seqs.remove(&victim);
+        } else {
+            m.filled.iter_mut().for_each(|f| *f = (*f).min(keep * PAGE));
+        }
+    }
+
+    /// Where a new row of `key` at `pos` of `layer` goes: its slot (page · [`PAGE`] +
+    /// offset), or `None` when it would leave a gap after the mirrored prefix (the GPU attends
+    /// a prefix; the rest is uploaded when it is needed) or there is no room. A row before
+    /// the prefix's end (a sequence taken back) drops the positions after it.
+    pub fn write_slot(&mut self, key: u64, layer: usize, pos: usize) -> Option<i32> {
+        if pos > self.filled(key, layer) || !self.reserve(key, pos + 1) {
+            return None;
+        }
+        self.set_filled(key, layer, pos + 1);
+        Some(self.slot(key, pos))
+    }
+
+    /// How many of `key`'s first positions of `layer` are mirrored.
+    pub fn filled(&self, key: u64, layer: usize) -> usize {
+        self.seqs.get(&key).map_or(0, |m| m.filled[layer])
+    }
+
+    /// Records that positions `0..n` of `key`'s `layer` are mirrored (reserved).
+    pub fn set_filled(&mut self, key: u64, layer: usize, n: usize) {
+        if let Some(m) = self.seqs.get_mut(&key) {
+            m.filled[layer] = n;
+        }
+    }
+
+    /// The slot of position `pos` of `key` (reserved).
+    pub fn slot(&self, key: u64, pos: usize) -> i32 {
+        self.seqs[&key].pages[pos / PAGE] * PAGE as i32 + (pos % PAGE) as i32
+    }
+
+    /// `key`'s pages in position order (reserved).
+    pub fn table(&self, key: u64) -> &[i32] {
+        &self.seqs[&key].pages
+    }
+
+    /// Records how far this call's attention reached into `key` (positions `0..end`).
+    pub fn attended(&mut self, key: u64, end: usize) {
+        if let Some(m) = self.seqs.get_mut(&key) {
+            m.attended = end;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reserves `0..end` of `key` in a call of its own, marking it all filled and attended.
+    fn hold(p: &mut Pages, key: u64, end: usize, attended: usize) -> bool {
+        p.tick();
+        let ok = p.reserve(key, end);
+        if ok {
+            p.set_filled(key, 0, end);
+            p.attended(key, attended);
+        }
+        ok
+    }
+
+    fn pages_of(p: &Pages, key: u64) -> usize {
+        p.seqs.get(&key).map_or(0, |m| m.pages.len())
+    }
+
+    #[test]
+    fn room_comes_from_what_the_gpu_did_not_attend_before_whole_sequences() {
+        // 10 pages. Sequence 1 holds 6 pages of its prompt but the GPU attended only 2 pages'
+        // worth; sequence 2 holds 3, all attended.
+        let mut p = Pages::new(10, 1);
+        assert!(hold(&mut p, 1, 6 * PAGE, 2 * PAGE));
+        assert!(hold(&mut p, 2, 3 * PAGE, 3 * PAGE));
+        // Sequence 3 needs 4: one is free, 1 is trimmed to 2 pages (its filled prefix with it).
+        assert!(hold(&mut p, 3, 4 * PAGE, 4 * PAGE));
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 3)), (2, 3, 4));
+        assert_eq!(p.filled(1, 0), 2 * PAGE);
+        // Nothing is left to trim: the least recently used (1) goes whole.
+        assert!(hold(&mut p, 4, 2 * PAGE, 2 * PAGE));
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 4)), (0, 3, 2));
+        assert_eq!(p.filled(1, 0), 0);
+        // More than all the others give: refused, and nobody loses anything.
+        assert!(!hold(&mut p, 5, 11 * PAGE, 0));
+        assert_eq!((pages_of(&p, 2), pages_of(&p, 3), pages_of(&p, 4)), (3, 4, 2));
+        assert_eq!(p.free.len() + 9, 10);
+    }
+
+    #[test]
+    fn a_call_never_takes_room_from_what_it_uses() {
+        let mut p = Pages::new(4, 1);
+        p.tick();
+        assert!(p.reserve(1, 2 * PAGE));
+        // In the same call, sequence 2 can have the 2 free pages but not sequence 1's.
+        assert!(p.reserve(2, 2 * PAGE));
+        assert!(!p.reserve(3, PAGE));
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2)), (2, 2));
+        // In the next call, 3 takes the least recently used: both were used in the last
+        // call, so the lower clock (equal) — either way exactly one page's owner loses.
+        p.tick();
+        assert!(p.reserve(3, PAGE));
+        assert_eq!(pages_of(&p, 1) + pages_of(&p, 2), 2);
+    }
+
+    #[test]
+    fn rows_extend_the_prefix_rewrite_it_or_wait_for_an_upload() {
+        let mut p = Pages::new(8, 2);
+        p.tick();
+        // Rows 0..20 of layer 1 in order: slots on two pages.
+        let slots: Vec<_> = (0..20).map(|pos| p.write_slot(7, 1, pos).unwrap()).collect();
+        assert_eq!(slots[16] / PAGE as i32, p.table(7)[1]);
+        assert_eq!(p.filled(7, 1), 20);
+        assert_eq!(p.filled(7, 0), 0);
+        // Past the prefix: a gap, not written (layer 0 holds nothing yet).
+        assert_eq!(p.write_slot(7, 0, 5), None);
+        assert_eq!(p.write_slot(7, 1, 25), None);
+        // Taken back to 10: the positions after it are no longer mirrored.
+        assert!(p.write_slot(7, 1, 10).is_some());
+        assert_eq!(p.filled(7, 1), 11);
+    }
+}
