@@ -315,7 +315,9 @@ fn run_generate(args: RunArgs, device: Placement) -> anyhow::Result<()> {
                 "top5": top5,
                 "stop": gen.stop,
                 "timings": { "prompt_tokens": n_prompt, "prefill_tokens_per_s": prefill_tps,
-                             "generated_tokens": n_gen, "decode_tokens_per_s": decode_tps },
+                             "generated_tokens": n_gen, "decode_tokens_per_s": decode_tps,
+                             "prefill_device_us": phases_us(&gen.device_phases[0]),
+                             "decode_device_us": phases_us(&gen.device_phases[1]) },
             })
         );
     } else {
@@ -323,4 +325,9 @@ fn run_generate(args: RunArgs, device: Placement) -> anyhow::Result<()> {
         eprintln!("[{n_prompt} prompt tokens at {prefill_tps:.1} tok/s, {n_gen} generated at {decode_tps:.1} tok/s, stop: {:?}]", gen.stop);
     }
     Ok(())
+}
+
+/// A device's phase times (nanoseconds) as a JSON object of microseconds, in phase order.
+fn phases_us(phases: &[(&'static str, u64)]) -> serde_json::Value {
+    serde_json::Value::Object(phases.iter().map(|&(name, ns)| (name.to_string(), json!(ns / 1000))).collect())
 }

@@ -62,6 +62,9 @@ pub struct Generation {
     pub stop: GenerationEnd,
     pub prefill_time: Duration,
     pub decode_time: Duration,
+    /// Where the device's time went in the prefill and in the decode, per phase of its calls
+    /// (`Device::phase_times`, nanoseconds; empty for a device without them).
+    pub device_phases: [Vec<(&'static str, u64)>; 2],
 }
 
 /// A generation request.
@@ -172,11 +175,13 @@ impl<D: Device> Runner<D> {
 
     fn generate_in(&self, kv: &mut KvCache, req: &GenerateRequest, mut sampler: Sampler, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
         let start = Instant::now();
+        self.device.phase_times();
         let mut logits = Vec::new();
         for chunk in req.prompt_ids.chunks(self.device.prefill_chunk()) {
             logits = self.forward(chunk, kv, Logits::Last)?;
         }
         let prefill_time = start.elapsed();
+        let prefill_phases = self.device.phase_times();
         let decode_start = Instant::now();
         let mut out = Generation {
             generated_ids: Vec::new(),
@@ -185,6 +190,7 @@ impl<D: Device> Runner<D> {
             stop: GenerationEnd::MaxTokens,
             prefill_time,
             decode_time: Duration::ZERO,
+            device_phases: [prefill_phases, Vec::new()],
         };
         let mut stream = StreamDecoder::default();
         let mut history = req.prompt_ids.clone();
@@ -215,6 +221,7 @@ impl<D: Device> Runner<D> {
         on_text(&tail);
         out.text.push_str(&tail);
         out.decode_time = decode_start.elapsed();
+        out.device_phases[1] = self.device.phase_times();
         Ok(out)
     }
 

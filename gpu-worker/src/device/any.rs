@@ -82,6 +82,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.gpu_kv_positions())
     }
 
+    fn phase_times(&self) -> Vec<(&'static str, u64)> {
+        on_device!(self, d => d.phase_times())
+    }
+
     fn holds_all_experts(&self) -> bool {
         on_device!(self, d => d.holds_all_experts())
     }

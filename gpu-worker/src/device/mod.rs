@@ -306,6 +306,12 @@ pub trait Device: Send + Sync {
         if self.kind() == pb::DeviceKind::Cpu { self.layers().len() } else { 0 }
     }
 
+    /// Where the device's time went since the last call, per phase of its calls, in
+    /// nanoseconds (the CUDA device's; empty for the others).
+    fn phase_times(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+
     /// Positions of KV the device keeps on the GPU for its own attention (the CUDA device's
     /// mirror; 0 where it attends on the host).
     fn gpu_kv_positions(&self) -> usize {

@@ -100,6 +100,10 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         self.head.gpu_kv_positions()
     }
 
+    fn phase_times(&self) -> Vec<(&'static str, u64)> {
+        self.head.phase_times()
+    }
+
     fn holds_all_experts(&self) -> bool {
         self.head.holds_all_experts() && self.tail.holds_all_experts()
     }

@@ -10,11 +10,13 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use duet_kernels::attention::{attn_scale, AttnShape};
 
 use super::launch::Launcher;
+use super::phases::{Phase, Phases};
 pub use super::mirror_pages::PAGE;
 use super::mirror_pages::Pages;
 use super::CudaError;
@@ -147,7 +149,8 @@ impl KvMirror {
     /// Attention of `items` on layer `layer` (`q`: the batch's rows on the GPU) over the
     /// mirror: per item its output (`[n_head][head_dim]`) and per-head log-sum-exp, or
     /// `None` for an item whose sequence does not fit (the caller attends it on the host).
-    pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Vec<Option<Partial>>> {
+    pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource, phases: &Phases) -> Result<Vec<Option<Partial>>> {
+        let t = Instant::now();
         self.pages.tick();
         let stream = &kern.stream;
         let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
@@ -218,9 +221,11 @@ impl KvMirror {
         let cfg = LaunchConfig { grid_dim: ((n * n_head) as u32, 1, 1), block_dim: (head_dim.min(128) as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as above; out holds n * q_dim, lse n * n_head.
         unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+        let t = phases.add(Phase::AttendPrepare, t);
         let out = stream.clone_dtoh(&out).map_err(CudaError::from)?;
         let lse = stream.clone_dtoh(&lse).map_err(CudaError::from)?;
         stream.synchronize().map_err(CudaError::from)?;
+        phases.add(Phase::AttendWait, t);
         for (j, &i) in placed.iter().enumerate() {
             results[i] = Some((out[j * q_dim..(j + 1) * q_dim].to_vec(), lse[j * n_head..(j + 1) * n_head].to_vec()));
         }

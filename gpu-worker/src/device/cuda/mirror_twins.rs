@@ -150,7 +150,7 @@ fn check(k: &super::launch::Launcher, mirror: &mut KvMirror, kv: &HostKv, shape:
     let mut placed = Vec::new();
     let qd = k.stream.clone_htod(q).unwrap();
     for layer in 0..layers {
-        let got = mirror.attend(k, layer, &qd, items, kv).unwrap();
+        let got = mirror.attend(k, layer, &qd, items, kv, &super::phases::Phases::default()).unwrap();
         placed = got.iter().map(Option::is_some).collect();
         for (it, g) in items.iter().zip(got) {
             let Some((o, l)) = g else { continue };

@@ -21,12 +21,14 @@ mod mirror;
 mod mirror_pages;
 #[cfg(test)]
 mod mirror_twins;
+mod phases;
 mod probe;
 #[cfg(test)]
 mod twins;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use duet_model::config::LlamaConfig;
@@ -38,6 +40,7 @@ pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
 use self::mirror::{KvMirror, MirrorItem};
+use self::phases::{Phase, Phases};
 use duet_kernels::attention::windowed;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
 use super::expert_usage::RoutedTokens;
@@ -138,6 +141,8 @@ pub struct CudaDevice {
     weight_bytes: usize,
     /// The KV mirror and the GPU's attention on it; `None`: attention on the host.
     mirror: Option<Mutex<KvMirror>>,
+    /// Where the calls' time goes.
+    phases: Phases,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -230,7 +235,7 @@ impl CudaDevice {
             None => None,
         };
         let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES)?;
-        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes, mirror })
+        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes, mirror, phases: Phases::default() })
     }
 
     /// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
@@ -271,7 +276,7 @@ impl CudaDevice {
             Some(m) if !items.is_empty() => {
                 let g = self.gpu_qkv(qkv)?;
                 let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
-                m.attend(&self.k, layer, &g.q, items, kv)
+                m.attend(&self.k, layer, &g.q, items, kv, &self.phases)
             }
             _ => Ok(vec![None; items.len()]),
         }
@@ -377,14 +382,21 @@ impl Device for CudaDevice {
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
         check_batch(&self.m.config, tokens, positions, logit_rows)?;
+        let t = Instant::now();
         let n = tokens.len();
         let ids = self.stream().clone_htod(tokens).map_err(CudaError::from)?;
         let x = self.k.get_rows(&self.token_embd, &ids, n)?;
-        self.batch(n, x, positions, logit_rows)
+        let batch = self.batch(n, x, positions, logit_rows)?;
+        self.phases.add(Phase::Embed, t);
+        Ok(batch)
     }
 
     fn layers(&self) -> Range<usize> {
         0..self.layers.len()
+    }
+
+    fn phase_times(&self) -> Vec<(&'static str, u64)> {
+        self.phases.take()
     }
 
     fn gpu_kv_positions(&self) -> usize {
@@ -402,6 +414,7 @@ impl Device for CudaDevice {
     }
 
     fn qkv(&self, l: usize, b: &mut CudaBatch) -> Result<Qkv> {
+        let t = Instant::now();
         let c = &self.m.config;
         let layer = self.layer(l)?;
         let xn = self.k.rms_norm(&b.x, &layer.attn_norm, b.n, c.rms_eps)?;
@@ -422,19 +435,24 @@ impl Device for CudaDevice {
         self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot, c.rope_neox)?;
         self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
         // The three copies with one wait; the GPU's own stay for the mirror and attention.
+        let t = self.phases.add(Phase::QkvLaunch, t);
         let s = self.stream();
         let host = (s.clone_dtoh(&q), s.clone_dtoh(&k), s.clone_dtoh(&v));
         s.synchronize().map_err(CudaError::from)?;
+        self.phases.add(Phase::QkvDownload, t);
         let on_device = Some(DeviceCopy(Arc::new(GpuQkv { q, k, v })));
         Ok(Qkv { q: host.0.map_err(CudaError::from)?, k: host.1.map_err(CudaError::from)?, v: host.2.map_err(CudaError::from)?, on_device })
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+        let t = Instant::now();
         host_attention::store(&self.m.config, layer, qkv, kv)?;
+        let t = self.phases.add(Phase::StoreArena, t);
         if let Some(m) = &self.mirror {
-            let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
             let g = self.gpu_qkv(qkv)?;
+            let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
             m.store(&self.k, layer, &g.k, &g.v, kv)?;
+            self.phases.add(Phase::StoreMirror, t);
         }
         Ok(())
     }
@@ -459,7 +477,10 @@ impl Device for CudaDevice {
             }
         }
         let rest: Vec<PrefillItem> = items.iter().filter(|it| !on_gpu.contains(&it.seq)).cloned().collect();
-        host_attention::prefill(c, layer, &qkv.q, &rest, kv, out)
+        let t = Instant::now();
+        host_attention::prefill(c, layer, &qkv.q, &rest, kv, out)?;
+        self.phases.add(Phase::AttendHost, t);
+        Ok(())
     }
 
     /// On the GPU where the mirror holds the sequences, else on the host.
@@ -480,10 +501,12 @@ impl Device for CudaDevice {
         }
         let host: Vec<usize> = keyed.into_iter().filter(|&i| results[i].is_none()).chain(unkeyed).collect();
         if !host.is_empty() {
+            let t = Instant::now();
             let host_items: Vec<DecodeItem> = host.iter().map(|&i| items[i].clone()).collect();
             for (&i, r) in host.iter().zip(host_attention::decode(c, layer, &qkv.q, &host_items, kv)?) {
                 results[i] = Some(r);
             }
+            self.phases.add(Phase::AttendHost, t);
         }
         Ok(results.into_iter().map(|r| r.expect("every item attended")).collect())
     }
@@ -491,7 +514,9 @@ impl Device for CudaDevice {
     fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
         let c = &self.m.config;
         let layer = self.layer(l)?;
+        let t = Instant::now();
         let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;
+        let t = self.phases.add(Phase::FinishUpload, t);
         let o = self.k.linear(&layer.wo, &mut Acts::new(&a, b.n, c.q_dim()))?;
         self.k.add_assign(&mut b.x, &o)?;
         let xn = self.k.rms_norm(&b.x, &layer.ffn_norm, b.n, c.rms_eps)?;
@@ -513,22 +538,28 @@ impl Device for CudaDevice {
             }
         };
         self.k.add_assign(&mut b.x, &down)?;
+        self.phases.add(Phase::FinishLaunch, t);
         Ok(())
     }
 
     fn logits(&self, b: &CudaBatch) -> Result<Vec<f32>> {
-        match self.gpu_logits(b)? {
-            Some(logits) => self.download(&logits),
-            None => Ok(Vec::new()),
-        }
+        let t = Instant::now();
+        let logits = match self.gpu_logits(b)? {
+            Some(logits) => self.download(&logits)?,
+            None => Vec::new(),
+        };
+        self.phases.add(Phase::Logits, t);
+        Ok(logits)
     }
 
     /// The arg-max on the GPU: only the tokens come down.
     fn greedy_tokens(&self, b: &CudaBatch) -> Result<Option<Vec<u32>>> {
+        let t = Instant::now();
         let Some(logits) = self.gpu_logits(b)? else { return Ok(Some(Vec::new())) };
         let ids = self.k.argmax_rows(&logits, b.logit_rows.len(), self.m.config.n_vocab)?;
         let ids = self.stream().clone_dtoh(&ids).map_err(CudaError::from)?;
         self.stream().synchronize().map_err(CudaError::from)?;
+        self.phases.add(Phase::Logits, t);
         Ok(Some(ids))
     }
 }
