@@ -93,7 +93,7 @@ impl Sampler {
         } else {
             logits
         };
-        if p.temperature == 0.0 {
+        if p.temperature == 0.0 || logits.is_empty() {
             return argmax(logits);
         }
         let kept = Kept::filter(logits, p);
