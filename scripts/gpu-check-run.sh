@@ -166,8 +166,9 @@ run_speed() { # DEVICE MODEL [GPU_LAYERS]
 # The served system: 1, 16 and 64 streams (or CONCURRENCY) at context 1K (or CONTEXT),
 # policies cpu, gpu and lp.
 serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY]
-  # The step log (linear layers, attention, waits per step) shows where a step's time goes.
-  RUST_LOG=info,duet_gateway::scheduler::step=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
+  # The step log (linear layers, attention, waits per step) and the device's phases every 64
+  # steps show where a step's time goes.
+  RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
   sleep 2

@@ -76,12 +76,18 @@ pub struct Executor<D: Device = crate::device::cpu::CpuDevice> {
     grammars: Option<Grammars>,
     /// The plan of hot experts held on the device (`--device-experts`).
     hot: Option<HotExperts>,
+    /// The device's phase times summed over recent steps, and how many (see
+    /// [`Executor::log_phases`]).
+    phases: (Vec<(&'static str, u64)>, u32),
 }
+
+/// Steps over which the device's phase times are summed before they are logged.
+const PHASE_LOG_STEPS: u32 = 64;
 
 impl<D: Device> Executor<D> {
     pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
         let shape = device.config().kv_shape().map_err(crate::error::GpuWorkerError::Model)?;
-        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None, hot: None })
+        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None, hot: None, phases: (Vec::new(), 0) })
     }
 
     /// Holds on the device, planned every `every` steps, the `k` experts of each layer the
@@ -148,6 +154,7 @@ impl<D: Device> Executor<D> {
         if let Ok(pb::StepResponse { timings: Some(t), .. }) = &result {
             self.plan_hot_experts(&t.expert_routed);
         }
+        self.log_phases();
         if let Err(e) = &result {
             tracing::warn!(step = req.step, "step failed: {e}");
             for s in &req.sequences {
@@ -313,6 +320,29 @@ impl<D: Device> Executor<D> {
             .total_ns
             .saturating_sub(timings.kv_write_ns + timings.attention_gpu_ns + timings.attention_wait_ns + timings.merge_ns + timings.sample_ns);
         pb::StepResponse { sampled, timings: Some(timings) }
+    }
+
+    /// Sums the device's phase times (the CUDA device's: where its calls' time goes) and logs
+    /// them, in milliseconds per step, every [`PHASE_LOG_STEPS`] steps at debug level
+    /// (`duet_gpu_worker::worker=debug`).
+    fn log_phases(&mut self) {
+        let now = self.device.phase_times();
+        if now.is_empty() {
+            return;
+        }
+        let (sums, steps) = &mut self.phases;
+        if sums.is_empty() {
+            *sums = now;
+        } else {
+            sums.iter_mut().zip(now).for_each(|(s, n)| s.1 += n.1);
+        }
+        *steps += 1;
+        if *steps == PHASE_LOG_STEPS {
+            let per_step: Vec<String> = sums.iter().map(|(name, ns)| format!("{name}={:.2}", *ns as f64 / 1e6 / PHASE_LOG_STEPS as f64)).collect();
+            tracing::debug!(steps = PHASE_LOG_STEPS, "device ms per step: {}", per_step.join(" "));
+            *sums = Vec::new();
+            *steps = 0;
+        }
     }
 
     /// Checks one sequence's part of a step and applies it to the sequence's state. With
