@@ -9,8 +9,11 @@
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
 #          device (single process; the 8B also with half its layers on the CPU device,
 #          --gpu-layers 16), and the served system at 1, 16 and 64 streams;
-#   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table, as far as
-#          stage A's prefill allows in one call).
+#   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table).
+#
+# Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
+# comparison), serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
+# serve-moe-shape (the OLMoE shape, experts on the host), and each step of the groups.
 #
 #     bash scripts/gpu-check-run.sh [tests] [bench] [table] [STEP...]   (tests and bench when none is named)
 #
@@ -165,10 +168,10 @@ run_speed() { # DEVICE MODEL [GPU_LAYERS]
 
 # The served system: 1, 16 and 64 streams (or CONCURRENCY) at context 1K (or CONTEXT),
 # policies cpu, gpu and lp.
-serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY]
+serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY] [GATEWAY FLAGS]
   # The step log (linear layers, attention, waits per step) and the device's phases every 64
   # steps show where a step's time goes.
-  RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" \
+  RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" ${5:-} \
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
   local gw=$!
   sleep 2
@@ -216,6 +219,10 @@ for s in $(for g in $steps; do expand "$g"; done); do
     serve-1b-32k) step serve-1b-32k serve_bench "$(model llama-3.2-1b q4_k_m)" 8G 32768 1 ;;
     serve-8b-1k) step serve-8b-1k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 1024 1,16 ;;
     serve-8b-8k) step serve-8b-8k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 8192 1 ;;
+    # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host
+    # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.
+    speed-moe) step speed-moe run_speed cuda "$(model olmoe-1b-7b q4_k_m)" ;;
+    serve-moe-shape) step serve-moe-shape serve_bench "$(model olmoe-1b-7b q4_k_m)" 4G 1024 1,16 "--experts-on cpu-workers" ;;
     # Stage A for comparison: no KV mirror, the gpu-worker's attention on its host cores.
     serve-bench-1b-host) step serve-bench-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
     serve-1b-8k-host) step serve-1b-8k-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
