@@ -124,17 +124,23 @@ fn rank_order(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
 /// in id order: a fixed order, so a seed repeats its draws.
 struct Kept {
     top: (u32, f32),
-    last: (u32, f32),
+    /// The lowest-ranked kept token; `None`: every token is kept (no filter).
+    last: Option<(u32, f32)>,
 }
 
 impl Kept {
     fn filter(logits: &[f32], p: SamplingParams) -> Kept {
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        if p.top_k > 0 && p.top_k < cand.len() {
+        let all = || logits.iter().enumerate().map(|(i, &l)| (i as u32, l));
+        let top = all().min_by(rank_order).expect("a vocabulary is not empty");
+        let top_k = p.top_k > 0 && p.top_k < logits.len();
+        if !top_k && p.top_p >= 1.0 && p.min_p <= 0.0 {
+            return Kept { top, last: None };
+        }
+        let mut cand: Vec<(u32, f32)> = all().collect();
+        if top_k {
             cand.select_nth_unstable_by(p.top_k - 1, rank_order);
             cand.truncate(p.top_k);
         }
-        let top = *cand.iter().min_by(|a, b| rank_order(a, b)).expect("a vocabulary is not empty");
         if p.top_p < 1.0 {
             // The smallest head whose probabilities (temperature 1, over the candidates)
             // reach top_p.
@@ -148,13 +154,13 @@ impl Kept {
             let floor = top.1 + p.min_p.ln();
             cand.retain(|c| c.1 >= floor || *c == top);
         }
-        let last = *cand.iter().max_by(|a, b| rank_order(a, b)).expect("the top is kept");
-        Kept { top, last }
+        let last = cand.into_iter().max_by(rank_order).expect("the top is kept");
+        Kept { top, last: Some(last) }
     }
 
     /// The kept tokens in id order, with their logits.
     fn members<'a>(&'a self, logits: &'a [f32]) -> impl Iterator<Item = (u32, f32)> + 'a {
-        logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).filter(move |c| rank_order(c, &self.last) != std::cmp::Ordering::Greater)
+        logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).filter(move |c| self.last.is_none_or(|last| rank_order(c, &last) != std::cmp::Ordering::Greater))
     }
 }
 
