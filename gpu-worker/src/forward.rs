@@ -18,6 +18,11 @@ pub trait LayerAttention<D: Device + ?Sized> {
     type Begun;
     type Error: From<GpuWorkerError>;
 
+    /// Layer `layer` of sub-batch `sub` wholly on the device ([`Device::layer_on_device`]),
+    /// where this attention's owner allows it; `false`: the layer goes the usual way.
+    fn on_device(&mut self, _device: &D, _sub: usize, _layer: usize, _batch: &mut D::Batch) -> Result<bool, Self::Error> {
+        Ok(false)
+    }
     fn begin(&mut self, device: &D, sub: usize, layer: usize, qkv: &Qkv) -> Result<Self::Begun, Self::Error>;
     /// `qkv` is the sub-batch's of [`LayerAttention::begin`].
     fn finish(&mut self, device: &D, sub: usize, layer: usize, begun: Self::Begun, qkv: &Qkv, out: &mut [f32]) -> Result<(), Self::Error>;
@@ -38,6 +43,10 @@ pub fn run_layers<D: Device + ?Sized, A: LayerAttention<D>>(device: &D, batches:
     // Begun layers, oldest first, with their queries, keys and values (stored by then).
     let mut begun: VecDeque<(usize, usize, A::Begun, Qkv)> = VecDeque::with_capacity(k);
     for layer in 0..device.config().n_layer {
+        // One batch: the layer wholly on the device where it can.
+        if k == 1 && attention.on_device(device, 0, layer, &mut batches[0])? {
+            continue;
+        }
         for sub in 0..k {
             let qkv = device.qkv(layer, &mut batches[sub])?;
             let b = attention.begin(device, sub, layer, &qkv)?;

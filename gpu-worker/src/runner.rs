@@ -20,7 +20,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use crate::device::cpu::CpuDevice;
-use crate::device::{AnyDevice, DecodeItem, Device, KvAccessError, Placement, KvSink, KvSource, PrefillItem, Qkv};
+use crate::device::{AnyDevice, DecodeItem, Device, KvAccessError, NoRemoteExperts, Placement, KvSink, KvSource, PrefillItem, Qkv};
 use crate::error::{Result, GpuWorkerError};
 use crate::forward::{run_layers, LayerAttention};
 use crate::sampler::{Sampler, SamplingParams};
@@ -420,9 +420,25 @@ impl KvSource for KvCache {
     }
 }
 
+/// What the device attends: the cache's positions.
+impl KvSource for CacheAttention<'_> {
+    fn runs(&self, seq: usize, layer: usize, kv_head: usize, range: std::ops::Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
+        self.kv.runs(seq, layer, kv_head, range)
+    }
+
+    fn seq_key(&self, seq: usize) -> Option<u64> {
+        self.kv.seq_key(seq)
+    }
+}
+
 impl<D: Device> LayerAttention<D> for CacheAttention<'_> {
     type Begun = ();
     type Error = GpuWorkerError;
+
+    fn on_device(&mut self, device: &D, _sub: usize, layer: usize, batch: &mut D::Batch) -> Result<bool> {
+        let item = [PrefillItem { seq: 0, row0: 0, n: self.n, start: self.pos0 }];
+        device.layer_on_device(layer, batch, &item, self, &mut NoRemoteExperts)
+    }
 
     fn begin(&mut self, device: &D, _sub: usize, layer: usize, qkv: &Qkv) -> Result<()> {
         device.store_kv(layer, qkv, self)

@@ -13,7 +13,7 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use duet_model::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
-use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
+use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use duet_gpu_worker::error::Result;
 use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::{argmax, SamplingParams};
@@ -34,6 +34,8 @@ struct Calls {
     logits: AtomicUsize,
     /// Batches whose greedy tokens the device gave (not in the snapshot).
     greedy_tokens: AtomicUsize,
+    /// Layers done wholly on the device (not in the snapshot).
+    layers_on_device: AtomicUsize,
 }
 
 impl Calls {
@@ -63,6 +65,9 @@ struct Counting {
     inner: CpuDevice,
     calls: Arc<Calls>,
     greedy_on_device: bool,
+    /// Takes whole layers ([`Device::layer_on_device`]), as the CUDA device does, by making
+    /// the same calls itself.
+    whole_layers: bool,
 }
 
 impl Device for Counting {
@@ -116,6 +121,29 @@ impl Device for Counting {
         bump(&self.calls.logits, 1);
         self.inner.logits(batch)
     }
+    fn layer_on_device(&self, layer: usize, batch: &mut Self::Batch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
+        if !self.whole_layers {
+            return Ok(false);
+        }
+        bump(&self.calls.layers_on_device, 1);
+        let qkv = self.qkv(layer, batch)?;
+        self.store_kv(layer, &qkv, &mut *kv)?;
+        let mut out = vec![0f32; qkv.q.len()];
+        let q_dim = out.len() / items.iter().map(|it| it.n).sum::<usize>();
+        let (decode, prefill): (Vec<&PrefillItem>, Vec<&PrefillItem>) = items.iter().partition(|it| it.n == 1);
+        if !prefill.is_empty() {
+            let prefill: Vec<PrefillItem> = prefill.into_iter().cloned().collect();
+            self.prefill_attention(layer, &qkv, &prefill, &*kv, &mut out)?;
+        }
+        if !decode.is_empty() {
+            let decode: Vec<DecodeItem> = decode.iter().map(|it| DecodeItem { seq: it.seq, row: it.row0, range: 0..it.start + 1, n_ctx: it.start + 1 }).collect();
+            for (it, (o, _)) in decode.iter().zip(self.decode_attention(layer, &qkv, &decode, &*kv)?) {
+                out[it.row * q_dim..(it.row + 1) * q_dim].copy_from_slice(&o);
+            }
+        }
+        self.finish_layer(layer, batch, &out, remote)?;
+        Ok(true)
+    }
     fn greedy_tokens(&self, batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
         if !self.greedy_on_device {
             return Ok(None);
@@ -127,7 +155,7 @@ impl Device for Counting {
 }
 
 fn counting(calls: &Arc<Calls>) -> impl FnOnce(Arc<GgufFile>) -> Result<Counting> + '_ {
-    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false })
+    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false, whole_layers: false })
 }
 
 const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
@@ -239,7 +267,7 @@ fn greedy_steps_take_the_tokens_the_device_finds() {
     let want: Vec<u32> = reference().iter().map(|r| r.0).collect();
     let calls = Arc::new(Calls::default());
     let file = Arc::new(GgufFile::open(model_path()).unwrap());
-    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: true };
+    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: true, whole_layers: false };
     let (mut ex, _segments) = support::executor_with_arena(device, "seam-greedy");
     let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap().sampled;
     // Two greedy sequences asking for no log-probabilities: their tokens come from the device
@@ -260,4 +288,42 @@ fn greedy_steps_take_the_tokens_the_device_finds() {
     assert_eq!(sampled[1].top.len(), 2);
     assert_eq!(sampled[1].token.as_ref().unwrap().id, want[0]);
     assert_eq!(calls.logits.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn whole_layers_on_the_device_compute_what_the_layer_calls_do() {
+    let want = reference();
+    let bits = |s: &[(u32, f64)]| s.iter().map(|&(id, lp)| (id, (lp as f32).to_bits())).collect::<Vec<_>>();
+    // The runner: every layer of the prefill and of each decode token wholly on the device.
+    let calls = Arc::new(Calls::default());
+    let whole = |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false, whole_layers: true });
+    let engine = Runner::load_with(&model_path(), whole).unwrap();
+    let n_layer = engine.device.config().n_layer;
+    assert_eq!(bits(&generate(&engine)), bits(&want));
+    assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * GENERATED);
+    // The executor: a plain step with no cpu-worker share takes whole layers; a step with
+    // shares (split attention on the device) does not, and neither does an overlapped one.
+    let calls = Arc::new(Calls::default());
+    let file = Arc::new(GgufFile::open(model_path()).unwrap());
+    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: false, whole_layers: true };
+    let (mut ex, _segments) = support::executor_with_arena(device, "seam-whole");
+    let mut got: Vec<(u32, f32)> = Vec::new();
+    let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| {
+        for s in ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap().sampled {
+            let t = s.token.unwrap();
+            got.push((t.id, t.logprob));
+        }
+    };
+    run(1, vec![part(1, 0, &PROMPT, 0..1, 0)]);
+    for i in 0..GENERATED - 2 {
+        run(2 + i as u64, vec![part(1, PROMPT.len() + i, &[], 0..0, 0)]);
+    }
+    assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1));
+    let at = PROMPT.len() + GENERATED - 2;
+    let shares = [0..3, 3..at + 1].map(|r| pb::AttentionShare { cpu_worker: None, start: r.start as u32, end: r.end as u32 });
+    run(GENERATED as u64, vec![pb::SequenceStep { attention: shares.to_vec(), ..part(1, at, &[], 0..0, 0) }]);
+    assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1), "a split step goes the usual way");
+    let got_bits: Vec<(u32, u32)> = got.iter().map(|&(id, lp)| (id, lp.to_bits())).collect();
+    assert_eq!(got_bits[..GENERATED - 1], bits(&want)[..GENERATED - 1]);
+    assert_eq!(got[GENERATED - 1].0, want[GENERATED - 1].0);
 }

@@ -228,6 +228,11 @@ pub trait KvSource {
     }
 }
 
+/// A step's KV seen both ways: where the new rows go and what is attended.
+pub trait KvStore: KvSink + KvSource {}
+
+impl<T: KvSink + KvSource> KvStore for T {}
+
 pub use crate::error::KvAccessError;
 pub use duet_kv::shm::expert_job::ExpertItem;
 
@@ -339,6 +344,15 @@ pub trait Device: Send + Sync {
     /// output (`[n_head][head_dim]`) and per-head log-sum-exp, for the caller to use whole or
     /// merge with other devices' partial results.
     fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>>;
+    /// Layer `layer` wholly on the device, when no other device shares its attention: `items`
+    /// are the batch's sequences in row order (a prefill chunk, or a decode token over its
+    /// whole context), `kv` their KV. What [`Device::qkv`], [`Device::store_kv`], the
+    /// attention calls and [`Device::finish_layer`] would do, without handing Q/K/V or the
+    /// attention output over (the CUDA device: they stay on the GPU, K/V still go to `kv`).
+    /// `false`, having done nothing, where the device does not (the default) or cannot.
+    fn layer_on_device(&self, _layer: usize, _batch: &mut Self::Batch, _items: &[PrefillItem], _kv: &mut dyn KvStore, _remote: &mut dyn RemoteExperts) -> Result<bool> {
+        Ok(false)
+    }
     /// Layer `layer` after attention (`attn`, `[row][n_head][head_dim]`, merged): output
     /// projection, residual, MLP, residual. The routed experts of a mixture the device does
     /// not hold are computed by `remote`.

@@ -14,7 +14,7 @@ use duet_model::config::LlamaConfig;
 use duet_proto::pb;
 
 use super::expert_usage::RoutedTokens;
-use super::{DecodeItem, Device, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{DecodeItem, Device, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{GpuWorkerError, Result};
 
 /// Layers `0..N` on `head`, `N..` on `tail`.
@@ -173,6 +173,13 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         match self.side(layer, b)? {
             Side::Head(hb) => self.head.finish_layer(layer, hb, attn, remote),
             Side::Tail(tb) => self.tail.finish_layer(layer, tb, attn, remote),
+        }
+    }
+
+    fn layer_on_device(&self, layer: usize, b: &mut Self::Batch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
+        match self.side(layer, b)? {
+            Side::Head(hb) => self.head.layer_on_device(layer, hb, items, kv, remote),
+            Side::Tail(tb) => self.tail.layer_on_device(layer, tb, items, kv, remote),
         }
     }
 

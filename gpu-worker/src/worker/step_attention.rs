@@ -16,7 +16,7 @@ use duet_kv::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqR
 use super::arenas::KvArenas;
 use super::plan::{ns, worker_timing, Planned};
 use super::StepError;
-use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, NoRemoteExperts, Partial, PrefillItem, Qkv};
 use super::step_experts::StepExperts;
 use crate::forward::LayerAttention;
 
@@ -92,6 +92,27 @@ impl KvSource for PlanSlots<'_> {
 impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
     type Begun = Begun;
     type Error = StepError;
+
+    /// The whole layer on the device when no cpu-worker shares the sub-batch's attention and
+    /// the device holds every routed expert it needs (an expert job would need the arenas'
+    /// rings while the device reads their KV).
+    fn on_device(&mut self, device: &D, sub: usize, layer: usize, batch: &mut D::Batch) -> Result<bool, StepError> {
+        let plan = self.plans[sub];
+        if plan.iter().any(|p| !p.shares.is_empty()) || !device.holds_all_experts() {
+            return Ok(false);
+        }
+        let items: Vec<PrefillItem> = plan.iter().enumerate().map(|(pi, p)| PrefillItem { seq: pi, row0: p.row0, n: p.n, start: p.start }).collect();
+        let mut kv = PlanSlots { arenas: self.arenas, plan, block_size: self.block_size };
+        if !device.layer_on_device(layer, batch, &items, &mut kv, &mut NoRemoteExperts)? {
+            return Ok(false);
+        }
+        if layer == 0 {
+            self.timings.gpu_attention_positions += plan.iter().filter(|p| p.n == 1).map(|p| p.n_ctx() as u64).sum::<u64>();
+        }
+        // The layer's attention is not told apart from its linear layers here: its time
+        // counts as the linear layers'.
+        Ok(true)
+    }
 
     /// Writes layer `layer`'s new K/V rows of sub-batch `sub` into the arenas and posts one
     /// job per cpu-worker with shares.

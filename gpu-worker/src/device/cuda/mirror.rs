@@ -31,6 +31,14 @@ const ATT_HEADS: usize = 4;
 /// The widest head the attention kernel takes.
 pub const MAX_HEAD_DIM: usize = 256;
 
+/// Launched attention: the outputs and log-sum-exps of the placed items (by index), in
+/// their order, on the GPU.
+struct Attended {
+    out: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    placed: Vec<usize>,
+}
+
 /// One row's attention on the GPU: the row of `q`, the positions attended and the sequence.
 #[derive(Debug, Clone)]
 pub struct MirrorItem {
@@ -151,6 +159,45 @@ impl KvMirror {
     /// `None` for an item whose sequence does not fit (the caller attends it on the host).
     pub fn attend(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource, phases: &Phases) -> Result<Vec<Option<Partial>>> {
         let t = Instant::now();
+        let q_dim = self.shape.n_head * self.shape.head_dim;
+        let n_head = self.shape.n_head;
+        let mut results = vec![None; items.len()];
+        let Some(Attended { out, lse, placed }) = self.launch(kern, layer, q, items, kv)? else { return Ok(results) };
+        let stream = &kern.stream;
+        let t = phases.add(Phase::AttendPrepare, t);
+        let out = stream.clone_dtoh(&out).map_err(CudaError::from)?;
+        let lse = stream.clone_dtoh(&lse).map_err(CudaError::from)?;
+        stream.synchronize().map_err(CudaError::from)?;
+        phases.add(Phase::AttendWait, t);
+        for (j, &i) in placed.iter().enumerate() {
+            results[i] = Some((out[j * q_dim..(j + 1) * q_dim].to_vec(), lse[j * n_head..(j + 1) * n_head].to_vec()));
+        }
+        Ok(results)
+    }
+
+    /// Attention of `items` on layer `layer`, left on the GPU: the output rows
+    /// (`[row][n_head][head_dim]`) when every item is placed and item `j` is batch row `j`
+    /// (a layer wholly on the device), else `None` (the caller attends them another way).
+    pub fn attend_rows(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Option<CudaSlice<f32>>> {
+        if items.iter().enumerate().any(|(j, it)| it.row != j) {
+            return Ok(None);
+        }
+        Ok(match self.launch(kern, layer, q, items, kv)? {
+            Some(a) if a.placed.len() == items.len() => Some(a.out),
+            _ => None,
+        })
+    }
+
+    /// Room for the sequences of `items`, positions `0..end` each, before anything of a
+    /// layer is computed; false when the mirror cannot hold them all.
+    pub fn reserve_all(&mut self, items: &[(u64, usize)]) -> bool {
+        self.pages.tick();
+        items.iter().all(|&(key, end)| self.pages.reserve(key, end))
+    }
+
+    /// Uploads what the mirror lacks and launches the attention of the items whose sequences
+    /// fit; `None` when none does.
+    fn launch(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Option<Attended>> {
         self.pages.tick();
         let stream = &kern.stream;
         let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
@@ -185,9 +232,8 @@ impl KvMirror {
             meta.extend([it.row as i32, it.range.start as i32, it.range.end as i32, table]);
             placed.push(i);
         }
-        let mut results = vec![None; items.len()];
         if placed.is_empty() {
-            return Ok(results);
+            return Ok(None);
         }
         let n = placed.len();
         let group = n_head / n_kv_head;
@@ -221,14 +267,6 @@ impl KvMirror {
         let cfg = LaunchConfig { grid_dim: ((n * n_head) as u32, 1, 1), block_dim: (head_dim.min(128) as u32, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as above; out holds n * q_dim, lse n * n_head.
         unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
-        let t = phases.add(Phase::AttendPrepare, t);
-        let out = stream.clone_dtoh(&out).map_err(CudaError::from)?;
-        let lse = stream.clone_dtoh(&lse).map_err(CudaError::from)?;
-        stream.synchronize().map_err(CudaError::from)?;
-        phases.add(Phase::AttendWait, t);
-        for (j, &i) in placed.iter().enumerate() {
-            results[i] = Some((out[j * q_dim..(j + 1) * q_dim].to_vec(), lse[j * n_head..(j + 1) * n_head].to_vec()));
-        }
-        Ok(results)
+        Ok(Some(Attended { out, lse, placed }))
     }
 }

@@ -196,6 +196,18 @@ fn attention_on_the_mirror_matches_a_float64_reference() {
             items.extend((0..10).map(|i| it(7 + i, 3, 0..991 + i)));
             let placed = check(&k, &mut mirror, &kv, shape, &q, &items, &what);
             assert!(placed.iter().all(|&p| p), "{what}: every item fits a 1 GiB mirror");
+            // Left on the GPU for a layer wholly on the device: the same outputs, row by row;
+            // items out of row order are declined.
+            let qd = k.stream.clone_htod(&q).unwrap();
+            let on_gpu = mirror.attend_rows(&k, 1, &qd, &items, &kv).unwrap().expect("row-ordered items are all placed");
+            let on_gpu = k.stream.clone_dtoh(&on_gpu).unwrap();
+            let phases = super::phases::Phases::default();
+            for (it, got) in items.iter().zip(mirror.attend(&k, 1, &qd, &items, &kv, &phases).unwrap()) {
+                assert_eq!(on_gpu[it.row * q_dim..(it.row + 1) * q_dim], got.unwrap().0[..], "{what}: row {}", it.row);
+            }
+            let mut swapped = items.clone();
+            swapped.swap(0, 1);
+            assert!(mirror.attend_rows(&k, 1, &qd, &swapped, &kv).unwrap().is_none());
             // A sequence rewritten from position 5 (taken back): the mirror drops what
             // followed and uploads it again.
             store(&k, &mut mirror, &kv, shape, layers, 1, 5..6);

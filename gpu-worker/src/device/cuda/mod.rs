@@ -45,7 +45,7 @@ use duet_kernels::attention::windowed;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
 use super::expert_usage::RoutedTokens;
 use super::host_experts::HostExperts;
-use super::{host_attention, Device, DeviceCopy, DecodeItem, KvSink, KvSource, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{host_attention, Device, DeviceCopy, DecodeItem, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 pub use crate::error::CudaError;
@@ -342,6 +342,111 @@ impl CudaDevice {
         let up = |x: &[f32]| self.stream().clone_htod(x).map_err(CudaError::from);
         Ok(Arc::new(GpuQkv { q: up(&qkv.q)?, k: up(&qkv.k)?, v: up(&qkv.v)? }))
     }
+
+    /// Layer `l` up to attention, on the GPU: the rows' queries, keys and values.
+    fn qkv_on_gpu(&self, l: usize, b: &mut CudaBatch) -> Result<GpuQkv> {
+        let c = &self.m.config;
+        let layer = self.layer(l)?;
+        let xn = self.k.rms_norm(&b.x, &layer.attn_norm, b.n, c.rms_eps)?;
+        let mut acts = Acts::new(&xn, b.n, c.n_embd);
+        let mut q = self.k.linear(&layer.wq, &mut acts)?;
+        let mut k = self.k.linear(&layer.wk, &mut acts)?;
+        let mut v = self.k.linear(&layer.wv, &mut acts)?;
+        if let Some([bq, bk, bv]) = &layer.qkv_bias {
+            self.k.add_bias(&mut q, bq)?;
+            self.k.add_bias(&mut k, bk)?;
+            self.k.add_bias(&mut v, bv)?;
+        }
+        if let Some([qn, kn]) = &layer.qk_norm {
+            // Rows of the weight's width: each head, or the whole row (OLMoE).
+            q = self.k.rms_norm(&q, qn, b.n * c.q_dim() / qn.len(), c.rms_eps)?;
+            k = self.k.rms_norm(&k, kn, b.n * c.kv_dim() / kn.len(), c.rms_eps)?;
+        }
+        self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot, c.rope_neox)?;
+        self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
+        Ok(GpuQkv { q, k, v })
+    }
+
+    /// Layer `l` after attention, from the attention output `a` on the GPU.
+    fn finish_on_gpu(&self, l: usize, b: &mut CudaBatch, a: &CudaSlice<f32>, remote: &mut dyn RemoteExperts) -> Result<()> {
+        let c = &self.m.config;
+        let layer = self.layer(l)?;
+        let t = Instant::now();
+        let o = self.k.linear(&layer.wo, &mut Acts::new(a, b.n, c.q_dim()))?;
+        self.k.add_assign(&mut b.x, &o)?;
+        let xn = self.k.rms_norm(&b.x, &layer.ffn_norm, b.n, c.rms_eps)?;
+        let mut acts = Acts::new(&xn, b.n, c.n_embd);
+        let down = match &layer.ffn {
+            GpuFfn::Dense { gate, up, down } => {
+                let mut g = self.k.linear(gate, &mut acts)?;
+                let u = self.k.linear(up, &mut acts)?;
+                self.k.silu_mul(&mut g, &u)?;
+                self.k.linear(down, &mut Acts::new(&g, b.n, c.n_ff))?
+            }
+            GpuFfn::Moe { router } => {
+                // The router on the GPU; the normed rows and its logits cross to the host,
+                // where the experts run, and the mixture's rows come back.
+                let logits = self.download(&self.k.linear(router, &mut acts)?)?;
+                let experts = self.experts.as_ref().expect("a mixture loads its host experts");
+                let y = experts.moe(l, logits, &self.download(&xn)?, remote)?;
+                self.stream().clone_htod(&y).map_err(CudaError::from)?
+            }
+        };
+        self.k.add_assign(&mut b.x, &down)?;
+        self.phases.add(Phase::FinishLaunch, t);
+        Ok(())
+    }
+
+    /// [`Device::layer_on_device`]: Q/K/V computed and kept on the GPU, K/V down to `kv` (the
+    /// layer's one wait) and into the mirror, attention on the mirror, its output straight
+    /// into the rest of the layer. Declines, before computing anything, without a mirror or
+    /// when the mirror cannot hold every sequence of the batch.
+    fn layer_wholly(&self, l: usize, b: &mut CudaBatch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
+        let Some(mirror) = &self.mirror else { return Ok(false) };
+        let Some(keys) = items.iter().map(|it| kv.seq_key(it.seq)).collect::<Option<Vec<u64>>>() else { return Ok(false) };
+        let ends: Vec<(u64, usize)> = keys.iter().zip(items).map(|(&key, it)| (key, it.start + it.n)).collect();
+        if !mirror.lock().unwrap_or_else(|p| p.into_inner()).reserve_all(&ends) {
+            return Ok(false);
+        }
+        let c = &self.m.config;
+        let t = Instant::now();
+        let g = self.qkv_on_gpu(l, b)?;
+        let t = self.phases.add(Phase::QkvLaunch, t);
+        let s = self.stream();
+        let (k, v) = (s.clone_dtoh(&g.k), s.clone_dtoh(&g.v));
+        s.synchronize().map_err(CudaError::from)?;
+        let t = self.phases.add(Phase::QkvDownload, t);
+        let host = Qkv { q: Vec::new(), k: k.map_err(CudaError::from)?, v: v.map_err(CudaError::from)?, on_device: None };
+        host_attention::store(c, l, &host, &mut *kv)?;
+        let t = self.phases.add(Phase::StoreArena, t);
+        let window = c.window(l);
+        let rows: Vec<MirrorItem> = keys
+            .iter()
+            .zip(items)
+            .flat_map(|(&key, it)| (0..it.n).map(move |i| MirrorItem { row: it.row0 + i, range: windowed(0..it.start + i + 1, it.start + i + 1, window), seq: it.seq, key }))
+            .collect();
+        let out = {
+            let mut m = mirror.lock().unwrap_or_else(|p| p.into_inner());
+            m.store(&self.k, l, &g.k, &g.v, &*kv)?;
+            m.attend_rows(&self.k, l, &g.q, &rows, &*kv)?
+        };
+        self.phases.add(Phase::AttendPrepare, t);
+        let out = match out {
+            Some(out) => out,
+            None => {
+                // A sequence left the mirror after all (it cannot, having been reserved, but
+                // the host attends it rather than fail): the layer's attention on the host.
+                let t = Instant::now();
+                let q = self.download(&g.q)?;
+                let mut out = vec![0f32; q.len()];
+                host_attention::prefill(c, l, &q, items, &*kv, &mut out)?;
+                self.phases.add(Phase::AttendHost, t);
+                s.clone_htod(&out).map_err(CudaError::from)?
+            }
+        };
+        self.finish_on_gpu(l, b, &out, remote)?;
+        Ok(true)
+    }
 }
 
 /// A batch on its way through the CUDA device's layers: the hidden rows and the rows' RoPE
@@ -415,32 +520,14 @@ impl Device for CudaDevice {
 
     fn qkv(&self, l: usize, b: &mut CudaBatch) -> Result<Qkv> {
         let t = Instant::now();
-        let c = &self.m.config;
-        let layer = self.layer(l)?;
-        let xn = self.k.rms_norm(&b.x, &layer.attn_norm, b.n, c.rms_eps)?;
-        let mut acts = Acts::new(&xn, b.n, c.n_embd);
-        let mut q = self.k.linear(&layer.wq, &mut acts)?;
-        let mut k = self.k.linear(&layer.wk, &mut acts)?;
-        let mut v = self.k.linear(&layer.wv, &mut acts)?;
-        if let Some([bq, bk, bv]) = &layer.qkv_bias {
-            self.k.add_bias(&mut q, bq)?;
-            self.k.add_bias(&mut k, bk)?;
-            self.k.add_bias(&mut v, bv)?;
-        }
-        if let Some([qn, kn]) = &layer.qk_norm {
-            // Rows of the weight's width: each head, or the whole row (OLMoE).
-            q = self.k.rms_norm(&q, qn, b.n * c.q_dim() / qn.len(), c.rms_eps)?;
-            k = self.k.rms_norm(&k, kn, b.n * c.kv_dim() / kn.len(), c.rms_eps)?;
-        }
-        self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot, c.rope_neox)?;
-        self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
+        let g = self.qkv_on_gpu(l, b)?;
         // The three copies with one wait; the GPU's own stay for the mirror and attention.
         let t = self.phases.add(Phase::QkvLaunch, t);
         let s = self.stream();
-        let host = (s.clone_dtoh(&q), s.clone_dtoh(&k), s.clone_dtoh(&v));
+        let host = (s.clone_dtoh(&g.q), s.clone_dtoh(&g.k), s.clone_dtoh(&g.v));
         s.synchronize().map_err(CudaError::from)?;
         self.phases.add(Phase::QkvDownload, t);
-        let on_device = Some(DeviceCopy(Arc::new(GpuQkv { q, k, v })));
+        let on_device = Some(DeviceCopy(Arc::new(g)));
         Ok(Qkv { q: host.0.map_err(CudaError::from)?, k: host.1.map_err(CudaError::from)?, v: host.2.map_err(CudaError::from)?, on_device })
     }
 
@@ -512,34 +599,14 @@ impl Device for CudaDevice {
     }
 
     fn finish_layer(&self, l: usize, b: &mut CudaBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
-        let c = &self.m.config;
-        let layer = self.layer(l)?;
         let t = Instant::now();
         let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;
-        let t = self.phases.add(Phase::FinishUpload, t);
-        let o = self.k.linear(&layer.wo, &mut Acts::new(&a, b.n, c.q_dim()))?;
-        self.k.add_assign(&mut b.x, &o)?;
-        let xn = self.k.rms_norm(&b.x, &layer.ffn_norm, b.n, c.rms_eps)?;
-        let mut acts = Acts::new(&xn, b.n, c.n_embd);
-        let down = match &layer.ffn {
-            GpuFfn::Dense { gate, up, down } => {
-                let mut g = self.k.linear(gate, &mut acts)?;
-                let u = self.k.linear(up, &mut acts)?;
-                self.k.silu_mul(&mut g, &u)?;
-                self.k.linear(down, &mut Acts::new(&g, b.n, c.n_ff))?
-            }
-            GpuFfn::Moe { router } => {
-                // The router on the GPU; the normed rows and its logits cross to the host,
-                // where the experts run, and the mixture's rows come back.
-                let logits = self.download(&self.k.linear(router, &mut acts)?)?;
-                let experts = self.experts.as_ref().expect("a mixture loads its host experts");
-                let y = experts.moe(l, logits, &self.download(&xn)?, remote)?;
-                self.stream().clone_htod(&y).map_err(CudaError::from)?
-            }
-        };
-        self.k.add_assign(&mut b.x, &down)?;
-        self.phases.add(Phase::FinishLaunch, t);
-        Ok(())
+        self.phases.add(Phase::FinishUpload, t);
+        self.finish_on_gpu(l, b, &a, remote)
+    }
+
+    fn layer_on_device(&self, l: usize, b: &mut CudaBatch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
+        self.layer_wholly(l, b, items, kv, remote)
     }
 
     fn logits(&self, b: &CudaBatch) -> Result<Vec<f32>> {
