@@ -270,29 +270,27 @@ impl<D: Device> Executor<D> {
         }
 
         let t_sample = Instant::now();
-        if let Some(tokens) = device_tokens {
-            let mut next_row = [0usize; 2];
-            let mut sampled = Vec::new();
-            for &(k, i) in order.iter().filter(|&&(k, i)| subs[k].plan[i].sample) {
-                let (p, id) = (&subs[k].plan[i], tokens[k][next_row[k]]);
+        // Each sampled sequence with its sub-batch and its logit row there, in request order.
+        let mut next_row = [0usize; 2];
+        let sampled_rows: Vec<(&Planned, usize, usize)> = order
+            .iter()
+            .filter(|&&(k, i)| subs[k].plan[i].sample)
+            .map(|&(k, i)| {
                 next_row[k] += 1;
+                (&subs[k].plan[i], k, next_row[k] - 1)
+            })
+            .collect();
+        if let Some(tokens) = device_tokens {
+            let mut sampled = Vec::with_capacity(sampled_rows.len());
+            for (p, k, r) in sampled_rows {
+                let id = tokens[k][r];
                 self.seqs.get_mut(&p.seq_id).expect("planned sequences are held").last_sampled = Some(id);
                 sampled.push(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob: 0.0 }), top: Vec::new() });
             }
             return Ok(self.finish_step(sampled, timings, t_sample, t0));
         }
         let n_vocab = self.device.config().n_vocab;
-        // Each sampled sequence's logits row, in request order.
-        let mut next_row = [0usize; 2];
-        let rows: Vec<(&Planned, &[f32])> = order
-            .iter()
-            .filter(|&&(k, i)| subs[k].plan[i].sample)
-            .map(|&(k, i)| {
-                let r = next_row[k];
-                next_row[k] += 1;
-                (&subs[k].plan[i], &logits[k][r * n_vocab..(r + 1) * n_vocab])
-            })
-            .collect();
+        let rows: Vec<(&Planned, &[f32])> = sampled_rows.into_iter().map(|(p, k, r)| (p, &logits[k][r * n_vocab..(r + 1) * n_vocab])).collect();
         // Rows sample in parallel: each sequence's sampler, grammar and history are its own
         // (a step names a sequence once), and a large vocabulary's filters take a while.
         let wanted: HashSet<u64> = rows.iter().map(|(p, _)| p.seq_id).collect();

@@ -325,6 +325,14 @@ impl CudaDevice {
     }
 }
 
+/// Each row of prefill `items` (with their sequences' identities) as an item of the mirror's
+/// attention over its causal prefix, within the layer's sliding `window`, in row order.
+fn prefill_rows<'a>(items: impl Iterator<Item = (&'a PrefillItem, u64)>, window: Option<usize>) -> Vec<MirrorItem> {
+    items
+        .flat_map(|(it, key)| (0..it.n).map(move |i| MirrorItem { row: it.row0 + i, range: windowed(0..it.start + i + 1, it.start + i + 1, window), seq: it.seq, key }))
+        .collect()
+}
+
 /// A layer's queries, keys and values as the CUDA device computed them, on the GPU
 /// ([`Qkv::on_device`]).
 struct GpuQkv {
@@ -420,11 +428,7 @@ impl CudaDevice {
         host_attention::store(c, l, &host, &mut *kv)?;
         let t = self.phases.add(Phase::StoreArena, t);
         let window = c.window(l);
-        let rows: Vec<MirrorItem> = keys
-            .iter()
-            .zip(items)
-            .flat_map(|(&key, it)| (0..it.n).map(move |i| MirrorItem { row: it.row0 + i, range: windowed(0..it.start + i + 1, it.start + i + 1, window), seq: it.seq, key }))
-            .collect();
+        let rows = prefill_rows(items.iter().zip(keys.iter().copied()), window);
         let out = {
             let mut m = mirror.lock().unwrap_or_else(|p| p.into_inner());
             m.store(&self.k, l, &g.k, &g.v, &*kv)?;
@@ -551,10 +555,7 @@ impl Device for CudaDevice {
         let q_dim = c.q_dim();
         let window = c.window(layer);
         let keyed: Vec<(&PrefillItem, u64)> = items.iter().filter_map(|it| Some((it, kv.seq_key(it.seq)?))).collect();
-        let rows: Vec<MirrorItem> = keyed
-            .iter()
-            .flat_map(|&(it, key)| (0..it.n).map(move |i| MirrorItem { row: it.row0 + i, range: windowed(0..it.start + i + 1, it.start + i + 1, window), seq: it.seq, key }))
-            .collect();
+        let rows = prefill_rows(keyed.iter().copied(), window);
         let done = self.mirror_attend(layer, qkv, &rows, kv)?;
         let mut on_gpu = std::collections::HashSet::new();
         for (row, result) in rows.iter().zip(done) {
@@ -574,12 +575,13 @@ impl Device for CudaDevice {
     fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
         let c = &self.m.config;
         let window = c.window(layer);
-        let (keyed, unkeyed): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| kv.seq_key(items[i].seq).is_some());
+        let keys: Vec<Option<u64>> = items.iter().map(|it| kv.seq_key(it.seq)).collect();
+        let (keyed, unkeyed): (Vec<usize>, Vec<usize>) = (0..items.len()).partition(|&i| keys[i].is_some());
         let gpu_items: Vec<MirrorItem> = keyed
             .iter()
-            .map(|&i| {
+            .filter_map(|&i| {
                 let it = &items[i];
-                MirrorItem { row: it.row, range: windowed(it.range.clone(), it.n_ctx, window), seq: it.seq, key: kv.seq_key(it.seq).expect("keyed") }
+                Some(MirrorItem { row: it.row, range: windowed(it.range.clone(), it.n_ctx, window), seq: it.seq, key: keys[i]? })
             })
             .collect();
         let mut results: Vec<Option<Partial>> = vec![None; items.len()];
