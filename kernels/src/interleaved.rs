@@ -18,6 +18,7 @@
 use rayon::prelude::*;
 
 use super::quant::{BlockQ8_0, ByteBlock, GgmlType, QK_K};
+use super::packed_slab::SlabBytes;
 
 /// Rows per interleaved group: one per 32-bit lane of a 512-bit register.
 pub const GROUP_ROWS: usize = 16;
@@ -88,9 +89,9 @@ pub struct Interleaved {
     ty: GgmlType,
     rows: usize,
     cols: usize,
-    /// Anonymous memory (page-aligned, so every group block starts on a cache line), in
-    /// transparent huge pages where the kernel allows.
-    bytes: memmap2::MmapMut,
+    /// In a slab of huge pages where the kernel allows (every group block starts on a cache
+    /// line).
+    bytes: SlabBytes,
 }
 
 impl std::fmt::Debug for Interleaved {
@@ -109,10 +110,8 @@ impl Interleaved {
             return None;
         }
         let nb = cols / unit_cols;
-        let mut bytes = memmap2::MmapMut::map_anon(rows / GROUP_ROWS * nb * group_block).ok()?;
-        // Streamed once per token: 4 KiB pages cost a TLB miss every 4 KiB. Advice only.
-        #[cfg(target_os = "linux")]
-        let _ = bytes.advise(memmap2::Advice::HugePage);
+        // Streamed once per token: from 4 KiB pages, a TLB miss every 4 KiB.
+        let mut bytes = SlabBytes::alloc(rows / GROUP_ROWS * nb * group_block)?;
         let row_bytes = ty.row_bytes(cols);
         bytes.par_chunks_mut(nb * group_block).zip(data.par_chunks(GROUP_ROWS * row_bytes)).for_each(|(out, rows)| {
             for (b, out) in out.chunks_exact_mut(group_block).enumerate() {

@@ -20,6 +20,7 @@ pub mod matmul_k_avx512;
 pub mod matvec_avx512;
 pub mod interleaved;
 pub mod ops;
+pub mod packed_slab;
 pub mod quant;
 #[cfg(target_arch = "x86_64")]
 pub mod quantize_avx512;
