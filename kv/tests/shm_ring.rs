@@ -178,7 +178,13 @@ fn thread_cpu_time() -> Duration {
 
 /// Blocks a consumer thread in `next_job` for `idle` and returns its (CPU time, wall time).
 fn idle_consumer_cpu(waiter: Waiter, idle: Duration) -> (Duration, Duration) {
+    idle_consumer_cpu_with(waiter, idle, false)
+}
+
+/// [`idle_consumer_cpu`], the producer having set the ring's no-spin flag to `no_spin` first.
+fn idle_consumer_cpu_with(waiter: Waiter, idle: Duration, no_spin: bool) -> (Duration, Duration) {
     let (mut p, mut c) = ring_pair("idle", 4, 64, waiter);
+    p.set_no_spin(no_spin);
     std::thread::scope(|s| {
         let h = s.spawn(move || {
             let (cpu0, t0) = (thread_cpu_time(), Instant::now());
@@ -212,6 +218,16 @@ fn idle_consumer_sleeps_instead_of_spinning() {
     // For contrast (printed only): a consumer that never stops spinning.
     let (cpu, wall) = idle_consumer_cpu(Waiter::spin_then_sleep(u32::MAX), Duration::from_millis(300));
     println!("idle consumer, spinning only: {:.0}% of a core", cpu.as_secs_f64() / wall.as_secs_f64() * 100.0);
+}
+
+#[test]
+fn the_producers_no_spin_flag_puts_a_spinning_waiter_to_sleep_at_once() {
+    // A waiter that would spin for minutes, on a ring whose producer computes on the
+    // consumer's cores: it sleeps instead, and still wakes for the job.
+    let (cpu, wall) = idle_consumer_cpu_with(Waiter::spin_then_sleep(u32::MAX), Duration::from_millis(300), true);
+    let share = cpu.as_secs_f64() / wall.as_secs_f64();
+    println!("idle consumer, spinning waiter, no-spin flag: {:.2}% of a core", share * 100.0);
+    assert!(share < 0.2, "a consumer told not to spin used {:.1}% of a core", share * 100.0);
 }
 
 #[test]

@@ -61,11 +61,15 @@ impl AttachedWorker {
 pub struct KvArenas {
     shape: KvShape,
     workers: Vec<Option<AttachedWorker>>,
+    /// Whether the rings' waits sleep at once (the device computes on the host's cores,
+    /// which local cpu-workers share: see `duet_kv::shm::ring`).
+    no_spin: bool,
 }
 
 impl KvArenas {
-    pub fn new(shape: KvShape) -> Self {
-        KvArenas { shape, workers: Vec::new() }
+    /// The arenas of a model of `shape`; `no_spin` when the device computes on the host.
+    pub fn new(shape: KvShape, no_spin: bool) -> Self {
+        KvArenas { shape, workers: Vec::new(), no_spin }
     }
 
     /// Maps worker `worker`'s arena and ring (replacing an earlier attachment, e.g. after
@@ -103,7 +107,9 @@ impl KvArenas {
         if self.workers.len() <= idx {
             self.workers.resize_with(idx + 1, || None);
         }
-        self.workers[idx] = Some(AttachedWorker { arena, layout, producer: ring.producer(), pid });
+        let producer = ring.producer();
+        producer.set_no_spin(self.no_spin);
+        self.workers[idx] = Some(AttachedWorker { arena, layout, producer, pid });
         Ok(layout.n_blocks)
     }
 

@@ -87,7 +87,8 @@ const PHASE_LOG_STEPS: u32 = 64;
 impl<D: Device> Executor<D> {
     pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
         let shape = device.config().kv_shape().map_err(crate::error::GpuWorkerError::Model)?;
-        Ok(Executor { device, arenas: KvArenas::new(shape), seqs: HashMap::new(), job_timeout, grammars: None, hot: None, phases: (Vec::new(), 0) })
+        let arenas = KvArenas::new(shape, device.host_layers() > 0);
+        Ok(Executor { device, arenas, seqs: HashMap::new(), job_timeout, grammars: None, hot: None, phases: (Vec::new(), 0) })
     }
 
     /// Holds on the device, planned every `every` steps, the `k` experts of each layer the
