@@ -5,7 +5,7 @@
 //! A mapping of its own per matrix got huge pages only where a whole aligned 2 MiB range fell
 //! inside it: on the OLMoE-1B-7B shape 108 MiB of 4.1 GiB, the experts (1.2–1.7 MiB a matrix)
 //! none. From one slab they are 3.8 GiB of it, and batch-1 decode (`duet-gpu-worker run`, 2
-//! threads, alternating runs) went from 34–36 to 37–38 tok/s. A slab is 1 GiB of address
+//! threads, four alternating runs) went from 28.8–35.1 to 35.6–37.5 tok/s. A slab is 1 GiB of address
 //! space (more for a larger matrix); only what is written is backed. A matrix let go (an
 //! expert moved elsewhere) gives its whole pages back to the kernel; its range is not reused,
 //! and a slab is unmapped when nothing in it is left.

@@ -39,9 +39,10 @@
 //! the consumer's cores (the gpu-worker's CPU device beside local cpu-workers), a spinning
 //! waiter takes a core the other side is computing on — and in a VM a `pause` loop may make
 //! the hypervisor deschedule the vCPU. There the producer raises the no-spin flag
-//! ([`Producer::set_no_spin`]) and both sides sleep at once: on this project's 2-core VM the
-//! OLMoE shape's batch-1 decode with the experts on the cpu-worker went from 30–34 to
-//! 40–42 tok/s (spinning only 256 checks, 8 µs, was as slow as 2048).
+//! ([`Producer::set_no_spin`]) and both sides sleep at once. On this project's 2-core VM, the
+//! OLMoE shape's batch-1 decode with the experts on the cpu-worker went from 34.6–35.6 to
+//! 36.2–36.5 tok/s in alternating runs. Spinning only 256 checks (8 µs) was as slow as
+//! 2048 (docs/benchmarks.md).
 
 use std::hint::spin_loop;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
