@@ -62,12 +62,13 @@ pub struct KvArenas {
     shape: KvShape,
     workers: Vec<Option<AttachedWorker>>,
     /// Whether the rings' waits sleep at once (the device computes on the host's cores,
-    /// which local cpu-workers share: see `duet_kv::shm::ring`).
+    /// which local cpu-workers share, and the rings carry expert jobs: see
+    /// `duet_kv::shm::ring`).
     no_spin: bool,
 }
 
 impl KvArenas {
-    /// The arenas of a model of `shape`; `no_spin` when the device computes on the host.
+    /// The arenas of a model of `shape`; `no_spin`: the rings' waits sleep at once.
     pub fn new(shape: KvShape, no_spin: bool) -> Self {
         KvArenas { shape, workers: Vec::new(), no_spin }
     }

@@ -87,7 +87,9 @@ const PHASE_LOG_STEPS: u32 = 64;
 impl<D: Device> Executor<D> {
     pub fn new(device: D, job_timeout: Duration) -> Result<Self, StepError> {
         let shape = device.config().kv_shape().map_err(crate::error::GpuWorkerError::Model)?;
-        let arenas = KvArenas::new(shape, device.host_layers() > 0);
+        // Expert jobs keep the cpu-worker on every core for a millisecond or more while the
+        // device waits; on shared cores neither side should spin then (`duet_kv::shm::ring`).
+        let arenas = KvArenas::new(shape, device.host_layers() > 0 && !device.holds_all_experts());
         Ok(Executor { device, arenas, seqs: HashMap::new(), job_timeout, grammars: None, hot: None, phases: (Vec::new(), 0) })
     }
 

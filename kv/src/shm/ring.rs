@@ -35,14 +35,19 @@
 //! atomic compare in `futex_wait` refuses to sleep or the wake finds the sleeper. While the
 //! other side is awake (spinning), the fast path makes no system call.
 //!
-//! Spinning pays only where each side has cores of its own. Where the producer computes on
-//! the consumer's cores (the gpu-worker's CPU device beside local cpu-workers), a spinning
-//! waiter takes a core the other side is computing on — and in a VM a `pause` loop may make
-//! the hypervisor deschedule the vCPU. There the producer raises the no-spin flag
-//! ([`Producer::set_no_spin`]) and both sides sleep at once. On this project's 2-core VM, the
-//! OLMoE shape's batch-1 decode with the experts on the cpu-worker went from 34.6–35.6 to
-//! 36.2–36.5 tok/s in alternating runs. Spinning only 256 checks (8 µs) was as slow as
-//! 2048 (docs/benchmarks.md).
+//! Where the producer computes on the consumer's cores (the gpu-worker's CPU device beside
+//! local cpu-workers), a spinning waiter takes a core the other side is computing on, and in
+//! a VM a `pause` loop may make the hypervisor deschedule the vCPU. The producer can raise
+//! the no-spin flag ([`Producer::set_no_spin`]); both sides then sleep at once. The
+//! gpu-worker raises it where the rings carry expert jobs (a millisecond or more of the
+//! cpu-worker on every core while the device waits).
+//!
+//! Measured on this project's 2-core VM, in alternating runs (docs/benchmarks.md):
+//! - The OLMoE shape's batch-1 decode, experts on the cpu-worker: from 34.6–35.6 to
+//!   36.2–36.5 tok/s. Spinning only 256 checks (8 µs) was as slow as 2048.
+//! - Attention jobs at depth (16 sessions at depth 1024) lost 4–7 % without spinning: the
+//!   two sides' shares end close together, and a spinning waiter catches the other's end.
+//!   So a dense model's rings keep spinning.
 
 use std::hint::spin_loop;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
