@@ -175,6 +175,7 @@ impl<D: Device> Runner<D> {
 
     fn generate_in(&self, kv: &mut KvCache, req: &GenerateRequest, mut sampler: Sampler, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
         let start = Instant::now();
+        // Taking the phase times zeroes them: what earlier calls spent is left out.
         self.device.phase_times();
         let mut logits = Vec::new();
         for chunk in req.prompt_ids.chunks(self.device.prefill_chunk()) {

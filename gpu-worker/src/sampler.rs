@@ -259,7 +259,6 @@ mod tests {
         cand.last().map_or(0, |c| c.0)
     }
 
-
     #[test]
     fn selection_keeps_what_sorting_the_whole_vocabulary_keeps() {
         let mut rng = StdRng::seed_from_u64(5);

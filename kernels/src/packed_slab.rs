@@ -57,16 +57,6 @@ impl SlabBytes {
         Some(SlabBytes { slab: Arc::clone(slab), off, len })
     }
 
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `off..off + len` lies in the mapping (checked when carved), which lives as
-        // long as `self.slab`; no other `SlabBytes` overlaps it.
-        unsafe { std::slice::from_raw_parts(self.slab.map.as_ptr().add(self.off), self.len) }
-    }
-
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only reference to the range.
-        unsafe { std::slice::from_raw_parts_mut(self.slab.map.as_ptr().cast_mut().add(self.off), self.len) }
-    }
 }
 
 impl Drop for SlabBytes {
@@ -87,13 +77,16 @@ impl std::ops::Deref for SlabBytes {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        self.as_slice()
+        // SAFETY: `off..off + len` lies in the mapping (checked when carved), which lives as
+        // long as `self.slab`; no other `SlabBytes` overlaps it.
+        unsafe { std::slice::from_raw_parts(self.slab.map.as_ptr().add(self.off), self.len) }
     }
 }
 
 impl std::ops::DerefMut for SlabBytes {
     fn deref_mut(&mut self) -> &mut [u8] {
-        self.as_mut_slice()
+        // SAFETY: as in `deref`; `&mut self` makes this the only reference to the range.
+        unsafe { std::slice::from_raw_parts_mut(self.slab.map.as_ptr().cast_mut().add(self.off), self.len) }
     }
 }
 
