@@ -271,7 +271,7 @@ impl Device for CpuDevice {
     }
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
-        host_attention::store(&self.m.config, layer, qkv, kv)
+        host_attention::store(&self.m.config, layer, &qkv.k, &qkv.v, kv)
     }
 
     fn prefill_attention(&self, layer: usize, qkv: &Qkv, items: &[PrefillItem], kv: &dyn KvSource, out: &mut [f32]) -> Result<()> {

@@ -7,13 +7,14 @@ use duet_kernels::causal::causal_attention_windowed;
 use duet_kernels::decode_batch::{decode_batch, DecodeQuery, PARALLEL_MIN_POSITIONS};
 use duet_model::config::LlamaConfig;
 
-use super::{attn_shape, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem, Qkv};
+use super::{attn_shape, DecodeItem, KvAccessError, KvSink, KvSource, Partial, PrefillItem};
 use crate::error::Result;
 
-/// Stores a batch's new K/V rows (from the host's `qkv`) where `kv` says, row by row.
-pub fn store(config: &LlamaConfig, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
+/// Stores a batch's new K/V rows of `layer` (`k` and `v` on the host, `[row][kv_dim]`) where
+/// `kv` says, row by row.
+pub fn store(config: &LlamaConfig, layer: usize, k: &[f32], v: &[f32], kv: &mut dyn KvSink) -> Result<()> {
     let kv_dim = config.kv_dim();
-    for (row, (k, v)) in qkv.k.chunks_exact(kv_dim).zip(qkv.v.chunks_exact(kv_dim)).enumerate() {
+    for (row, (k, v)) in k.chunks_exact(kv_dim).zip(v.chunks_exact(kv_dim)).enumerate() {
         kv.write(layer, row, k, v)?;
     }
     Ok(())

@@ -74,6 +74,12 @@ pub fn set_kv_budget(bytes: usize) -> bool {
 /// mirror takes the rest by default.
 const ACTIVATION_RESERVE: usize = 768 << 20;
 
+/// The most K/V rows' bytes the whole-layer path keeps on the GPU before storing them into the
+/// caller's KV (twice this at the moment they come down, within [`ACTIVATION_RESERVE`]): a
+/// decode step of 64 rows of the 8B shape defers its 32 layers' 16 MiB whole, a 512-row
+/// prefill chunk of the 1B shape comes down every 8 layers.
+const DEFERRED_KV_BYTES: usize = 16 << 20;
+
 /// GPU memory the device needs besides the weights: the dequantisation workspace (f16).
 pub const WORKSPACE_BYTES: usize = WORKSPACE_ELEMS * 2;
 
@@ -300,7 +306,7 @@ impl CudaDevice {
     fn batch(&self, n: usize, x: CudaSlice<f32>, positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
         let tables: Vec<f32> = positions.iter().flat_map(|&p| self.m.rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
         let tables = self.stream().clone_htod(&tables).map_err(CudaError::from)?;
-        Ok(CudaBatch { n, x, tables, logit_rows: logit_rows.to_vec() })
+        Ok(CudaBatch { n, x, tables, logit_rows: logit_rows.to_vec(), deferred_kv: Vec::new() })
     }
 
     fn download(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
@@ -405,28 +411,30 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// [`Device::layer_on_device`]: Q/K/V computed and kept on the GPU, K/V down to `kv` (the
-    /// layer's one wait) and into the mirror, attention on the mirror, its output straight
-    /// into the rest of the layer. Declines, before computing anything, without a mirror or
-    /// when the mirror cannot hold every sequence of the batch.
+    /// [`Device::layer_on_device`]: Q/K/V computed and kept on the GPU, K/V into the mirror,
+    /// attention on the mirror, its output straight into the rest of the layer. The layer's
+    /// K/V stay on the GPU for `kv` until the batch's last layer here, where every layer's
+    /// come down together ([`CudaDevice::store_deferred_kv`]): the step waits for the GPU
+    /// once there, not once a layer. Declines, before computing anything, without a mirror
+    /// or when the mirror cannot hold every sequence of the batch (storing what it deferred
+    /// first, since the layer then goes the usual way).
+    ///
+    /// Deferring is sound because a step's callers put every layer of it on this path or
+    /// none (whether they do depends on the step, not the layer) and nothing reads the new
+    /// rows from `kv` during the step: the mirror attends them from the GPU, and no
+    /// cpu-worker shares the step.
     fn layer_wholly(&self, l: usize, b: &mut CudaBatch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
         let Some(mirror) = &self.mirror else { return Ok(false) };
         let Some(keys) = items.iter().map(|it| kv.seq_key(it.seq)).collect::<Option<Vec<u64>>>() else { return Ok(false) };
         let ends: Vec<(u64, usize)> = keys.iter().zip(items).map(|(&key, it)| (key, it.start + it.n)).collect();
         if !mirror.lock().unwrap_or_else(|p| p.into_inner()).reserve_all(&ends) {
+            self.store_deferred_kv(b, &mut *kv)?;
             return Ok(false);
         }
         let c = &self.m.config;
         let t = Instant::now();
         let g = self.qkv_on_gpu(l, b)?;
         let t = self.phases.add(Phase::QkvLaunch, t);
-        let s = self.stream();
-        let (k, v) = (s.clone_dtoh(&g.k), s.clone_dtoh(&g.v));
-        s.synchronize().map_err(CudaError::from)?;
-        let t = self.phases.add(Phase::QkvDownload, t);
-        let host = Qkv { q: Vec::new(), k: k.map_err(CudaError::from)?, v: v.map_err(CudaError::from)?, on_device: None };
-        host_attention::store(c, l, &host, &mut *kv)?;
-        let t = self.phases.add(Phase::StoreArena, t);
         let window = c.window(l);
         let rows = prefill_rows(items.iter().zip(keys.iter().copied()), window);
         let out = {
@@ -435,21 +443,62 @@ impl CudaDevice {
             m.attend_rows(&self.k, l, &g.q, &rows, &*kv)?
         };
         self.phases.add(Phase::AttendPrepare, t);
+        let GpuQkv { q, k, v } = g;
+        b.deferred_kv.push((l, k, v));
         let out = match out {
             Some(out) => out,
             None => {
                 // A sequence left the mirror after all (it cannot, having been reserved, but
-                // the host attends it rather than fail): the layer's attention on the host.
+                // the host attends it rather than fail): the K/V into `kv` now, and the
+                // layer's attention on the host.
+                self.store_deferred_kv(b, &mut *kv)?;
                 let t = Instant::now();
-                let q = self.download(&g.q)?;
+                let q = self.download(&q)?;
                 let mut out = vec![0f32; q.len()];
                 host_attention::prefill(c, l, &q, items, &*kv, &mut out)?;
                 self.phases.add(Phase::AttendHost, t);
-                s.clone_htod(&out).map_err(CudaError::from)?
+                self.stream().clone_htod(&out).map_err(CudaError::from)?
             }
         };
         self.finish_on_gpu(l, b, &out, remote)?;
+        let deferred: usize = b.deferred_kv.iter().map(|(_, k, v)| 4 * (k.len() + v.len())).sum();
+        if l + 1 == self.layers.len() || deferred >= DEFERRED_KV_BYTES {
+            self.store_deferred_kv(b, &mut *kv)?;
+        }
         Ok(true)
+    }
+
+    /// The K/V rows [`CudaDevice::layer_wholly`] kept on the GPU, into `kv`: gathered into
+    /// one buffer on the GPU and downloaded with one wait.
+    fn store_deferred_kv(&self, b: &mut CudaBatch, kv: &mut dyn KvSink) -> Result<()> {
+        let pending = std::mem::take(&mut b.deferred_kv);
+        let Some(each) = pending.first().map(|(_, k, _)| k.len()) else { return Ok(()) };
+        let t = Instant::now();
+        let s = self.stream();
+        let mut all = self.k.alloc(2 * each * pending.len())?;
+        for (i, (_, k, v)) in pending.iter().enumerate() {
+            s.memcpy_dtod(k, &mut all.slice_mut(2 * i * each..(2 * i + 1) * each)).map_err(CudaError::from)?;
+            s.memcpy_dtod(v, &mut all.slice_mut((2 * i + 1) * each..(2 * i + 2) * each)).map_err(CudaError::from)?;
+        }
+        let host = self.download(&all)?;
+        let t = self.phases.add(Phase::QkvDownload, t);
+        for ((l, _, _), kv_rows) in pending.iter().zip(host.chunks_exact(2 * each)) {
+            let (k, v) = kv_rows.split_at(each);
+            host_attention::store(&self.m.config, *l, k, v, &mut *kv)?;
+        }
+        self.phases.add(Phase::StoreArena, t);
+        Ok(())
+    }
+
+    /// Fails where `b` still holds K/V rows for the caller's KV: a call that ends or leaves
+    /// the whole-layer path without storing them would lose them.
+    fn no_deferred_kv(b: &CudaBatch, what: &str) -> Result<()> {
+        match b.deferred_kv.first() {
+            None => Ok(()),
+            Some((l, _, _)) => Err(GpuWorkerError::InvalidRequest(format!(
+                "{what} while the K/V rows of layer {l} onwards are still on the GPU (a caller put only some of a step's layers wholly on the device)"
+            ))),
+        }
     }
 }
 
@@ -460,6 +509,9 @@ pub struct CudaBatch {
     x: CudaSlice<f32>,
     tables: CudaSlice<f32>,
     logit_rows: Vec<usize>,
+    /// Layers' K/V rows (`[row][kv_dim]` each) kept on the GPU until the last layer on the
+    /// whole-layer path stores them ([`CudaDevice::layer_wholly`]).
+    deferred_kv: Vec<(usize, CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
 impl Device for CudaDevice {
@@ -513,6 +565,7 @@ impl Device for CudaDevice {
     }
 
     fn hidden(&self, b: &CudaBatch) -> Result<Vec<f32>> {
+        Self::no_deferred_kv(b, "the hidden rows handed on")?;
         self.download(&b.x)
     }
 
@@ -523,6 +576,7 @@ impl Device for CudaDevice {
     }
 
     fn qkv(&self, l: usize, b: &mut CudaBatch) -> Result<Qkv> {
+        Self::no_deferred_kv(b, "a layer the usual way")?;
         let t = Instant::now();
         let g = self.qkv_on_gpu(l, b)?;
         // The three copies with one wait; the GPU's own stay for the mirror and attention.
@@ -537,7 +591,7 @@ impl Device for CudaDevice {
 
     fn store_kv(&self, layer: usize, qkv: &Qkv, kv: &mut dyn KvSink) -> Result<()> {
         let t = Instant::now();
-        host_attention::store(&self.m.config, layer, qkv, kv)?;
+        host_attention::store(&self.m.config, layer, &qkv.k, &qkv.v, kv)?;
         let t = self.phases.add(Phase::StoreArena, t);
         if let Some(m) = &self.mirror {
             let g = self.gpu_qkv(qkv)?;
@@ -612,6 +666,7 @@ impl Device for CudaDevice {
     }
 
     fn logits(&self, b: &CudaBatch) -> Result<Vec<f32>> {
+        Self::no_deferred_kv(b, "logits")?;
         let t = Instant::now();
         let logits = match self.gpu_logits(b)? {
             Some(logits) => self.download(&logits)?,
@@ -623,6 +678,7 @@ impl Device for CudaDevice {
 
     /// The arg-max on the GPU: only the tokens come down.
     fn greedy_tokens(&self, b: &CudaBatch) -> Result<Option<Vec<u32>>> {
+        Self::no_deferred_kv(b, "greedy tokens")?;
         let t = Instant::now();
         let Some(logits) = self.gpu_logits(b)? else { return Ok(Some(Vec::new())) };
         let ids = self.k.argmax_rows(&logits, b.logit_rows.len(), self.m.config.n_vocab)?;

@@ -13,7 +13,7 @@ pub enum Phase {
     Embed,
     /// Norm, Q/K/V products, biases, Q/K norms, RoPE: queued.
     QkvLaunch,
-    /// Q, K and V to the host (waits for the GPU).
+    /// Q, K and V to the host, or on the whole-layer path the step's K/V once (waits for the GPU).
     QkvDownload,
     /// K/V rows into the arenas or the runner's cache (host).
     StoreArena,
