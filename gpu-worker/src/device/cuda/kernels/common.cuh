@@ -1,9 +1,20 @@
 // Duet CUDA kernels: shared device helpers. NVRTC compiles these with no headers at all, so
-// the f16/bf16 conversions (PTX cvt) and the warp reductions are defined here. Every kernel
+// the f16/bf16 conversions (PTX cvt; the host's under DUET_HOST, where tests run the kernels
+// on the CPU) and the warp reductions are defined here. Every kernel
 // file is compiled as types.cuh + common.cuh + quants.cuh + the file (see kernels.rs).
 
 #define FULL_MASK 0xffffffffu
 
+#ifdef DUET_HOST
+// The kernels run on the host in tests (gpu-worker/tests/support/cuda_on_host.h).
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    return host_f16_to_f32(h);
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    return host_f32_to_f16(f);
+}
+#else
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -15,6 +26,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 // ggml's GGML_BF16_TO_FP32: a plain shift (no quieting of signalling NaNs).
 __device__ __forceinline__ float bf16_to_f32(u16 b) {

@@ -1,0 +1,241 @@
+//! The CUDA device's attention and greedy-sampling kernels checked on any machine: the kernel
+//! files compile as host C++ with `support/cuda_on_host.h` (every thread of a block an OS
+//! thread, `__syncthreads` and the warp shuffles barriers; see the header) and run, launched
+//! as the CUDA device launches them, by `support/kernels_on_host.cpp`:
+//!
+//! - the KV mirror's `kv_store`, `attn_partial` and `attn_merge` on a paged pool, for decode
+//!   items over whole contexts and shares of them, one position, none, several query heads
+//!   per KV head (whole and partial head groups of the kernel), 1 and 3 splits and a soft
+//!   cap, against the exact attention (f64) of the same f16 K/V: outputs within 2e-6,
+//!   log-sum-exps within 2e-6 relative;
+//! - `argmax_rows` against the host's greedy sampler (`sampler::argmax`): ties, NaNs,
+//!   nothing above minus infinity.
+//!
+//! What the GPU adds (its `expf`, its scheduling) the GPU twins (`device::cuda::twins`,
+//! `mirror_twins`) check where there is one. Without a C++ compiler the tests say they were
+//! skipped.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use duet_model::testutil::workspace_root;
+use half::f16;
+use rand::{Rng, SeedableRng};
+
+/// The harness, compiled once; `None` (having said why) without a C++ compiler.
+fn harness() -> Option<&'static PathBuf> {
+    static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
+    EXE.get_or_init(|| {
+        let root = workspace_root().join("gpu-worker");
+        let dir = std::env::temp_dir().join(format!("duet-kernels-host-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let exe = dir.join("kernels_on_host");
+        // -ffp-contract=off: no fused multiply-adds the kernels did not write (as on the GPU,
+        // where NVRTC fuses some: the tolerances allow for that).
+        let out = Command::new("c++")
+            .args(["-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I"])
+            .arg(root.join("src/device/cuda/kernels"))
+            .arg("-I")
+            .arg(root.join("tests/support"))
+            .arg(root.join("tests/support/kernels_on_host.cpp"))
+            .arg("-o")
+            .arg(&exe)
+            .output();
+        match out {
+            Err(e) => {
+                eprintln!("skipped: no C++ compiler (c++: {e})");
+                None
+            }
+            Ok(out) => {
+                assert!(out.status.success(), "the kernels do not compile as host C++:\n{}", String::from_utf8_lossy(&out.stderr));
+                Some(exe)
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// The harness's input stream.
+#[derive(Default)]
+struct Input(Vec<u8>);
+
+impl Input {
+    fn i32(&mut self, v: usize) -> &mut Self {
+        self.0.extend(i32::try_from(v).unwrap().to_le_bytes());
+        self
+    }
+    fn i32s(&mut self, v: &[i32]) -> &mut Self {
+        v.iter().for_each(|x| self.0.extend(x.to_le_bytes()));
+        self
+    }
+    fn f32(&mut self, v: f32) -> &mut Self {
+        self.0.extend(v.to_le_bytes());
+        self
+    }
+    fn f32s(&mut self, v: &[f32]) -> &mut Self {
+        v.iter().for_each(|x| self.0.extend(x.to_le_bytes()));
+        self
+    }
+}
+
+/// Runs the harness on `input`: its output as 4-byte words.
+fn run(exe: &PathBuf, input: &Input) -> Vec<[u8; 4]> {
+    let mut child = Command::new(exe).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    child.stdin.take().unwrap().write_all(&input.0).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "harness: {:?} {}", out.status, String::from_utf8_lossy(&out.stderr));
+    out.stdout.chunks_exact(4).map(|b| b.try_into().unwrap()).collect()
+}
+
+/// Heads of one test of the attention kernels.
+struct Shape {
+    n_kv_head: usize,
+    group: usize,
+    head_dim: usize,
+}
+
+/// Page size of the test pools (the mirror's is 16 positions too).
+const PAGE: usize = 16;
+
+/// Sequences' lengths: within a tile, over a tile of 128 with a partial page, over two tiles.
+const LENS: [usize; 3] = [5, 70, 300];
+
+/// Runs the kernels on one shape and compares with the exact attention; the largest output
+/// and log-sum-exp differences.
+fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, seed: u64) -> (f64, f64) {
+    let Shape { n_kv_head, group, head_dim } = *shape;
+    let (kv_dim, n_head) = (n_kv_head * head_dim, n_kv_head * group);
+    let (layers, layer) = (2usize, 1usize);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let f16_rounded = |x: f32| f16::from_f32(x).to_f32();
+
+    // Each sequence's pages, taken from a shuffled pool so that tables are not in order.
+    let n_pages: usize = LENS.iter().map(|l| l.div_ceil(PAGE)).sum::<usize>() + 3;
+    let mut free: Vec<usize> = (0..n_pages).collect();
+    for i in (1..free.len()).rev() {
+        free.swap(i, rng.random_range(0..=i));
+    }
+    let tables: Vec<Vec<usize>> = LENS.iter().map(|l| free.drain(..l.div_ceil(PAGE)).collect()).collect();
+    // Every position's K and V (f16 values), stored by kv_store.
+    let kv: Vec<(Vec<f32>, Vec<f32>)> = LENS
+        .iter()
+        .map(|&l| {
+            let mut row = || (0..l * kv_dim).map(|_| f16_rounded(rng.random_range(-1.0f32..1.0))).collect::<Vec<f32>>();
+            (row(), row())
+        })
+        .collect();
+    let mut slots = Vec::new();
+    for (s, &l) in LENS.iter().enumerate() {
+        slots.extend((0..l).map(|p| (tables[s][p / PAGE] * PAGE + p % PAGE) as i32));
+    }
+    let mut pages: Vec<i32> = Vec::new();
+    let mut toff = Vec::new();
+    for t in &tables {
+        toff.push(pages.len());
+        pages.extend(t.iter().map(|&p| p as i32));
+    }
+    // (sequence, range): whole contexts, shares of them, one position, none.
+    let ranges = [(0, 0..5), (1, 0..70), (1, 10..70), (2, 0..300), (2, 128..300), (1, 69..70), (2, 3..131), (0, 5..5)];
+    let mut items = Vec::new();
+    for (i, (s, r)) in ranges.iter().enumerate() {
+        items.extend([i as i32, r.start as i32, r.end as i32, toff[*s] as i32]);
+    }
+    let q: Vec<f32> = (0..ranges.len() * n_head * head_dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+
+    let mut input = Input::default();
+    input.i32(1).i32(n_kv_head).i32(head_dim).i32(group).i32(PAGE).i32(layers).i32(layer).i32(n_pages).i32(slots.len());
+    for part in 0..2 {
+        for (k, v) in &kv {
+            input.f32s(if part == 0 { k } else { v });
+        }
+    }
+    input.i32s(&slots).i32(pages.len()).i32s(&pages).i32(ranges.len()).i32s(&items);
+    input.i32(ranges.len()).f32s(&q).i32(n_split).f32(scale).f32(softcap);
+    let words = run(exe, &input);
+    let f: Vec<f32> = words.iter().map(|b| f32::from_le_bytes(*b)).collect();
+    assert_eq!(f.len(), ranges.len() * n_head * (head_dim + 1), "the harness's output");
+    let (out, lse) = f.split_at(ranges.len() * n_head * head_dim);
+
+    let (mut worst_out, mut worst_lse) = (0f64, 0f64);
+    for (i, (s, r)) in ranges.iter().enumerate() {
+        let (k, v) = &kv[*s];
+        for h in 0..n_head {
+            let kh = h / group;
+            let qh = &q[(i * n_head + h) * head_dim..][..head_dim];
+            let got = &out[(i * n_head + h) * head_dim..][..head_dim];
+            let got_lse = lse[i * n_head + h];
+            if r.is_empty() {
+                assert!(got.iter().all(|&x| x == 0.0) && got_lse == f32::NEG_INFINITY, "item {i} attends nothing: zeros and minus infinity");
+                continue;
+            }
+            let scores: Vec<f64> = r
+                .clone()
+                .map(|p| {
+                    let kr = &k[p * kv_dim + kh * head_dim..][..head_dim];
+                    let x = scale as f64 * qh.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
+                    if softcap > 0.0 { softcap as f64 * (x / softcap as f64).tanh() } else { x }
+                })
+                .collect();
+            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+            let sum: f64 = w.iter().sum();
+            for d in 0..head_dim {
+                let want = r.clone().zip(&w).map(|(p, w)| w * v[p * kv_dim + kh * head_dim + d] as f64).sum::<f64>() / sum;
+                worst_out = worst_out.max((got[d] as f64 - want).abs());
+            }
+            let want_lse = m + sum.ln();
+            worst_lse = worst_lse.max((got_lse as f64 - want_lse).abs() / want_lse.abs().max(1.0));
+        }
+    }
+    (worst_out, worst_lse)
+}
+
+#[test]
+fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
+    let Some(exe) = harness() else { return };
+    let shapes = [
+        Shape { n_kv_head: 2, group: 3, head_dim: 64 },
+        Shape { n_kv_head: 1, group: 6, head_dim: 128 },
+        Shape { n_kv_head: 3, group: 1, head_dim: 32 },
+    ];
+    for (i, shape) in shapes.iter().enumerate() {
+        for (n_split, softcap) in [(1, 0.0), (3, 0.0), (2, 30.0)] {
+            let (out, lse) = attention_case(exe, shape, n_split, softcap, 7 + i as u64);
+            println!(
+                "{} KV heads × {} query heads of {}, {n_split} splits, soft cap {softcap}: outputs within {out:.1e}, log-sum-exps within {lse:.1e} (relative)",
+                shape.n_kv_head, shape.group, shape.head_dim
+            );
+            assert!(out <= 2e-6 && lse <= 2e-6, "shape {i}, {n_split} splits, soft cap {softcap}: outputs off by {out:.3e}, log-sum-exps by {lse:.3e}");
+        }
+    }
+}
+
+#[test]
+fn argmax_rows_picks_what_the_host_greedy_sampler_picks() {
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(13);
+    let cols = 3000;
+    let mut rows: Vec<Vec<f32>> = (0..5).map(|_| (0..cols).map(|_| rng.random_range(-10.0f32..10.0)).collect()).collect();
+    // Ties (the first maximum wins, across threads' strides), NaNs (never chosen; a NaN first
+    // gives 0), nothing above minus infinity (0), the maximum last.
+    rows[1][7] = 50.0;
+    rows[1][2900] = 50.0;
+    rows[2][0] = f32::NAN;
+    rows[3][11] = f32::NAN;
+    rows[3][12] = 40.0;
+    rows[4][300] = 60.0;
+    rows[4][44] = 60.0;
+    rows.push(vec![f32::NEG_INFINITY; cols]);
+    let mut last = vec![0.0f32; cols];
+    last[cols - 1] = 1.0;
+    rows.push(last);
+    let mut input = Input::default();
+    input.i32(2).i32(rows.len()).i32(cols).f32s(&rows.concat());
+    let got: Vec<u32> = run(exe, &input).iter().map(|b| u32::from_le_bytes(*b)).collect();
+    let want: Vec<u32> = rows.iter().map(|r| duet_gpu_worker::sampler::argmax(r)).collect();
+    assert_eq!(got, want);
+    println!("argmax_rows on the host: {} rows of {cols}, the greedy sampler's picks {want:?}", rows.len());
+}

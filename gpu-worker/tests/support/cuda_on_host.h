@@ -1,0 +1,175 @@
+// Duet's CUDA C kernels run on the host, for tests on machines without a GPU: the kernel
+// files compile as C++20 after this header, and `launch` runs a grid block by block, every
+// thread of a block an OS thread. `__syncthreads` is a barrier of the block's threads,
+// `__shfl_xor_sync` an exchange through a barrier of the warp's 32 (the kernels call both
+// with every thread of the block, or of the warp, present), `__shared__` arrays are statics
+// (one block runs at a time), and the PTX conversions of common.cuh are replaced by the
+// compiler's `_Float16` (IEEE round to nearest even, as `cvt.rn`). What this checks is the
+// kernels' indexing, tiling, reductions and arithmetic order; the GPU twins
+// (`device::cuda::twins`) still check them on a GPU, with its own rounding of `expf` and the
+// like.
+
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define DUET_HOST 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+// One block at a time: the block's threads share one copy.
+#define __shared__ static
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+inline thread_local dim3 threadIdx;
+inline dim3 blockIdx, blockDim, gridDim;
+
+namespace host_cuda {
+using Barrier = std::barrier<>;
+inline std::unique_ptr<Barrier> block_barrier;
+inline std::vector<std::unique_ptr<Barrier>> warp_barriers;
+// Per warp, each lane's value in a shuffle.
+inline std::vector<std::array<uint64_t, 32>> exchange;
+
+inline unsigned linear_thread() {
+    return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+}  // namespace host_cuda
+
+inline void __syncthreads() {
+    host_cuda::block_barrier->arrive_and_wait();
+}
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int off) {
+    static_assert(sizeof(T) <= 8);
+    unsigned t = host_cuda::linear_thread(), warp = t / 32, lane = t % 32;
+    auto& ex = host_cuda::exchange[warp];
+    std::memcpy(&ex[lane], &v, sizeof(T));
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    T r;
+    std::memcpy(&r, &ex[lane ^ (unsigned)off], sizeof(T));
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    return r;
+}
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+inline float __fmul_rn(float a, float b) {
+    return a * b;
+}
+inline float __fadd_rn(float a, float b) {
+    return a + b;
+}
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+}
+inline int min(int a, int b) {
+    return a < b ? a : b;
+}
+inline int max(int a, int b) {
+    return a > b ? a : b;
+}
+inline long long min(long long a, long long b) {
+    return a < b ? a : b;
+}
+inline long long max(long long a, long long b) {
+    return a > b ? a : b;
+}
+
+// common.cuh's f16 conversions, for DUET_HOST.
+inline float host_f16_to_f32(uint16_t h) {
+    _Float16 x;
+    std::memcpy(&x, &h, 2);
+    return (float)x;
+}
+inline uint16_t host_f32_to_f16(float f) {
+    _Float16 x = (_Float16)f;
+    uint16_t h;
+    std::memcpy(&h, &x, 2);
+    return h;
+}
+
+// Runs `body` (a call of one kernel) as a grid of `grid` blocks of `block` threads.
+template <class F>
+void launch(dim3 grid, dim3 block, F body) {
+    unsigned n = block.x * block.y * block.z;
+    unsigned warps = (n + 31) / 32;
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                blockIdx = dim3{x, y, z};
+                host_cuda::block_barrier = std::make_unique<host_cuda::Barrier>(n);
+                host_cuda::warp_barriers.clear();
+                for (unsigned w = 0; w < warps; ++w)
+                    host_cuda::warp_barriers.push_back(std::make_unique<host_cuda::Barrier>(std::min(32u, n - 32 * w)));
+                host_cuda::exchange.assign(warps, {});
+                std::vector<std::thread> threads;
+                threads.reserve(n);
+                for (unsigned t = 0; t < n; ++t)
+                    threads.emplace_back([&, t] {
+                        threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                        body();
+                        // A thread that has returned no longer holds the others back.
+                        host_cuda::warp_barriers[t / 32]->arrive_and_drop();
+                        host_cuda::block_barrier->arrive_and_drop();
+                    });
+                for (auto& th : threads) th.join();
+            }
+}
+
+// Reading and writing the harnesses' binary streams (little-endian, as the tests write them).
+template <class T>
+T read_one(FILE* f = stdin) {
+    T v;
+    if (fread(&v, sizeof(T), 1, f) != 1) {
+        fprintf(stderr, "short input\n");
+        exit(2);
+    }
+    return v;
+}
+
+template <class T>
+std::vector<T> read_vec(size_t n, FILE* f = stdin) {
+    std::vector<T> v(n);
+    if (n && fread(v.data(), sizeof(T), n, f) != n) {
+        fprintf(stderr, "short input\n");
+        exit(2);
+    }
+    return v;
+}
+
+template <class T>
+void write_vec(const std::vector<T>& v, FILE* f = stdout) {
+    fwrite(v.data(), sizeof(T), v.size(), f);
+}

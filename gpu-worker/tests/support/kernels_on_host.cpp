@@ -1,0 +1,67 @@
+// The CUDA kernels of attention.cu and ops.cu run on the host (cuda_on_host.h), launched as
+// the CUDA device launches them (`device::cuda::mirror`, `device::cuda::launch`), for
+// gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
+// kernel's outputs.
+//
+//   1 attention: the K/V rows stored into a page pool (kv_store), then attn_partial and
+//     attn_merge over the items; out: every item's output rows and log-sum-exps.
+//   2 argmax_rows; out: each row's index.
+
+#include "cuda_on_host.h"
+
+#include "types.cuh"
+#include "common.cuh"
+#include "quants.cuh"
+#include "attention.cu"
+#include "ops.cu"
+
+static void attention() {
+    int n_kv_head = read_one<int>(), head_dim = read_one<int>(), group = read_one<int>(), page_size = read_one<int>();
+    int layers = read_one<int>(), layer = read_one<int>(), n_pages = read_one<int>(), n_rows = read_one<int>();
+    int kv_dim = n_kv_head * head_dim, n_head = n_kv_head * group;
+    auto k = read_vec<float>((size_t)n_rows * kv_dim);
+    auto v = read_vec<float>((size_t)n_rows * kv_dim);
+    auto slots = read_vec<int>(n_rows);
+    auto pages = read_vec<int>(read_one<int>());
+    int n_items = read_one<int>();
+    auto items = read_vec<int>(4 * (size_t)n_items);
+    auto q = read_vec<float>((size_t)read_one<int>() * n_head * head_dim);
+    int n_split = read_one<int>();
+    float scale = read_one<float>(), softcap = read_one<float>();
+
+    long long page_elems = (long long)layers * 2 * kv_dim * page_size;
+    std::vector<u16> pool((size_t)n_pages * page_elems, 0xffff);  // NaN: a read of a slot never written shows
+    unsigned elems = (unsigned)(n_rows * kv_dim);
+    launch(dim3{(elems + 1023) / 1024}, dim3{1024}, [&] {
+        kv_store(k.data(), v.data(), slots.data(), n_rows, kv_dim, head_dim, pool.data(), page_elems, layer, page_size);
+    });
+    int hgroups = (group + ATT_HEADS - 1) / ATT_HEADS;
+    size_t parts = (size_t)n_items * n_head * n_split;
+    std::vector<float> pm(parts), pl(parts), po(parts * head_dim), out((size_t)n_items * n_head * head_dim), lse((size_t)n_items * n_head);
+    launch(dim3{(unsigned)n_items, (unsigned)(n_kv_head * hgroups), (unsigned)n_split}, dim3{ATT_THREADS}, [&] {
+        attn_partial(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), n_kv_head, head_dim, group, page_size, n_split, scale,
+                     softcap, pm.data(), pl.data(), po.data());
+    });
+    launch(dim3{(unsigned)(n_items * n_head)}, dim3{(unsigned)std::min(head_dim, 128)}, [&] {
+        attn_merge(pm.data(), pl.data(), po.data(), n_split, head_dim, out.data(), lse.data());
+    });
+    write_vec(out);
+    write_vec(lse);
+}
+
+static void argmax() {
+    int n = read_one<int>(), cols = read_one<int>();
+    auto x = read_vec<float>((size_t)n * cols);
+    std::vector<u32> out(n);
+    launch(dim3{(unsigned)n}, dim3{ARGMAX_THREADS}, [&] { argmax_rows(x.data(), cols, out.data()); });
+    write_vec(out);
+}
+
+int main() {
+    switch (read_one<int>()) {
+        case 1: attention(); break;
+        case 2: argmax(); break;
+        default: return 3;
+    }
+    return 0;
+}
