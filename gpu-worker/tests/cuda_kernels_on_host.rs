@@ -5,9 +5,11 @@
 //!
 //! - the KV mirror's `kv_store`, `attn_partial` and `attn_merge` on a paged pool, for decode
 //!   items over whole contexts and shares of them, one position, none, several query heads
-//!   per KV head (whole and partial head groups of the kernel), 1 and 3 splits and a soft
-//!   cap, against the exact attention (f64) of the same f16 K/V: outputs within 2e-6,
-//!   log-sum-exps within 2e-6 relative;
+//!   per KV head (whole and partial head groups of the kernel), 1 to 3 splits and a soft
+//!   cap; and `attn_prefill` on tiles of prefill rows over their causal prefixes, with and
+//!   without a sliding window, beside them (each writing its items' slots): against the exact
+//!   attention (f64) of the same f16 K/V, outputs within 2e-6, log-sum-exps within 2e-6
+//!   relative;
 //! - `argmax_rows` against the host's greedy sampler (`sampler::argmax`): ties, NaNs,
 //!   nothing above minus infinity.
 //!
@@ -136,8 +138,23 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, se
         toff.push(pages.len());
         pages.extend(t.iter().map(|&p| p as i32));
     }
-    // (sequence, range): whole contexts, shares of them, one position, none.
-    let ranges = [(0, 0..5), (1, 0..70), (1, 10..70), (2, 0..300), (2, 128..300), (1, 69..70), (2, 3..131), (0, 5..5)];
+    // Single items (sequence, range): whole contexts, shares of them, one position, none.
+    let mut ranges = vec![(0, 0..5), (1, 0..70), (1, 10..70), (2, 0..300), (2, 128..300), (1, 69..70), (2, 3..131), (0, 5..5)];
+    let singles: Vec<i32> = (0..ranges.len() as i32).collect();
+    // Prefill rows in tiles: sequence 2's last 50 rows over their causal prefixes, sequence
+    // 1's last 10 rows within a sliding window of 16 (tiles of up to `per_tile` rows, the
+    // last one short), and a tile of one row.
+    let per_tile = (32 / group).min(4096 / (group * head_dim));
+    let mut tiles = Vec::new();
+    let mut tile_rows = |ranges: &mut Vec<(usize, std::ops::Range<usize>)>, s: usize, rows: Vec<std::ops::Range<usize>>, per: usize| {
+        for chunk in rows.chunks(per) {
+            tiles.extend([ranges.len() as i32, chunk.len() as i32, toff[s] as i32]);
+            ranges.extend(chunk.iter().map(|r| (s, r.clone())));
+        }
+    };
+    tile_rows(&mut ranges, 2, (250..300).map(|p| 0..p + 1).collect(), per_tile);
+    tile_rows(&mut ranges, 1, (60..70).map(|p| p + 1 - 16..p + 1).collect(), per_tile);
+    tile_rows(&mut ranges, 0, vec![0..3], 1);
     let mut items = Vec::new();
     for (i, (s, r)) in ranges.iter().enumerate() {
         items.extend([i as i32, r.start as i32, r.end as i32, toff[*s] as i32]);
@@ -153,6 +170,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, se
         }
     }
     input.i32s(&slots).i32(pages.len()).i32s(&pages).i32(ranges.len()).i32s(&items);
+    input.i32(tiles.len() / 3).i32s(&tiles).i32(singles.len()).i32s(&singles);
     input.i32(ranges.len()).f32s(&q).i32(n_split).f32(scale).f32(softcap);
     let words = run(exe, &input);
     let f: Vec<f32> = words.iter().map(|b| f32::from_le_bytes(*b)).collect();
@@ -200,6 +218,7 @@ fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
         Shape { n_kv_head: 2, group: 3, head_dim: 64 },
         Shape { n_kv_head: 1, group: 6, head_dim: 128 },
         Shape { n_kv_head: 3, group: 1, head_dim: 32 },
+        Shape { n_kv_head: 1, group: 2, head_dim: 256 },
     ];
     for (i, shape) in shapes.iter().enumerate() {
         for (n_split, softcap) in [(1, 0.0), (3, 0.0), (2, 30.0)] {

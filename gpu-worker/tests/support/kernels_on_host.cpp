@@ -3,8 +3,9 @@
 // gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
 // kernel's outputs.
 //
-//   1 attention: the K/V rows stored into a page pool (kv_store), then attn_partial and
-//     attn_merge over the items; out: every item's output rows and log-sum-exps.
+//   1 attention: the K/V rows stored into a page pool (kv_store), then attn_prefill over the
+//     tiles given and attn_partial and attn_merge over the single items given, as
+//     `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
 
 #include "cuda_on_host.h"
@@ -25,6 +26,9 @@ static void attention() {
     auto pages = read_vec<int>(read_one<int>());
     int n_items = read_one<int>();
     auto items = read_vec<int>(4 * (size_t)n_items);
+    int n_tiles = read_one<int>();
+    auto tiles = read_vec<int>(3 * (size_t)n_tiles);
+    auto singles = read_vec<int>(read_one<int>());
     auto q = read_vec<float>((size_t)read_one<int>() * n_head * head_dim);
     int n_split = read_one<int>();
     float scale = read_one<float>(), softcap = read_one<float>();
@@ -35,16 +39,28 @@ static void attention() {
     launch(dim3{(elems + 1023) / 1024}, dim3{1024}, [&] {
         kv_store(k.data(), v.data(), slots.data(), n_rows, kv_dim, head_dim, pool.data(), page_elems, layer, page_size);
     });
-    int hgroups = (group + ATT_HEADS - 1) / ATT_HEADS;
-    size_t parts = (size_t)n_items * n_head * n_split;
-    std::vector<float> pm(parts), pl(parts), po(parts * head_dim), out((size_t)n_items * n_head * head_dim), lse((size_t)n_items * n_head);
-    launch(dim3{(unsigned)n_items, (unsigned)(n_kv_head * hgroups), (unsigned)n_split}, dim3{ATT_THREADS}, [&] {
-        attn_partial(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), n_kv_head, head_dim, group, page_size, n_split, scale,
-                     softcap, pm.data(), pl.data(), po.data());
-    });
-    launch(dim3{(unsigned)(n_items * n_head)}, dim3{(unsigned)std::min(head_dim, 128)}, [&] {
-        attn_merge(pm.data(), pl.data(), po.data(), n_split, head_dim, out.data(), lse.data());
-    });
+    // NaN where no kernel writes.
+    std::vector<float> out((size_t)n_items * n_head * head_dim, NAN), lse((size_t)n_items * n_head, NAN);
+    if (n_tiles > 0)
+        launch(dim3{(unsigned)n_tiles, (unsigned)n_kv_head}, dim3{ATT_THREADS}, [&] {
+            attn_prefill(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), tiles.data(), n_kv_head, head_dim, group, page_size,
+                         scale, softcap, out.data(), lse.data());
+        });
+    int m = (int)singles.size();
+    if (m > 0) {
+        std::vector<int> meta;
+        for (int j : singles) meta.insert(meta.end(), items.begin() + 4 * j, items.begin() + 4 * j + 4);
+        int hgroups = (group + ATT_HEADS - 1) / ATT_HEADS;
+        size_t parts = (size_t)m * n_head * n_split;
+        std::vector<float> pm(parts), pl(parts), po(parts * head_dim);
+        launch(dim3{(unsigned)m, (unsigned)(n_kv_head * hgroups), (unsigned)n_split}, dim3{ATT_THREADS}, [&] {
+            attn_partial(q.data(), pool.data(), page_elems, layer, pages.data(), meta.data(), n_kv_head, head_dim, group, page_size, n_split, scale,
+                         softcap, pm.data(), pl.data(), po.data());
+        });
+        launch(dim3{(unsigned)(m * n_head)}, dim3{(unsigned)std::min(head_dim, 128)}, [&] {
+            attn_merge(pm.data(), pl.data(), po.data(), n_split, head_dim, n_head, singles.data(), out.data(), lse.data());
+        });
+    }
     write_vec(out);
     write_vec(lse);
 }

@@ -30,6 +30,36 @@ const ATT_TILE: usize = 128;
 const ATT_HEADS: usize = 4;
 /// The widest head the attention kernel takes.
 pub const MAX_HEAD_DIM: usize = 256;
+/// Query vectors, and their floats, one `attn_prefill` block takes (`PF_QUERIES`, `PF_ELEMS`).
+const PF_QUERIES: usize = 32;
+const PF_ELEMS: usize = 4096;
+
+/// Rows of a sequence one `attn_prefill` block attends: as many as its query vectors (rows ×
+/// the `group` query heads of a KV head) and their floats allow; 0 where not even one fits.
+fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
+    (PF_QUERIES / group).min(PF_ELEMS / (group * head_dim))
+}
+
+/// How the placed items of a launch are attended: runs of consecutive items of one sequence
+/// (a prefill chunk's rows) in tiles of at most `per_tile` rows for `attn_prefill` — per
+/// tile its first item, its items and the sequence's `table` (`keys[i]`: item `i`'s sequence
+/// and table offset) — and the rest one by one (`attn_partial`), by index.
+fn prefill_tiles(keys: &[(u64, i32)], per_tile: usize) -> (Vec<i32>, Vec<usize>) {
+    let (mut tiles, mut singles) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < keys.len() {
+        let run = keys[i..].iter().take_while(|k| k.0 == keys[i].0).count();
+        if run < 2 || per_tile == 0 {
+            singles.extend(i..i + run);
+        } else {
+            for t in (i..i + run).step_by(per_tile) {
+                tiles.extend([t as i32, per_tile.min(i + run - t) as i32, keys[i].1]);
+            }
+        }
+        i += run;
+    }
+    (tiles, singles)
+}
 
 /// Launched attention: the outputs and log-sum-exps of the placed items (by index), in
 /// their order, on the GPU.
@@ -237,36 +267,88 @@ impl KvMirror {
         }
         let n = placed.len();
         let group = n_head / n_kv_head;
-        let hgroups = group.div_ceil(ATT_HEADS);
-        let base = n * n_kv_head * hgroups;
-        let longest = placed.iter().map(|&i| items[i].range.len()).max().unwrap_or(0);
-        let n_split = self.target_blocks.div_ceil(base).clamp(1, longest.div_ceil(ATT_TILE).max(1));
-        let (pd, md) = (stream.clone_htod(&pages).map_err(CudaError::from)?, stream.clone_htod(&meta).map_err(CudaError::from)?);
-        let parts = n * n_head * n_split;
-        // SAFETY: attn_partial writes every partial, attn_merge every output.
-        let (mut pm, mut pl, mut po, mut out, mut lse) = unsafe {
-            (
-                stream.alloc::<f32>(parts).map_err(CudaError::from)?,
-                stream.alloc::<f32>(parts).map_err(CudaError::from)?,
-                stream.alloc::<f32>(parts * head_dim).map_err(CudaError::from)?,
-                stream.alloc::<f32>(n * q_dim).map_err(CudaError::from)?,
-                stream.alloc::<f32>(n * n_head).map_err(CudaError::from)?,
-            )
-        };
-        let (page_elems, layer_i, nkv, hd, grp, page_i, ns) = (self.page_elems as i64, layer as i32, n_kv_head as i32, head_dim as i32, group as i32, PAGE as i32, n_split as i32);
+        let keys: Vec<(u64, i32)> = placed.iter().zip(meta.chunks_exact(4)).map(|(&i, m)| (items[i].key, m[3])).collect();
+        let (tiles, singles) = prefill_tiles(&keys, prefill_rows_per_tile(group, head_dim));
+        // SAFETY: the tiles' rows and attn_merge (for the rest) write every output and lse.
+        let (mut out, mut lse) = unsafe { (stream.alloc::<f32>(n * q_dim).map_err(CudaError::from)?, stream.alloc::<f32>(n * n_head).map_err(CudaError::from)?) };
+        let (page_elems, layer_i, nkv, hd, grp, page_i) = (self.page_elems as i64, layer as i32, n_kv_head as i32, head_dim as i32, group as i32, PAGE as i32);
         let (scale, cap) = (attn_scale(head_dim), softcap.unwrap_or(0.0));
-        let mut b = stream.launch_builder(kern.kernels().get("attn_partial")?);
-        b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
-        b.arg(&mut pm).arg(&mut pl).arg(&mut po);
-        let cfg = LaunchConfig { grid_dim: (n as u32, (n_kv_head * hgroups) as u32, n_split as u32), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: q holds the rows the items name; every item's positions are mirrored in
-        // pages its table lists; the partials hold n * n_head * n_split entries.
-        unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
-        let mut b = stream.launch_builder(kern.kernels().get("attn_merge")?);
-        b.arg(&pm).arg(&pl).arg(&po).arg(&ns).arg(&hd).arg(&mut out).arg(&mut lse);
-        let cfg = LaunchConfig { grid_dim: ((n * n_head) as u32, 1, 1), block_dim: (head_dim.min(128) as u32, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: as above; out holds n * q_dim, lse n * n_head.
-        unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+        let pd = stream.clone_htod(&pages).map_err(CudaError::from)?;
+        if !tiles.is_empty() {
+            let (md, td) = (stream.clone_htod(&meta).map_err(CudaError::from)?, stream.clone_htod(&tiles).map_err(CudaError::from)?);
+            let mut b = stream.launch_builder(kern.kernels().get("attn_prefill")?);
+            b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&td).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&scale).arg(&cap);
+            b.arg(&mut out).arg(&mut lse);
+            let cfg = LaunchConfig { grid_dim: ((tiles.len() / 3) as u32, n_kv_head as u32, 1), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: every tile's rows are items of one sequence whose positions up to the
+            // largest end are mirrored in the pages of its table; out and lse hold n items.
+            unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+        }
+        if !singles.is_empty() {
+            let m = singles.len();
+            let meta_s: Vec<i32> = singles.iter().flat_map(|&j| meta[4 * j..4 * j + 4].iter().copied()).collect();
+            let dest: Vec<i32> = singles.iter().map(|&j| j as i32).collect();
+            let hgroups = group.div_ceil(ATT_HEADS);
+            let base = m * n_kv_head * hgroups;
+            let longest = singles.iter().map(|&j| items[placed[j]].range.len()).max().unwrap_or(0);
+            let n_split = self.target_blocks.div_ceil(base).clamp(1, longest.div_ceil(ATT_TILE).max(1));
+            let (md, dd) = (stream.clone_htod(&meta_s).map_err(CudaError::from)?, stream.clone_htod(&dest).map_err(CudaError::from)?);
+            let parts = m * n_head * n_split;
+            // SAFETY: attn_partial writes every partial.
+            let (mut pm, mut pl, mut po) = unsafe {
+                (
+                    stream.alloc::<f32>(parts).map_err(CudaError::from)?,
+                    stream.alloc::<f32>(parts).map_err(CudaError::from)?,
+                    stream.alloc::<f32>(parts * head_dim).map_err(CudaError::from)?,
+                )
+            };
+            let ns = n_split as i32;
+            let mut b = stream.launch_builder(kern.kernels().get("attn_partial")?);
+            b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
+            b.arg(&mut pm).arg(&mut pl).arg(&mut po);
+            let cfg = LaunchConfig { grid_dim: (m as u32, (n_kv_head * hgroups) as u32, n_split as u32), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: q holds the rows the items name; every item's positions are mirrored in
+            // pages its table lists; the partials hold m * n_head * n_split entries.
+            unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+            let nh = n_head as i32;
+            let mut b = stream.launch_builder(kern.kernels().get("attn_merge")?);
+            b.arg(&pm).arg(&pl).arg(&po).arg(&ns).arg(&hd).arg(&nh).arg(&dd).arg(&mut out).arg(&mut lse);
+            let cfg = LaunchConfig { grid_dim: ((m * n_head) as u32, 1, 1), block_dim: (head_dim.min(128) as u32, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: as above; dest names slots below n, out holds n * q_dim, lse n * n_head.
+            unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
+        }
         Ok(Some(Attended { out, lse, placed }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_rows_go_in_tiles_and_lone_rows_one_by_one() {
+        // Sequence 1: a lone decode row; 2: five prefill rows; 3: one row; 4: two rows.
+        let keys = [(1, 0), (2, 4), (2, 4), (2, 4), (2, 4), (2, 4), (3, 9), (4, 11), (4, 11)];
+        let (tiles, singles) = prefill_tiles(&keys, 2);
+        assert_eq!(tiles, vec![1, 2, 4, 3, 2, 4, 5, 1, 4, 7, 2, 11]);
+        assert_eq!(singles, vec![0, 6]);
+        // Heads too many for a tile: every item alone.
+        let (tiles, singles) = prefill_tiles(&keys, 0);
+        assert!(tiles.is_empty());
+        assert_eq!(singles, (0..keys.len()).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_tile_holds_what_the_prefill_kernels_shared_memory_does() {
+        // Llama-3.2-1B: 4 query heads per KV head of 64; Llama-3.1-8B: 4 of 128; 256-wide heads.
+        assert_eq!(prefill_rows_per_tile(4, 64), 8);
+        assert_eq!(prefill_rows_per_tile(4, 128), 8);
+        assert_eq!(prefill_rows_per_tile(1, 128), 32);
+        assert_eq!(prefill_rows_per_tile(2, 256), 8);
+        assert_eq!(prefill_rows_per_tile(64, 64), 0);
+        for (g, hd) in [(1, 32), (3, 64), (8, 128), (2, 256)] {
+            let r = prefill_rows_per_tile(g, hd);
+            assert!(r * g <= PF_QUERIES && r * g * hd <= PF_ELEMS && r >= 1);
+        }
     }
 }

@@ -8,8 +8,11 @@
 // head's group, with an online softmax over tiles of ATT_TILE positions, and leaves the
 // running max, the sum of exponentials and the unnormalised output; attn_merge combines an
 // item's splits into the output and its log-sum-exp (natural log of the scaled scores' sum of
-// exponentials, as the host kernels and the cpu-workers give it). A prefill row is an item
-// whose range is its causal prefix.
+// exponentials, as the host kernels and the cpu-workers give it), at the output slot `dest`
+// names. attn_prefill attends several rows of one sequence at once (a prefill chunk's rows,
+// each over its causal prefix): a block takes up to PF_QUERIES query vectors (rows × the
+// query heads of one KV head) and reads each tile of K and V into shared memory once for all
+// of them, where attn_partial would read it once per row.
 
 #define ATT_THREADS 128
 #define ATT_TILE 128
@@ -159,8 +162,10 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
 // An item's splits merged, one block per (item, head): the output (zeros where nothing was
 // attended) and the log-sum-exp (minus infinity there).
 extern "C" __global__ void attn_merge(const float* part_m, const float* part_l, const float* part_o, int n_split, int head_dim,
-                                      float* out, float* lse) {
+                                      int n_head, const int* dest, float* out, float* lse) {
     const long long ih = blockIdx.x;
+    // The output slot of item ih / n_head (dest[item]), head ih % n_head.
+    const long long oh = (long long)dest[ih / n_head] * n_head + ih % n_head;
     float mmax = NEG_INF;
     for (int s = 0; s < n_split; s++) mmax = fmaxf(mmax, part_m[ih * n_split + s]);
     float total = 0.0f;
@@ -173,7 +178,131 @@ extern "C" __global__ void attn_merge(const float* part_m, const float* part_l, 
         for (int s = 0; s < n_split; s++) {
             if (part_l[ih * n_split + s] > 0.0f) acc += part_o[(ih * n_split + s) * head_dim + d] * expf(part_m[ih * n_split + s] - mmax);
         }
-        out[ih * head_dim + d] = total > 0.0f ? acc / total : 0.0f;
+        out[oh * head_dim + d] = total > 0.0f ? acc / total : 0.0f;
     }
-    if (threadIdx.x == 0) lse[ih] = total > 0.0f ? mmax + logf(total) : NEG_INF;
+    if (threadIdx.x == 0) lse[oh] = total > 0.0f ? mmax + logf(total) : NEG_INF;
+}
+
+#define PF_QUERIES 32
+// Floats of Q (PF_QUERIES * head_dim at most), and halves of a K or V tile, in shared memory.
+#define PF_ELEMS 4096
+#define PF_TILE 32
+
+// Prefill attention. tiles: per tile (first item, items, offset of the sequence's page table
+// in `pages`); the items (as attn_partial's: row of q, start, end, -) of a tile are rows of
+// one sequence, items * group <= PF_QUERIES and items * group * head_dim <= PF_ELEMS. Grid: x
+// tiles, y n_kv_head; ATT_THREADS threads. Writes item j's output and log-sum-exp at slot j.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+attn_prefill(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
+             int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
+    __shared__ float qs[PF_ELEMS];
+    // K rows padded by one word, so that the lanes reading one column of a tile's rows meet
+    // no bank twice.
+    __shared__ u16 ks[PF_TILE * (ATT_MAX_HEAD_DIM + 2)];
+    __shared__ u16 vs[PF_ELEMS];
+    __shared__ float sc[PF_QUERIES * PF_TILE];
+    __shared__ float ms[PF_QUERIES], ls[PF_QUERIES], cs[PF_QUERIES];
+    __shared__ int lo[PF_QUERIES], hi[PF_QUERIES];
+
+    const int tile = blockIdx.x, kh = blockIdx.y;
+    const int j0 = tiles[3 * tile], nr = tiles[3 * tile + 1], toff = tiles[3 * tile + 2];
+    const int nq = nr * group, n_head = n_kv_head * group, kv_dim = n_kv_head * head_dim;
+    const int kt = min(PF_TILE, PF_ELEMS / head_dim), kstride = head_dim + 2, half = head_dim / 2;
+    const long long layer_off = (long long)layer * 2 * kv_dim * page_size + (long long)kh * page_size * head_dim;
+    const long long v_off = (long long)kv_dim * page_size;
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP;
+
+    // Query vector i: row i / group of the tile, head kh * group + i % group.
+    for (int i = tid; i < nq * head_dim; i += ATT_THREADS) {
+        int qi = i / head_dim, d = i % head_dim;
+        int row = items[4 * (j0 + qi / group)];
+        qs[i] = q[((long long)row * n_head + kh * group + qi % group) * head_dim + d];
+    }
+    if (tid < nr) {
+        lo[tid] = items[4 * (j0 + tid) + 1];
+        hi[tid] = items[4 * (j0 + tid) + 2];
+    }
+    if (tid < nq) {
+        ms[tid] = NEG_INF;
+        ls[tid] = 0.0f;
+    }
+    __syncthreads();
+    int t_begin = lo[0], t_end = hi[0];
+    for (int r = 1; r < nr; r++) {
+        t_begin = min(t_begin, lo[r]);
+        t_end = max(t_end, hi[r]);
+    }
+    // Each thread's output elements: e = tid + ATT_THREADS * j.
+    const int own = (nq * head_dim + ATT_THREADS - 1) / ATT_THREADS;
+    float o[PF_ELEMS / ATT_THREADS];
+#pragma unroll
+    for (int j = 0; j < PF_ELEMS / ATT_THREADS; j++) o[j] = 0.0f;
+
+    for (int t0 = t_begin; t0 < t_end; t0 += kt) {
+        const int nt = min(kt, t_end - t0);
+        __syncthreads();
+        for (int i = tid; i < nt * half; i += ATT_THREADS) {
+            int t = i / half, d2 = i % half, pos = t0 + t;
+            long long at = (long long)pages[toff + pos / page_size] * page_elems + layer_off + (long long)(pos % page_size) * head_dim;
+            u32 k2 = ((const u32*)(pool + at))[d2], v2 = ((const u32*)(pool + at + v_off))[d2];
+            ks[t * kstride + 2 * d2] = (u16)(k2 & 0xffff);
+            ks[t * kstride + 2 * d2 + 1] = (u16)(k2 >> 16);
+            vs[t * head_dim + 2 * d2] = (u16)(v2 & 0xffff);
+            vs[t * head_dim + 2 * d2 + 1] = (u16)(v2 >> 16);
+        }
+        __syncthreads();
+        // Scores; positions outside a row's range (past it: causality; before it: a sliding
+        // window) count as minus infinity.
+        for (int i = tid; i < nq * PF_TILE; i += ATT_THREADS) {
+            int qi = i / PF_TILE, t = i % PF_TILE, r = qi / group, pos = t0 + t;
+            float s = NEG_INF;
+            if (t < nt && pos >= lo[r] && pos < hi[r]) {
+                float acc = 0.0f;
+                const float* qv = qs + qi * head_dim;
+                const u16* kr = ks + t * kstride;
+                for (int d = 0; d < head_dim; d++) acc += qv[d] * f16_to_f32(kr[d]);
+                s = acc * scale;
+                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+            }
+            sc[i] = s;
+        }
+        __syncthreads();
+        // The online softmax, a warp per query vector, a lane per position.
+        for (int qi = warp; qi < nq; qi += ATT_THREADS / WARP) {
+            float x = sc[qi * PF_TILE + lane];
+            float m_old = ms[qi], m_new = fmaxf(m_old, warp_max(x));
+            float p = x == NEG_INF ? 0.0f : expf(x - m_new);
+            sc[qi * PF_TILE + lane] = p;
+            float sum = warp_sum(p);
+            if (lane == 0) {
+                float c = m_new == NEG_INF ? 1.0f : expf(m_old - m_new);
+                ls[qi] = ls[qi] * c + sum;
+                ms[qi] = m_new;
+                cs[qi] = c;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < PF_ELEMS / ATT_THREADS; j++) {
+            int e = tid + ATT_THREADS * j;
+            if (j < own && e < nq * head_dim) {
+                int qi = e / head_dim, d = e % head_dim;
+                float acc = o[j] * cs[qi];
+                for (int t = 0; t < nt; t++) acc += sc[qi * PF_TILE + t] * f16_to_f32(vs[t * head_dim + d]);
+                o[j] = acc;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < PF_ELEMS / ATT_THREADS; j++) {
+        int e = tid + ATT_THREADS * j;
+        if (j < own && e < nq * head_dim) {
+            int qi = e / head_dim, d = e % head_dim;
+            long long oh = (long long)(j0 + qi / group) * n_head + kh * group + qi % group;
+            float l = ls[qi];
+            out[oh * head_dim + d] = l > 0.0f ? o[j] / l : 0.0f;
+            if (d == 0) lse[oh] = l > 0.0f ? ms[qi] + logf(l) : NEG_INF;
+        }
+    }
 }
