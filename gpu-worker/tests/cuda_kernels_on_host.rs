@@ -154,7 +154,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, se
     };
     tile_rows(&mut ranges, 2, (250..300).map(|p| 0..p + 1).collect(), per_tile);
     tile_rows(&mut ranges, 1, (60..70).map(|p| p + 1 - 16..p + 1).collect(), per_tile);
-    tile_rows(&mut ranges, 0, vec![0..3], 1);
+    tile_rows(&mut ranges, 0, (2..3).map(|p| 0..p + 1).collect(), 1);
     let mut items = Vec::new();
     for (i, (s, r)) in ranges.iter().enumerate() {
         items.extend([i as i32, r.start as i32, r.end as i32, toff[*s] as i32]);
