@@ -34,6 +34,13 @@ pub struct Runner<D: Device = CpuDevice> {
     pub kv_type: KvDtype,
 }
 
+/// What a generation's forward pass hands its sampling: the last row's logits, or the token
+/// a device found itself.
+enum Next {
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
 /// Which positions of a forward pass need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
@@ -135,6 +142,26 @@ impl<D: Device> Runner<D> {
     /// Runs `tokens` at positions `kv.len()..` through the model, appending their K/V to the
     /// cache, and returns the logits asked for (`[row][vocab]`).
     pub fn forward(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<Vec<f32>> {
+        let batch = self.run_batch(tokens, kv, logits)?;
+        self.device.logits(&batch)
+    }
+
+    /// [`Runner::forward`] of a generation's step with the last row's logits: with `greedy`
+    /// (plain greedy, no log-probabilities wanted), the device's own arg-max where it finds
+    /// one without handing the logits over (the CUDA device).
+    fn forward_next(&self, tokens: &[u32], kv: &mut KvCache, greedy: bool) -> Result<Next> {
+        let batch = self.run_batch(tokens, kv, Logits::Last)?;
+        if greedy {
+            if let Some(ids) = self.device.greedy_tokens(&batch)? {
+                let id = ids.first().copied().ok_or_else(|| GpuWorkerError::InvalidRequest("the device gave no greedy token".into()))?;
+                return Ok(Next::Token(id));
+            }
+        }
+        Ok(Next::Logits(self.device.logits(&batch)?))
+    }
+
+    /// `tokens` through every layer, their K/V appended to `kv`: the batch, for its logits.
+    fn run_batch(&self, tokens: &[u32], kv: &mut KvCache, logits: Logits) -> Result<D::Batch> {
         let n = tokens.len();
         let pos0 = kv.len;
         if n == 0 {
@@ -151,7 +178,8 @@ impl<D: Device> Runner<D> {
         let mut batch = [self.device.start_batch(tokens, &positions, &rows)?];
         run_layers(&self.device, &mut batch, &mut CacheAttention { kv: &mut *kv, pos0, n })?;
         kv.len = pos0 + n;
-        self.device.logits(&batch[0])
+        let [batch] = batch;
+        Ok(batch)
     }
 
     /// Generates up to `max_tokens` after the prompt; `on_text` receives text as it completes.
@@ -177,9 +205,11 @@ impl<D: Device> Runner<D> {
         let start = Instant::now();
         // Taking the phase times zeroes them: what earlier calls spent is left out.
         self.device.phase_times();
-        let mut logits = Vec::new();
+        // Plain greedy with no log-probabilities: the device may give the tokens itself.
+        let greedy = sampler.is_plain_greedy() && req.top_n == 0;
+        let mut next = Next::Logits(Vec::new());
         for chunk in req.prompt_ids.chunks(self.device.prefill_chunk()) {
-            logits = self.forward(chunk, kv, Logits::Last)?;
+            next = self.forward_next(chunk, kv, greedy)?;
         }
         let prefill_time = start.elapsed();
         let prefill_phases = self.device.phase_times();
@@ -196,10 +226,15 @@ impl<D: Device> Runner<D> {
         let mut stream = StreamDecoder::default();
         let mut history = req.prompt_ids.clone();
         loop {
-            if req.top_n > 0 {
-                out.top.push(top_n(&logits, req.top_n));
-            }
-            let token = sampler.sample(&logits, &history);
+            let token = match &next {
+                Next::Token(id) => *id,
+                Next::Logits(logits) => {
+                    if req.top_n > 0 {
+                        out.top.push(top_n(logits, req.top_n));
+                    }
+                    sampler.sample(logits, &history)
+                }
+            };
             history.push(token);
             out.generated_ids.push(token);
             let piece = stream.push(self.tokenizer.token_bytes(token)?);
@@ -216,7 +251,7 @@ impl<D: Device> Runner<D> {
                 out.stop = GenerationEnd::ContextFull;
                 break;
             }
-            logits = self.forward(&[token], kv, Logits::Last)?;
+            next = self.forward_next(&[token], kv, greedy)?;
         }
         let tail = stream.finish();
         on_text(&tail);

@@ -1,8 +1,9 @@
 //! The runner and the executor reach the device only through the `Device` trait: a test
 //! device wrapping the CPU device counts every call, and what the runner and the executor
 //! compute through it — plain and overlapped steps, prefill and decode — is bit for bit what
-//! the runner computes on the CPU device itself; greedy steps take the tokens a device finds
-//! itself (the CUDA device's arg-max) without asking for logits.
+//! the runner computes on the CPU device itself; greedy steps (the executor's, and the
+//! runner's plain greedy generations) take the tokens a device finds itself (the CUDA
+//! device's arg-max) without asking for logits.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -288,6 +289,25 @@ fn greedy_steps_take_the_tokens_the_device_finds() {
     assert_eq!(sampled[1].top.len(), 2);
     assert_eq!(sampled[1].token.as_ref().unwrap().id, want[0]);
     assert_eq!(calls.logits.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn the_runners_plain_greedy_generation_takes_the_tokens_the_device_finds() {
+    let want: Vec<u32> = reference().iter().map(|r| r.0).collect();
+    let calls = Arc::new(Calls::default());
+    let greedy = |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: true, whole_layers: false });
+    let engine = Runner::load_with(&model_path(), greedy).unwrap();
+    // No log-probabilities asked for: every token from the device, no logits handed over.
+    let req = GenerateRequest { prompt_ids: PROMPT.to_vec(), max_tokens: GENERATED, sampling: SamplingParams::default(), top_n: 0 };
+    let g = engine.generate(&req, |_| {}).unwrap();
+    assert_eq!(g.generated_ids, want);
+    assert_eq!((calls.greedy_tokens.load(Ordering::Relaxed), calls.logits.load(Ordering::Relaxed)), (GENERATED, 0));
+    // Log-probabilities, or a sampled generation, need the logits.
+    assert_eq!(generate(&engine).iter().map(|r| r.0).collect::<Vec<_>>(), want);
+    let sampled = GenerateRequest { sampling: SamplingParams { temperature: 0.8, ..SamplingParams::default() }, ..req };
+    // (A forward pass per generated token: the prompt's, then one per token but the last.)
+    let drawn = engine.generate(&sampled, |_| {}).unwrap().generated_ids.len();
+    assert_eq!((calls.greedy_tokens.load(Ordering::Relaxed), calls.logits.load(Ordering::Relaxed)), (GENERATED, GENERATED + drawn));
 }
 
 #[test]
