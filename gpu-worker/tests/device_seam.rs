@@ -37,7 +37,13 @@ struct Calls {
     greedy_tokens: AtomicUsize,
     /// Layers done wholly on the device (not in the snapshot).
     layers_on_device: AtomicUsize,
+    /// Of those, the layers whose attention time `take_attention_ns` has not yet given.
+    untimed_layers: AtomicUsize,
 }
+
+/// The attention time the test device reports per layer done wholly on it, as the CUDA
+/// device's events would.
+const ATTENTION_NS_PER_LAYER: u64 = 1_000;
 
 impl Calls {
     fn snapshot(&self) -> [usize; 9] {
@@ -127,6 +133,7 @@ impl Device for Counting {
             return Ok(false);
         }
         bump(&self.calls.layers_on_device, 1);
+        bump(&self.calls.untimed_layers, 1);
         let qkv = self.qkv(layer, batch)?;
         self.store_kv(layer, &qkv, &mut *kv)?;
         let mut out = vec![0f32; qkv.q.len()];
@@ -144,6 +151,10 @@ impl Device for Counting {
         }
         self.finish_layer(layer, batch, &out, remote)?;
         Ok(true)
+    }
+    fn take_attention_ns(&self) -> Result<Option<u64>> {
+        let layers = self.calls.untimed_layers.swap(0, Ordering::Relaxed) as u64;
+        Ok((layers > 0).then_some(layers * ATTENTION_NS_PER_LAYER))
     }
     fn greedy_tokens(&self, batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
         if !self.greedy_on_device {
@@ -329,14 +340,20 @@ fn whole_layers_on_the_device_compute_what_the_layer_calls_do() {
     let (mut ex, _segments) = support::executor_with_arena(device, "seam-whole");
     let mut got: Vec<(u32, f32)> = Vec::new();
     let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| {
-        for s in ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap().sampled {
+        let resp = ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap();
+        for s in resp.sampled {
             let t = s.token.unwrap();
             got.push((t.id, t.logprob));
         }
+        resp.timings.unwrap()
     };
     run(1, vec![part(1, 0, &PROMPT, 0..1, 0)]);
     for i in 0..GENERATED - 2 {
-        run(2 + i as u64, vec![part(1, PROMPT.len() + i, &[], 0..0, 0)]);
+        // The device's attention time (its GPU events) is the step's GPU attention, for the
+        // balancer's fit, and not part of the linear layers' time.
+        let t = run(2 + i as u64, vec![part(1, PROMPT.len() + i, &[], 0..0, 0)]);
+        assert_eq!((t.attention_gpu_ns, t.gpu_attention_positions), (n_layer as u64 * ATTENTION_NS_PER_LAYER, (PROMPT.len() + i + 1) as u64));
+        assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns);
     }
     assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1));
     let at = PROMPT.len() + GENERATED - 2;

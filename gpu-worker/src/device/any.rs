@@ -86,6 +86,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.phase_times())
     }
 
+    fn take_attention_ns(&self) -> Result<Option<u64>> {
+        on_device!(self, d => d.take_attention_ns())
+    }
+
     fn holds_all_experts(&self) -> bool {
         on_device!(self, d => d.holds_all_experts())
     }

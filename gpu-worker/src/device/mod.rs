@@ -317,6 +317,15 @@ pub trait Device: Send + Sync {
         Vec::new()
     }
 
+    /// GPU time of the device's own attention in the layers it computed wholly
+    /// ([`Device::layer_on_device`]) since the last call, in nanoseconds, from events on the
+    /// GPU (the CUDA device: those layers' attention runs between their linear layers with
+    /// no wait for the host to time it by); `None` where there was none. Taken after the
+    /// step's logits or greedy tokens, when the GPU has done the step.
+    fn take_attention_ns(&self) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
     /// Positions of KV the device keeps on the GPU for its own attention (the CUDA device's
     /// mirror; 0 where it attends on the host).
     fn gpu_kv_positions(&self) -> usize {

@@ -104,6 +104,10 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         self.head.phase_times()
     }
 
+    fn take_attention_ns(&self) -> Result<Option<u64>> {
+        self.head.take_attention_ns()
+    }
+
     fn holds_all_experts(&self) -> bool {
         self.head.holds_all_experts() && self.tail.holds_all_experts()
     }

@@ -271,6 +271,9 @@ impl<D: Device> Executor<D> {
                 logits[k] = self.device.logits(batch)?;
             }
         }
+        // The attention of layers computed wholly on the device, timed on the GPU: the
+        // balancer learns the GPU's attention cost from it (else it would count as linear).
+        timings.attention_gpu_ns += self.device.take_attention_ns()?.unwrap_or(0);
 
         let t_sample = Instant::now();
         // Each sampled sequence with its sub-batch and its logit row there, in request order.

@@ -30,7 +30,8 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use duet_model::config::LlamaConfig;
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
@@ -149,6 +150,9 @@ pub struct CudaDevice {
     mirror: Option<Mutex<KvMirror>>,
     /// Where the calls' time goes.
     phases: Phases,
+    /// Events around the attention of each layer computed wholly on the device, since
+    /// [`Device::take_attention_ns`] last took them.
+    attention_events: Mutex<Vec<(CudaEvent, CudaEvent)>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -241,7 +245,7 @@ impl CudaDevice {
             None => None,
         };
         let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES)?;
-        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes, mirror, phases: Phases::default() })
+        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes, mirror, phases: Phases::default(), attention_events: Mutex::default() })
     }
 
     /// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
@@ -440,7 +444,11 @@ impl CudaDevice {
         let out = {
             let mut m = mirror.lock().unwrap_or_else(|p| p.into_inner());
             m.store(&self.k, l, &g.k, &g.v, &*kv)?;
-            m.attend_rows(&self.k, l, &g.q, &rows, &*kv)?
+            let timed = |s: &Arc<CudaStream>| s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
+            let start = timed(self.stream())?;
+            let out = m.attend_rows(&self.k, l, &g.q, &rows, &*kv)?;
+            self.attention_events.lock().unwrap_or_else(|p| p.into_inner()).push((start, timed(self.stream())?));
+            out
         };
         self.phases.add(Phase::AttendPrepare, t);
         let GpuQkv { q, k, v } = g;
@@ -558,6 +566,18 @@ impl Device for CudaDevice {
 
     fn phase_times(&self) -> Vec<(&'static str, u64)> {
         self.phases.take()
+    }
+
+    fn take_attention_ns(&self) -> Result<Option<u64>> {
+        let events = std::mem::take(&mut *self.attention_events.lock().unwrap_or_else(|p| p.into_inner()));
+        if events.is_empty() {
+            return Ok(None);
+        }
+        let mut ms = 0f64;
+        for (start, end) in &events {
+            ms += f64::from(start.elapsed_ms(end).map_err(CudaError::from)?);
+        }
+        Ok(Some((ms * 1e6) as u64))
     }
 
     fn gpu_kv_positions(&self) -> usize {
