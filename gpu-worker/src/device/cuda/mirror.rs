@@ -87,6 +87,35 @@ pub struct KvMirror {
     pages: Pages,
     /// Blocks the attention launch aims for (a few per multiprocessor).
     target_blocks: usize,
+    /// The launches' small tables, kept on the GPU from one layer to the next.
+    tables: Tables,
+}
+
+/// A small host table's copy on the GPU, uploaded again only when it changes: a step's
+/// slots, page tables and items are the same in each of its layers (but a sliding-window
+/// layer's ranges), so a step uploads them once instead of once a layer.
+#[derive(Default)]
+struct Table(Option<(Vec<i32>, CudaSlice<i32>)>);
+
+impl Table {
+    fn get(&mut self, stream: &Arc<CudaStream>, host: Vec<i32>) -> Result<&CudaSlice<i32>, CudaError> {
+        if self.0.as_ref().is_none_or(|(h, _)| *h != host) {
+            let dev = stream.clone_htod(&host)?;
+            self.0 = Some((host, dev));
+        }
+        Ok(&self.0.as_ref().expect("just set").1)
+    }
+}
+
+/// The tables of [`KvMirror::store`] and [`KvMirror::launch`].
+#[derive(Default)]
+struct Tables {
+    slots: Table,
+    pages: Table,
+    meta: Table,
+    tiles: Table,
+    singles: Table,
+    dest: Table,
 }
 
 impl KvMirror {
@@ -107,7 +136,7 @@ impl KvMirror {
         let page_elems = page_bytes / 2;
         // SAFETY: a page is read only for the positions written into it (`filled`).
         let pool = unsafe { stream.alloc::<u16>((n_pages * page_elems).max(1)) }?;
-        Ok(KvMirror { pool, page_elems, shape, pages: Pages::new(n_pages, layers), target_blocks: 4 * sm_count.max(1) })
+        Ok(KvMirror { pool, page_elems, shape, pages: Pages::new(n_pages, layers), target_blocks: 4 * sm_count.max(1), tables: Tables::default() })
     }
 
     /// Positions the mirror holds, all sequences together.
@@ -116,15 +145,15 @@ impl KvMirror {
     }
 
     /// Writes rows of K and V (`[row][kv_dim]`, f32 on the GPU) into `slots`, one per row.
-    fn store_rows(&mut self, k: &Launcher, layer: usize, rows: (&CudaSlice<f32>, &CudaSlice<f32>), slots: &[i32]) -> Result<(), CudaError> {
+    fn store_rows(&mut self, k: &Launcher, layer: usize, rows: (&CudaSlice<f32>, &CudaSlice<f32>), slots: Vec<i32>) -> Result<(), CudaError> {
         let stream = &k.stream;
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         let kv_dim = n_kv_head * head_dim;
         let n = slots.len();
-        let (kd, vd, sd) = (rows.0, rows.1, stream.clone_htod(slots)?);
+        let (kd, vd, sd) = (rows.0, rows.1, self.tables.slots.get(stream, slots)?);
         let (n_i, kv_i, hd_i, page_elems, layer_i, page_i) = (n as i32, kv_dim as i32, head_dim as i32, self.page_elems as i64, layer as i32, PAGE as i32);
         let mut b = stream.launch_builder(k.kernels().get("kv_store")?);
-        b.arg(kd).arg(vd).arg(&sd).arg(&n_i).arg(&kv_i).arg(&hd_i).arg(&mut self.pool).arg(&page_elems).arg(&layer_i).arg(&page_i);
+        b.arg(kd).arg(vd).arg(sd).arg(&n_i).arg(&kv_i).arg(&hd_i).arg(&mut self.pool).arg(&page_elems).arg(&layer_i).arg(&page_i);
         // SAFETY: k and v hold n rows of kv_dim; every slot is a page of the pool (or -1).
         unsafe { b.launch(LaunchConfig::for_num_elems((n * kv_dim) as u32)) }?;
         Ok(())
@@ -140,7 +169,7 @@ impl KvMirror {
             .map(|row| kv.position_of(row).and_then(|(key, pos)| self.pages.write_slot(key, layer, pos)).unwrap_or(-1))
             .collect();
         if slots.iter().any(|&s| s >= 0) {
-            self.store_rows(kern, layer, (k, v), &slots)?;
+            self.store_rows(kern, layer, (k, v), slots)?;
         }
         Ok(())
     }
@@ -179,7 +208,7 @@ impl KvMirror {
         }
         let slots: Vec<i32> = (from..end).map(|pos| self.pages.slot(key, pos)).collect();
         let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
-        self.store_rows(kern, layer, (&k, &v), &slots)?;
+        self.store_rows(kern, layer, (&k, &v), slots)?;
         self.pages.set_filled(key, layer, end);
         Ok(true)
     }
@@ -273,13 +302,15 @@ impl KvMirror {
         let (mut out, mut lse) = unsafe { (stream.alloc::<f32>(n * q_dim).map_err(CudaError::from)?, stream.alloc::<f32>(n * n_head).map_err(CudaError::from)?) };
         let (page_elems, layer_i, nkv, hd, grp, page_i) = (self.page_elems as i64, layer as i32, n_kv_head as i32, head_dim as i32, group as i32, PAGE as i32);
         let (scale, cap) = (attn_scale(head_dim), softcap.unwrap_or(0.0));
-        let pd = stream.clone_htod(&pages).map_err(CudaError::from)?;
+        let tables = &mut self.tables;
+        let pd = tables.pages.get(stream, pages)?;
         if !tiles.is_empty() {
-            let (md, td) = (stream.clone_htod(&meta).map_err(CudaError::from)?, stream.clone_htod(&tiles).map_err(CudaError::from)?);
+            let n_tiles = tiles.len() / 3;
+            let (md, td) = (tables.meta.get(stream, meta.clone())?, tables.tiles.get(stream, tiles)?);
             let mut b = stream.launch_builder(kern.kernels().get("attn_prefill")?);
-            b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&td).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&scale).arg(&cap);
+            b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(pd).arg(md).arg(td).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&scale).arg(&cap);
             b.arg(&mut out).arg(&mut lse);
-            let cfg = LaunchConfig { grid_dim: ((tiles.len() / 3) as u32, n_kv_head as u32, 1), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig { grid_dim: (n_tiles as u32, n_kv_head as u32, 1), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: every tile's rows are items of one sequence whose positions up to the
             // largest end are mirrored in the pages of its table; out and lse hold n items.
             unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
@@ -292,7 +323,7 @@ impl KvMirror {
             let base = m * n_kv_head * hgroups;
             let longest = singles.iter().map(|&j| items[placed[j]].range.len()).max().unwrap_or(0);
             let n_split = self.target_blocks.div_ceil(base).clamp(1, longest.div_ceil(ATT_TILE).max(1));
-            let (md, dd) = (stream.clone_htod(&meta_s).map_err(CudaError::from)?, stream.clone_htod(&dest).map_err(CudaError::from)?);
+            let (md, dd) = (tables.singles.get(stream, meta_s)?, tables.dest.get(stream, dest)?);
             let parts = m * n_head * n_split;
             // SAFETY: attn_partial writes every partial.
             let (mut pm, mut pl, mut po) = unsafe {
@@ -304,7 +335,7 @@ impl KvMirror {
             };
             let ns = n_split as i32;
             let mut b = stream.launch_builder(kern.kernels().get("attn_partial")?);
-            b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(&pd).arg(&md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
+            b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(pd).arg(md).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&ns).arg(&scale).arg(&cap);
             b.arg(&mut pm).arg(&mut pl).arg(&mut po);
             let cfg = LaunchConfig { grid_dim: (m as u32, (n_kv_head * hgroups) as u32, n_split as u32), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: q holds the rows the items name; every item's positions are mirrored in
@@ -312,7 +343,7 @@ impl KvMirror {
             unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
             let nh = n_head as i32;
             let mut b = stream.launch_builder(kern.kernels().get("attn_merge")?);
-            b.arg(&pm).arg(&pl).arg(&po).arg(&ns).arg(&hd).arg(&nh).arg(&dd).arg(&mut out).arg(&mut lse);
+            b.arg(&pm).arg(&pl).arg(&po).arg(&ns).arg(&hd).arg(&nh).arg(dd).arg(&mut out).arg(&mut lse);
             let cfg = LaunchConfig { grid_dim: ((m * n_head) as u32, 1, 1), block_dim: (head_dim.min(128) as u32, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: as above; dest names slots below n, out holds n * q_dim, lse n * n_head.
             unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
