@@ -4,7 +4,7 @@
 #   tests  the CUDA tests with DUET_REQUIRE_CUDA=1 (a skip is a failure): kernel twins, NVRTC,
 #          every tiny model on the CUDA device, the CUDA device against the CPU device on a
 #          random-weight model of Llama-3.2-1B's shape (and the tiny models of other
-#          architectures), the whole system serving a streamed completion with --device cuda,
+#          architectures), the KV mirror under eviction pressure, the whole system serving a streamed completion with --device cuda,
 #          and a tiny OLMoE served with its experts on the cpu-worker;
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
 #          device (single process; the 8B also with half its layers on the CPU device,
@@ -189,7 +189,7 @@ export -f wait_healthy serve_and_stream serve_moe over_budget run_speed serve_be
 # Groups of steps; a step's own name runs it alone.
 expand() {
   case $1 in
-    tests) echo twins nvrtc tiny-models cuda-vs-cpu over-budget serve-stream serve-moe ;;
+    tests) echo twins nvrtc tiny-models cuda-vs-cpu mirror-pressure over-budget serve-stream serve-moe ;;
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
     # The CUDA issue's table at the depths stage A can prefill within a call (~6 min).
     table) echo serve-bench-1b serve-1b-8k serve-1b-32k serve-8b-1k serve-8b-8k ;;
@@ -203,6 +203,7 @@ for s in $(for g in $steps; do expand "$g"; done); do
     nvrtc) step nvrtc "$kit/deps/cuda_kernels" --nocapture ;;
     tiny-models) step tiny-models "$kit/deps/tiny_llama_reference" --nocapture ;;
     cuda-vs-cpu) step cuda-vs-cpu env DUET_CUDA_TEST_MODEL="$(model llama-3.2-1b q4_k_m)" "$kit/deps/cuda_vs_cpu" --nocapture --test-threads 1 ;;
+    mirror-pressure) step mirror-pressure env DUET_CUDA_TEST_MODEL="$(model llama-3.2-1b q4_k_m)" "$kit/deps/cuda_mirror_pressure" --nocapture ;;
     over-budget) step over-budget over_budget "$(model llama-3.2-1b q4_k_m)" ;;
     serve-stream) step serve-stream serve_and_stream "$(model llama-3.2-1b q4_k_m)" ;;
     serve-moe) step serve-moe serve_moe ;;

@@ -22,14 +22,14 @@ echo "== test binaries (release profile)"
 cargo test --release --locked -p duet-gpu-worker --no-run --message-format=json \
   | python3 -c '
 import json, sys
-want = {"duet_gpu_worker": "lib", "tiny_llama_reference": "test", "cuda_vs_cpu": "test", "cuda_kernels": "test"}
+want = {"duet_gpu_worker": "lib", "tiny_llama_reference": "test", "cuda_vs_cpu": "test", "cuda_mirror_pressure": "test", "cuda_kernels": "test"}
 for line in sys.stdin:
     m = json.loads(line)
     t = m.get("target", {})
     if m.get("reason") == "compiler-artifact" and m.get("executable") and want.get(t.get("name")) in t.get("kind", []):
         print(t["name"], m["executable"])
 ' | while read -r name exe; do cp "$exe" "$out/deps/$name"; done
-for t in duet_gpu_worker tiny_llama_reference cuda_vs_cpu cuda_kernels; do
+for t in duet_gpu_worker tiny_llama_reference cuda_vs_cpu cuda_mirror_pressure cuda_kernels; do
   [ -x "$out/deps/$t" ] || { echo "test binary $t was not built" >&2; exit 1; }
 done
 strip "$out"/duet "$out"/duet-* "$out"/deps/*

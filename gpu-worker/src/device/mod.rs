@@ -321,7 +321,8 @@ pub trait Device: Send + Sync {
     /// ([`Device::layer_on_device`]) since the last call, in nanoseconds, from events on the
     /// GPU (the CUDA device: those layers' attention runs between their linear layers with
     /// no wait for the host to time it by); `None` where there was none. Taken after the
-    /// step's logits or greedy tokens, when the GPU has done the step.
+    /// step's logits or greedy tokens, when the GPU has done the step; a batch started
+    /// drops what was not taken.
     fn take_attention_ns(&self) -> Result<Option<u64>> {
         Ok(None)
     }

@@ -41,14 +41,15 @@ fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
 }
 
 /// How the placed items of a launch are attended: runs of consecutive items of one sequence
-/// (a prefill chunk's rows) in tiles of at most `per_tile` rows for `attn_prefill` — per
-/// tile its first item, its items and the sequence's `table` (`keys[i]`: item `i`'s sequence
-/// and table offset) — and the rest one by one (`attn_partial`), by index.
-fn prefill_tiles(keys: &[(u64, i32)], per_tile: usize) -> (Vec<i32>, Vec<usize>) {
+/// on consecutive rows (a prefill chunk's rows) in tiles of at most `per_tile` rows for
+/// `attn_prefill` — per tile its first item, its items and the sequence's `table` (`keys[i]`:
+/// item `i`'s sequence, table offset and row of Q) — and the rest one by one
+/// (`attn_partial`), by index: decode rows, and shares of one row's context.
+fn prefill_tiles(keys: &[(u64, i32, i32)], per_tile: usize) -> (Vec<i32>, Vec<usize>) {
     let (mut tiles, mut singles) = (Vec::new(), Vec::new());
     let mut i = 0;
     while i < keys.len() {
-        let run = keys[i..].iter().take_while(|k| k.0 == keys[i].0).count();
+        let run = keys[i..].iter().enumerate().take_while(|(j, k)| k.0 == keys[i].0 && k.2 == keys[i].2 + *j as i32).count();
         if run < 2 || per_tile == 0 {
             singles.extend(i..i + run);
         } else {
@@ -248,10 +249,26 @@ impl KvMirror {
     }
 
     /// Room for the sequences of `items`, positions `0..end` each, before anything of a
-    /// layer is computed; false when the mirror cannot hold them all.
+    /// layer is computed, none taking room from another; false when the mirror cannot hold
+    /// them all.
     pub fn reserve_all(&mut self, items: &[(u64, usize)]) -> bool {
+        self.pages.reserve_all(items)
+    }
+
+    /// Positions `0..start` of `layer` of each `(key, seq, start)` (reserved) mirrored,
+    /// uploaded from `kv` where the mirror lacks them (a sequence it trimmed or evicted):
+    /// rows from earlier steps, which `kv` holds. The whole-layer path calls it before
+    /// storing a step's new rows, whose K/V reach `kv` only after the step's last layer, so
+    /// that they extend a whole prefix and nothing uploads them from `kv` before they are
+    /// there. False when a sequence does not fit after all.
+    pub fn fill_prefixes(&mut self, kern: &Launcher, layer: usize, prefixes: &[(u64, usize, usize)], kv: &dyn KvSource) -> Result<bool> {
         self.pages.tick();
-        items.iter().all(|&(key, end)| self.pages.reserve(key, end))
+        for &(key, seq, start) in prefixes {
+            if start > 0 && !self.ensure(kern, layer, key, seq, start, kv)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Uploads what the mirror lacks and launches the attention of the items whose sequences
@@ -296,7 +313,7 @@ impl KvMirror {
         }
         let n = placed.len();
         let group = n_head / n_kv_head;
-        let keys: Vec<(u64, i32)> = placed.iter().zip(meta.chunks_exact(4)).map(|(&i, m)| (items[i].key, m[3])).collect();
+        let keys: Vec<(u64, i32, i32)> = placed.iter().zip(meta.chunks_exact(4)).map(|(&i, m)| (items[i].key, m[3], m[0])).collect();
         let (tiles, singles) = prefill_tiles(&keys, prefill_rows_per_tile(group, head_dim));
         // SAFETY: the tiles' rows and attn_merge (for the rest) write every output and lse.
         let (mut out, mut lse) = unsafe { (stream.alloc::<f32>(n * q_dim).map_err(CudaError::from)?, stream.alloc::<f32>(n * n_head).map_err(CudaError::from)?) };
@@ -358,11 +375,12 @@ mod tests {
 
     #[test]
     fn prefill_rows_go_in_tiles_and_lone_rows_one_by_one() {
-        // Sequence 1: a lone decode row; 2: five prefill rows; 3: one row; 4: two rows.
-        let keys = [(1, 0), (2, 4), (2, 4), (2, 4), (2, 4), (2, 4), (3, 9), (4, 11), (4, 11)];
+        // Sequence 1: a lone decode row; 2: five prefill rows; 3: one row; 4: two rows; 5:
+        // two shares of one decode row.
+        let keys = [(1, 0, 0), (2, 4, 1), (2, 4, 2), (2, 4, 3), (2, 4, 4), (2, 4, 5), (3, 9, 6), (4, 11, 7), (4, 11, 8), (5, 13, 9), (5, 13, 9)];
         let (tiles, singles) = prefill_tiles(&keys, 2);
         assert_eq!(tiles, vec![1, 2, 4, 3, 2, 4, 5, 1, 4, 7, 2, 11]);
-        assert_eq!(singles, vec![0, 6]);
+        assert_eq!(singles, vec![0, 6, 9, 10]);
         // Heads too many for a tile: every item alone.
         let (tiles, singles) = prefill_tiles(&keys, 0);
         assert!(tiles.is_empty());

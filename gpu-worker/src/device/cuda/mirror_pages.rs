@@ -70,6 +70,20 @@ impl Pages {
         true
     }
 
+    /// Pages for positions `0..end` of every `(key, end)` of a batch in one call, none of them
+    /// taking room from another (each is marked used before any reserves); false when they
+    /// do not all fit (what was reserved stays).
+    pub fn reserve_all(&mut self, items: &[(u64, usize)]) -> bool {
+        self.tick();
+        let clock = self.clock;
+        for (key, _) in items {
+            if let Some(m) = self.seqs.get_mut(key) {
+                m.used = clock;
+            }
+        }
+        items.iter().all(|&(key, end)| self.reserve(key, end))
+    }
+
     /// Frees some pages of a sequence other than `key` not used in this call: the least
     /// recently used one holding pages past what the GPU last attended, trimmed to that;
     /// else the least recently used one, whole.
@@ -184,6 +198,21 @@ mod tests {
         p.tick();
         assert!(p.reserve(3, PAGE));
         assert_eq!(pages_of(&p, 1) + pages_of(&p, 2), 2);
+    }
+
+    #[test]
+    fn a_batch_reserved_together_takes_no_room_from_its_own_sequences() {
+        // 6 pages: sequence 1 holds 2 (attended), sequence 2 holds 4 of which the GPU
+        // attended 1 page's worth — the first to be trimmed, were it not in the batch.
+        let mut p = Pages::new(6, 1);
+        assert!(hold(&mut p, 1, 2 * PAGE, 2 * PAGE));
+        assert!(hold(&mut p, 2, 4 * PAGE, PAGE));
+        // A batch of 1 (growing to 3 pages) and 2: 1's extra page cannot come from 2.
+        assert!(!p.reserve_all(&[(1, 3 * PAGE), (2, 4 * PAGE)]));
+        assert_eq!((pages_of(&p, 2), p.filled(2, 0)), (4, 4 * PAGE));
+        // Sequence 1 alone takes it from 2 (trimmed to what the GPU attended).
+        assert!(p.reserve_all(&[(1, 3 * PAGE)]));
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), p.filled(2, 0)), (3, 1, PAGE));
     }
 
     #[test]

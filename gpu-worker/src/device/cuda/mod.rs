@@ -151,7 +151,7 @@ pub struct CudaDevice {
     /// Where the calls' time goes.
     phases: Phases,
     /// Events around the attention of each layer computed wholly on the device, since
-    /// [`Device::take_attention_ns`] last took them.
+    /// [`Device::take_attention_ns`] last took them (or the last batch started).
     attention_events: Mutex<Vec<(CudaEvent, CudaEvent)>>,
 }
 
@@ -425,8 +425,9 @@ impl CudaDevice {
     ///
     /// Deferring is sound because a step's callers put every layer of it on this path or
     /// none (whether they do depends on the step, not the layer) and nothing reads the new
-    /// rows from `kv` during the step: the mirror attends them from the GPU, and no
-    /// cpu-worker shares the step.
+    /// rows from `kv` during the step: no cpu-worker shares the step, and the mirror stores
+    /// them from the GPU after a whole prefix (`KvMirror::fill_prefixes` first uploads what
+    /// it lost of the earlier rows), so its attention finds every position it needs mirrored.
     fn layer_wholly(&self, l: usize, b: &mut CudaBatch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
         let Some(mirror) = &self.mirror else { return Ok(false) };
         let Some(keys) = items.iter().map(|it| kv.seq_key(it.seq)).collect::<Option<Vec<u64>>>() else { return Ok(false) };
@@ -441,8 +442,19 @@ impl CudaDevice {
         let t = self.phases.add(Phase::QkvLaunch, t);
         let window = c.window(l);
         let rows = prefill_rows(items.iter().zip(keys.iter().copied()), window);
+        let prefixes: Vec<(u64, usize, usize)> = keys.iter().zip(items).map(|(&key, it)| (key, it.seq, it.start)).collect();
+        // Whether this layer's K/V are in `kv` already.
+        let mut stored = false;
         let out = {
             let mut m = mirror.lock().unwrap_or_else(|p| p.into_inner());
+            // The new rows follow a whole prefix (uploaded where the mirror lost it), so the
+            // attention's upload never reads this step's rows from `kv`, where they are not
+            // yet; should a sequence not fit after all, they go to `kv` first.
+            if !m.fill_prefixes(&self.k, l, &prefixes, &*kv)? {
+                b.deferred_kv.push((l, g.k.clone(), g.v.clone()));
+                self.store_deferred_kv(b, &mut *kv)?;
+                stored = true;
+            }
             m.store(&self.k, l, &g.k, &g.v, &*kv)?;
             let timed = |s: &Arc<CudaStream>| s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
             let start = timed(self.stream())?;
@@ -452,7 +464,9 @@ impl CudaDevice {
         };
         self.phases.add(Phase::AttendPrepare, t);
         let GpuQkv { q, k, v } = g;
-        b.deferred_kv.push((l, k, v));
+        if !stored {
+            b.deferred_kv.push((l, k, v));
+        }
         let out = match out {
             Some(out) => out,
             None => {
@@ -551,6 +565,8 @@ impl Device for CudaDevice {
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
         check_batch(&self.m.config, tokens, positions, logit_rows)?;
+        // Events of a batch nobody took them of (the runner's, a failed step's) go.
+        self.attention_events.lock().unwrap_or_else(|p| p.into_inner()).clear();
         let t = Instant::now();
         let n = tokens.len();
         let ids = self.stream().clone_htod(tokens).map_err(CudaError::from)?;
