@@ -6,7 +6,8 @@
 # Does its own set-up on a fresh machine: installs the Python clients (pip; jinja2 renders the
 # reference chat templates), llama.cpp's tokenizer suite and templates (from PyPI), NVRTC (PyPI's
 # nvidia-cuda-nvrtc: the CUDA kernels are compiled by it in the tests, no GPU needed) and, as root on
-# Debian, nginx-light (the reference multi-node deployment) and systemd (for systemd-analyze); fetches the default model if it is missing; builds
+# Debian, nginx-light (the reference multi-node deployment), systemd (for systemd-analyze) and g++ (the CUDA
+# kernels' host checks); fetches the default model if it is missing; builds
 # the binaries first: the multi-process tests start the real duet-gateway / duet-gpu-worker /
 # duet-cpu-worker, which `cargo test` alone does not build for another package's tests.
 set -euo pipefail
@@ -20,6 +21,8 @@ nvrtc_lib="$(awk '/^Location:/ {print $2}' <<<"$nvrtc_files")/$(grep -m1 -o '[^ 
 [ -f "$nvrtc_lib" ] || { echo "libnvrtc.so.13 not found after installing nvidia-cuda-nvrtc" >&2; exit 1; }
 export LD_LIBRARY_PATH="$(dirname "$nvrtc_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DUET_REQUIRE_NVRTC=1
+# The CUDA kernels' host checks compile them as C++: a missing compiler fails them.
+export DUET_REQUIRE_CXX=1
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "== installing nginx-light (tests/python/test_nginx.py runs deploy/nginx/duet.conf)"
@@ -35,6 +38,15 @@ if ! command -v systemd-analyze >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
   else
     echo "systemd-analyze is missing: install systemd (tests/deploy.sh verifies the units with it)" >&2
+    exit 1
+  fi
+fi
+if ! command -v c++ >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing g++ (the CUDA kernels' host checks compile them as C++)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+  else
+    echo "c++ is missing: install g++ (the CUDA kernels' host checks compile them as C++)" >&2
     exit 1
   fi
 fi

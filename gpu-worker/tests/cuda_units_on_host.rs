@@ -99,6 +99,7 @@ fn harness() -> Option<PathBuf> {
     // -ffp-contract=off: no fused multiply-adds, as __fmul_rn / __fadd_rn promise on the GPU.
     let out = match Command::new("c++").args(["-std=c++17", "-O1", "-ffp-contract=off", "-I"]).arg(kernels_dir()).arg(&src).arg("-o").arg(&exe).output() {
         Ok(out) => out,
+        Err(e) if std::env::var("DUET_REQUIRE_CXX").is_ok_and(|v| v == "1") => panic!("DUET_REQUIRE_CXX=1: no C++ compiler (c++: {e})"),
         Err(e) => {
             eprintln!("skipped: no C++ compiler (c++: {e})");
             return None;

@@ -127,7 +127,9 @@ fn the_kv_rows_the_whole_layer_path_defers_reach_the_cache() {
         let mut off = 0f64;
         for h in 0..c.n_kv_head {
             let (g, w) = (&kg.runs(0, l, h, 0..n).unwrap()[0], &kc.runs(0, l, h, 0..n).unwrap()[0]);
-            off = off.max(rel(&widen(g.k), &widen(w.k))).max(rel(&widen(g.v), &widen(w.v)));
+            let (ek, ev) = (rel(&widen(g.k), &widen(w.k)), rel(&widen(g.v), &widen(w.v)));
+            assert!(ek.is_finite() && ev.is_finite(), "layer {l} head {h}: the CUDA runner's cache holds values that are not finite");
+            off = off.max(ek).max(ev);
             // Position by position: a row never stored is zeros in the CUDA runner's cache.
             let width = c.head_dim;
             let missing = widen(g.k).chunks_exact(width).position(|r| r.iter().all(|&x| x == 0.0));

@@ -273,7 +273,11 @@ impl<D: Device> Executor<D> {
         }
         // The attention of layers computed wholly on the device, timed on the GPU: the
         // balancer learns the GPU's attention cost from it (else it would count as linear).
-        timings.attention_gpu_ns += self.device.take_attention_ns()?.unwrap_or(0);
+        // A failed query loses the figure, not the step.
+        match self.device.take_attention_ns() {
+            Ok(ns) => timings.attention_gpu_ns += ns.unwrap_or(0),
+            Err(e) => tracing::warn!("the device's attention time: {e}"),
+        }
 
         let t_sample = Instant::now();
         // Each sampled sequence with its sub-batch and its logit row there, in request order.

@@ -1,9 +1,10 @@
 // Duet's CUDA C kernels run on the host, for tests on machines without a GPU: the kernel
 // files compile as C++20 after this header, and `launch` runs a grid block by block, every
 // thread of a block an OS thread. `__syncthreads` is a barrier of the block's threads,
-// `__shfl_xor_sync` an exchange through a barrier of the warp's 32 (the kernels call both
-// with every thread of the block, or of the warp, present), `__shared__` arrays are statics
-// (one block runs at a time), and the PTX conversions of common.cuh are replaced by the
+// `__shfl_xor_sync` an exchange through a barrier of the warp's 32 (aborting unless all 32
+// lanes are running, as a full-mask shuffle needs), `__shared__` arrays are statics (one
+// block runs at a time; not cleared between blocks, so a kernel reading shared memory it
+// did not write may go unnoticed here), and the PTX conversions of common.cuh are replaced by the
 // compiler's `_Float16` (IEEE round to nearest even, as `cvt.rn`). What this checks is the
 // kernels' indexing, tiling, reductions and arithmetic order; the GPU twins
 // (`device::cuda::twins`) still check them on a GPU, with its own rounding of `expf` and the
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -44,6 +46,9 @@ inline std::unique_ptr<Barrier> block_barrier;
 inline std::vector<std::unique_ptr<Barrier>> warp_barriers;
 // Per warp, each lane's value in a shuffle.
 inline std::vector<std::array<uint64_t, 32>> exchange;
+// Per warp, its lanes still running: a full-mask shuffle with fewer than 32 is undefined on
+// a GPU (here it would read stale values), so it aborts.
+inline std::unique_ptr<std::atomic<int>[]> live;
 
 inline unsigned linear_thread() {
     return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
@@ -58,6 +63,11 @@ template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off) {
     static_assert(sizeof(T) <= 8);
     unsigned t = host_cuda::linear_thread(), warp = t / 32, lane = t % 32;
+    if (host_cuda::live[warp].load() != 32) {
+        fprintf(stderr, "__shfl_xor_sync with %d live lanes in warp %u of block (%u, %u, %u)\n", host_cuda::live[warp].load(), warp, blockIdx.x,
+                blockIdx.y, blockIdx.z);
+        abort();
+    }
     auto& ex = host_cuda::exchange[warp];
     std::memcpy(&ex[lane], &v, sizeof(T));
     host_cuda::warp_barriers[warp]->arrive_and_wait();
@@ -134,6 +144,8 @@ void launch(dim3 grid, dim3 block, F body) {
                 for (unsigned w = 0; w < warps; ++w)
                     host_cuda::warp_barriers.push_back(std::make_unique<host_cuda::Barrier>(std::min(32u, n - 32 * w)));
                 host_cuda::exchange.assign(warps, {});
+                host_cuda::live = std::make_unique<std::atomic<int>[]>(warps);
+                for (unsigned w = 0; w < warps; ++w) host_cuda::live[w] = (int)std::min(32u, n - 32 * w);
                 std::vector<std::thread> threads;
                 threads.reserve(n);
                 for (unsigned t = 0; t < n; ++t)
@@ -141,6 +153,7 @@ void launch(dim3 grid, dim3 block, F body) {
                         threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
                         body();
                         // A thread that has returned no longer holds the others back.
+                        host_cuda::live[t / 32]--;
                         host_cuda::warp_barriers[t / 32]->arrive_and_drop();
                         host_cuda::block_barrier->arrive_and_drop();
                     });

@@ -12,7 +12,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use duet_kernels::attention::{attn_scale, AttnShape};
 
 use super::launch::Launcher;
@@ -68,7 +69,12 @@ struct Attended {
     out: CudaSlice<f32>,
     lse: CudaSlice<f32>,
     placed: Vec<usize>,
+    /// Events just before the first attention kernel and just after the last, when asked.
+    timed: Option<Timed>,
 }
+
+/// Events around a launch's kernels: its time on the GPU.
+pub type Timed = (CudaEvent, CudaEvent);
 
 /// One row's attention on the GPU: the row of `q`, the positions attended and the sequence.
 #[derive(Debug, Clone)]
@@ -222,7 +228,7 @@ impl KvMirror {
         let q_dim = self.shape.n_head * self.shape.head_dim;
         let n_head = self.shape.n_head;
         let mut results = vec![None; items.len()];
-        let Some(Attended { out, lse, placed }) = self.launch(kern, layer, q, items, kv)? else { return Ok(results) };
+        let Some(Attended { out, lse, placed, .. }) = self.launch(kern, layer, q, items, kv, false)? else { return Ok(results) };
         let stream = &kern.stream;
         let t = phases.add(Phase::AttendPrepare, t);
         let out = stream.clone_dtoh(&out).map_err(CudaError::from)?;
@@ -237,13 +243,21 @@ impl KvMirror {
 
     /// Attention of `items` on layer `layer`, left on the GPU: the output rows
     /// (`[row][n_head][head_dim]`) when every item is placed and item `j` is batch row `j`
-    /// (a layer wholly on the device), else `None` (the caller attends them another way).
-    pub fn attend_rows(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Option<CudaSlice<f32>>> {
+    /// (a layer wholly on the device), with events around its kernels (for the balancer:
+    /// the host cannot time them), else `None` (the caller attends them another way).
+    pub fn attend_rows(
+        &mut self,
+        kern: &Launcher,
+        layer: usize,
+        q: &CudaSlice<f32>,
+        items: &[MirrorItem],
+        kv: &dyn KvSource,
+    ) -> Result<Option<(CudaSlice<f32>, Timed)>> {
         if items.iter().enumerate().any(|(j, it)| it.row != j) {
             return Ok(None);
         }
-        Ok(match self.launch(kern, layer, q, items, kv)? {
-            Some(a) if a.placed.len() == items.len() => Some(a.out),
+        Ok(match self.launch(kern, layer, q, items, kv, true)? {
+            Some(Attended { out, placed, timed: Some(timed), .. }) if placed.len() == items.len() => Some((out, timed)),
             _ => None,
         })
     }
@@ -273,7 +287,7 @@ impl KvMirror {
 
     /// Uploads what the mirror lacks and launches the attention of the items whose sequences
     /// fit; `None` when none does.
-    fn launch(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource) -> Result<Option<Attended>> {
+    fn launch(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource, timed: bool) -> Result<Option<Attended>> {
         self.pages.tick();
         let stream = &kern.stream;
         let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
@@ -321,6 +335,10 @@ impl KvMirror {
         let (scale, cap) = (attn_scale(head_dim), softcap.unwrap_or(0.0));
         let tables = &mut self.tables;
         let pd = tables.pages.get(stream, pages)?;
+        // The tables above are uploaded (host to device) before the first kernel, so the
+        // events time the kernels only.
+        let event = |s: &Arc<CudaStream>| s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
+        let start = if timed { Some(event(stream)?) } else { None };
         if !tiles.is_empty() {
             let n_tiles = tiles.len() / 3;
             let (md, td) = (tables.meta.get(stream, meta.clone())?, tables.tiles.get(stream, tiles)?);
@@ -365,7 +383,11 @@ impl KvMirror {
             // SAFETY: as above; dest names slots below n, out holds n * q_dim, lse n * n_head.
             unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
         }
-        Ok(Some(Attended { out, lse, placed }))
+        let timed = match start {
+            Some(start) => Some((start, event(stream)?)),
+            None => None,
+        };
+        Ok(Some(Attended { out, lse, placed, timed }))
     }
 }
 

@@ -155,6 +155,7 @@ fn check(k: &super::launch::Launcher, mirror: &mut KvMirror, kv: &HostKv, shape:
         for (it, g) in items.iter().zip(got) {
             let Some((o, l)) = g else { continue };
             let (eo, el) = reference(kv, shape, it.seq, layer, &q[it.row * q_dim..(it.row + 1) * q_dim], it.range.clone());
+            assert!(o.iter().all(|v| v.is_finite()), "{what}: layer {layer}, row {}: an output is not finite", it.row);
             let worst = o.iter().zip(&eo).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
             assert!(worst < 2e-5, "{what}: layer {layer}, row {} over {:?}: output off by {worst}", it.row, it.range);
             for (h, (&a, &b)) in l.iter().zip(&el).enumerate() {
@@ -199,7 +200,7 @@ fn attention_on_the_mirror_matches_a_float64_reference() {
             // Left on the GPU for a layer wholly on the device: the same outputs, row by row;
             // items out of row order are declined.
             let qd = k.stream.clone_htod(&q).unwrap();
-            let on_gpu = mirror.attend_rows(&k, 1, &qd, &items, &kv).unwrap().expect("row-ordered items are all placed");
+            let (on_gpu, _timed) = mirror.attend_rows(&k, 1, &qd, &items, &kv).unwrap().expect("row-ordered items are all placed");
             let on_gpu = k.stream.clone_dtoh(&on_gpu).unwrap();
             let phases = super::phases::Phases::default();
             for (it, got) in items.iter().zip(mirror.attend(&k, 1, &qd, &items, &kv, &phases).unwrap()) {

@@ -30,7 +30,6 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use duet_model::config::LlamaConfig;
 use duet_model::gguf::GgufFile;
@@ -451,16 +450,17 @@ impl CudaDevice {
             // attention's upload never reads this step's rows from `kv`, where they are not
             // yet; should a sequence not fit after all, they go to `kv` first.
             if !m.fill_prefixes(&self.k, l, &prefixes, &*kv)? {
-                b.deferred_kv.push((l, g.k.clone(), g.v.clone()));
+                let copy = |x: &CudaSlice<f32>| x.try_clone().map_err(CudaError::from);
+                b.deferred_kv.push((l, copy(&g.k)?, copy(&g.v)?));
                 self.store_deferred_kv(b, &mut *kv)?;
                 stored = true;
             }
             m.store(&self.k, l, &g.k, &g.v, &*kv)?;
-            let timed = |s: &Arc<CudaStream>| s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
-            let start = timed(self.stream())?;
             let out = m.attend_rows(&self.k, l, &g.q, &rows, &*kv)?;
-            self.attention_events.lock().unwrap_or_else(|p| p.into_inner()).push((start, timed(self.stream())?));
-            out
+            out.map(|(out, timed)| {
+                self.attention_events.lock().unwrap_or_else(|p| p.into_inner()).push(timed);
+                out
+            })
         };
         self.phases.add(Phase::AttendPrepare, t);
         let GpuQkv { q, k, v } = g;
