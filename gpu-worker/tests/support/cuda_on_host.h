@@ -3,8 +3,8 @@
 // thread of a block an OS thread. `__syncthreads` is a barrier of the block's threads,
 // `__shfl_xor_sync` an exchange through a barrier of the warp's 32 (aborting unless all 32
 // lanes are running, as a full-mask shuffle needs), `__shared__` arrays are statics (one
-// block runs at a time; not cleared between blocks, so a kernel reading shared memory it
-// did not write may go unnoticed here), and the PTX conversions of common.cuh are replaced by the
+// block runs at a time; filled with NaN bytes before each), and the PTX conversions of
+// common.cuh are replaced by the
 // compiler's `_Float16` (IEEE round to nearest even, as `cvt.rn`). What this checks is the
 // kernels' indexing, tiling, reductions and arithmetic order; the GPU twins
 // (`device::cuda::twins`) still check them on a GPU, with its own rounding of `expf` and the
@@ -30,8 +30,11 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-// One block at a time: the block's threads share one copy.
-#define __shared__ static
+// One block at a time: the block's threads share one copy, in a section of its own that
+// `launch` fills with 0xff bytes (NaN as floats) before each block, so that a kernel reading
+// shared memory it did not write this block shows.
+#define __shared__ static __attribute__((section("duet_shared")))
+extern "C" char __start_duet_shared[], __stop_duet_shared[];
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -139,6 +142,7 @@ void launch(dim3 grid, dim3 block, F body) {
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx = dim3{x, y, z};
+                memset(__start_duet_shared, 0xff, (size_t)(__stop_duet_shared - __start_duet_shared));
                 host_cuda::block_barrier = std::make_unique<host_cuda::Barrier>(n);
                 host_cuda::warp_barriers.clear();
                 for (unsigned w = 0; w < warps; ++w)
