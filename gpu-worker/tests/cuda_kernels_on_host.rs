@@ -1,4 +1,4 @@
-//! The CUDA device's attention and greedy-sampling kernels checked on any machine: the kernel
+//! The CUDA device's attention, greedy-sampling and decode matrix-vector kernels checked on any machine: the kernel
 //! files compile as host C++ with `support/cuda_on_host.h` (every thread of a block an OS
 //! thread, `__syncthreads` and the warp shuffles barriers; see the header) and run, launched
 //! as the CUDA device launches them, by `support/kernels_on_host.cpp`:
@@ -11,7 +11,10 @@
 //!   attention (f64) of the same f16 K/V, outputs within 2e-6, log-sum-exps within 2e-6
 //!   relative;
 //! - `argmax_rows` against the host's greedy sampler (`sampler::argmax`): ties, NaNs,
-//!   nothing above minus infinity.
+//!   nothing above minus infinity;
+//! - `quantize_q8_1` and the `mmvq_*` kernels of every quantised weight type (decode-sized
+//!   products of 1, 3 and 8 rows) within the rounding bound of their Q8_1 activations of the
+//!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them.
 //!
 //! What the GPU adds (its `expf`, its scheduling) the GPU twins (`device::cuda::twins`,
 //! `mirror_twins`) check where there is one. Without a C++ compiler the tests say they were
@@ -22,9 +25,13 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
+use duet_kernels::quant::{dequantize, GgmlType};
 use duet_model::testutil::workspace_root;
 use half::f16;
 use rand::{Rng, SeedableRng};
+
+#[path = "support/random_blocks.rs"]
+mod random_blocks;
 
 /// The harness, compiled once; `None` (having said why) without a C++ compiler.
 fn harness() -> Option<&'static PathBuf> {
@@ -234,6 +241,52 @@ fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
                 shape.n_kv_head, shape.group, shape.head_dim
             );
             assert!(out <= 2e-6 && lse <= 2e-6, "shape {i}, {n_split} splits, soft cap {softcap}: outputs off by {out:.3e}, log-sum-exps by {lse:.3e}");
+        }
+    }
+}
+
+#[test]
+fn the_decode_matrix_vector_kernels_are_within_their_rounding_bound_of_the_exact_product() {
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+    // 67 rows: the last block of 4 warps (a row each) part empty.
+    let (rows, cols) = (67, 768);
+    let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    for ty in types {
+        let w: Vec<u8> = (0..rows).flat_map(|_| random_blocks::random_row(ty, cols, &mut rng)).collect();
+        let mut wf = vec![0f32; rows * cols];
+        for (r, o) in wf.chunks_exact_mut(cols).enumerate() {
+            dequantize(ty, &w[r * ty.row_bytes(cols)..(r + 1) * ty.row_bytes(cols)], o).unwrap();
+        }
+        for n in [1, 3, 8] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            let mut input = Input::default();
+            input.i32(3).i32(ty.id() as usize).i32(rows).i32(cols).i32(n).i32(w.len());
+            input.0.extend(&w);
+            input.f32s(&x);
+            let y: Vec<f32> = run(exe, &input).iter().map(|b| f32::from_le_bytes(*b)).collect();
+            assert_eq!(y.len(), n * rows);
+            let mut worst = 0f64;
+            for t in 0..n {
+                for r in 0..rows {
+                    let (wr, xr) = (&wf[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                    let exact: f64 = wr.iter().zip(xr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    // Q8_1 activations: each element off by at most half a step (amax / 254)
+                    // of its unit; and f32 sums.
+                    let bound: f64 = wr
+                        .chunks_exact(32)
+                        .zip(xr.chunks_exact(32))
+                        .map(|(wu, xu)| wu.iter().map(|&v| (v as f64).abs()).sum::<f64>() * xu.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 254.0)
+                        .sum::<f64>()
+                        * 1.001
+                        + 1e-5 * wr.iter().zip(xr).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum::<f64>()
+                        + 1e-6;
+                    let got = y[t * rows + r] as f64;
+                    assert!(got.is_finite() && (got - exact).abs() <= bound, "{ty:?} n={n}: token {t} row {r}: kernel {got} vs exact {exact}, bound {bound:.3e}");
+                    worst = worst.max((got - exact).abs() / bound);
+                }
+            }
+            println!("{ty:?} quantize_q8_1 + mmvq, {n} rows: worst error {:.0}% of its bound", 100.0 * worst);
         }
     }
 }

@@ -13,8 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use duet_kernels::quant::{dequantize, GgmlType};
+
+#[path = "support/random_blocks.rs"]
+mod random_blocks;
 use duet_model::testutil::workspace_root;
-use half::f16;
 use rand::{Rng, SeedableRng};
 
 const HARNESS: &str = r#"
@@ -151,15 +153,8 @@ fn block_decoding_of_every_quantised_type_matches_the_cpu() {
     let cols = 1024;
     for ty in types {
         for trial in 0..4 {
-            let mut row: Vec<u8> = (0..ty.row_bytes(cols)).map(|_| rng.random()).collect();
-            let block = ty.row_bytes(ty.block_size());
-            for b in row.chunks_exact_mut(block) {
-                for &off in ty.f16_field_offsets() {
-                    // Zero scales too, and negative ones, now and then.
-                    let v = if rng.random_range(0..8) == 0 { 0.0 } else { rng.random_range(-0.05f32..0.05) };
-                    b[off..off + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
-                }
-            }
+            // Zero scales too, and negative ones, now and then.
+            let row = random_blocks::random_row(ty, cols, &mut rng);
             let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let (acts, xq) = q8_1(&x);
             let (values, dot) = run(&exe, ty, &row, cols / 32, &acts);

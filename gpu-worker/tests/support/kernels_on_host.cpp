@@ -1,4 +1,4 @@
-// The CUDA kernels of attention.cu and ops.cu run on the host (cuda_on_host.h), launched as
+// The CUDA kernels of attention.cu, ops.cu and matvec.cu run on the host (cuda_on_host.h), launched as
 // the CUDA device launches them (`device::cuda::mirror`, `device::cuda::launch`), for
 // gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
 // kernel's outputs.
@@ -7,6 +7,7 @@
 //     tiles given and attn_partial and attn_merge over the single items given, as
 //     `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
+//   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
 
 #include "cuda_on_host.h"
 
@@ -15,6 +16,7 @@
 #include "quants.cuh"
 #include "attention.cu"
 #include "ops.cu"
+#include "matvec.cu"
 
 static void attention() {
     int n_kv_head = read_one<int>(), head_dim = read_one<int>(), group = read_one<int>(), page_size = read_one<int>();
@@ -73,10 +75,37 @@ static void argmax() {
     write_vec(out);
 }
 
+// Activation rows quantised to Q8_1 units (quantize_q8_1), then the quantised weight type's
+// mmvq kernel, launched as `Launcher::linear` launches them for decode-sized batches.
+static void matvec() {
+    int ty = read_one<int>(), rows = read_one<int>(), cols = read_one<int>(), n_tok = read_one<int>();
+    auto w = read_vec<u8>((size_t)read_one<int>());
+    auto x = read_vec<float>((size_t)n_tok * cols);
+    int units = n_tok * cols / 32, row_units = cols / 32;
+    std::vector<BlockQ8_1> q(units);
+    std::vector<float> y((size_t)n_tok * rows, NAN);
+    launch(dim3{(unsigned)(units + MV_WARPS - 1) / MV_WARPS}, dim3{32, MV_WARPS}, [&] { quantize_q8_1(x.data(), q.data(), units); });
+    dim3 grid{(unsigned)(rows + MV_WARPS - 1) / MV_WARPS}, block{32, MV_WARPS};
+    auto run = [&](auto kernel) { launch(grid, block, [&] { kernel(w.data(), rows, row_units, q.data(), n_tok, y.data()); }); };
+    switch (ty) {
+        case T_Q4_0: run(mmvq_q4_0); break;
+        case T_Q4_1: run(mmvq_q4_1); break;
+        case T_Q5_0: run(mmvq_q5_0); break;
+        case T_Q5_1: run(mmvq_q5_1); break;
+        case T_Q8_0: run(mmvq_q8_0); break;
+        case T_Q4_K: run(mmvq_q4_k); break;
+        case T_Q5_K: run(mmvq_q5_k); break;
+        case T_Q6_K: run(mmvq_q6_k); break;
+        default: exit(4);
+    }
+    write_vec(y);
+}
+
 int main() {
     switch (read_one<int>()) {
         case 1: attention(); break;
         case 2: argmax(); break;
+        case 3: matvec(); break;
         default: return 3;
     }
     return 0;
