@@ -30,41 +30,13 @@ use duet_model::testutil::workspace_root;
 use half::f16;
 use rand::{Rng, SeedableRng};
 
-#[path = "support/random_blocks.rs"]
-mod random_blocks;
+#[path = "support/host_kernels.rs"]
+mod host_kernels;
 
 /// The harness, compiled once; `None` (having said why) without a C++ compiler.
 fn harness() -> Option<&'static PathBuf> {
     static EXE: OnceLock<Option<PathBuf>> = OnceLock::new();
-    EXE.get_or_init(|| {
-        let root = workspace_root().join("gpu-worker");
-        let dir = std::env::temp_dir().join(format!("duet-kernels-host-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let exe = dir.join("kernels_on_host");
-        // -ffp-contract=off: no fused multiply-adds the kernels did not write (as on the GPU,
-        // where NVRTC fuses some: the tolerances allow for that).
-        let out = Command::new("c++")
-            .args(["-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I"])
-            .arg(root.join("src/device/cuda/kernels"))
-            .arg("-I")
-            .arg(root.join("tests/support"))
-            .arg(root.join("tests/support/kernels_on_host.cpp"))
-            .arg("-o")
-            .arg(&exe)
-            .output();
-        match out {
-            Err(e) if std::env::var("DUET_REQUIRE_CXX").is_ok_and(|v| v == "1") => panic!("DUET_REQUIRE_CXX=1: no C++ compiler (c++: {e})"),
-            Err(e) => {
-                eprintln!("skipped: no C++ compiler (c++: {e})");
-                None
-            }
-            Ok(out) => {
-                assert!(out.status.success(), "the kernels do not compile as host C++:\n{}", String::from_utf8_lossy(&out.stderr));
-                Some(exe)
-            }
-        }
-    })
-    .as_ref()
+    EXE.get_or_init(|| host_kernels::compile_harness(&workspace_root().join("gpu-worker/tests/support/kernels_on_host.cpp"))).as_ref()
 }
 
 /// The harness's input stream.
@@ -253,7 +225,7 @@ fn the_decode_matrix_vector_kernels_are_within_their_rounding_bound_of_the_exact
     let (rows, cols) = (67, 768);
     let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
     for ty in types {
-        let w: Vec<u8> = (0..rows).flat_map(|_| random_blocks::random_row(ty, cols, &mut rng)).collect();
+        let w: Vec<u8> = (0..rows).flat_map(|_| host_kernels::random_row(ty, cols, &mut rng)).collect();
         let mut wf = vec![0f32; rows * cols];
         for (r, o) in wf.chunks_exact_mut(cols).enumerate() {
             dequantize(ty, &w[r * ty.row_bytes(cols)..(r + 1) * ty.row_bytes(cols)], o).unwrap();

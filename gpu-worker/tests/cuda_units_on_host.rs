@@ -14,9 +14,8 @@ use std::process::Command;
 
 use duet_kernels::quant::{dequantize, GgmlType};
 
-#[path = "support/random_blocks.rs"]
-mod random_blocks;
-use duet_model::testutil::workspace_root;
+#[path = "support/host_kernels.rs"]
+mod host_kernels;
 use rand::{Rng, SeedableRng};
 
 const HARNESS: &str = r#"
@@ -87,28 +86,13 @@ int main() {
 }
 "#;
 
-fn kernels_dir() -> PathBuf {
-    workspace_root().join("gpu-worker/src/device/cuda/kernels")
-}
-
 /// Compiles the harness, or `None` (having said why) without a C++ compiler.
 fn harness() -> Option<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("duet-units-host-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("duet-units-src-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("harness.cpp");
+    let src = dir.join("units_on_host.cpp");
     std::fs::write(&src, HARNESS).unwrap();
-    let exe = dir.join("harness");
-    // -ffp-contract=off: no fused multiply-adds, as __fmul_rn / __fadd_rn promise on the GPU.
-    let out = match Command::new("c++").args(["-std=c++17", "-O1", "-ffp-contract=off", "-I"]).arg(kernels_dir()).arg(&src).arg("-o").arg(&exe).output() {
-        Ok(out) => out,
-        Err(e) if std::env::var("DUET_REQUIRE_CXX").is_ok_and(|v| v == "1") => panic!("DUET_REQUIRE_CXX=1: no C++ compiler (c++: {e})"),
-        Err(e) => {
-            eprintln!("skipped: no C++ compiler (c++: {e})");
-            return None;
-        }
-    };
-    assert!(out.status.success(), "quants.cuh does not compile as host C++:\n{}", String::from_utf8_lossy(&out.stderr));
-    Some(exe)
+    host_kernels::compile_harness(&src)
 }
 
 /// Q8_1 units of `x` as the `quantize_q8_1` kernel makes them: d = amax / 127, q = round(x / d),
@@ -154,7 +138,7 @@ fn block_decoding_of_every_quantised_type_matches_the_cpu() {
     for ty in types {
         for trial in 0..4 {
             // Zero scales too, and negative ones, now and then.
-            let row = random_blocks::random_row(ty, cols, &mut rng);
+            let row = host_kernels::random_row(ty, cols, &mut rng);
             let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let (acts, xq) = q8_1(&x);
             let (values, dot) = run(&exe, ty, &row, cols / 32, &acts);

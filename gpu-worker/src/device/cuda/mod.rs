@@ -30,7 +30,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream};
 use duet_model::config::LlamaConfig;
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
@@ -39,7 +39,7 @@ pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FIL
 pub use probe::{probe, Gpu};
 
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
-use self::mirror::{KvMirror, MirrorItem};
+use self::mirror::{KvMirror, MirrorItem, Timed};
 use self::phases::{Phase, Phases};
 use duet_kernels::attention::windowed;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
@@ -151,7 +151,7 @@ pub struct CudaDevice {
     phases: Phases,
     /// Events around the attention of each layer computed wholly on the device, since
     /// [`Device::take_attention_ns`] last took them (or the last batch started).
-    attention_events: Mutex<Vec<(CudaEvent, CudaEvent)>>,
+    attention_events: Mutex<Vec<Timed>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
