@@ -238,28 +238,59 @@ fn logits_and_greedy_tokens_match<D: Device>(cuda: &Runner<D>, cpu: &Runner<duet
         "the CUDA device is further from the exact logits than the CPU device: rms {cuda_rms:.3e} vs {cpu_rms:.3e}, max {cuda_max:.3e} vs {cpu_max:.3e}"
     );
 
-    // Greedy decoding: each of the CUDA device's tokens is the exact arg-max after the same
-    // tokens, unless the exact top-2 gap is a near tie (within four times the rms error of
-    // the CUDA device's decode logits, which must be as close as the CPU's prefill).
+    // Greedy decoding, judged in two ways.
+    // 1. Every decode step's logits are as close to the exact ones as the CPU device's prefill
+    //    (rms within 1.25×, max within 1.5×): a step gone wrong (a K/V row missing or stale, a
+    //    layer skipped) is off by far more.
+    // 2. Each token is the exact arg-max, unless the exact top-2 gap is a near tie (within four
+    //    times the decode logits' rms error). The errors of a row's 128K logits reach about six
+    //    times their rms (on the CPU device too), so two of them can, rarely, flip a gap wider than
+    //    that: one such flip is allowed where the gap is within twice the row's largest error; a
+    //    second, or one beyond that, fails. (On the H200, the split device's token 45 took the
+    //    second-best by a gap of 0.28, its two logits off by +0.15 and −0.16, every row's rms
+    //    0.04–0.06 of sd.)
     let exact_row = |i: usize| &exact[(n - 1 + i) * n_vocab..(n + i) * n_vocab];
     let decode_got: Vec<f32> = g.iter().flat_map(|(_, row)| row.iter().copied()).collect();
     let decode_rms = rms_of(&decode_got, &exact[(n - 1) * n_vocab..(n + GREEDY - 1) * n_vocab]);
+    let row_errors: Vec<(f64, f64)> = g.iter().enumerate().map(|(i, (_, row))| (rms_of(row, exact_row(i)), max_of(row, exact_row(i)))).collect();
+    println!(
+        "decode rows' error from the exact logits, rms/max of sd: {}",
+        row_errors.iter().map(|(r, m)| format!("{r:.2}/{m:.2}")).collect::<Vec<_>>().join(" ")
+    );
+    for (i, &(rms, max)) in row_errors.iter().enumerate() {
+        assert!(
+            rms <= 1.25 * cpu_rms && max <= 1.5 * cpu_max,
+            "decode step {i}: its logits are rms {rms:.3e}, max {max:.3e} (of sd) from the exact ones; the CPU device's prefill {cpu_rms:.3e}, {cpu_max:.3e}"
+        );
+    }
     let near = 4.0 * decode_rms * sd;
-    let mut compared = 0;
-    for (i, (t, _)) in g.iter().enumerate() {
+    let (mut compared, mut tail_flips) = (0, 0);
+    for (i, (t, got_row)) in g.iter().enumerate() {
         let row: Vec<f32> = exact_row(i).iter().map(|&v| v as f32).collect();
         let gap = top2_gap(&row) as f64;
         if gap < near {
             println!("greedy token {i}: a near tie (exact top-2 gap {gap:.4}), not compared");
             continue;
         }
-        assert_eq!(*t as usize, argmax(&row), "greedy token {i}: CUDA {t}, exact {} (exact top-2 gap {gap:.4})", argmax(&row));
         compared += 1;
+        let a = argmax(&row);
+        if *t as usize == a {
+            continue;
+        }
+        let flip = format!(
+            "greedy token {i}: CUDA {t}, exact {a} (exact top-2 gap {gap:.4}); the device's logits {:.4} and {:.4}, the exact {:.4} and {:.4}",
+            got_row[*t as usize], got_row[a], row[*t as usize], row[a]
+        );
+        let within_tail = gap < 2.0 * row_errors[i].1 * sd;
+        assert!(within_tail && tail_flips == 0, "{flip}: {}", if within_tail { "a second flip" } else { "beyond twice the row's largest error" });
+        println!("{flip}: a flip in the errors' tail (the row's largest error {:.4}), allowed once", row_errors[i].1 * sd);
+        tail_flips += 1;
     }
     let same_as_cpu = g.iter().zip(&w).take_while(|((a, _), (b, _))| a == b).count();
     println!(
-        "greedy: decode logits rms {decode_rms:.2e} from the exact ones; {compared}/{GREEDY} tokens the exact arg-max, the rest near ties \
-         (within {near:.4}); the CPU device's tokens the same for the first {same_as_cpu}"
+        "greedy: decode logits rms {decode_rms:.2e} from the exact ones; {}/{GREEDY} tokens the exact arg-max, {tail_flips} a tail flip, the rest near ties \
+         (within {near:.4}); the CPU device's tokens the same for the first {same_as_cpu}",
+        compared - tail_flips
     );
     assert!(decode_rms <= 1.25 * cpu_rms, "the CUDA device's decode logits are {decode_rms:.3e} (rms) from the exact ones, the CPU's prefill {cpu_rms:.3e}");
     assert!(compared >= 4, "only {compared} greedy tokens compared");
