@@ -18,6 +18,8 @@
 #define ATT_TILE 128
 #define ATT_HEADS 4
 #define ATT_MAX_HEAD_DIM 256
+#define ATT_WARPS (ATT_THREADS / 32)
+#define ATT_DIMS_PER_LANE (ATT_MAX_HEAD_DIM / 32)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // Rows' f32 K and V (`[row][kv_dim]`) into the pool: row r at slot[r] (page * page_size +
@@ -86,7 +88,15 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
     for (int i = threadIdx.x; i < nh * head_dim; i += ATT_THREADS) {
         int h = i / head_dim, d = i % head_dim;
         qs[h][d] = q[((long long)row * n_head + h0 + h) * head_dim + d];
-        os[h][d] = 0.0f;
+    }
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int dpl = (head_dim + WARP - 1) / WARP;
+    // This warp's unnormalised output: head h, dimension lane + WARP * j.
+    float acc_o[ATT_HEADS][ATT_DIMS_PER_LANE];
+#pragma unroll
+    for (int h = 0; h < ATT_HEADS; h++) {
+#pragma unroll
+        for (int j = 0; j < ATT_DIMS_PER_LANE; j++) acc_o[h][j] = 0.0f;
     }
     float m[ATT_HEADS], l[ATT_HEADS];
     for (int h = 0; h < ATT_HEADS; h++) {
@@ -106,6 +116,7 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
         if (threadIdx.x < nt) {
             const u32* kr = (const u32*)(pool + krow[threadIdx.x]);
             float acc[ATT_HEADS] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
             for (int d2 = 0; d2 < head_dim / 2; d2++) {
                 u32 two = kr[d2];
                 float k0 = f16_to_f32((u16)(two & 0xffff)), k1 = f16_to_f32((u16)(two >> 16));
@@ -139,12 +150,44 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
         for (int h = 0; h < ATT_HEADS; h++) {
             if (h < nh) l[h] += p[h];
         }
-        // Values: each thread owns output elements (head, d) and sums the tile's positions.
-        for (int i = threadIdx.x; i < nh * head_dim; i += ATT_THREADS) {
-            int h = i / head_dim, d = i % head_dim;
-            float acc = os[h][d] * corr[h];
-            for (int t = 0; t < nt; t++) acc += sc[h][t] * f16_to_f32(pool[krow[t] + v_off + d]);
-            os[h][d] = acc;
+        // Values: warp w sums the tile's positions w, w + ATT_WARPS, ..., lane l dimensions l,
+        // l + WARP, ... (a V row read by the warp in runs of 64 bytes), so that a thread waits
+        // on a load once per ATT_WARPS positions, several in flight, not once per position.
+#pragma unroll
+        for (int h = 0; h < ATT_HEADS; h++) {
+            float c = h < nh ? corr[h] : 0.0f;
+#pragma unroll
+            for (int j = 0; j < ATT_DIMS_PER_LANE; j++) acc_o[h][j] *= c;
+        }
+#pragma unroll 4
+        for (int t = warp; t < nt; t += ATT_WARPS) {
+            const u16* vr = pool + krow[t] + v_off;
+            float v[ATT_DIMS_PER_LANE];
+#pragma unroll
+            for (int j = 0; j < ATT_DIMS_PER_LANE; j++) {
+                int d = lane + WARP * j;
+                v[j] = j < dpl && d < head_dim ? f16_to_f32(vr[d]) : 0.0f;
+            }
+#pragma unroll
+            for (int h = 0; h < ATT_HEADS; h++) {
+                float p = h < nh ? sc[h][t] : 0.0f;
+#pragma unroll
+                for (int j = 0; j < ATT_DIMS_PER_LANE; j++) acc_o[h][j] += p * v[j];
+            }
+        }
+    }
+    // The warps' sums into os, one warp after another.
+    for (int w = 0; w < ATT_WARPS; w++) {
+        __syncthreads();
+        if (warp == w) {
+#pragma unroll
+            for (int h = 0; h < ATT_HEADS; h++) {
+#pragma unroll
+                for (int j = 0; j < ATT_DIMS_PER_LANE; j++) {
+                    int d = lane + WARP * j;
+                    if (h < nh && j < dpl && d < head_dim) os[h][d] = (w == 0 ? 0.0f : os[h][d]) + acc_o[h][j];
+                }
+            }
         }
     }
     __syncthreads();
