@@ -54,7 +54,7 @@ step() {
   echo "== $name: $*"
   local start=$SECONDS
   # Each step has its own time limit (STEP_TIMEOUT seconds), so one that hangs leaves time for the rest.
-  if timeout -k 5 "${STEP_TIMEOUT:-150}" bash -c '"$@"' "$name" "$@" >"$logs/$name.log" 2>&1; then
+  if STEP=$name timeout -k 5 "${STEP_TIMEOUT:-150}" bash -c '"$@"' "$name" "$@" >"$logs/$name.log" 2>&1; then
     echo "   ok ($((SECONDS - start)) s)"
   else
     echo "   FAILED ($((SECONDS - start)) s); the log's end:"
@@ -172,7 +172,7 @@ serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY] [GATEWAY FLAGS]
   # The step log (linear layers, attention, waits per step) and the device's phases every 64
   # steps show where a step's time goes.
   RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" ${5:-} \
-    --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/serve-bench-server-$(basename "$1" .gguf).log" 2>&1 &
+    --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/$STEP-server.log" 2>&1 &
   local gw=$!
   sleep 2
   wait_healthy 18090 $gw || { kill -TERM $gw; wait $gw; return 1; }
