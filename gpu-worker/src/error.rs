@@ -55,6 +55,8 @@ pub enum CudaError {
     OutOfMemory { need: usize, free: usize, gpu: String },
     #[error("the weights and workspace need {need} bytes of GPU memory, over the {budget} that --gpu-mem-bytes allows")]
     OverBudget { need: usize, budget: usize },
+    #[error("{name}: {why}")]
+    Setting { name: &'static str, why: String },
 }
 
 impl From<duet_model::gguf::GgufError> for GpuWorkerError {

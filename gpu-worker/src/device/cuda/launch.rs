@@ -1,9 +1,10 @@
 //! The CUDA device's arithmetic: weights uploaded as the GGUF file stores them, and one
-//! method per kernel launch. Linear layers pick their kernel by batch size: up to
-//! [`MV_MAX_TOK`] rows run the quantised matrix-vector kernels on the weights as they are
-//! (activations quantised to Q8_1 once per input); larger batches dequantise the weight to
-//! f16, a bounded slice of rows at a time, and multiply with cuBLAS (f32 accumulation; F32
-//! weights go to cuBLAS as they are).
+//! method per kernel launch. Linear layers pick their kernel by batch size: quantised weights
+//! with up to [`MV_PASS_ROWS`] activation rows (decode batches) run the quantised
+//! matrix-vector kernels on the weights as they are, [`MV_MAX_TOK`] rows a launch
+//! (activations quantised to Q8_1 once per input); float weights do so up to [`MV_MAX_TOK`]
+//! rows. Larger batches dequantise the weight to f16, a bounded slice of rows at a time, and
+//! multiply with cuBLAS (f32 accumulation; F32 weights go to cuBLAS as they are).
 
 use std::sync::{Arc, Mutex};
 
@@ -17,6 +18,13 @@ use crate::device::model::Weight;
 
 /// The most activation rows one matrix-vector launch takes (`MV_MAX_TOK` in matvec.cu).
 pub const MV_MAX_TOK: usize = 8;
+/// The most activation rows a quantised weight multiplies with the matrix-vector kernels (in
+/// launches of [`MV_MAX_TOK`]) before it is dequantised for cuBLAS. On the H200, a 1B-shaped
+/// model's 16-row decode step spent 18.5 ms in its linear layers through cuBLAS (the weights
+/// dequantised every step), against 1.85 ms for one row through the matrix-vector kernels; a
+/// pass of 8 rows reads the weights once more. `DUET_CUDA_MV_ROWS` overrides it (8 is the
+/// rule before it), for comparing the two.
+pub const MV_PASS_ROWS: usize = 64;
 /// Warps per block of the matrix-vector and quantisation kernels (`MV_WARPS` in matvec.cu).
 const MV_WARPS: u32 = 4;
 /// Threads per row of `rms_norm` (`NORM_THREADS` in ops.cu).
@@ -86,6 +94,8 @@ pub struct Launcher {
     /// f16 rows of the weight being multiplied by cuBLAS; locked from the dequantisation to
     /// the multiplication that reads it.
     workspace: Mutex<CudaSlice<u16>>,
+    /// [`MV_PASS_ROWS`], or `DUET_CUDA_MV_ROWS`.
+    mv_pass_rows: usize,
 }
 
 fn grid_1d(n: usize) -> LaunchConfig {
@@ -100,7 +110,14 @@ impl Launcher {
     pub fn new(stream: Arc<CudaStream>, kernels: Kernels, workspace_elems: usize) -> Result<Self, CudaError> {
         let blas = CudaBlas::new(stream.clone())?;
         let workspace = Mutex::new(stream.alloc_zeros::<u16>(workspace_elems.max(1))?);
-        Ok(Launcher { stream, kernels, blas, workspace })
+        let mv_pass_rows = match std::env::var("DUET_CUDA_MV_ROWS") {
+            Ok(v) => v.parse::<usize>().ok().filter(|&n| n >= MV_MAX_TOK).ok_or(CudaError::Setting {
+                name: "DUET_CUDA_MV_ROWS",
+                why: format!("{v:?} is not a number of rows of at least {MV_MAX_TOK}"),
+            })?,
+            Err(_) => MV_PASS_ROWS,
+        };
+        Ok(Launcher { stream, kernels, blas, workspace, mv_pass_rows })
     }
 
     /// The loaded kernels (for launches outside this file: the KV mirror's).
@@ -123,27 +140,36 @@ impl Launcher {
         debug_assert_eq!(acts.cols, w.cols);
         let mut y = self.alloc(acts.n * w.rows)?;
         let (rows, n) = (w.rows as i32, acts.n as i32);
-        if acts.n <= MV_MAX_TOK {
-            if let Some(suffix) = quant_suffix(w.ty) {
-                let q8 = self.q8(acts)?;
-                let units = (w.cols / 32) as i32;
-                let f = self.f(&format!("mmvq_{suffix}"))?;
+        if let (Some(suffix), true) = (quant_suffix(w.ty), acts.n <= self.mv_pass_rows) {
+            let (units, n_acts) = (w.cols / 32, acts.n);
+            let q8 = self.q8(acts)?;
+            let f = self.f(&format!("mmvq_{suffix}"))?;
+            let units_i = units as i32;
+            // Activation rows t0.. of one launch: their Q8_1 units and their rows of y.
+            for t0 in (0..n_acts).step_by(MV_MAX_TOK) {
+                let nt = MV_MAX_TOK.min(n_acts - t0);
+                let nt_i = nt as i32;
+                let x = q8.slice(t0 * units * Q8_1_BYTES..(t0 + nt) * units * Q8_1_BYTES);
+                let mut out = y.slice_mut(t0 * w.rows..(t0 + nt) * w.rows);
                 let mut b = self.stream.launch_builder(f);
-                b.arg(&w.data).arg(&rows).arg(&units).arg(q8).arg(&n).arg(&mut y);
-                // SAFETY: the arguments match mmvq's signature; sizes were checked at upload.
-                unsafe { b.launch(mv_config(w.rows)) }?;
-            } else {
-                let name = match w.ty {
-                    GgmlType::F32 => "mv_f32",
-                    GgmlType::F16 => "mv_f16",
-                    _ => "mv_bf16",
-                };
-                let cols = w.cols as i32;
-                let mut b = self.stream.launch_builder(self.f(name)?);
-                b.arg(&w.data).arg(&rows).arg(&cols).arg(acts.x).arg(&n).arg(&mut y);
-                // SAFETY: as above, for mv_float.
+                b.arg(&w.data).arg(&rows).arg(&units_i).arg(&x).arg(&nt_i).arg(&mut out);
+                // SAFETY: the arguments match mmvq's signature; sizes were checked at upload;
+                // x holds nt rows of units Q8_1 units, out nt rows of w.rows.
                 unsafe { b.launch(mv_config(w.rows)) }?;
             }
+            return Ok(y);
+        }
+        if acts.n <= MV_MAX_TOK && quant_suffix(w.ty).is_none() {
+            let name = match w.ty {
+                GgmlType::F32 => "mv_f32",
+                GgmlType::F16 => "mv_f16",
+                _ => "mv_bf16",
+            };
+            let cols = w.cols as i32;
+            let mut b = self.stream.launch_builder(self.f(name)?);
+            b.arg(&w.data).arg(&rows).arg(&cols).arg(acts.x).arg(&n).arg(&mut y);
+            // SAFETY: as above, for mv_float.
+            unsafe { b.launch(mv_config(w.rows)) }?;
             return Ok(y);
         }
         self.gemm(w, acts, &mut y)?;

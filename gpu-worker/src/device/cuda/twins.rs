@@ -11,7 +11,7 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 
 use super::kernels::Kernels;
-use super::launch::{Acts, GpuWeight, Launcher, MV_MAX_TOK};
+use super::launch::{Acts, GpuWeight, Launcher, MV_MAX_TOK, MV_PASS_ROWS};
 use super::probe;
 use crate::device::model::Weight;
 
@@ -141,16 +141,19 @@ fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
         let data = random_weight(ty, rows, cols, &mut rng);
         let wf = dequant_rows(ty, &data, rows, cols);
         let w = upload(&k, ty, rows, cols, &data);
-        for n in [1, 3, MV_MAX_TOK, MV_MAX_TOK + 5] {
+        // 13 rows: two matrix-vector launches for quantised weights, cuBLAS for float ones;
+        // 70: cuBLAS for every type.
+        for n in [1, 3, MV_MAX_TOK, MV_MAX_TOK + 5, MV_PASS_ROWS + 6] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let xd = k.stream.clone_htod(&x).unwrap();
             let got = down(&k, &k.linear(&w, &mut Acts::new(&xd, n, cols)).unwrap());
             let abs_dot = |r: usize, t: usize| -> f64 { (0..cols).map(|c| (wf[r * cols + c] as f64 * x[t * cols + c] as f64).abs()).sum() };
             let float_slack = |r: usize, t: usize| 1e-5 * abs_dot(r, t) + 1e-6;
             let quantised = super::kernels::quant_suffix(ty).is_some();
-            if n > MV_MAX_TOK && ty == GgmlType::F32 {
+            let mv_rows = if quantised { MV_PASS_ROWS } else { MV_MAX_TOK };
+            if n > mv_rows && ty == GgmlType::F32 {
                 check_product(&format!("{ty:?} sgemm n={n}"), &got, &wf, &x, rows, cols, float_slack);
-            } else if n > MV_MAX_TOK {
+            } else if n > mv_rows {
                 // cuBLAS on f16 weights and activations: each product off by two f16 roundings.
                 check_product(&format!("{ty:?} gemm n={n}"), &got, &wf, &x, rows, cols, |r, t| 2.0 * 2f64.powi(-11) * abs_dot(r, t) + float_slack(r, t));
             } else if quantised {
