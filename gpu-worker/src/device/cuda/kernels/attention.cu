@@ -172,7 +172,9 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
             for (int h = 0; h < ATT_HEADS; h++) {
                 float p = h < nh ? sc[h][t] : 0.0f;
 #pragma unroll
-                for (int j = 0; j < ATT_DIMS_PER_LANE; j++) acc_o[h][j] += p * v[j];
+                for (int j = 0; j < ATT_DIMS_PER_LANE; j++) {
+                    if (j < dpl) acc_o[h][j] += p * v[j];
+                }
             }
         }
     }
