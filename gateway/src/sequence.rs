@@ -224,7 +224,7 @@ mod tests {
         // The planner keeps the GPU's share within it and gives the rest to the cpu-worker.
         let mut d = vec![on(5000)];
         share_gpu_kv(&mut d, 1000, 16);
-        let cost = CostModel { linear_fixed: 0.0, linear_per_token: 0.0, gpu_attn_per_pos: 1.0, cpu_fixed: vec![0.0], cpu_attn_per_pos: vec![1.0], overlapped_fixed: 0.0, overlapped_per_token: 0.0, overlap_slowdown: 1.0, shared_cores: false };
+        let cost = CostModel { linear_fixed: 0.0, linear_per_token: 0.0, gpu_attn_per_pos: 1.0, cpu_fixed: vec![0.0], cpu_attn_per_pos: vec![1.0], overlapped_fixed: 0.0, overlapped_per_token: 0.0, overlap_slowdown: 1.0, shared_cores: false, local_linear: None };
         let plan = Policy::Gpu.plan(&cost, 1, &d, 16, false, crate::balancer::Overlap::Never);
         let ranges: Vec<_> = plan.shares[0].iter().map(|s| (s.cpu_worker, s.range.clone())).collect();
         assert_eq!(ranges, [(None, 0..992), (Some(0), 992..5000)]);
@@ -249,6 +249,7 @@ mod tests {
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
             shared_cores: false,
+            local_linear: None,
         };
         let proto = |p: Policy| shares_to_proto(&p.plan(&cost, 1, std::slice::from_ref(&demand), 4, false, crate::balancer::Overlap::Auto).shares[0], 10);
         assert_eq!(

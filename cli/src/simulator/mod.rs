@@ -246,6 +246,7 @@ impl Setup {
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
             shared_cores: false,
+            local_linear: None,
         }
     }
 

@@ -134,6 +134,7 @@ mod tests {
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
             shared_cores: false,
+            local_linear: None,
         };
         let seqs = [SeqDemand { n_ctx: 100, held: vec![(0, 0..100)], gpu_max: 100 }];
         assert_eq!(Policy::Cpu.plan(&cost, 1, &seqs, 16, false, Overlap::Auto).gpu_positions, 0);

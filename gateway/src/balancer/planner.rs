@@ -62,6 +62,11 @@ pub struct CostModel {
     /// The gpu-worker computes on the cores the cpu-workers use: attention shares take turns
     /// instead of running side by side (the sum form of the time model).
     pub shared_cores: bool,
+    /// The linear layers' line (per step, per batch token) of a step in which no cpu-worker
+    /// attends, where it differs from `linear_*`: the CUDA device then runs each layer wholly
+    /// on the GPU, never waiting for the host (on the H200, a 1B-shaped model's batch-1 step
+    /// took 1.9 ms so and ~3.3 ms with a cpu-worker's share). `None`: the same line.
+    pub local_linear: Option<(f64, f64)>,
 }
 
 /// One decode sequence of the step.
@@ -111,7 +116,12 @@ impl CostModel {
             .enumerate()
             .filter(|(_, &c)| c > 0)
             .map(|(w, &c)| self.cpu_fixed[w] + self.cpu_attn_per_pos[w] * c as f64);
-        let linear = self.linear_fixed + self.linear_per_token * tokens as f64;
+        let local = cpu_positions.iter().all(|&c| c == 0);
+        let (fixed, per_token) = match self.local_linear {
+            Some(line) if local && !overlap => line,
+            _ => (self.linear_fixed, self.linear_per_token),
+        };
+        let linear = fixed + per_token * tokens as f64;
         if self.shared_cores {
             return linear + gpu + cpu.sum::<f64>();
         }
@@ -225,18 +235,20 @@ pub fn solve(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: us
         .zip(&gpu)
         .map(|(s, g)| {
             let want = solution.value(*g).max(0.0);
+            let cap = s.gpu_max.min(s.n_ctx);
+            // To the nearest block boundary, or to the GPU's whole allowance where that is
+            // nearer: an LP that gave the GPU all of a 1 217-position context must not leave
+            // its last position to a cpu-worker (1 216 is the boundary nearest 1 217).
             let rounded = ((want / bs as f64).round() as usize) * bs;
-            rounded.min(s.gpu_max).min(s.n_ctx)
+            if rounded >= cap || cap as f64 - want < (want - rounded as f64).abs() { cap } else { rounded }
         })
         .collect();
     let solved = realise(cost, tokens, seqs, &prefix, overlap);
-    if cost.shared_cores {
-        let all_gpu = realise(cost, tokens, seqs, &seqs.iter().map(|s| s.gpu_max).collect::<Vec<_>>(), overlap);
-        if all_gpu.predicted_s < solved.predicted_s {
-            return Ok(all_gpu);
-        }
-    }
-    Ok(solved)
+    // The LP cannot see what a step with no cpu-worker saves (their fixed costs, and the
+    // cheaper line of `local_linear`): the plan that gives the GPU all it may take is
+    // priced on its own, and kept when it is faster.
+    let all_gpu = realise(cost, tokens, seqs, &seqs.iter().map(|s| s.gpu_max).collect::<Vec<_>>(), overlap);
+    Ok(if all_gpu.predicted_s < solved.predicted_s { all_gpu } else { solved })
 }
 
 #[cfg(test)]
@@ -254,6 +266,7 @@ mod tests {
             overlapped_per_token: 0.0001,
             overlap_slowdown: 1.0,
             shared_cores: false,
+            local_linear: None,
         }
     }
 
@@ -270,6 +283,35 @@ mod tests {
         assert!((p.gpu_positions as i64 - 2048).abs() <= 16 * 4, "{p:?}");
         let all_cpu = realise(&c, 4, &seqs, &[0; 4], false).predicted_s;
         assert!(p.predicted_s < 0.6 * all_cpu + c.step_time(4, 0, &[0], false), "{} vs {all_cpu}", p.predicted_s);
+    }
+
+    #[test]
+    fn the_lp_leaves_no_sliver_of_a_block_to_a_cpu_worker() {
+        // A GPU 100 times faster: the LP gives it all 1 217 positions, and 1 216 is the block
+        // boundary nearest that; its last position must not go to the cpu-worker (on the
+        // H200 such a sliver cost the step its whole-layer path).
+        let c = cost(1e-8, &[1e-6]);
+        let p = solve(&c, 1, &[on(0, 1217)], 16, false).unwrap();
+        assert_eq!((p.gpu_positions, p.cpu_positions[0]), (1217, 0), "{p:?}");
+        // Where the LP wants a share on the cpu-worker, it still gets whole blocks.
+        let p = solve(&cost(1e-6, &[1e-6]), 1, &[on(0, 1217)], 16, false).unwrap();
+        assert_eq!(p.gpu_positions % 16, 0, "{p:?}");
+        assert!(p.cpu_positions[0] > 500, "{p:?}");
+    }
+
+    #[test]
+    fn a_step_without_cpu_workers_is_priced_on_its_own_line() {
+        // Equal attention speeds, so the LP alone would split each context in half; but a
+        // step with a cpu-worker's share pays 1.4 ms more of linear layers (the CUDA device's
+        // round trips to the host, every layer), which a short context's split does not win back.
+        let c = CostModel { linear_fixed: 0.0019, local_linear: Some((0.0005, 0.0001)), ..cost(1e-6, &[1e-6]) };
+        let p = plan_lp(&c, 1, &[on(0, 1000)], 16, true).unwrap();
+        assert_eq!((p.gpu_positions, p.cpu_positions[0]), (1000, 0), "{p:?}");
+        assert!((p.predicted_s - (0.0005 + 0.0001 + 1000.0 * 1e-6)).abs() < 1e-12, "{p:?}");
+        // A long one's does.
+        let p = plan_lp(&c, 1, &[on(0, 100_000)], 16, true).unwrap();
+        assert!(p.cpu_positions[0] > 40_000, "{p:?}");
+        assert!((p.predicted_s - c.step_time(1, p.gpu_positions, &p.cpu_positions, p.overlap)).abs() < 1e-12);
     }
 
     #[test]
@@ -361,6 +403,7 @@ mod tests {
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
             shared_cores: false,
+            local_linear: None,
         };
         let seqs: Vec<_> = (0..4).map(|_| on(0, 2000)).collect();
         // Without overlap: 0.1 + 0.2 (half each). With: max(0.1 + a_g G, a_c C) = 0.25 at

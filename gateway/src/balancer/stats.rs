@@ -213,9 +213,12 @@ impl BatchFit {
 /// cpu-worker's attention; plus the planner's prediction errors.
 #[derive(Debug, Clone)]
 pub struct StepStats {
-    /// Seconds vs batch tokens of decode-only steps: everything on the gpu-worker but
-    /// attention and the wait.
+    /// Seconds vs batch tokens of decode-only steps a cpu-worker attends a share of:
+    /// everything on the gpu-worker but attention and the wait.
     pub linear: BatchFit,
+    /// The same for decode-only steps no cpu-worker takes part in (the CUDA device runs their
+    /// layers wholly on the GPU: a cheaper line; [`CostModel::local_linear`]).
+    pub linear_local: BatchFit,
     /// The same for steps with prompt chunks (their matrix products run as tiles, cheaper
     /// per token; their causal attention is counted here too).
     pub linear_prefill: LinearFit,
@@ -245,6 +248,7 @@ impl StepStats {
         StepStats {
             shared_cores,
             linear: BatchFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
+            linear_local: BatchFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             linear_prefill: LinearFit::new(PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             linear_overlapped: BatchFit::new(2.0 * PRIOR_LINEAR.0, PRIOR_LINEAR.1),
             gpu_attention: LinearFit::new(PRIOR_ATTENTION.0, PRIOR_ATTENTION.1),
@@ -258,7 +262,13 @@ impl StepStats {
     /// layers' line is the one of that batch size).
     pub fn cost_model(&self, tokens: usize) -> CostModel {
         let x = tokens as f64;
-        let (lf, lt) = self.linear.coefficients_at(x);
+        // Each line from its own steps once it has seen this batch size, else from the
+        // other's (a step is a step until measured otherwise).
+        let line = |own: &BatchFit, other: &BatchFit| {
+            if own.samples_at(x) < WARM && other.samples_at(x) >= WARM { other.coefficients_at(x) } else { own.coefficients_at(x) }
+        };
+        let (lf, lt) = line(&self.linear, &self.linear_local);
+        let local = line(&self.linear_local, &self.linear);
         let (_, ga) = self.gpu_attention.coefficients();
         let (cpu_fixed, mut cpu_attn_per_pos): (Vec<f64>, Vec<f64>) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
         if self.shared_cores {
@@ -281,6 +291,7 @@ impl StepStats {
             overlapped_per_token: ot,
             overlap_slowdown: self.overlap_slowdown,
             shared_cores: self.shared_cores,
+            local_linear: Some(local),
         }
     }
 
@@ -291,7 +302,12 @@ impl StepStats {
         // Steady state only: the prediction errors of decode steps predicted by fits that
         // had data then (judged before this step's samples go in: the step that warms a fit
         // was predicted without it).
-        let fit = if t.sub_batches == 2 { &self.linear_overlapped } else { &self.linear };
+        let local = t.cpu_workers.iter().all(|w| w.positions == 0);
+        let fit = match (t.sub_batches, local) {
+            (2, _) => &self.linear_overlapped,
+            (_, true) => &self.linear_local,
+            _ => &self.linear,
+        };
         let warm = fit.samples_at(tokens) >= WARM
             && (t.gpu_attention_positions == 0 || self.gpu_attention.samples() >= WARM)
             && t.cpu_workers.iter().all(|w| self.cpu_attention.get(w.worker as usize).is_none_or(|f| f.samples() >= WARM));
@@ -300,6 +316,8 @@ impl StepStats {
             self.linear_prefill.add(tokens, linear + s(t.attention_gpu_ns));
         } else if t.sub_batches == 2 {
             self.linear_overlapped.add(tokens, linear);
+        } else if local {
+            self.linear_local.add(tokens, linear);
         } else {
             self.linear.add(tokens, linear);
         }
@@ -475,6 +493,47 @@ mod tests {
                 assert!(c.cpu_attn_per_pos[0] < 0.7 * c.gpu_attn_per_pos, "side by side the measured costs stand: {c:?}");
             }
         }
+    }
+
+    #[test]
+    fn steps_without_a_cpu_worker_learn_their_own_line() {
+        // As the CUDA device on the H200 (1B shape, batch 1): 1.9 ms of linear layers for a
+        // step wholly on the GPU, 3.3 ms when a cpu-worker attends a share.
+        let step = |cpu_positions: u64, linear_s: f64| pb::StepTimings {
+            decode_tokens: 1,
+            linear_ns: (linear_s * 1e9) as u64,
+            total_ns: (linear_s * 1e9) as u64 + 500_000,
+            gpu_attention_positions: 1000,
+            attention_gpu_ns: 500_000,
+            cpu_workers: if cpu_positions > 0 {
+                vec![pb::CpuWorkerTiming { worker: 0, positions: cpu_positions, busy_ns: 100_000, ..Default::default() }]
+            } else {
+                Vec::new()
+            },
+            ..Default::default()
+        };
+        let lines = |st: &StepStats| {
+            let c = st.cost_model(1);
+            let (f, t) = c.local_linear.expect("the stats give a local line");
+            (c.linear_fixed + c.linear_per_token, f + t)
+        };
+        let mut st = StepStats::new(1, false);
+        // Local steps only: the split line borrows theirs.
+        for _ in 0..20 {
+            st.observe(&step(0, 0.0019), None);
+        }
+        let (split, local) = lines(&st);
+        assert!((local - 0.0019).abs() < 1e-6 && (split - local).abs() < 1e-12, "{split} {local}");
+        // Then steps with a share: each line its own.
+        for _ in 0..20 {
+            st.observe(&step(200, 0.0033), None);
+        }
+        let (split, local) = lines(&st);
+        assert!((local - 0.0019).abs() < 1e-6 && (split - 0.0033).abs() < 1e-6, "{split} {local}");
+        // The step times it predicts: each on its line.
+        let c = st.cost_model(1);
+        assert!((c.step_time(1, 1000, &[0], false) - (0.0019 + 1000.0 * c.gpu_attn_per_pos)).abs() < 1e-6);
+        assert!(c.step_time(1, 800, &[200], false) > 0.0033);
     }
 
     #[test]
