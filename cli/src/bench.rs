@@ -57,6 +57,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         anyhow::bail!("--concurrency: levels must be at least 1");
     }
     let policies: Vec<Option<String>> = if args.policies.is_empty() { vec![None] } else { args.policies.iter().cloned().map(Some).collect() };
+    wait_until_serving(&mut client, &args.addr.to_string(), args.json).await?;
     for &c in &args.concurrency {
         // At depth: open the sessions once (their prefill is not timed).
         let sessions = match args.context {
@@ -131,6 +132,30 @@ fn stream_request(ids: Vec<u32>, args: &BenchArgs, session_id: Option<String>) -
         ignore_eos: true,
         session_id,
         ..Default::default()
+    }
+}
+
+/// The longest a bench waits for a gateway still loading its model.
+const LOAD_WAIT: Duration = Duration::from_secs(600);
+
+/// Returns once the gateway answers `Info`, waiting (and saying so, unless `quiet`) while it
+/// is still loading its model (`UNAVAILABLE`, "…loading the model…"), up to [`LOAD_WAIT`];
+/// other errors (no gateway there) at once.
+async fn wait_until_serving(client: &mut InferenceClient<tonic::transport::Channel>, addr: &str, quiet: bool) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        match client.info(pb::InfoRequest {}).await {
+            Ok(_) => return Ok(()),
+            Err(e) if e.code() == tonic::Code::Unavailable && e.message().contains("loading") && started.elapsed() < LOAD_WAIT => {
+                if !said && !quiet {
+                    eprintln!("waiting for the gateway: {}", e.message());
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => anyhow::bail!("the gateway at {addr}: {}", e.message()),
+        }
     }
 }
 
