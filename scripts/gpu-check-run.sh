@@ -9,7 +9,9 @@
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
 #          device (single process; the 8B also with half its layers on the CPU device,
 #          --gpu-layers 16), and the served system at 1, 16 and 64 streams;
-#   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table).
+#   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table);
+#   session  what one session's 15 minutes of device time fit (tests, then the 1B and 8B
+#          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
 # Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
 # comparison), serve-bench-1b-mv8 (decode batches over 8 rows through cuBLAS, for
@@ -194,6 +196,10 @@ expand() {
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
     # The CUDA issue's table at the depths stage A can prefill within a call (~6 min).
     table) echo serve-bench-1b serve-1b-8k serve-1b-32k serve-8b-1k serve-8b-8k ;;
+    # What a session lent 15 minutes of device time runs in one call (~6 minutes on an H200):
+    # every test, the 1B shape's speed and serving (and the 9-64-row rule before
+    # MV_PASS_ROWS, for comparison), and 16 x 8K of the 8B shape over the mirror.
+    session) echo "$(expand tests)" speed-1b serve-bench-1b serve-bench-1b-mv8 serve-8b-16x8k ;;
     *) echo "$1" ;;
   esac
 }
