@@ -16,7 +16,8 @@
 # Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
 # comparison), serve-bench-1b-mv8 (decode batches over 8 rows through cuBLAS, for
 # comparison), serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
-# serve-moe-shape (the OLMoE shape, experts on the host), and each step of the groups.
+# serve-moe-shape (the OLMoE shape, experts on the host), serve-moe-gpu-experts (its
+# experts on the GPU, --device-experts 64), and each step of the groups.
 #
 #     bash scripts/gpu-check-run.sh [tests] [bench] [table] [STEP...]   (tests and bench when none is named)
 #
@@ -231,6 +232,9 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.
     speed-moe) step speed-moe run_speed cuda "$(model olmoe-1b-7b q4_k_m)" ;;
     serve-moe-shape) step serve-moe-shape serve_bench "$(model olmoe-1b-7b q4_k_m)" 4G 1024 1,16 "--experts-on cpu-workers" ;;
+    # The same with every expert a layer's router uses held on the GPU (hot experts, planned
+    # every 64 steps from the router's counts): GPU-only experts against the cpu-worker's.
+    serve-moe-gpu-experts) step serve-moe-gpu-experts serve_bench "$(model olmoe-1b-7b q4_k_m)" 4G 1024 1,16 "--experts-on cpu-workers --device-experts 64" ;;
     # Stage A for comparison: no KV mirror, the gpu-worker's attention on its host cores.
     serve-bench-1b-host) step serve-bench-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
     serve-1b-8k-host) step serve-1b-8k-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;

@@ -224,6 +224,8 @@ fn serve(args: ServeArgs, device: Placement) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     let timeout = std::time::Duration::from_millis(args.job_timeout_ms);
     let local_experts = args.experts_on == ExpertsOn::Device;
+    // The CUDA device keeps the hot experts' room out of its KV mirror's.
+    crate::device::cuda::set_expert_slots(args.device_experts);
     let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout, local_experts, args.device_experts)
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.model.model.display()))?;
     tracing::info!(model = %args.model.model.display(), device = %service.device(), ms = start.elapsed().as_millis() as u64, "model loaded");

@@ -201,6 +201,42 @@ fn tiny_architectures_on_the_cuda_device_match_the_cpu_device() {
     assert!(taken >= 6, "the CUDA device took only {taken} of the tiny architectures (mistral3, mixtral, olmoe, qwen2, qwen3, qwen3moe at least)");
 }
 
+/// Hot experts on the GPU (`--device-experts`), all of them: each tiny mixture (Mixtral,
+/// OLMoE, Qwen3-MoE) loaded with its experts left to the cpu-workers, then every expert
+/// placed on the GPU, so that none goes to a cpu-worker; its logits against the CUDA device
+/// computing the experts on the host, and against the CPU device (within the 5 % of the
+/// other architectures' check).
+#[test]
+fn hot_experts_on_the_gpu_match_the_experts_on_the_host() {
+    if let Err(why) = duet_gpu_worker::device::cuda::probe(0) {
+        return skip(&format!("no usable GPU: {why}"));
+    }
+    kv_budget();
+    duet_gpu_worker::device::cuda::set_expert_slots(usize::MAX);
+    for name in ["mixtral_q8_0", "olmoe_q8_0", "qwen3moe_q8_0"] {
+        let path = duet_model::testutil::workspace_root().join(format!("testdata/tiny/arch/{name}.gguf"));
+        let mut hot = Runner::load_with(&path, |file| duet_gpu_worker::device::open(DeviceChoice::Cuda, file, false)).unwrap();
+        let c = hot.device.config().clone();
+        let n_expert = c.experts.expect("a mixture").n_expert;
+        let all: Vec<Vec<usize>> = vec![(0..n_expert).collect(); c.n_layer];
+        assert_eq!(hot.device.place_experts(&all).unwrap(), c.n_layer * n_expert, "{name}: every expert uploaded");
+        assert_eq!(hot.device.place_experts(&all).unwrap(), 0, "{name}: a second placement moves nothing");
+        let host = Runner::load_on(&path, DeviceChoice::Cuda).unwrap();
+        let cpu = Runner::load(&path).unwrap();
+        let tokens = prompt(&c);
+        let run = |r: &dyn Fn(&mut KvCache) -> Vec<f32>| r(&mut KvCache::new(&c, PROMPT + 32));
+        let got = run(&|kv| hot.forward(&tokens, kv, Logits::From(0)).unwrap());
+        let on_host = run(&|kv| host.forward(&tokens, kv, Logits::From(0)).unwrap());
+        let want = run(&|kv| cpu.forward(&tokens, kv, Logits::From(0)).unwrap());
+        let mean = want.iter().map(|&v| v as f64).sum::<f64>() / want.len() as f64;
+        let sd = (want.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / want.len() as f64).sqrt();
+        let rms = |a: &[f32], b: &[f32]| (a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>() / b.len() as f64).sqrt() / sd;
+        let (vs_host, vs_cpu, host_vs_cpu) = (rms(&got, &on_host), rms(&got, &want), rms(&on_host, &want));
+        println!("{name}: experts on the GPU vs on the host {vs_host:.2e}, vs the CPU device {vs_cpu:.2e} (host experts vs the CPU device {host_vs_cpu:.2e}), of sd {sd:.3}");
+        assert!(vs_host <= 0.05 && vs_cpu <= 0.05, "{name}: the GPU's experts are {vs_host:.3e} from the host's, {vs_cpu:.3e} from the CPU device's");
+    }
+}
+
 /// Greedy tokens judged by [`logits_and_greedy_tokens_match`]: a random model's top-2 gaps are
 /// small (on the 1B shape most fall within the CUDA device's decode rounding), so it takes
 /// many to compare a few.

@@ -50,7 +50,7 @@ impl Stacked {
     }
 
     /// Expert `e`'s bytes in the tensor's data.
-    fn bytes<'a>(&self, data: &'a [u8], e: usize) -> &'a [u8] {
+    pub fn expert_bytes<'a>(&self, data: &'a [u8], e: usize) -> &'a [u8] {
         let len = self.rows * self.ty.row_bytes(self.cols);
         &data[e * len..(e + 1) * len]
     }
@@ -190,7 +190,7 @@ impl ExpertBank {
         let mats: [QMatrix<'_>; 3] = std::array::from_fn(|i| {
             let s = &stacks[i];
             let data = self.file.tensor(&s.name).expect("tensor checked at load").data;
-            let m = QMatrix::new(s.ty, s.rows, s.cols, s.bytes(data, e));
+            let m = QMatrix::new(s.ty, s.rows, s.cols, s.expert_bytes(data, e));
             match &packed[i][e] {
                 Some(p) => m.with_interleaved(p),
                 None => m,
@@ -204,7 +204,7 @@ impl ExpertBank {
 /// one and the kernels take its type.
 fn packed_copy(repack: bool, s: &Stacked, data: &[u8], e: usize) -> Option<Interleaved> {
     match repack && matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0) {
-        true => Interleaved::new(s.ty, s.rows, s.cols, s.bytes(data, e)),
+        true => Interleaved::new(s.ty, s.rows, s.cols, s.expert_bytes(data, e)),
         false => None,
     }
 }

@@ -296,7 +296,7 @@ impl Device for CpuDevice {
             Ffn::Dense { gate, up, down } => mlp::gated_mlp([&self.mat(gate), &self.mat(up), &self.mat(down)], self.act, &b.xn),
             Ffn::Moe { router } => {
                 let experts = self.experts.as_ref().expect("an MoE model has its experts");
-                experts.moe(l, self.linear(router, &b.xn), &b.xn, remote)?
+                experts.moe(l, self.linear(router, &b.xn), &b.xn, remote, &|_| false)?.0
             }
         };
         if let Some([_, post_ffn]) = &layer.post_norms {

@@ -83,8 +83,10 @@ impl HostExperts {
     /// sum 1 where the architecture does, the sum clamped at f16's smallest normal), each
     /// expert's MLP on the rows routed to it, and per row the weighted outputs added in the
     /// order the experts were chosen. The experts not held go to `remote` first, so they run
-    /// while the held ones compute.
-    pub fn moe(&self, l: usize, mut logits: Vec<f32>, x: &[f32], remote: &mut dyn RemoteExperts) -> Result<Vec<f32>> {
+    /// while the held ones compute. The experts `elsewhere` names are the caller's (the CUDA
+    /// device's hot experts on the GPU): they are left out of the sum, and their routed rows
+    /// and weights returned, per expert, for the caller to add.
+    pub fn moe(&self, l: usize, mut logits: Vec<f32>, x: &[f32], remote: &mut dyn RemoteExperts, elsewhere: &dyn Fn(usize) -> bool) -> Result<(Vec<f32>, Vec<RoutedRows>)> {
         let e = self.counts;
         let d = self.bank.tensors().n_embd;
         if logits.len() * d != x.len() * e.n_expert {
@@ -105,11 +107,18 @@ impl HostExperts {
             })
             .collect();
         self.usage.record(l, routes.iter().map(Vec::as_slice));
-        let held = |ex: usize| self.bank.holds(l, ex);
+        let held = |ex: usize| self.bank.holds(l, ex) && !elsewhere(ex);
+        let mut theirs: Vec<RoutedRows> = Vec::new();
+        for ex in (0..e.n_expert).filter(|&ex| elsewhere(ex)) {
+            let rows: Vec<(usize, f32)> = routes.iter().enumerate().filter_map(|(t, r)| r.iter().find(|&&(i, _)| i == ex).map(|&(_, w)| (t, w))).collect();
+            if !rows.is_empty() {
+                theirs.push(RoutedRows { expert: ex, rows });
+            }
+        }
         // (row, choice) of each item sent away, in the order sent.
         let (mut away, mut away_of) = (Vec::new(), Vec::new());
         for (t, r) in routes.iter().enumerate() {
-            for (k, &(ex, w)) in r.iter().enumerate().filter(|(_, &(ex, _))| !held(ex)) {
+            for (k, &(ex, w)) in r.iter().enumerate().filter(|(_, &(ex, _))| !held(ex) && !elsewhere(ex)) {
                 away.push(ExpertItem { expert: ex as u32, row: t as u32, weight: w });
                 away_of.push((t, k));
             }
@@ -140,13 +149,61 @@ impl HostExperts {
                 parts[t][k] = o.to_vec();
             }
         }
+        // Each row's parts in choice order (those of the experts elsewhere are empty).
         let mut y = vec![0f32; x.len()];
         for (row, p) in y.chunks_exact_mut(d).zip(&parts) {
-            row.copy_from_slice(&p[0]);
-            for more in &p[1..] {
+            let mut mine = p.iter().filter(|part| !part.is_empty());
+            if let Some(first) = mine.next() {
+                row.copy_from_slice(first);
+            }
+            for more in mine {
                 row.iter_mut().zip(more).for_each(|(a, b)| *a += b);
             }
         }
-        Ok(y)
+        Ok((y, theirs))
+    }
+}
+
+/// The rows of a layer's batch routed to one expert, with the router's weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutedRows {
+    pub expert: usize,
+    /// (row, weight), in row order.
+    pub rows: Vec<(usize, f32)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::NoRemoteExperts;
+    use rand::{Rng, SeedableRng};
+
+    /// The experts a caller computes elsewhere (the CUDA device's hot experts) are left out
+    /// of the sum and returned with their rows and weights: adding their outputs back gives
+    /// the whole mixture.
+    #[test]
+    fn experts_computed_elsewhere_come_back_with_their_rows_and_weights() {
+        let path = duet_model::testutil::workspace_root().join("testdata/tiny/arch/olmoe_q8_0.gguf");
+        let file = Arc::new(GgufFile::open(&path).unwrap());
+        let c = LlamaConfig::from_gguf(&file).unwrap();
+        let tensors = ExpertTensors::find(&file, &c).unwrap().expect("a mixture");
+        let experts = HostExperts::load(file.clone(), &c, tensors, true, &(0..c.n_layer), false).unwrap();
+        let (n, d, n_expert) = (5, c.n_embd, c.experts.unwrap().n_expert);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let logits: Vec<f32> = (0..n * n_expert).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+        let (whole, none) = experts.moe(1, logits.clone(), &x, &mut NoRemoteExperts, &|_| false).unwrap();
+        assert!(none.is_empty());
+        let elsewhere = |e: usize| e % 2 == 0;
+        let (mut y, routed) = experts.moe(1, logits, &x, &mut NoRemoteExperts, &elsewhere).unwrap();
+        assert!(!routed.is_empty() && routed.iter().all(|r| elsewhere(r.expert) && !r.rows.is_empty()), "{routed:?}");
+        for r in &routed {
+            for &(t, w) in &r.rows {
+                let out = experts.bank.mlp(1, r.expert, &x[t * d..(t + 1) * d]).unwrap();
+                y[t * d..(t + 1) * d].iter_mut().zip(mlp::scaled(&out, w)).for_each(|(a, b)| *a += b);
+            }
+        }
+        let worst = y.iter().zip(&whole).map(|(a, b)| (a - b).abs() / b.abs().max(1e-3)).fold(0f32, f32::max);
+        assert!(worst < 1e-4, "the parts added back differ from the whole mixture by {worst:e} (relative)");
     }
 }

@@ -94,15 +94,10 @@ impl<D: Device> Executor<D> {
     }
 
     /// Holds on the device, planned every `every` steps, the `k` experts of each layer the
-    /// router chose most (see `hot_experts`). Fails unless the device is a mixture's whose
-    /// experts are on the cpu-workers, and on the CUDA device (hot experts on the GPU are
-    /// not built: it would compute them on the host, beside the cpu-workers).
+    /// router chose most (see `hot_experts`; the CUDA device keeps them on the GPU, in the
+    /// room `cuda::set_expert_slots` reserved). Fails unless the device is a mixture's whose
+    /// experts are on the cpu-workers.
     pub fn with_hot_experts(mut self, k: usize, every: u64) -> Result<Self, StepError> {
-        if self.device.kind() == pb::DeviceKind::Cuda {
-            return Err(StepError::Model(crate::error::GpuWorkerError::InvalidRequest(
-                "--device-experts: hot experts on the GPU are not built yet (the CUDA device leaves every routed expert to the cpu-workers)".into(),
-            )));
-        }
         let c = self.device.config();
         let Some(e) = c.experts.filter(|_| !self.device.holds_all_experts()) else {
             return Err(StepError::Model(crate::error::GpuWorkerError::InvalidRequest(

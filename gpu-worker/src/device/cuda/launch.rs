@@ -385,12 +385,30 @@ impl Launcher {
     pub fn gather_rows(&self, x: &CudaSlice<f32>, rows: &[usize], cols: usize) -> Result<CudaSlice<f32>, CudaError> {
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.stream.clone_htod(&idx)?;
-        let mut out = self.alloc(rows.len() * cols)?;
-        let (n, c) = (rows.len() as i32, cols as i32);
+        self.gather_rows_at(x, &idx, cols)
+    }
+
+    /// The rows `idx` (on the GPU) of `x`, rows of `cols`.
+    pub fn gather_rows_at(&self, x: &CudaSlice<f32>, idx: &CudaSlice<u32>, cols: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let mut out = self.alloc(idx.len() * cols)?;
+        let (n, c) = (idx.len() as i32, cols as i32);
         let mut b = self.stream.launch_builder(self.f("gather_rows")?);
-        b.arg(x).arg(&idx).arg(&n).arg(&c).arg(&mut out);
-        // SAFETY: the rows were checked against the batch when it started.
-        unsafe { b.launch(grid_1d(rows.len() * cols)) }?;
+        b.arg(x).arg(idx).arg(&n).arg(&c).arg(&mut out);
+        // SAFETY: the callers' rows are rows of x (checked against the batch when it started,
+        // or a routed expert's rows of the layer's batch).
+        unsafe { b.launch(grid_1d(idx.len() * cols)) }?;
         Ok(out)
+    }
+
+    /// `y[rows[j]] += w[j] * src[j]` for each row `j` of `src` (rows of `cols`); no two `j`
+    /// may name one row of `y`.
+    pub fn scatter_add_scaled(&self, src: &CudaSlice<f32>, rows: &CudaSlice<u32>, w: &CudaSlice<f32>, cols: usize, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        let (n, c) = (rows.len() as i32, cols as i32);
+        let mut b = self.stream.launch_builder(self.f("scatter_add_scaled")?);
+        b.arg(src).arg(rows).arg(w).arg(&n).arg(&c).arg(y);
+        // SAFETY: src holds rows.len() rows of cols, w rows.len() weights, and every row
+        // named is a row of y (the caller's routed rows of the layer's batch).
+        unsafe { b.launch(grid_1d(rows.len() * cols)) }?;
+        Ok(())
     }
 }

@@ -15,6 +15,7 @@
 //! Q8_0/Q8_K as ggml does) and to f16 for cuBLAS, and sums run in another order, so logits
 //! match the CPU device's within a tolerance, not bit for bit; dequantisation is exact.
 
+mod gpu_experts;
 mod kernels;
 mod launch;
 mod mirror;
@@ -36,8 +37,10 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 
 pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FILES as KERNEL_FILES};
+pub use gpu_experts::set_expert_slots;
 pub use probe::{probe, Gpu};
 
+use self::gpu_experts::GpuExperts;
 use self::launch::{Acts, GpuWeight, Launcher, WORKSPACE_ELEMS};
 use self::mirror::{KvMirror, MirrorItem, Timed};
 use self::phases::{Phase, Phases};
@@ -144,6 +147,8 @@ pub struct CudaDevice {
     /// A mixture's routed experts held on the host (all, or none when the cpu-workers serve
     /// them).
     experts: Option<HostExperts>,
+    /// With the cpu-workers serving a mixture's experts: the hot ones the GPU computes.
+    gpu_experts: Option<GpuExperts>,
     weight_bytes: usize,
     /// The KV mirror and the GPU's attention on it; `None`: attention on the host.
     mirror: Option<Mutex<KvMirror>>,
@@ -243,8 +248,27 @@ impl CudaDevice {
             Some(t) => Some(HostExperts::load(file.clone(), &m.config, t, local_experts, &held, super::cpu::repack_default())?),
             None => None,
         };
-        let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES)?;
-        Ok(CudaDevice { gpu, k, m, token_embd, output, output_norm, layers, experts, weight_bytes, mirror, phases: Phases::default(), attention_events: Mutex::default() })
+        let gpu_experts = GpuExperts::new(file.clone(), m.experts.clone(), local_experts, layers.len());
+        let reserved = gpu_experts.as_ref().map_or(0, GpuExperts::reserved);
+        if reserved > 0 {
+            tracing::info!(mib = reserved >> 20, "room for hot experts on the GPU");
+        }
+        let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES + reserved)?;
+        Ok(CudaDevice {
+            gpu,
+            k,
+            m,
+            token_embd,
+            output,
+            output_norm,
+            layers,
+            experts,
+            gpu_experts,
+            weight_bytes,
+            mirror,
+            phases: Phases::default(),
+            attention_events: Mutex::default(),
+        })
     }
 
     /// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
@@ -403,10 +427,16 @@ impl CudaDevice {
             GpuFfn::Moe { router } => {
                 // The router on the GPU; the normed rows and its logits cross to the host,
                 // where the experts run, and the mixture's rows come back.
+                // The hot experts the GPU holds compute here, on the rows routed to them.
                 let logits = self.download(&self.k.linear(router, &mut acts)?)?;
                 let experts = self.experts.as_ref().expect("a mixture loads its host experts");
-                let y = experts.moe(l, logits, &self.download(&xn)?, remote)?;
-                self.stream().clone_htod(&y).map_err(CudaError::from)?
+                let on_gpu = |e: usize| self.gpu_experts.as_ref().is_some_and(|g| g.holds(l, e));
+                let (y, routed) = experts.moe(l, logits, &self.download(&xn)?, remote, &on_gpu)?;
+                let mut y = self.stream().clone_htod(&y).map_err(CudaError::from)?;
+                if let Some(g) = self.gpu_experts.as_ref().filter(|_| !routed.is_empty()) {
+                    g.add_outputs(&self.k, l, &xn, &routed, &mut y)?;
+                }
+                y
             }
         };
         self.k.add_assign(&mut b.x, &down)?;
@@ -561,6 +591,17 @@ impl Device for CudaDevice {
 
     fn take_expert_usage(&self) -> Vec<RoutedTokens> {
         self.experts.as_ref().map_or_else(Vec::new, HostExperts::take_usage)
+    }
+
+    /// Hot experts on the GPU: the plan's experts of the device's layers, uploaded within the
+    /// room `--device-experts` reserved.
+    fn place_experts(&mut self, held: &[Vec<usize>]) -> Result<usize> {
+        let stream = self.stream().clone();
+        let act = self.m.config.ffn_act;
+        match &mut self.gpu_experts {
+            Some(g) => g.place(&stream, act, held),
+            None => Err(GpuWorkerError::InvalidRequest("placing routed experts needs a mixture with its experts on the cpu-workers".into())),
+        }
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {

@@ -74,6 +74,16 @@ extern "C" __global__ void gather_rows(const float* __restrict__ x, const u32* _
     out[i] = x[(size_t)rows[j] * cols + c];
 }
 
+// y[rows[j]] += w[j] * src[j] for j < n (a routed expert's outputs into the rows routed to
+// it, weighted; one expert a launch, so no two j name one row).
+extern "C" __global__ void scatter_add_scaled(const float* __restrict__ src, const u32* __restrict__ rows,
+                                              const float* __restrict__ w, int n, int cols, float* __restrict__ y) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n * cols) return;
+    size_t j = i / cols, c = i % cols;
+    y[(size_t)rows[j] * cols + c] += w[j] * src[i];
+}
+
 // The index of each row's largest value (`out[row]`), as the host's greedy sampler picks it:
 // the first maximum, NaNs never chosen, and 0 when the row's first value is NaN or no value
 // is above minus infinity. One block of ARGMAX_THREADS per row.

@@ -1,0 +1,141 @@
+//! Hot experts on the GPU (`--device-experts K` with `--experts-on cpu-workers`), as
+//! KTransformers keeps a mixture's most-used experts there: the experts the plan names
+//! (`worker::hot_experts`) are uploaded from the file, each as its own gate, up and down
+//! matrices, and computed on the GPU on the rows routed to them, while the cpu-workers
+//! serve the rest. The room they take is reserved before the KV mirror is sized
+//! ([`set_expert_slots`]), so a plan of up to K experts a layer always fits.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use duet_model::config::FfnAct;
+use duet_model::experts::ExpertTensors;
+use duet_model::gguf::GgufFile;
+
+use super::launch::{Acts, GpuWeight, Launcher};
+use super::CudaError;
+use crate::device::host_experts::RoutedRows;
+use crate::device::model::Weight;
+use crate::error::{GpuWorkerError, Result};
+
+/// Experts a layer may hold on the GPU (`--device-experts`), set once for the process before
+/// the device loads: their room is kept out of the KV mirror's.
+static EXPERT_SLOTS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Sets the process's hot-expert slots per layer; false if they were already set.
+pub fn set_expert_slots(k: usize) -> bool {
+    EXPERT_SLOTS.set(k).is_ok()
+}
+
+/// One expert's matrices on the GPU.
+struct GpuExpert {
+    gate: GpuWeight,
+    up: GpuWeight,
+    down: GpuWeight,
+}
+
+/// The routed experts the GPU holds, `[layer][expert]`, within the room reserved for them.
+pub struct GpuExperts {
+    file: Arc<GgufFile>,
+    tensors: ExpertTensors,
+    held: Vec<Vec<Option<GpuExpert>>>,
+    /// Bytes reserved at load (the slots of every layer the device holds).
+    reserved: usize,
+}
+
+impl GpuExperts {
+    /// Room for the slots [`set_expert_slots`] set (none without) in each of the device's
+    /// first `layers` layers, nothing uploaded yet; `None` for a model without experts, or
+    /// experts the host holds (`local`: there is nothing for the GPU to take from the
+    /// cpu-workers).
+    pub fn new(file: Arc<GgufFile>, tensors: Option<ExpertTensors>, local: bool, layers: usize) -> Option<Self> {
+        let tensors = tensors.filter(|_| !local)?;
+        let slots = EXPERT_SLOTS.get().copied().unwrap_or(0).min(tensors.n_expert);
+        let reserved = slots * (0..layers).map(|l| expert_bytes(&tensors, l)).sum::<usize>();
+        let held = (0..layers).map(|_| (0..tensors.n_expert).map(|_| None).collect()).collect();
+        Some(GpuExperts { file, tensors, held, reserved })
+    }
+
+    /// GPU memory kept for the experts.
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// Whether expert `e` of layer `l` is on the GPU.
+    pub fn holds(&self, l: usize, e: usize) -> bool {
+        self.held.get(l).and_then(|h| h.get(e)).is_some_and(Option::is_some)
+    }
+
+    /// Holds the experts `held[l]` of each of the device's layers from now on (of the
+    /// model's `n_layer`; layers past the device's are another device's), uploading those
+    /// that come and freeing those that go; how many came or went. A plan over the reserved
+    /// room, or of an architecture whose experts are not SiLU-gated, is refused whole.
+    pub fn place(&mut self, stream: &Arc<CudaStream>, act: FfnAct, held: &[Vec<usize>]) -> Result<usize> {
+        let (n_layer, n_expert) = (self.tensors.layers.len(), self.tensors.n_expert);
+        if held.len() != n_layer || held.iter().flatten().any(|&e| e >= n_expert) {
+            return Err(GpuWorkerError::InvalidRequest(format!("an expert placement names {} layers of {n_layer}, or an expert past {n_expert}", held.len())));
+        }
+        if act != FfnAct::Silu {
+            return Err(GpuWorkerError::InvalidRequest(format!("experts on the GPU take SiLU-gated experts, not {act:?} ones")));
+        }
+        let want: usize = held.iter().take(self.held.len()).enumerate().map(|(l, es)| es.len() * expert_bytes(&self.tensors, l)).sum();
+        if want > self.reserved {
+            return Err(GpuWorkerError::InvalidRequest(format!(
+                "a plan of {want} bytes of experts on the GPU, over the {} bytes --device-experts reserved",
+                self.reserved
+            )));
+        }
+        let mut moved = 0;
+        for (l, es) in held.iter().enumerate().take(self.held.len()) {
+            for e in 0..n_expert {
+                match (es.contains(&e), self.held[l][e].is_some()) {
+                    (true, false) => self.held[l][e] = Some(self.upload(stream, l, e)?),
+                    (false, true) => self.held[l][e] = None,
+                    _ => continue,
+                }
+                moved += 1;
+            }
+        }
+        stream.synchronize().map_err(CudaError::from)?;
+        Ok(moved)
+    }
+
+    /// Expert `e` of layer `l`, its three matrices from the file.
+    fn upload(&self, stream: &Arc<CudaStream>, l: usize, e: usize) -> Result<GpuExpert> {
+        let up = |i: usize| -> Result<GpuWeight> {
+            let s = &self.tensors.layers[l][i];
+            let data = self.file.tensor(&s.name).map_err(|e| GpuWorkerError::Model(e.into()))?.data;
+            let w = Weight { name: format!("{} (expert {e})", s.name), ty: s.ty, rows: s.rows, cols: s.cols, first_row: 0 };
+            Ok(GpuWeight::upload(stream, &w, s.expert_bytes(data, e))?)
+        };
+        Ok(GpuExpert { gate: up(0)?, up: up(1)?, down: up(2)? })
+    }
+
+    /// Adds to `y` (the layer's rows) each GPU expert's output on the rows routed to it,
+    /// times the router's weight: the rows gathered from `xn` (the layer's normed rows),
+    /// the expert's SiLU-gated MLP, the outputs scattered back.
+    pub fn add_outputs(&self, k: &Launcher, l: usize, xn: &CudaSlice<f32>, routed: &[RoutedRows], y: &mut CudaSlice<f32>) -> Result<()> {
+        let (d, ff) = (self.tensors.n_embd, self.tensors.n_ff);
+        for r in routed {
+            let Some(ex) = self.held.get(l).and_then(|h| h.get(r.expert)).and_then(Option::as_ref) else {
+                return Err(GpuWorkerError::InvalidRequest(format!("expert {} of layer {l} is not on the GPU", r.expert)));
+            };
+            let rows: Vec<u32> = r.rows.iter().map(|&(t, _)| t as u32).collect();
+            let weights: Vec<f32> = r.rows.iter().map(|&(_, w)| w).collect();
+            let (rows, weights) = (k.stream.clone_htod(&rows).map_err(CudaError::from)?, k.stream.clone_htod(&weights).map_err(CudaError::from)?);
+            let xs = k.gather_rows_at(xn, &rows, d)?;
+            let mut acts = Acts::new(&xs, rows.len(), d);
+            let mut g = k.linear(&ex.gate, &mut acts)?;
+            let u = k.linear(&ex.up, &mut acts)?;
+            k.silu_mul(&mut g, &u)?;
+            let out = k.linear(&ex.down, &mut Acts::new(&g, rows.len(), ff))?;
+            k.scatter_add_scaled(&out, &rows, &weights, d, y)?;
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of one expert of layer `l` (its gate, up and down matrices).
+fn expert_bytes(t: &ExpertTensors, l: usize) -> usize {
+    t.layers[l].iter().map(|s| s.rows * s.ty.row_bytes(s.cols)).sum()
+}
