@@ -169,6 +169,11 @@ impl BatchFit {
         self.all.add(x, y);
     }
 
+    /// Whether some band has its own line.
+    pub fn any_warm(&self) -> bool {
+        self.bands.iter().any(|f| f.samples() >= WARM)
+    }
+
     /// Samples in the band of `x`.
     pub fn samples_at(&self, x: f64) -> u32 {
         self.bands.get(Self::band(x)).map_or(0, LinearFit::samples)
@@ -263,9 +268,11 @@ impl StepStats {
     pub fn cost_model(&self, tokens: usize) -> CostModel {
         let x = tokens as f64;
         // Each line from its own steps once it has seen this batch size, else from the
-        // other's (a step is a step until measured otherwise).
+        // other's where that has (a step is a step until measured otherwise), or has seen
+        // any batch size where this one has seen none (its prior knows nothing).
         let line = |own: &BatchFit, other: &BatchFit| {
-            if own.samples_at(x) < WARM && other.samples_at(x) >= WARM { other.coefficients_at(x) } else { own.coefficients_at(x) }
+            let borrow = (own.samples_at(x) < WARM && other.samples_at(x) >= WARM) || (!own.any_warm() && other.any_warm());
+            if borrow { other.coefficients_at(x) } else { own.coefficients_at(x) }
         };
         let (lf, lt) = line(&self.linear, &self.linear_local);
         let local = line(&self.linear_local, &self.linear);
@@ -524,6 +531,9 @@ mod tests {
         }
         let (split, local) = lines(&st);
         assert!((local - 0.0019).abs() < 1e-6 && (split - local).abs() < 1e-12, "{split} {local}");
+        // At a batch size neither has seen, the split line is the local one's too, not the prior.
+        let c = st.cost_model(16);
+        assert_eq!(c.local_linear, Some((c.linear_fixed, c.linear_per_token)), "{c:?}");
         // Then steps with a share: each line its own.
         for _ in 0..20 {
             st.observe(&step(200, 0.0033), None);

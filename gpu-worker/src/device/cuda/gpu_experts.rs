@@ -85,15 +85,19 @@ impl GpuExperts {
                 self.reserved
             )));
         }
+        // Those that go first, so that the plan never needs more than its room.
         let mut moved = 0;
         for (l, es) in held.iter().enumerate().take(self.held.len()) {
-            for e in 0..n_expert {
-                match (es.contains(&e), self.held[l][e].is_some()) {
-                    (true, false) => self.held[l][e] = Some(self.upload(stream, l, e)?),
-                    (false, true) => self.held[l][e] = None,
-                    _ => continue,
+            for e in (0..n_expert).filter(|e| !es.contains(e)) {
+                moved += usize::from(self.held[l][e].take().is_some());
+            }
+        }
+        for (l, es) in held.iter().enumerate().take(self.held.len()) {
+            for &e in es {
+                if self.held[l][e].is_none() {
+                    self.held[l][e] = Some(self.upload(stream, l, e)?);
+                    moved += 1;
                 }
-                moved += 1;
             }
         }
         stream.synchronize().map_err(CudaError::from)?;

@@ -253,7 +253,7 @@ impl CudaDevice {
         if reserved > 0 {
             tracing::info!(mib = reserved >> 20, "room for hot experts on the GPU");
         }
-        let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES + reserved)?;
+        let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES, reserved)?;
         Ok(CudaDevice {
             gpu,
             k,
@@ -274,14 +274,15 @@ impl CudaDevice {
     /// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
     /// leaves after `used` bytes and a reserve for activations; none for 0, or heads the
     /// attention kernel does not take.
-    fn make_mirror(gpu: &Gpu, stream: &Arc<CudaStream>, config: &LlamaConfig, layers: usize, used: usize) -> Result<Option<Mutex<KvMirror>>> {
+    fn make_mirror(gpu: &Gpu, stream: &Arc<CudaStream>, config: &LlamaConfig, layers: usize, used: usize, reserved: usize) -> Result<Option<Mutex<KvMirror>>> {
         let shape = super::attn_shape(config);
         if !KvMirror::supports(&shape) {
             tracing::info!(head_dim = shape.head_dim, "no KV mirror: the GPU's attention takes even heads of up to {} values; attention on the host", mirror::MAX_HEAD_DIM);
             return Ok(None);
         }
-        let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
-        let left = MEMORY_BUDGET.get().map_or(free, |&b| b.saturating_sub(used).min(free)).saturating_sub(ACTIVATION_RESERVE);
+        // `used` is on the GPU already (out of `free`); `reserved`, the hot experts' room, is not yet.
+        let free = gpu.ctx.mem_get_info().map_err(CudaError::from)?.0.saturating_sub(reserved);
+        let left = MEMORY_BUDGET.get().map_or(free, |&b| b.saturating_sub(used + reserved).min(free)).saturating_sub(ACTIVATION_RESERVE);
         let bytes = match KV_BUDGET.get() {
             Some(&b) if b > left => {
                 tracing::warn!("--gpu-kv-bytes {b} is over the {left} bytes of GPU memory left; the mirror takes those");
