@@ -64,11 +64,17 @@ pub struct Assumptions {
     pub workspace_logit_rows: usize,
     /// Per step on the GPU whatever the model: scheduling, sampling, plan upload, seconds.
     pub step_overhead_s: f64,
-    /// Per layer and step on the GPU beyond streaming its weights: kernel launches, norms,
-    /// RoPE, and the layer's round trip to the host (Q/K/V down, the attention output up),
-    /// seconds. Measured on an H200 (2026-11-27): ~310 µs a layer at batch 1 on both the
-    /// Llama-3.2-1B and the Llama-3.1-8B shape (docs/cuda-device.md).
+    /// Per layer and step on the GPU beyond streaming its weights, for a step run wholly on
+    /// the GPU (kernel launches, norms, RoPE, the mirror's attention launches), seconds.
+    /// Measured on an H200 (2026-11-27, afternoon): the Llama-3.2-1B shape's batch-1 step
+    /// under the `gpu` policy spent 1.85 ms in its linear layers, 85 µs a layer beyond the
+    /// step's and the weights' share (docs/cuda-device.md).
     pub layer_overhead_s: f64,
+    /// Per layer and step when a cpu-worker shares the step's attention: the layer's round
+    /// trip to the host (Q/K/V down, the attention output up), which a step wholly on the GPU
+    /// does not make, seconds. The same run: 3.12 ms under the `cpu` policy, 80 µs a layer
+    /// more (at stage A, where every step made it, a layer cost ~310 µs in all).
+    pub layer_round_trip_s: f64,
     /// Fraction of a socket's peak bandwidth that attention reaches.
     pub cpu_bandwidth_fraction: f64,
     /// Per layer and step with cpu-worker attention: post the job, wake, wait, seconds.
@@ -89,7 +95,8 @@ impl Default for Assumptions {
             workspace_step_tokens: 2048,
             workspace_logit_rows: 256,
             step_overhead_s: 0.3e-3,
-            layer_overhead_s: 300e-6,
+            layer_overhead_s: 85e-6,
+            layer_round_trip_s: 80e-6,
             cpu_bandwidth_fraction: 0.8,
             layer_sync_s: 10e-6,
             kv_dtype_bytes: 2.0,
@@ -208,7 +215,8 @@ impl Setup {
         })
     }
 
-    /// The GPU's linear layers for one step of `tokens` tokens, seconds.
+    /// The GPU's linear layers for one step of `tokens` tokens run wholly on the GPU
+    /// (no cpu-worker sharing its attention), seconds.
     pub fn linear_s(&self, tokens: usize) -> f64 {
         let a = &self.assumptions;
         let m = &self.model;
@@ -235,18 +243,22 @@ impl Setup {
         let link = batch as f64 * m.host_link_bytes_per_token() / self.gpu.pcie;
         let cpu_fixed = a.layer_sync_s * m.n_layer as f64 + link;
         let n = self.cpu.sockets as usize;
+        // A step a cpu-worker shares makes every layer's round trip to the host.
+        let round_trip = a.layer_round_trip_s * m.n_layer as f64;
         CostModel {
-            linear_fixed: memory_bound,
+            linear_fixed: memory_bound + round_trip,
             linear_per_token,
             gpu_attn_per_pos,
             cpu_fixed: vec![cpu_fixed; n],
             cpu_attn_per_pos: vec![cpu_attn; n],
-            // Two sub-batches: the linear layers once per half (the weights read twice).
-            overlapped_fixed: self.linear_s(batch / 2) + self.linear_s(batch - batch / 2),
+            // Two sub-batches: the linear layers once per half (the weights read twice), each
+            // with its round trips.
+            overlapped_fixed: self.linear_s(batch / 2) + self.linear_s(batch - batch / 2) + 2.0 * round_trip,
             overlapped_per_token: 0.0,
             overlap_slowdown: 1.0,
             shared_cores: false,
-            local_linear: None,
+            // A step wholly on the GPU.
+            local_linear: Some((memory_bound, linear_per_token)),
         }
     }
 
@@ -522,16 +534,19 @@ mod tests {
     fn linear_layers_are_memory_bound_at_batch_one_and_compute_bound_at_large_batches() {
         let s = setup_of(GpuPreset::A10, ModelPreset::Llama31_8b, WeightDtype::Fp16, 1);
         let m = &s.model;
-        let overhead = 0.3e-3 + 32.0 * 300e-6;
+        let overhead = 0.3e-3 + 32.0 * 85e-6;
         let weights = m.linear_params() * 2.0 / (600e9 * 0.8);
         assert!((s.linear_s(1) - overhead - weights).abs() < 1e-12);
         let big = 4096;
         let compute = 2.0 * m.linear_params() * big as f64 / (125e12 * 0.6);
         assert!(compute > weights);
         assert!((s.linear_s(big) - overhead - compute).abs() < 1e-12);
-        // The cost model is exact at its batch.
+        // The cost model is exact at its batch: a step wholly on the GPU on its local line, one a
+        // cpu-worker shares with every layer's round trip more.
         let c = s.cost_model(big);
-        assert!((c.linear_fixed + c.linear_per_token * big as f64 - s.linear_s(big)).abs() < 1e-12);
+        let (lf, lt) = c.local_linear.unwrap();
+        assert!((lf + lt * big as f64 - s.linear_s(big)).abs() < 1e-12);
+        assert!((c.linear_fixed + c.linear_per_token * big as f64 - s.linear_s(big) - 32.0 * 80e-6).abs() < 1e-12);
     }
 
     #[test]
@@ -554,11 +569,12 @@ mod tests {
         let cost = s.cost_model(4);
         let o = s.evaluate(Policy::Cpu, 4, 2048);
         // Two sockets, each half of every sequence.
-        let expect = s.linear_s(4) + cost.cpu_fixed[0] + cost.cpu_attn_per_pos[0] * (4 * 1024) as f64;
+        let round_trip = s.assumptions.layer_round_trip_s * s.model.n_layer as f64;
+        let expect = s.linear_s(4) + round_trip + cost.cpu_fixed[0] + cost.cpu_attn_per_pos[0] * (4 * 1024) as f64;
         assert!((o.step_s - expect).abs() < 1e-12, "{o:?} vs {expect}");
         assert_eq!(o.gpu_share, 0.0);
         // Overlap: max(two sub-batches' linear layers, the cpu side).
-        let two = 2.0 * s.linear_s(2);
+        let two = 2.0 * (s.linear_s(2) + round_trip);
         let over = two.max(cost.cpu_fixed[0] + cost.cpu_attn_per_pos[0] * 4096.0);
         assert!((o.overlap_step_s.unwrap() - over).abs() < 1e-12, "{o:?} vs {over}");
         assert!(s.evaluate(Policy::Gpu, 4, 2048).overlap_step_s.is_none());
