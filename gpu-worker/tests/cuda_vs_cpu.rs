@@ -221,6 +221,7 @@ fn hot_experts_on_the_gpu_match_the_experts_on_the_host() {
         let all: Vec<Vec<usize>> = vec![(0..n_expert).collect(); c.n_layer];
         assert_eq!(hot.device.place_experts(&all).unwrap(), c.n_layer * n_expert, "{name}: every expert uploaded");
         assert_eq!(hot.device.place_experts(&all).unwrap(), 0, "{name}: a second placement moves nothing");
+        assert!(hot.device.holds_all_experts(), "{name}: with every expert on the GPU the device needs no expert job");
         let host = Runner::load_on(&path, DeviceChoice::Cuda).unwrap();
         let cpu = Runner::load(&path).unwrap();
         let tokens = prompt(&c);

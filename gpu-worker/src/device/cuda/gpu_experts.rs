@@ -61,6 +61,12 @@ impl GpuExperts {
         self.reserved
     }
 
+    /// Whether every expert of every layer the device holds is on the GPU (then no step
+    /// needs the cpu-workers' expert jobs).
+    pub fn holds_all(&self) -> bool {
+        self.held.iter().all(|l| l.iter().all(Option::is_some))
+    }
+
     /// Whether expert `e` of layer `l` is on the GPU.
     pub fn holds(&self, l: usize, e: usize) -> bool {
         self.held.get(l).and_then(|h| h.get(e)).is_some_and(Option::is_some)

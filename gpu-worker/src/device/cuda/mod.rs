@@ -586,8 +586,10 @@ impl Device for CudaDevice {
         PREFILL_CHUNK
     }
 
+    /// The host holds them all, or the GPU does (every expert placed there: a step then needs
+    /// no expert job and may run each layer wholly on the GPU).
     fn holds_all_experts(&self) -> bool {
-        self.experts.as_ref().is_none_or(HostExperts::holds_all)
+        self.experts.as_ref().is_none_or(HostExperts::holds_all) || self.gpu_experts.as_ref().is_some_and(GpuExperts::holds_all)
     }
 
     fn take_expert_usage(&self) -> Vec<RoutedTokens> {
