@@ -10,7 +10,10 @@ use crate::args::SimulateArgs;
 /// The planner's cost model at the report's batch, in seconds.
 #[derive(Debug, Clone, Serialize)]
 pub struct CostSummary {
+    /// The linear layers of a step wholly on the GPU.
     pub linear_s: f64,
+    /// What a cpu-worker's share adds to them: every layer's round trip to the host.
+    pub round_trips_s: f64,
     pub gpu_attn_per_pos_s: f64,
     pub cpu_attn_per_pos_s: f64,
     pub cpu_fixed_s: f64,
@@ -49,6 +52,7 @@ impl Report {
     pub fn new(setup: &Setup, batch: usize, context: usize, ratio: f64) -> Report {
         let batch = batch.max(1);
         let cost = setup.cost_model(batch);
+        let local = cost.local_linear.unwrap_or((cost.linear_fixed, cost.linear_per_token));
         let policies: Vec<Outcome> = [Policy::Gpu, Policy::Cpu, Policy::Ratio(ratio), Policy::Lp].iter().map(|p| setup.evaluate(*p, batch, context)).collect();
         let (gpu_b, hybrid_b) = setup.largest_batch(context);
         let gpu_at_fitting_batch = (!policies[0].fits && gpu_b >= 1 && gpu_b < batch).then(|| setup.evaluate(Policy::Gpu, gpu_b, context));
@@ -59,7 +63,8 @@ impl Report {
             batch,
             context,
             cost: CostSummary {
-                linear_s: cost.linear_fixed + cost.linear_per_token * batch as f64,
+                linear_s: local.0 + local.1 * batch as f64,
+                round_trips_s: cost.linear_fixed + cost.linear_per_token * batch as f64 - (local.0 + local.1 * batch as f64),
                 gpu_attn_per_pos_s: cost.gpu_attn_per_pos,
                 cpu_attn_per_pos_s: cost.cpu_attn_per_pos[0],
                 cpu_fixed_s: cost.cpu_fixed[0],
@@ -140,8 +145,9 @@ impl Report {
             (self.batch * self.context) as f64 * kvpp / GIB
         ));
         line(format!(
-            "cost model at this batch: linear {:.2} ms/step; attention per position: GPU {:.3} us, each cpu-worker {:.3} us; cpu-worker fixed {:.3} ms/step (sync + host link)",
+            "cost model at this batch: linear {:.2} ms/step (+{:.2} ms of round trips to the host with a cpu-worker's share); attention per position: GPU {:.3} us, each cpu-worker {:.3} us; cpu-worker fixed {:.3} ms/step (sync + host link)",
             self.cost.linear_s * 1e3,
+            self.cost.round_trips_s * 1e3,
             self.cost.gpu_attn_per_pos_s * 1e6,
             self.cost.cpu_attn_per_pos_s * 1e6,
             self.cost.cpu_fixed_s * 1e3,
