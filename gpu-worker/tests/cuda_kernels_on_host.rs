@@ -291,3 +291,34 @@ fn argmax_rows_picks_what_the_host_greedy_sampler_picks() {
     assert_eq!(got, want);
     println!("argmax_rows on the host: {} rows of {cols}, the greedy sampler's picks {want:?}", rows.len());
 }
+
+/// A hot expert's rows (`GpuExperts::add_outputs`): `gather_rows` takes the routed rows of
+/// the layer's normed rows, and `scatter_add_scaled` adds the expert's outputs, times the
+/// router's weights, to exactly those rows of the layer's sum, leaving the others alone.
+#[test]
+fn an_experts_rows_are_gathered_and_its_weighted_outputs_added_back() {
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(19);
+    let (total, cols) = (9, 70);
+    let rows: Vec<usize> = vec![7, 0, 3, 8];
+    let w: Vec<f32> = rows.iter().map(|_| rng.random_range(0.0f32..1.0)).collect();
+    let mut vals = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+    let (x, y, src) = (vals(total * cols), vals(total * cols), vals(rows.len() * cols));
+    let mut input = Input::default();
+    input.i32(4).i32(total).i32(cols).i32(rows.len());
+    for &r in &rows {
+        input.0.extend((r as u32).to_le_bytes());
+    }
+    input.f32s(&w).f32s(&x).f32s(&y).f32s(&src);
+    let got: Vec<f32> = run(exe, &input).iter().map(|b| f32::from_le_bytes(*b)).collect();
+    let (gathered, summed) = got.split_at(rows.len() * cols);
+    let want_gathered: Vec<f32> = rows.iter().flat_map(|&r| x[r * cols..(r + 1) * cols].iter().copied()).collect();
+    assert_eq!(gathered, want_gathered.as_slice());
+    let mut want = y.clone();
+    for (j, &r) in rows.iter().enumerate() {
+        for c in 0..cols {
+            want[r * cols + c] += w[j] * src[j * cols + c];
+        }
+    }
+    assert_eq!(summed, want.as_slice(), "rows {rows:?} of {total}");
+}

@@ -8,6 +8,8 @@
 //     `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
 //   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
+//   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
+//     into y, as `GpuExperts::add_outputs` does; out: the gathered rows, then y.
 
 #include "cuda_on_host.h"
 
@@ -101,11 +103,28 @@ static void matvec() {
     write_vec(y);
 }
 
+static void expert_rows() {
+    int total = read_one<int>(), cols = read_one<int>(), n = read_one<int>();
+    auto rows = read_vec<u32>((size_t)n);
+    auto w = read_vec<float>((size_t)n);
+    auto x = read_vec<float>((size_t)total * cols);
+    auto y = read_vec<float>((size_t)total * cols);
+    auto src = read_vec<float>((size_t)n * cols);
+    std::vector<float> xs((size_t)n * cols, NAN);
+    // Blocks of 128 threads (the device's are 1024: these kernels index by the global thread).
+    dim3 grid{(unsigned)((n * cols + 127) / 128)}, block{128};
+    launch(grid, block, [&] { gather_rows(x.data(), rows.data(), n, cols, xs.data()); });
+    launch(grid, block, [&] { scatter_add_scaled(src.data(), rows.data(), w.data(), n, cols, y.data()); });
+    write_vec(xs);
+    write_vec(y);
+}
+
 int main() {
     switch (read_one<int>()) {
         case 1: attention(); break;
         case 2: argmax(); break;
         case 3: matvec(); break;
+        case 4: expert_rows(); break;
         default: return 3;
     }
     return 0;
