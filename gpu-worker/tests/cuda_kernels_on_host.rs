@@ -1,4 +1,4 @@
-//! The CUDA device's attention, greedy-sampling and decode matrix-vector kernels checked on any machine: the kernel
+//! The CUDA device's attention, greedy-sampling, decode matrix-vector and expert-row kernels checked on any machine: the kernel
 //! files compile as host C++ with `support/cuda_on_host.h` (every thread of a block an OS
 //! thread, `__syncthreads` and the warp shuffles barriers; see the header) and run, launched
 //! as the CUDA device launches them, by `support/kernels_on_host.cpp`:
@@ -14,7 +14,8 @@
 //!   nothing above minus infinity;
 //! - `quantize_q8_1` and the `mmvq_*` kernels of every quantised weight type (decode-sized
 //!   products of 1, 3 and 8 rows) within the rounding bound of their Q8_1 activations of the
-//!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them.
+//!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them;
+//! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly.
 //!
 //! What the GPU adds (its `expf`, its scheduling) the GPU twins (`device::cuda::twins`,
 //! `mirror_twins`) check where there is one. Without a C++ compiler the tests say they were
