@@ -1,11 +1,14 @@
-//! The CUDA device (stage A): embeddings, norms, RoPE, every linear layer and the LM head run
-//! on the GPU; each layer's Q/K/V come to the host, where the caller stores K/V into the
-//! cpu-workers' arenas (or its own cache) and attention runs on the host kernels, and the
-//! attention output goes back up for the rest of the layer. Weights stay on the GPU in their
-//! GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16, F32). Beyond the
-//! plain Llama block: Q/K/V biases (Qwen 2), Q/K norms (Qwen 3, OLMoE), NeoX RoPE, and
-//! mixtures of experts as KTransformers runs them — the router on the GPU, the routed experts
-//! on the host (`HostExperts`: in this process, or the cpu-workers' expert jobs).
+//! The CUDA device: embeddings, norms, RoPE, every linear layer and the LM head run on the
+//! GPU. A step no cpu-worker shares runs each layer wholly there (`layer_wholly`: attention on
+//! the KV mirror, `mirror`, K/V down to the arenas once a step, greedy tokens on the GPU);
+//! otherwise, as at stage A, each layer's Q/K/V come to the host, where the caller stores K/V
+//! into the cpu-workers' arenas (or its own cache) and attention runs (the mirror's share on
+//! the GPU, the rest on the host or the cpu-workers), and the attention output goes back up.
+//! Weights stay on the GPU in their GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+//! Q6_K, F16, BF16, F32). Beyond the plain Llama block: Q/K/V biases (Qwen 2), Q/K norms
+//! (Qwen 3, OLMoE), NeoX RoPE, and mixtures of experts as KTransformers runs them — the router
+//! on the GPU, the routed experts on the host (`HostExperts`: in this process, or the
+//! cpu-workers' expert jobs), the hot ones on the GPU with `--device-experts` (`gpu_experts`).
 //!
 //! Built with cudarc's dynamic loading: nothing CUDA is needed to build, and [`probe`]
 //! finds out, without panicking, whether this machine can run it. Kernels are CUDA C
@@ -427,8 +430,9 @@ impl CudaDevice {
             }
             GpuFfn::Moe { router } => {
                 // The router on the GPU; the normed rows and its logits cross to the host,
-                // where the experts run, and the mixture's rows come back.
-                // The hot experts the GPU holds compute here, on the rows routed to them.
+                // which routes them and runs the experts held there or on the cpu-workers, and
+                // the mixture's rows come back; the hot experts the GPU holds (`--device-experts`)
+                // then add their outputs here, on the rows routed to them.
                 let logits = self.download(&self.k.linear(router, &mut acts)?)?;
                 let experts = self.experts.as_ref().expect("a mixture loads its host experts");
                 let on_gpu = |e: usize| self.gpu_experts.as_ref().is_some_and(|g| g.holds(l, e));
