@@ -186,9 +186,8 @@ fn tiny_architectures_on_the_cuda_device_match_the_cpu_device() {
         let tokens = prompt(&c);
         let got = cuda.forward(&tokens, &mut KvCache::new(&c, PROMPT + 32), Logits::From(0)).unwrap();
         let want = cpu.forward(&tokens, &mut KvCache::new(&c, PROMPT + 32), Logits::From(0)).unwrap();
-        let mean = want.iter().map(|&v| v as f64).sum::<f64>() / want.len() as f64;
-        let sd = (want.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / want.len() as f64).sqrt();
-        let rms_err = (got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b as f64).powi(2)).sum::<f64>() / want.len() as f64).sqrt() / sd;
+        let sd = spread(&want);
+        let rms_err = rms_diff(&got, &want) / sd;
         let near = 4.0 * rms_err * sd;
         let (g, w) = (greedy(&cuda, &tokens, 16), greedy(&cpu, &tokens, 16));
         let same = g.iter().zip(&w).take_while(|((a, _), (b, row))| a == b && top2_gap(row) as f64 >= near).count();
@@ -229,9 +228,8 @@ fn hot_experts_on_the_gpu_match_the_experts_on_the_host() {
         let got = run(&|kv| hot.forward(&tokens, kv, Logits::From(0)).unwrap());
         let on_host = run(&|kv| host.forward(&tokens, kv, Logits::From(0)).unwrap());
         let want = run(&|kv| cpu.forward(&tokens, kv, Logits::From(0)).unwrap());
-        let mean = want.iter().map(|&v| v as f64).sum::<f64>() / want.len() as f64;
-        let sd = (want.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / want.len() as f64).sqrt();
-        let rms = |a: &[f32], b: &[f32]| (a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum::<f64>() / b.len() as f64).sqrt() / sd;
+        let sd = spread(&want);
+        let rms = |a: &[f32], b: &[f32]| rms_diff(a, b) / sd;
         let (vs_host, vs_cpu, host_vs_cpu) = (rms(&got, &on_host), rms(&got, &want), rms(&on_host, &want));
         println!("{name}: experts on the GPU vs on the host {vs_host:.2e}, vs the CPU device {vs_cpu:.2e} (host experts vs the CPU device {host_vs_cpu:.2e}), of sd {sd:.3}");
         assert!(vs_host <= 0.05 && vs_cpu <= 0.05, "{name}: the GPU's experts are {vs_host:.3e} from the host's, {vs_cpu:.3e} from the CPU device's");
@@ -258,9 +256,8 @@ fn logits_and_greedy_tokens_match<D: Device>(cuda: &Runner<D>, cpu: &Runner<duet
     let (exact, n_vocab) = f64_forward::logits(path, &seq);
     assert_eq!((got.len(), want.len(), n_vocab), (n * n_vocab, n * n_vocab, c.n_vocab));
     let exact_prefill = &exact[..n * n_vocab];
-    // The scale: the exact logits' spread about their mean (a random model's logits sit on an offset).
-    let mean = exact_prefill.iter().sum::<f64>() / exact_prefill.len() as f64;
-    let sd = (exact_prefill.iter().map(|&v| (v - mean).powi(2)).sum::<f64>() / exact_prefill.len() as f64).sqrt();
+    // The scale: the exact logits' spread.
+    let sd = spread(exact_prefill);
     let (max_of, rms_of) = (|a: &[f32], b: &[f64]| max_diff(a, b) / sd, |a: &[f32], b: &[f64]| rms_diff(a, b) / sd);
     let (cuda_max, cuda_rms) = (max_of(&got, exact_prefill), rms_of(&got, exact_prefill));
     let (cpu_max, cpu_rms) = (max_of(&want, exact_prefill), rms_of(&want, exact_prefill));
@@ -374,8 +371,15 @@ fn max_diff(a: &[f32], b: &[f64]) -> f64 {
 }
 
 /// rms(a - b).
-fn rms_diff(a: &[f32], b: &[f64]) -> f64 {
-    (a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum::<f64>() / a.len() as f64).sqrt()
+fn rms_diff<T: Copy + Into<f64>>(a: &[f32], b: &[T]) -> f64 {
+    (a.iter().zip(b).map(|(&x, &y)| (x as f64 - y.into()).powi(2)).sum::<f64>() / a.len() as f64).sqrt()
+}
+
+/// The standard deviation of `v` (the logits' spread about their mean: a random model's
+/// logits sit on an offset).
+fn spread<T: Copy + Into<f64>>(v: &[T]) -> f64 {
+    let mean = v.iter().map(|&x| x.into()).sum::<f64>() / v.len() as f64;
+    (v.iter().map(|&x| (x.into() - mean).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
 }
 
 /// rms(a - b) / rms(b).

@@ -108,13 +108,15 @@ impl HostExperts {
             .collect();
         self.usage.record(l, routes.iter().map(Vec::as_slice));
         let held = |ex: usize| self.bank.holds(l, ex) && !elsewhere(ex);
-        let mut theirs: Vec<RoutedRows> = Vec::new();
-        for ex in (0..e.n_expert).filter(|&ex| elsewhere(ex)) {
-            let rows: Vec<(usize, f32)> = routes.iter().enumerate().filter_map(|(t, r)| r.iter().find(|&&(i, _)| i == ex).map(|&(_, w)| (t, w))).collect();
-            if !rows.is_empty() {
-                theirs.push(RoutedRows { expert: ex, rows });
-            }
-        }
+        // (row, choice) of each row routed to expert `ex`, in row order.
+        let routed_to = |ex: usize| -> Vec<(usize, usize)> {
+            routes.iter().enumerate().flat_map(|(t, r)| r.iter().position(|&(i, _)| i == ex).map(|k| (t, k))).collect()
+        };
+        let theirs: Vec<RoutedRows> = (0..e.n_expert)
+            .filter(|&ex| elsewhere(ex))
+            .map(|ex| RoutedRows { expert: ex, rows: routed_to(ex).into_iter().map(|(t, k)| (t, routes[t][k].1)).collect() })
+            .filter(|r| !r.rows.is_empty())
+            .collect();
         // (row, choice) of each item sent away, in the order sent.
         let (mut away, mut away_of) = (Vec::new(), Vec::new());
         for (t, r) in routes.iter().enumerate() {
@@ -129,8 +131,7 @@ impl HostExperts {
         // Each held expert once, on the rows routed to it; then each row's parts in choice order.
         let mut parts: Vec<Vec<Vec<f32>>> = routes.iter().map(|r| vec![Vec::new(); r.len()]).collect();
         for ex in (0..e.n_expert).filter(|&ex| held(ex)) {
-            let rows: Vec<(usize, usize)> =
-                routes.iter().enumerate().flat_map(|(t, r)| r.iter().position(|&(i, _)| i == ex).map(|k| (t, k))).collect();
+            let rows = routed_to(ex);
             if rows.is_empty() {
                 continue;
             }
