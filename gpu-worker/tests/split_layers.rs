@@ -141,14 +141,40 @@ fn the_layers_that_fit_a_budget() {
     let (embd, first) = (m.weight_bytes(&file, &(0..0)), m.weight_bytes(&file, &(0..1)));
     assert!(embd > 0 && first > embd && whole > m.weight_bytes(&file, &(0..all - 1)), "the LM head counts with the last layer");
     let fixed = 1000;
-    assert_eq!(m.first_layers_within(&file, whole + fixed, fixed), all);
-    assert_eq!(m.first_layers_within(&file, whole + fixed - 1, fixed), all - 1);
-    assert_eq!(m.first_layers_within(&file, first + fixed, fixed), 1);
-    assert_eq!(m.first_layers_within(&file, first + fixed - 1, fixed), 0);
+    assert_eq!(m.first_layers_within(&file, whole + fixed, fixed, |_| 0), all);
+    assert_eq!(m.first_layers_within(&file, whole + fixed - 1, fixed, |_| 0), all - 1);
+    assert_eq!(m.first_layers_within(&file, first + fixed, fixed, |_| 0), 1);
+    assert_eq!(m.first_layers_within(&file, first + fixed - 1, fixed, |_| 0), 0);
     let half = m.weight_bytes(&file, &(0..all / 2));
-    assert_eq!(m.first_layers_within(&file, half + fixed, fixed), all / 2);
+    assert_eq!(m.first_layers_within(&file, half + fixed, fixed, |_| 0), all / 2);
     // The parts' bytes add up to the whole model's (a tied embedding on both: the head looks
     // rows up in it, the tail's LM head reads it whole).
     let tied = m.output.name == m.token_embd.name;
     assert_eq!(half + m.weight_bytes(&file, &(all / 2..all)), whole + if tied { embd } else { 0 });
+}
+
+/// `--gpu-layers auto` with `--device-experts K` keeps room for K experts in each layer on the
+/// GPU: K times each layer's expert (its slice of the stacked gate, up and down tensors).
+#[test]
+fn the_hot_experts_room_grows_with_the_layers() {
+    let path = workspace_root().join("testdata/tiny/arch/mixtral_q8_0.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let m = ModelTensors::load(&file).unwrap();
+    let experts = m.experts.as_ref().expect("mixtral has routed experts");
+    let one_expert = |l: usize| -> usize {
+        ["gate", "up", "down"].iter().map(|p| file.tensor(&format!("blk.{l}.ffn_{p}_exps.weight")).unwrap().data.len() / experts.n_expert).sum()
+    };
+    assert!(duet_gpu_worker::device::cuda::set_expert_slots(2));
+    let room = |local, n| duet_gpu_worker::device::cuda::expert_room(Some(experts), local, n);
+    let all = m.config.n_layer;
+    assert_eq!(room(false, 0), 0);
+    assert_eq!(room(false, 1), 2 * one_expert(0));
+    assert_eq!(room(false, all), 2 * (0..all).map(one_expert).sum::<usize>());
+    assert_eq!(room(false, all + 3), room(false, all), "no room for layers the model has not");
+    assert_eq!(room(true, all), 0, "experts the host holds keep no room on the GPU");
+    assert_eq!(duet_gpu_worker::device::cuda::expert_room(None, false, all), 0);
+    // The budget that fits every layer with their room fits one layer fewer without it.
+    let (fixed, whole) = (1000, m.weight_bytes(&file, &(0..all)));
+    assert_eq!(m.first_layers_within(&file, whole + fixed + room(false, all), fixed, |n| room(false, n)), all);
+    assert!(m.first_layers_within(&file, whole + fixed, fixed, |n| room(false, n)) < all);
 }

@@ -131,8 +131,12 @@ pub fn open(placement: impl Into<Placement>, file: Arc<GgufFile>, local_experts:
             Some(GpuLayers::Count(n)) => n.min(n_layer),
             Some(GpuLayers::Fit) => {
                 let budget = cuda::usable_bytes(&gpu)?;
-                let n = model::ModelTensors::load(&file)?.first_layers_within(&file, budget, cuda::WORKSPACE_BYTES);
-                tracing::info!("--gpu-layers auto: {n} of {n_layer} layers fit in the {} MiB the device may use", budget >> 20);
+                let m = model::ModelTensors::load(&file)?;
+                let experts = |n: usize| cuda::expert_room(m.experts.as_ref(), local_experts, n);
+                let n = m.first_layers_within(&file, budget, cuda::WORKSPACE_BYTES, experts);
+                let kept = experts(n);
+                let with = if kept > 0 { format!(" beside {} MiB kept for hot experts (--device-experts)", kept >> 20) } else { String::new() };
+                tracing::info!("--gpu-layers auto: {n} of {n_layer} layers fit in the {} MiB the device may use{with}", budget >> 20);
                 n
             }
         };

@@ -338,10 +338,11 @@ impl ModelTensors {
     }
 
     /// The most first layers whose weights fit in `budget` bytes beside `fixed` bytes of
-    /// workspace (the embedding counted; the LM head too when every layer fits): `n_layer`
+    /// workspace and `room(n)` bytes the first `n` layers keep for more (the hot experts'
+    /// slots) (the embedding counted; the LM head too when every layer fits): `n_layer`
     /// when the whole model fits, 0 when not even one layer does.
-    pub fn first_layers_within(&self, file: &GgufFile, budget: usize, fixed: usize) -> usize {
-        (1..=self.config.n_layer).rev().find(|&n| self.weight_bytes(file, &(0..n)) + fixed <= budget).unwrap_or(0)
+    pub fn first_layers_within(&self, file: &GgufFile, budget: usize, fixed: usize, room: impl Fn(usize) -> usize) -> usize {
+        (1..=self.config.n_layer).rev().find(|&n| self.weight_bytes(file, &(0..n)) + fixed + room(n) <= budget).unwrap_or(0)
     }
 
     /// Every weight matrix, each once (a tied LM head is the embedding; the parts of a fused

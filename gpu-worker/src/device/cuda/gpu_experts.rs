@@ -50,8 +50,7 @@ impl GpuExperts {
     /// cpu-workers).
     pub fn new(file: Arc<GgufFile>, tensors: Option<ExpertTensors>, local: bool, layers: usize) -> Option<Self> {
         let tensors = tensors.filter(|_| !local)?;
-        let slots = EXPERT_SLOTS.get().copied().unwrap_or(0).min(tensors.n_expert);
-        let reserved = slots * (0..layers).map(|l| expert_bytes(&tensors, l)).sum::<usize>();
+        let reserved = room(Some(&tensors), local, layers);
         let held = (0..layers).map(|_| (0..tensors.n_expert).map(|_| None).collect()).collect();
         Some(GpuExperts { file, tensors, held, reserved })
     }
@@ -143,6 +142,15 @@ impl GpuExperts {
         }
         Ok(())
     }
+}
+
+/// The GPU memory the hot experts' slots ([`set_expert_slots`]) take in the first `layers`
+/// layers of a model with experts `tensors`: none without experts, or when the host holds
+/// them (`local`).
+pub fn room(tensors: Option<&ExpertTensors>, local: bool, layers: usize) -> usize {
+    let Some(t) = tensors.filter(|_| !local) else { return 0 };
+    let slots = EXPERT_SLOTS.get().copied().unwrap_or(0).min(t.n_expert);
+    slots * (0..layers.min(t.layers.len())).map(|l| expert_bytes(t, l)).sum::<usize>()
 }
 
 /// Bytes of one expert of layer `l` (its gate, up and down matrices).

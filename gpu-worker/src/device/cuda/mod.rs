@@ -40,7 +40,7 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 
 pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FILES as KERNEL_FILES};
-pub use gpu_experts::set_expert_slots;
+pub use gpu_experts::{room as expert_room, set_expert_slots};
 pub use probe::{probe, Gpu};
 
 use self::gpu_experts::GpuExperts;
@@ -189,7 +189,8 @@ impl CudaDevice {
                 missing.join(", ")
             ))));
         }
-        let need = m.weight_bytes(&file, &held) + WORKSPACE_BYTES;
+        // The hot experts' slots count as the weights do: a plan of them must always fit.
+        let need = m.weight_bytes(&file, &held) + WORKSPACE_BYTES + gpu_experts::room(m.experts.as_ref(), local_experts, held.len());
         if let Some(&budget) = MEMORY_BUDGET.get().filter(|&&b| need > b) {
             return Err(CudaError::OverBudget { need, budget }.into());
         }
