@@ -15,7 +15,10 @@
 //! - `quantize_q8_1` and the `mmvq_*` kernels of every quantised weight type (decode-sized
 //!   products of 1, 3 and 8 rows) within the rounding bound of their Q8_1 activations of the
 //!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them;
-//! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly.
+//! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly;
+//! - `kv_to_arena`, the GPU's K/V rows written into a cpu-worker's arena in place: byte for
+//!   byte what the host writes there (f16 and Q8_0 arenas, rounding ties included), nothing
+//!   else touched.
 //!
 //! What the GPU adds (its `expf`, its scheduling) the GPU twins (`device::cuda::twins`,
 //! `mirror_twins`) check where there is one. Without a C++ compiler the tests say they were
@@ -322,4 +325,59 @@ fn an_experts_rows_are_gathered_and_its_weighted_outputs_added_back() {
         }
     }
     assert_eq!(summed, want.as_slice(), "rows {rows:?} of {total}");
+}
+
+/// `kv_to_arena` (`host_map::store_in_place`): rows of one layer written at their slots,
+/// found from `ArenaLayout::slot_runs`, are byte for byte what `KvArenas::write_token` writes
+/// there — f16 rounded to nearest even, or Q8_0 as `quantize_row` makes it — in f16 arenas with
+/// heads of 80 and Q8_0 arenas with heads of 64, in the first and the last layer; every other
+/// byte of the arena is left alone.
+#[test]
+fn the_kv_rows_the_gpu_writes_in_place_are_the_hosts() {
+    use duet_kv::{ArenaLayout, BlockId, KvDtype};
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+    for (dtype, head_dim) in [(KvDtype::F16, 80), (KvDtype::Q8_0, 64)] {
+        let layout = ArenaLayout { n_layer: 3, n_kv_head: 2, head_dim, block_size: 4, dtype, n_blocks: 3 };
+        let (n_kv_head, row_bytes) = (2usize, layout.row_bytes().unwrap());
+        let slots = [(2u32, 3usize), (0, 0), (1, 2), (0, 1)];
+        for layer in [0u32, 2] {
+            let kv_dim = n_kv_head * head_dim as usize;
+            let mut vals = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect() };
+            let (mut k, mut v) = (vals(slots.len() * kv_dim), vals(slots.len() * kv_dim));
+            // Rounding ties: f16 halfway cases, and Q8_0 quants at x.5 (amax 127: the scale 1).
+            for (i, x) in [1.0 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), -(1.0 + 2f32.powi(-11))].iter().enumerate() {
+                k[i] = *x;
+            }
+            let tie_head = &mut v[kv_dim..kv_dim + 32];
+            tie_head.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 - 15.5);
+            tie_head[0] = 127.0;
+            // A head of zeros: scale 0, quants 0.
+            v[2 * kv_dim..2 * kv_dim + head_dim as usize].fill(0.0);
+            let total = layout.total_bytes().unwrap();
+            let mut want = vec![0xabu8; total];
+            let mut input = Input::default();
+            input.i32(5).i32(slots.len()).i32(n_kv_head).i32(head_dim as usize).i32(layer as usize).i32(usize::from(dtype == KvDtype::Q8_0)).i32(total);
+            let places: Vec<(usize, usize)> = slots.iter().map(|&(b, s)| layout.slot_runs(BlockId(b), s)).collect();
+            places.iter().for_each(|&(o, _)| input.0.extend((o as u64).to_le_bytes()));
+            places.iter().for_each(|&(_, st)| input.0.extend((st as u64).to_le_bytes()));
+            input.f32s(&k).f32s(&v);
+            for (r, &(b, slot)) in slots.iter().enumerate() {
+                for h in 0..n_kv_head {
+                    for (offset, src) in [(layout.k_offset(BlockId(b), layer, h as u32), &k), (layout.v_offset(BlockId(b), layer, h as u32), &v)] {
+                        let x = &src[r * kv_dim + h * head_dim as usize..][..head_dim as usize];
+                        let dst = &mut want[offset + slot * row_bytes..][..row_bytes];
+                        match dtype {
+                            KvDtype::Q8_0 => duet_kernels::dot::quantize_row(GgmlType::Q8_0, x, dst),
+                            _ => dst.chunks_exact_mut(2).zip(x).for_each(|(d, &x)| d.copy_from_slice(&f16::from_f32(x).to_le_bytes())),
+                        }
+                    }
+                }
+            }
+            let got: Vec<u8> = run(exe, &input).into_iter().flatten().collect();
+            assert_eq!(got.len(), total);
+            let first_wrong = got.iter().zip(&want).position(|(a, b)| a != b);
+            assert!(first_wrong.is_none(), "{dtype} layer {layer}: byte {} differs: {} against the host's {}", first_wrong.unwrap(), got[first_wrong.unwrap()], want[first_wrong.unwrap()]);
+        }
+    }
 }

@@ -255,6 +255,18 @@ impl ArenaLayout {
         self.run_offset(block, layer, kv_head, true)
     }
 
+    /// Where slot `slot` of `block` lies in every run, for a device that computes the
+    /// addresses itself (the CUDA device's in-place K/V writes): its byte offset in the first
+    /// run (layer 0, K, KV head 0) and the stride between runs, which follow each other in
+    /// `[layer][K, V][kv_head]` order — the K row of `kv_head` in `layer` at `offset +
+    /// (layer · 2 · n_kv_head + kv_head) · stride`, its V row `n_kv_head` strides further.
+    /// Panics if an index is out of range or the layout does not validate.
+    pub fn slot_runs(&self, block: BlockId, slot: usize) -> (usize, usize) {
+        assert!(slot < self.block_size as usize, "slot {slot} of {}", self.block_size);
+        let run = self.head_run_bytes().expect("KV layout does not validate");
+        (self.k_offset(block, 0, 0) + slot * self.row_bytes().expect("a validated layout"), self.n_blocks as usize * run)
+    }
+
     fn run_offset(&self, block: BlockId, layer: u32, kv_head: u32, is_v: bool) -> usize {
         assert!(block.0 < self.n_blocks, "block {block} of {}", self.n_blocks);
         assert!(layer < self.n_layer, "layer {layer} of {}", self.n_layer);
@@ -441,11 +453,18 @@ mod tests {
             let payload = l.block_size as usize * l.row_bytes().unwrap();
             assert!(run >= payload && run % ALIGN == 0, "{l:?}");
             let mut runs = Vec::new();
+            let row = l.row_bytes().unwrap();
             for b in 0..l.n_blocks {
+                let slot = b as usize % l.block_size as usize;
+                let (first, stride) = l.slot_runs(BlockId(b), slot);
                 for layer in 0..l.n_layer {
                     for h in 0..l.n_kv_head {
                         runs.push(l.k_offset(BlockId(b), layer, h));
                         runs.push(l.v_offset(BlockId(b), layer, h));
+                        // A slot's rows found from the first run and the stride are the runs'.
+                        let k = first + (layer * 2 * l.n_kv_head + h) as usize * stride;
+                        assert_eq!(k, l.k_offset(BlockId(b), layer, h) + slot * row, "{l:?}");
+                        assert_eq!(k + l.n_kv_head as usize * stride, l.v_offset(BlockId(b), layer, h) + slot * row, "{l:?}");
                     }
                 }
             }

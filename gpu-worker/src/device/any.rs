@@ -9,7 +9,7 @@ use duet_proto::pb;
 use super::cpu::{CpuBatch, CpuDevice};
 use super::cuda::{CudaBatch, CudaDevice};
 use super::split::{SplitBatch, SplitDevice};
-use super::{DecodeItem, Device, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{DecodeItem, Device, HostMapping, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 /// The CPU or the CUDA device, or the first layers on either and the rest on the CPU.
@@ -148,6 +148,11 @@ impl Device for AnyDevice {
 
     fn finish_layer(&self, layer: usize, batch: &mut AnyBatch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
         on_batch!(self, batch, d, b => d.finish_layer(layer, b, attn, remote))
+    }
+
+    unsafe fn map_host(&self, ptr: *mut u8, len: usize) -> Option<HostMapping> {
+        // SAFETY: the caller's promise, passed on.
+        on_device!(self, d => unsafe { d.map_host(ptr, len) })
     }
 
     fn layer_on_device(&self, layer: usize, batch: &mut AnyBatch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {

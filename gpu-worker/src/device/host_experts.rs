@@ -195,7 +195,7 @@ mod tests {
         let logits: Vec<f32> = (0..n * n_expert).map(|_| rng.random_range(-2.0f32..2.0)).collect();
         let (whole, none) = experts.moe(1, logits.clone(), &x, &mut NoRemoteExperts, &|_| false).unwrap();
         assert!(none.is_empty());
-        let elsewhere = |e: usize| e % 2 == 0;
+        let elsewhere = |e: usize| e.is_multiple_of(2);
         let (mut y, routed) = experts.moe(1, logits, &x, &mut NoRemoteExperts, &elsewhere).unwrap();
         assert!(!routed.is_empty() && routed.iter().all(|r| elsewhere(r.expert) && !r.rows.is_empty()), "{routed:?}");
         for r in &routed {

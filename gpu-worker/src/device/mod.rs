@@ -211,11 +211,49 @@ impl std::fmt::Debug for DeviceCopy {
 pub trait KvSink {
     /// Stores one row's K and V (`[n_kv_head][head_dim]` each, rounded to the cache's f16).
     fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError>;
+    /// Where batch row `row`'s K and V lie in host memory the device mapped
+    /// ([`Device::map_host`]), for a device that stores them there itself, as
+    /// [`KvSink::write`] would; `None` (the default): only through [`KvSink::write`].
+    fn in_place(&self, _row: usize) -> Option<InPlaceRow> {
+        None
+    }
     /// Which sequence (its [`KvSource::seq_key`]) and position batch row `row` is, for a
     /// device that keeps a copy of the KV of its own (the CUDA device's GPU mirror); `None`
     /// where the caller's KV has no identity that outlives the call.
     fn position_of(&self, _row: usize) -> Option<(u64, usize)> {
         None
+    }
+}
+
+/// A batch row's slot in a KV arena the device maps ([`Device::map_host`]): `addr` is, as
+/// the device addresses it, the row's place in the arena's first run (layer 0, K, KV head
+/// 0); the runs of every layer, K and V and KV head follow each other `stride` bytes apart,
+/// in the arena's `[layer][K, V][kv_head]` order (`duet_kv::ArenaLayout`); `q8`: the arena
+/// holds Q8_0 blocks, else f16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InPlaceRow {
+    pub addr: u64,
+    pub stride: u64,
+    pub q8: bool,
+}
+
+/// Host memory a device writes in place ([`Device::map_host`]): `addr` is its start as the
+/// device addresses it; dropping the mapping ends it (before the memory may be unmapped).
+pub struct HostMapping {
+    pub addr: u64,
+    _release: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl HostMapping {
+    /// A mapping at device address `addr` that `release` ends when dropped.
+    pub fn new(addr: u64, release: impl std::any::Any + Send + Sync) -> Self {
+        HostMapping { addr, _release: Box::new(release) }
+    }
+}
+
+impl std::fmt::Debug for HostMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostMapping({:#x})", self.addr)
     }
 }
 
@@ -358,6 +396,16 @@ pub trait Device: Send + Sync {
     /// output (`[n_head][head_dim]`) and per-head log-sum-exp, for the caller to use whole or
     /// merge with other devices' partial results.
     fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>>;
+    /// Maps `len` bytes of host memory at `ptr` (a cpu-worker's KV arena) for the device to
+    /// store K/V rows into in place ([`KvSink::in_place`]; the CUDA device: registered with
+    /// `cuMemHostRegister`); `None` where the device does not (the default) or the mapping
+    /// failed (logged), and rows then reach the memory through [`KvSink::write`].
+    ///
+    /// # Safety
+    /// The memory must stay mapped, and keep its pages, until the mapping is dropped.
+    unsafe fn map_host(&self, _ptr: *mut u8, _len: usize) -> Option<HostMapping> {
+        None
+    }
     /// Layer `layer` wholly on the device, when no other device shares its attention: `items`
     /// are the batch's sequences in row order (a prefill chunk, or a decode token over its
     /// whole context), `kv` their KV. What [`Device::qkv`], [`Device::store_kv`], the

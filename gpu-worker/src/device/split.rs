@@ -14,7 +14,7 @@ use duet_model::config::LlamaConfig;
 use duet_proto::pb;
 
 use super::expert_usage::RoutedTokens;
-use super::{DecodeItem, Device, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{DecodeItem, Device, HostMapping, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{GpuWorkerError, Result};
 
 /// Layers `0..N` on `head`, `N..` on `tail`.
@@ -178,6 +178,12 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
             Side::Head(hb) => self.head.finish_layer(layer, hb, attn, remote),
             Side::Tail(tb) => self.tail.finish_layer(layer, tb, attn, remote),
         }
+    }
+
+    /// The head's: the layers a device may run wholly (and so store K/V in place) are its.
+    unsafe fn map_host(&self, ptr: *mut u8, len: usize) -> Option<HostMapping> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.head.map_host(ptr, len) }
     }
 
     fn layer_on_device(&self, layer: usize, b: &mut Self::Batch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {

@@ -14,11 +14,15 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 
 use super::StepError;
-use crate::device::KvAccessError;
+use crate::device::{HostMapping, InPlaceRow, KvAccessError};
 
 /// One attached cpu-worker.
 #[derive(Debug)]
 pub struct AttachedWorker {
+    /// The device's mapping of the arena, where it stores K/V rows itself
+    /// ([`Device::map_host`](crate::device::Device::map_host)): declared before `arena`, so
+    /// it ends before the arena is unmapped.
+    mapping: Option<HostMapping>,
     arena: Segment,
     pub layout: ArenaLayout,
     pub producer: Producer,
@@ -75,8 +79,10 @@ impl KvArenas {
 
     /// Maps worker `worker`'s arena and ring (replacing an earlier attachment, e.g. after
     /// the worker restarted) and returns its block count. The arena must fit the model and
-    /// use the block size of the arenas already attached.
-    pub fn attach(&mut self, worker: u32, arena_name: &str, ring_name: &str, pid: Option<u32>) -> Result<u32, StepError> {
+    /// use the block size of the arenas already attached. `map` maps the arena's memory for
+    /// the device ([`Device::map_host`](crate::device::Device::map_host)); the mapping is
+    /// dropped before the arena is unmapped.
+    pub fn attach(&mut self, worker: u32, arena_name: &str, ring_name: &str, pid: Option<u32>, map: impl FnOnce(*mut u8, usize) -> Option<HostMapping>) -> Result<u32, StepError> {
         let attach_err = |what: String| StepError::Attach { worker, what };
         let arena = Segment::open(arena_name).map_err(|e| attach_err(e.to_string()))?;
         let header_len = duet_kv::layout::HEADER_BYTES.min(arena.len());
@@ -110,7 +116,10 @@ impl KvArenas {
         }
         let producer = ring.producer();
         producer.set_no_spin(self.no_spin);
-        self.workers[idx] = Some(AttachedWorker { arena, layout, producer, pid });
+        // The worker this replaces (and its mapping) goes first: its memory may be mapped again.
+        self.workers[idx] = None;
+        let mapping = map(arena.as_ptr(), arena.len());
+        self.workers[idx] = Some(AttachedWorker { mapping, arena, layout, producer, pid });
         Ok(layout.n_blocks)
     }
 
@@ -175,6 +184,18 @@ impl KvArenas {
         Ok(())
     }
 
+    /// Where slot `slot` of `block` on `worker` lies for a device that mapped the arena
+    /// (see [`InPlaceRow`]); `None` where it did not, or the block does not exist.
+    pub fn in_place(&self, worker: u32, block: BlockId, slot: usize) -> Option<InPlaceRow> {
+        let w = self.worker(worker).ok()?;
+        let addr = w.mapping.as_ref()?.addr;
+        if block.0 >= w.layout.n_blocks || slot >= w.layout.block_size as usize {
+            return None;
+        }
+        let (offset, stride) = w.layout.slot_runs(block, slot);
+        Some(InPlaceRow { addr: addr + offset as u64, stride: stride as u64, q8: w.layout.dtype == KvDtype::Q8_0 })
+    }
+
     /// The K/V rows of positions `range` of one KV head of `layer`, in place in the arenas:
     /// one run per block, in position order (`blocks[i]` holds positions `i * block_size..`).
     pub fn runs(&self, blocks: &[(u32, BlockId)], layer: u32, kv_head: u32, range: Range<usize>) -> Result<Vec<KvRun<'_>>, KvAccessError> {
@@ -199,5 +220,85 @@ impl KvArenas {
             pos += n;
         }
         Ok(runs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// An arena of `layout` and its ring, made here (removed when dropped).
+    fn segments(tag: &str, layout: &ArenaLayout) -> (String, String, Segment, Ring) {
+        let (arena_name, ring_name) = (format!("duet-arenas-{tag}-{}-arena", std::process::id()), format!("duet-arenas-{tag}-{}-ring", std::process::id()));
+        let arena = Segment::create(&arena_name, layout.total_bytes().unwrap()).unwrap();
+        let header = layout.encode_header().unwrap();
+        // SAFETY: just created here; nothing else maps it yet.
+        unsafe { arena.slice_mut::<u8>(0, header.len()) }.copy_from_slice(&header);
+        let ring = Segment::create(&ring_name, Ring::bytes_needed(4, 4096).unwrap()).unwrap();
+        let ring = Ring::create(ring, 4, 4096).unwrap();
+        (arena_name, ring_name, arena, ring)
+    }
+
+    /// Records when a mapping ends.
+    struct Ends(Arc<Mutex<Vec<&'static str>>>, &'static str);
+
+    impl Drop for Ends {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().push(self.1);
+        }
+    }
+
+    /// A device that maps an arena where it lies in this process (its address, the host's):
+    /// every row `write_token` writes is where `in_place` says, in each layer, K and V and
+    /// KV head; and a worker attached again ends its old mapping before the new one is made.
+    #[test]
+    fn in_place_rows_are_where_the_host_writes_them() {
+        for dtype in [KvDtype::F16, KvDtype::Q8_0] {
+            let shape = KvShape { n_layer: 3, n_kv_head: 2, head_dim: 64 };
+            let layout = ArenaLayout { n_layer: 3, n_kv_head: 2, head_dim: 64, block_size: 4, dtype, n_blocks: 5 };
+            let (arena_name, ring_name, _arena, _ring) = segments(&format!("{dtype}"), &layout);
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let mut arenas = KvArenas::new(shape, true);
+            let first = log.clone();
+            arenas.attach(0, &arena_name, &ring_name, None, |ptr, _| Some(HostMapping::new(ptr as u64, Ends(first, "first ended")))).unwrap();
+            let row = layout.row_bytes().unwrap();
+            let kv_dim = 2 * 64;
+            for (b, slot, layer) in [(4u32, 3usize, 2u32), (0, 0, 0), (2, 1, 1)] {
+                let k: Vec<f32> = (0..kv_dim).map(|i| (i as f32 * 0.37 + b as f32).sin()).collect();
+                let v: Vec<f32> = k.iter().map(|x| -2.0 * x).collect();
+                arenas.write_token(0, BlockId(b), slot, layer, &k, &v).unwrap();
+                let p = arenas.in_place(0, BlockId(b), slot).expect("a mapped arena");
+                assert_eq!(p.q8, dtype == KvDtype::Q8_0);
+                for h in 0..2u64 {
+                    for (is_v, offset) in [(0u64, layout.k_offset(BlockId(b), layer, h as u32)), (1, layout.v_offset(BlockId(b), layer, h as u32))] {
+                        let at = p.addr + ((u64::from(layer) * 2 + is_v) * 2 + h) * p.stride;
+                        let w = arenas.worker(0).unwrap();
+                        // SAFETY (both): inside the arena, which this process maps, at the
+                        // address the mapping gave; nothing writes it meanwhile.
+                        let written = unsafe { w.arena.slice::<u8>(offset + slot * row, row) };
+                        let found = unsafe { std::slice::from_raw_parts(at as *const u8, row) };
+                        assert_eq!(found, written, "{dtype} block {b} slot {slot} layer {layer} head {h} {}", ["K", "V"][is_v as usize]);
+                    }
+                }
+            }
+            assert_eq!(arenas.in_place(0, BlockId(5), 0), None, "a block past the arena");
+            assert_eq!(arenas.in_place(0, BlockId(0), 4), None, "a slot past the block");
+            assert_eq!(arenas.in_place(1, BlockId(0), 0), None, "a worker not attached");
+            let second = log.clone();
+            let order = log.clone();
+            arenas
+                .attach(0, &arena_name, &ring_name, None, move |ptr, _| {
+                    order.lock().unwrap().push("second made");
+                    Some(HostMapping::new(ptr as u64, Ends(second, "second ended")))
+                })
+                .unwrap();
+            arenas.detach(0);
+            assert_eq!(*log.lock().unwrap(), ["first ended", "second made", "second ended"]);
+            // Without a mapping, rows go through `write_token` only.
+            arenas.attach(0, &arena_name, &ring_name, None, |_, _| None).unwrap();
+            assert_eq!(arenas.in_place(0, BlockId(0), 0), None);
+        }
     }
 }

@@ -133,7 +133,9 @@ impl<D: Device> Executor<D> {
 
     /// Maps a cpu-worker's arena and ring; returns its block count.
     pub fn attach(&mut self, worker: u32, arena: &str, ring: &str, pid: Option<u32>) -> Result<u32, StepError> {
-        self.arenas.attach(worker, arena, ring, pid)
+        let device = &self.device;
+        // SAFETY: the arenas drop a worker's mapping before they unmap its arena.
+        self.arenas.attach(worker, arena, ring, pid, |ptr, len| unsafe { device.map_host(ptr, len) })
     }
 
     /// Sequences held.

@@ -16,7 +16,7 @@ use duet_kv::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqR
 use super::arenas::KvArenas;
 use super::plan::{ns, worker_timing, Planned};
 use super::StepError;
-use crate::device::{DecodeItem, Device, KvAccessError, KvSink, KvSource, NoRemoteExperts, Partial, PrefillItem, Qkv};
+use crate::device::{DecodeItem, Device, InPlaceRow, KvAccessError, KvSink, KvSource, NoRemoteExperts, Partial, PrefillItem, Qkv};
 use super::step_experts::StepExperts;
 use crate::forward::LayerAttention;
 
@@ -75,6 +75,12 @@ impl KvSink for PlanSlots<'_> {
 
     fn position_of(&self, row: usize) -> Option<(u64, usize)> {
         self.entry(row).map(|(p, pos)| (p.seq_id, pos))
+    }
+
+    fn in_place(&self, row: usize) -> Option<InPlaceRow> {
+        let (p, pos) = self.entry(row)?;
+        let (w, b) = *p.blocks.get(pos / self.block_size)?;
+        self.arenas.in_place(w, b, pos % self.block_size)
     }
 }
 

@@ -10,6 +10,9 @@
 //   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
 //   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
 //     into y, as `GpuExperts::add_outputs` does; out: the gathered rows, then y.
+//   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
+//     starts as 0xab), at slots given as offsets into it, as `host_map::store_in_place`
+//     does; out: the arena's bytes.
 
 #include "cuda_on_host.h"
 
@@ -119,12 +122,30 @@ static void expert_rows() {
     write_vec(y);
 }
 
+static void arena_rows() {
+    int n_rows = read_one<int>(), n_kv_head = read_one<int>(), head_dim = read_one<int>(), layer = read_one<int>(), q8 = read_one<int>();
+    size_t arena_bytes = (size_t)read_one<int>();
+    auto offsets = read_vec<u64>((size_t)n_rows);
+    auto strides = read_vec<u64>((size_t)n_rows);
+    auto k = read_vec<float>((size_t)n_rows * n_kv_head * head_dim);
+    auto v = read_vec<float>((size_t)n_rows * n_kv_head * head_dim);
+    std::vector<u8> arena(arena_bytes, 0xab);
+    // The kernel takes addresses: here the host's own.
+    std::vector<u64> rows(offsets.size());
+    for (size_t r = 0; r < rows.size(); r++) rows[r] = (u64)(arena.data() + offsets[r]);
+    launch(dim3{(unsigned)n_rows, (unsigned)n_kv_head, 2}, dim3{32}, [&] {
+        kv_to_arena(k.data(), v.data(), rows.data(), strides.data(), n_kv_head, head_dim, layer, q8);
+    });
+    write_vec(arena);
+}
+
 int main() {
     switch (read_one<int>()) {
         case 1: attention(); break;
         case 2: argmax(); break;
         case 3: matvec(); break;
         case 4: expert_rows(); break;
+        case 5: arena_rows(); break;
         default: return 3;
     }
     return 0;

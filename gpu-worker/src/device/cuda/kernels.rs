@@ -73,7 +73,7 @@ pub const FILES: [KernelFile; 4] = [
         body: include_str!("kernels/ops.cu"),
         entries: &["rms_norm", "rope", "silu_mul", "add_assign", "add_bias", "to_f16", "gather_rows", "scatter_add_scaled", "argmax_rows"],
     },
-    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "attn_partial", "attn_merge", "attn_prefill"] },
+    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "kv_to_arena", "attn_partial", "attn_merge", "attn_prefill"] },
 ];
 
 impl KernelFile {

@@ -400,6 +400,24 @@ impl Launcher {
         Ok(out)
     }
 
+    /// Rows' K and V (`[row][n_kv_head · head_dim]`) of `layer` into the arenas the GPU
+    /// maps, in place: row r's slot at `rows[r]`, its runs `strides[r]` bytes apart
+    /// ([`crate::device::InPlaceRow`]), as f16 or (`q8`) Q8_0 blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_to_arena(&self, k: &CudaSlice<f32>, v: &CudaSlice<f32>, rows: &CudaSlice<u64>, strides: &CudaSlice<u64>, n_kv_head: usize, head_dim: usize, layer: usize, q8: bool) -> Result<(), CudaError> {
+        let n = rows.len();
+        debug_assert!(k.len() == n * n_kv_head * head_dim && v.len() == k.len() && strides.len() == n);
+        let (h, d, l, q) = (n_kv_head as i32, head_dim as i32, layer as i32, i32::from(q8));
+        let mut b = self.stream.launch_builder(self.f("kv_to_arena")?);
+        b.arg(k).arg(v).arg(rows).arg(strides).arg(&h).arg(&d).arg(&l).arg(&q);
+        let cfg = LaunchConfig { grid_dim: (n as u32, n_kv_head as u32, 2), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: k and v hold n rows of n_kv_head · head_dim; each row's address and stride
+        // name its slot in an arena the GPU maps (`host_map`), whose runs of this layer lie
+        // inside the arena (`ArenaLayout::slot_runs`); no two rows name one slot.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// `y[rows[j]] += w[j] * src[j]` for each row `j` of `src` (rows of `cols`); no two `j`
     /// may name one row of `y`.
     pub fn scatter_add_scaled(&self, src: &CudaSlice<f32>, rows: &CudaSlice<u32>, w: &CudaSlice<f32>, cols: usize, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {

@@ -19,6 +19,7 @@
 //! match the CPU device's within a tolerance, not bit for bit; dequantisation is exact.
 
 mod gpu_experts;
+mod host_map;
 mod kernels;
 mod launch;
 mod mirror;
@@ -526,12 +527,20 @@ impl CudaDevice {
         Ok(true)
     }
 
-    /// The K/V rows [`CudaDevice::layer_wholly`] kept on the GPU, into `kv`: gathered into
-    /// one buffer on the GPU and downloaded with one wait.
+    /// The K/V rows [`CudaDevice::layer_wholly`] kept on the GPU, into `kv`: written by the
+    /// GPU in place where `kv` lies in arenas it maps ([`host_map`]), else gathered into one
+    /// buffer on the GPU and downloaded with one wait.
     fn store_deferred_kv(&self, b: &mut CudaBatch, kv: &mut dyn KvSink) -> Result<()> {
         let pending = std::mem::take(&mut b.deferred_kv);
         let Some(each) = pending.first().map(|(_, k, _)| k.len()) else { return Ok(()) };
         let t = Instant::now();
+        let c = &self.m.config;
+        let rows = each / c.kv_dim();
+        if let Some(places) = (0..rows).map(|r| kv.in_place(r)).collect::<Option<Vec<_>>>() {
+            host_map::store_in_place(&self.k, &pending, &places, c.n_kv_head, c.head_dim)?;
+            self.phases.add(Phase::StoreArena, t);
+            return Ok(());
+        }
         let s = self.stream();
         let mut all = self.k.alloc(2 * each * pending.len())?;
         for (i, (_, k, v)) in pending.iter().enumerate() {
@@ -744,6 +753,11 @@ impl Device for CudaDevice {
         let a = self.stream().clone_htod(attn).map_err(CudaError::from)?;
         self.phases.add(Phase::FinishUpload, t);
         self.finish_on_gpu(l, b, &a, remote)
+    }
+
+    unsafe fn map_host(&self, ptr: *mut u8, len: usize) -> Option<super::HostMapping> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { host_map::map(&self.gpu.ctx, ptr, len) }
     }
 
     fn layer_on_device(&self, l: usize, b: &mut CudaBatch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {

@@ -12,7 +12,8 @@
 // names. attn_prefill attends several rows of one sequence at once (a prefill chunk's rows,
 // each over its causal prefix): a block takes up to PF_QUERIES query vectors (rows × the
 // query heads of one KV head) and reads each tile of K and V into shared memory once for all
-// of them, where attn_partial would read it once per row.
+// of them, where attn_partial would read it once per row. kv_to_arena writes rows' K and V
+// into the cpu-workers' arenas themselves, in host memory the GPU maps.
 
 #define ATT_THREADS 128
 #define ATT_TILE 128
@@ -37,6 +38,34 @@ extern "C" __global__ void kv_store(const float* k, const float* v, const int* s
     long long base = page * page_elems + (long long)layer * 2 * kv_dim * page_size + ((long long)kh * page_size + p) * head_dim + d;
     pool[base] = f32_to_f16(k[i]);
     pool[base + (long long)kv_dim * page_size] = f32_to_f16(v[i]);
+}
+
+// Rows' f32 K and V (`[row][kv_dim]`) of `layer` into the cpu-workers' KV arenas in place: host
+// memory registered with cuMemHostRegister and mapped for the GPU. Row r's runs follow each
+// other strides[r] bytes apart, in the arena's [layer][K, V][kv_head] order, from rows[r], the
+// device address of its slot in the first run: its K row of KV head h at rows[r] + (layer · 2 ·
+// n_kv_head + h) · strides[r], its V row n_kv_head runs further. Stored as the host's
+// KvArenas::write_token stores them: f16 rounded to nearest even (q8 = 0), or Q8_0 blocks of
+// 32 (q8 = 1; head_dim a multiple of 32): the scale amax / 127 as f16 and the quants
+// x · (127 / amax) rounded to even. Grid: (n_rows, n_kv_head, 2: K then V), one warp a block.
+extern "C" __global__ void kv_to_arena(const float* __restrict__ k, const float* __restrict__ v, const u64* __restrict__ rows,
+                                       const u64* __restrict__ strides, int n_kv_head, int head_dim, int layer, int q8) {
+    int r = blockIdx.x, h = blockIdx.y, is_v = blockIdx.z, lane = threadIdx.x;
+    const float* x = (is_v ? v : k) + ((size_t)r * n_kv_head + h) * head_dim;
+    u8* dst = (u8*)(rows[r] + ((u64)(layer * 2 + is_v) * n_kv_head + h) * strides[r]);
+    for (int i0 = 0; i0 < head_dim; i0 += WARP) {
+        int i = i0 + lane;
+        float val = i < head_dim ? x[i] : 0.0f;
+        if (!q8) {
+            if (i < head_dim) ((u16*)dst)[i] = f32_to_f16(val);
+            continue;
+        }
+        float amax = warp_max(fabsf(val));
+        float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        u8* block = dst + (i0 / 32) * 34;
+        block[2 + lane] = (u8)(i8)(int)rintf(val * id);
+        if (lane == 0) *(u16*)block = f32_to_f16(amax / 127.0f);
+    }
 }
 
 // The block-wide maximum (max = 1) or sum (max = 0) of each head's value `x[h]`, for `nh`
