@@ -240,12 +240,12 @@ for s in $(for g in $steps; do expand "$g"; done); do
     serve-bench-1b-host) step serve-bench-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
     serve-1b-8k-host) step serve-1b-8k-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
     speed-1b-host) step speed-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'run_speed "$@"' _ cuda "$(model llama-3.2-1b q4_k_m)" ;;
-    # Decode batches of 9-64 rows through cuBLAS (the weights dequantised every step), as
-    # before the matrix-vector kernels took them in passes of 8 rows.
     # The K/V rows of steps wholly on the GPU written into the arenas by the host (downloaded
     # as f32), as before the GPU wrote them in place: against serve-1b-8k, whose prefill
     # stores 128K positions' rows.
     serve-1b-8k-host-writes) step serve-1b-8k-host-writes env DUET_CUDA_ARENA_WRITES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
+    # Decode batches of 9-64 rows through cuBLAS (the weights dequantised every step), as
+    # before the matrix-vector kernels took them in passes of 8 rows.
     serve-bench-1b-mv8) step serve-bench-1b-mv8 env DUET_CUDA_MV_ROWS=8 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
     # 16 sessions of 8K on the 8B shape: 128K positions, over what the mirror holds under the
     # 16 GB cap (~80K): gpu alone against the cpu-workers' and lp's split.

@@ -145,79 +145,92 @@ fn the_kv_rows_the_whole_layer_path_defers_reach_the_cache() {
 }
 
 /// The served whole-layer path writes its K/V rows into a cpu-worker's arena from the GPU,
-/// in place (the arena registered with `cuMemHostRegister`: `device::cuda::host_map`): an
-/// executor on the CUDA device and one on the CPU device, each with an arena made here, run
-/// the same 48-token prefill and 8 decode steps (all attention on the gpu-worker, so every
-/// CUDA step is wholly on the GPU); every position of every layer of the CUDA executor's arena
-/// then holds the CPU device's row within the bounds of the test above (a row written to
-/// another slot, layer or head is 100–140 % off, one never written is zeros). The device
-/// maps host memory at all, first.
+/// in place (the arena registered with `cuMemHostRegister`: `device::cuda::host_map`): for an
+/// f16 and a Q8_0 arena, an executor on the CUDA device and one on the CPU device, each with an
+/// arena made here, run the same 48-token prefill and 8 decode steps (all attention on the
+/// gpu-worker, so every CUDA step is wholly on the GPU). Every row of every layer came from
+/// the GPU (the device's count), and the CUDA executor's arena then holds at every position
+/// the CPU device's row within the bounds of the test above (a row written to another slot,
+/// layer or head is 100–140 % off, one never written is zeros); every byte of the arena past
+/// the sequence's positions is still zero.
 #[test]
 fn the_rows_the_gpu_writes_into_an_arena_are_the_cpu_devices() {
-    use duet_kv::{ArenaLayout, BlockId, KvDtype};
+    use duet_kernels::attention::KvRows;
+    use duet_kv::{BlockId, KvDtype};
     use duet_proto::pb;
-    let Some((cuda, cpu, _)) = devices(None) else { return };
-    let c = cpu.device.config().clone();
-    let mut probe = vec![0u8; 1 << 20];
-    // SAFETY: `probe` outlives the mapping, dropped at once.
-    let mapped = unsafe { cuda.device.map_host(probe.as_mut_ptr(), probe.len()) };
-    assert!(mapped.is_some(), "the CUDA device did not map host memory (see its log)");
-    drop(mapped);
-    let tokens = prompt(&c);
-    let steps: Vec<u32> = tokens[..8].to_vec();
-    let n = tokens.len() + steps.len();
-    let part = |start: usize, tokens: &[u32], new_blocks: std::ops::Range<u32>| pb::SequenceStep {
-        seq_id: 1,
-        start_pos: start as u32,
-        tokens: tokens.to_vec(),
-        new_blocks: new_blocks.map(|block| pb::KvBlockRef { worker: 0, block }).collect(),
-        sampler: (start == 0).then(|| pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 0, constraint: None }),
-        sample: true,
-        attention: Vec::new(),
-        sub_batch: 0,
-        feed_sampled: false,
-        held_tokens: Vec::new(),
-    };
-    let run = |ex: &mut dyn FnMut(u64, pb::SequenceStep)| {
-        ex(1, part(0, &tokens, 0..n.div_ceil(16) as u32));
-        for (i, &t) in steps.iter().enumerate() {
-            ex(2 + i as u64, part(tokens.len() + i, &[t], 0..0));
-        }
-    };
-    let (mut gpu_ex, gpu_arena) = support::executor_with_arena(cuda.device, "cuda-arena");
-    run(&mut |step, s| drop(gpu_ex.step(&pb::StepRequest { step, sequences: vec![s], released: Vec::new(), after_step: step - 1 }).unwrap()));
-    let (mut cpu_ex, cpu_arena) = support::executor_with_arena(cpu.device, "cpu-arena");
-    run(&mut |step, s| drop(cpu_ex.step(&pb::StepRequest { step, sequences: vec![s], released: Vec::new(), after_step: step - 1 }).unwrap()));
-    // The arenas support::executor_with_arena makes.
-    let layout = ArenaLayout { n_layer: c.n_layer as u32, n_kv_head: c.n_kv_head as u32, head_dim: c.head_dim as u32, block_size: 16, dtype: KvDtype::F16, n_blocks: 64 };
-    let rows = |arena: &duet_kv::shm::Segment, l: usize, h: usize, v: bool| -> Vec<f32> {
-        (0..n)
-            .flat_map(|p| {
-                let (block, slot) = (BlockId((p / 16) as u32), p % 16);
-                let run = if v { layout.v_offset(block, l as u32, h as u32) } else { layout.k_offset(block, l as u32, h as u32) };
-                // SAFETY: inside the arena; no step runs while the test reads it.
-                unsafe { arena.slice::<half::f16>(run + slot * c.head_dim * 2, c.head_dim) }.iter().map(|x| x.to_f32()).collect::<Vec<_>>()
-            })
-            .collect()
-    };
-    let mut worst = Vec::new();
-    for l in 0..c.n_layer {
-        let mut off = 0f64;
-        for h in 0..c.n_kv_head {
-            for v in [false, true] {
-                let (g, w) = (rows(&gpu_arena.0, l, h, v), rows(&cpu_arena.0, l, h, v));
-                let missing = g.chunks_exact(c.head_dim).position(|r| r.iter().all(|&x| x == 0.0));
-                assert_eq!(missing, None, "layer {l} head {h}: no {} row at that position in the CUDA executor's arena", if v { "V" } else { "K" });
-                let e = rel(&g, &w);
-                assert!(e.is_finite(), "layer {l} head {h}: the CUDA executor's arena holds values that are not finite");
-                off = off.max(e);
+    for dtype in [KvDtype::F16, KvDtype::Q8_0] {
+        let Some((cuda, cpu, _)) = devices(None) else { return };
+        let c = cpu.device.config().clone();
+        let tokens = prompt(&c);
+        let steps: Vec<u32> = tokens[..8].to_vec();
+        let n = tokens.len() + steps.len();
+        let blocks = n.div_ceil(16);
+        let part = |start: usize, tokens: &[u32], new_blocks: std::ops::Range<u32>| pb::SequenceStep {
+            seq_id: 1,
+            start_pos: start as u32,
+            tokens: tokens.to_vec(),
+            new_blocks: new_blocks.map(|block| pb::KvBlockRef { worker: 0, block }).collect(),
+            sampler: (start == 0).then(|| pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 0, constraint: None }),
+            sample: true,
+            attention: Vec::new(),
+            sub_batch: 0,
+            feed_sampled: false,
+            held_tokens: Vec::new(),
+        };
+        let run = |ex: &mut dyn FnMut(u64, pb::SequenceStep)| {
+            ex(1, part(0, &tokens, 0..blocks as u32));
+            for (i, &t) in steps.iter().enumerate() {
+                ex(2 + i as u64, part(tokens.len() + i, &[t], 0..0));
             }
+        };
+        let (mut gpu_ex, gpu_arena) = support::executor_with_arena_of(cuda.device, &format!("cuda-{dtype}"), dtype);
+        run(&mut |step, s| drop(gpu_ex.step(&pb::StepRequest { step, sequences: vec![s], released: Vec::new(), after_step: step - 1 }).unwrap()));
+        let duet_gpu_worker::device::AnyDevice::Cuda(d) = gpu_ex.device() else { panic!("not the CUDA device: {}", gpu_ex.device().describe()) };
+        assert_eq!(d.rows_written_in_place(), (c.n_layer * n) as u64, "{dtype}: K/V rows the GPU wrote in place, of every layer's {n}");
+        let (mut cpu_ex, cpu_arena) = support::executor_with_arena_of(cpu.device, &format!("cpu-{dtype}"), dtype);
+        run(&mut |step, s| drop(cpu_ex.step(&pb::StepRequest { step, sequences: vec![s], released: Vec::new(), after_step: step - 1 }).unwrap()));
+        let layout = support::arena_layout(&c, dtype);
+        let row = layout.row_bytes().unwrap();
+        let run_bytes = |arena: &duet_kv::shm::Segment, b: usize, l: usize, h: usize, v: bool| -> Vec<u8> {
+            let (block, (l, h)) = (BlockId(b as u32), (l as u32, h as u32));
+            let at = if v { layout.v_offset(block, l, h) } else { layout.k_offset(block, l, h) };
+            // SAFETY: a run inside the arena; no step runs while the test reads it.
+            unsafe { arena.slice::<u8>(at, 16 * row) }.to_vec()
+        };
+        let rows = |arena: &duet_kv::shm::Segment, l: usize, h: usize, v: bool| -> Vec<f32> {
+            let mut out = vec![0f32; n * c.head_dim];
+            for (p, o) in out.chunks_exact_mut(c.head_dim).enumerate() {
+                let bytes = &run_bytes(arena, p / 16, l, h, v)[(p % 16) * row..][..row];
+                match dtype {
+                    KvDtype::Q8_0 => KvRows::Q8_0(bytes).widen_into(o),
+                    _ => o.iter_mut().zip(bytes.chunks_exact(2)).for_each(|(x, b)| *x = half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                }
+            }
+            out
+        };
+        let mut worst = Vec::new();
+        for l in 0..c.n_layer {
+            let mut off = 0f64;
+            for h in 0..c.n_kv_head {
+                for v in [false, true] {
+                    let (g, w) = (rows(&gpu_arena.0, l, h, v), rows(&cpu_arena.0, l, h, v));
+                    let missing = g.chunks_exact(c.head_dim).position(|r| r.iter().all(|&x| x == 0.0));
+                    assert_eq!(missing, None, "{dtype} layer {l} head {h}: no {} row at that position in the CUDA executor's arena", if v { "V" } else { "K" });
+                    let e = rel(&g, &w);
+                    assert!(e.is_finite(), "{dtype} layer {l} head {h}: the CUDA executor's arena holds values that are not finite");
+                    off = off.max(e);
+                    // Past the sequence: the rest of its last block, and every other block.
+                    let tail = &run_bytes(&gpu_arena.0, blocks - 1, l, h, v)[(n - 16 * (blocks - 1)) * row..];
+                    let stray = tail.iter().any(|&x| x != 0) || (blocks..64).any(|b| run_bytes(&gpu_arena.0, b, l, h, v).iter().any(|&x| x != 0));
+                    assert!(!stray, "{dtype} layer {l} head {h}: bytes written past the sequence's positions");
+                }
+            }
+            worst.push(off);
         }
-        worst.push(off);
+        println!("{dtype}: the K/V the GPU wrote into the arena against the CPU device's, worst head per layer (relative rms): {:?}", worst.iter().map(|e| format!("{e:.2e}")).collect::<Vec<_>>());
+        assert!(worst[0] <= 0.01, "{dtype}: layer 0's K/V differ by {:.3e}", worst[0]);
+        assert!(worst.iter().all(|&e| e <= 0.25), "{dtype}: a layer's K/V differ by more than 25 %: {worst:?}");
     }
-    println!("the K/V the GPU wrote into the arena against the CPU device's, worst head per layer (relative rms): {:?}", worst.iter().map(|e| format!("{e:.2e}")).collect::<Vec<_>>());
-    assert!(worst[0] <= 0.01, "layer 0's K/V differ by {:.3e}", worst[0]);
-    assert!(worst.iter().all(|&e| e <= 0.25), "a layer's K/V differ by more than 25 %: {worst:?}");
 }
 
 /// One forward pass of either runner (the two are of different device types).

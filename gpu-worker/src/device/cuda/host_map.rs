@@ -85,9 +85,10 @@ pub fn store_in_place(k: &Launcher, layers: &[(usize, CudaSlice<f32>, CudaSlice<
     let rows: Vec<u64> = places.iter().map(|p| p.addr).collect();
     let strides: Vec<u64> = places.iter().map(|p| p.stride).collect();
     let (rows, strides) = (k.stream.clone_htod(&rows)?, k.stream.clone_htod(&strides)?);
-    for (layer, kk, vv) in layers {
-        k.kv_to_arena(kk, vv, &rows, &strides, n_kv_head, head_dim, *layer, q8)?;
-    }
-    k.stream.synchronize()?;
-    Ok(())
+    let launched = layers.iter().try_for_each(|(layer, kk, vv)| k.kv_to_arena(kk, vv, &rows, &strides, n_kv_head, head_dim, *layer, q8));
+    // Waited for even when a launch failed: the launched ones write into the arenas, which
+    // must not be unmapped under them.
+    let waited = k.stream.synchronize();
+    launched?;
+    Ok(waited?)
 }

@@ -32,6 +32,7 @@ mod probe;
 mod twins;
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -161,6 +162,8 @@ pub struct CudaDevice {
     /// Events around the attention of each layer computed wholly on the device, since
     /// [`Device::take_attention_ns`] last took them (or the last batch started).
     attention_events: Mutex<Vec<Timed>>,
+    /// K/V rows (of one layer each) the GPU wrote into the arenas in place.
+    in_place_rows: AtomicU64,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -273,6 +276,7 @@ impl CudaDevice {
             mirror,
             phases: Phases::default(),
             attention_events: Mutex::default(),
+            in_place_rows: AtomicU64::new(0),
         })
     }
 
@@ -328,6 +332,12 @@ impl CudaDevice {
 
     fn stream(&self) -> &Arc<CudaStream> {
         &self.k.stream
+    }
+
+    /// How many K/V rows (a row of one layer each) the GPU has written into arenas in place
+    /// (`host_map`), where they would otherwise come down for the host to write.
+    pub fn rows_written_in_place(&self) -> u64 {
+        self.in_place_rows.load(Ordering::Relaxed)
     }
 
     /// Layer `l`'s weights, or why the device has none.
@@ -538,7 +548,8 @@ impl CudaDevice {
         let rows = each / c.kv_dim();
         if let Some(places) = (0..rows).map(|r| kv.in_place(r)).collect::<Option<Vec<_>>>() {
             host_map::store_in_place(&self.k, &pending, &places, c.n_kv_head, c.head_dim)?;
-            self.phases.add(Phase::StoreArena, t);
+            self.in_place_rows.fetch_add((rows * pending.len()) as u64, Ordering::Relaxed);
+            self.phases.add(Phase::StoreInPlace, t);
             return Ok(());
         }
         let s = self.stream();
@@ -755,7 +766,10 @@ impl Device for CudaDevice {
         self.finish_on_gpu(l, b, &a, remote)
     }
 
+    /// Only with a KV mirror: without one no layer runs wholly on the GPU (`layer_wholly`),
+    /// and pinning the arena would only cost time.
     unsafe fn map_host(&self, ptr: *mut u8, len: usize) -> Option<super::HostMapping> {
+        self.mirror.as_ref()?;
         // SAFETY: the caller's promise, passed on.
         unsafe { host_map::map(&self.gpu.ctx, ptr, len) }
     }

@@ -17,6 +17,8 @@ pub enum Phase {
     QkvDownload,
     /// K/V rows into the arenas or the runner's cache (host).
     StoreArena,
+    /// K/V rows written by the GPU into the arenas in place (`host_map`), waited for.
+    StoreInPlace,
     /// K/V rows into the KV mirror.
     StoreMirror,
     /// The mirror's attention: room, uploads of missing positions, tables, launches.
@@ -33,11 +35,12 @@ pub enum Phase {
     Logits,
 }
 
-const NAMES: [&str; 11] = [
+const NAMES: [&str; 12] = [
     "embed",
     "qkv_launch",
     "qkv_download",
     "store_arena",
+    "store_in_place",
     "store_mirror",
     "attend_prepare",
     "attend_wait",
@@ -50,7 +53,7 @@ const NAMES: [&str; 11] = [
 /// The phases' summed nanoseconds.
 #[derive(Debug, Default)]
 pub struct Phases {
-    ns: [AtomicU64; 11],
+    ns: [AtomicU64; 12],
 }
 
 impl Phases {
