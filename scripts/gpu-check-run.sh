@@ -15,8 +15,9 @@
 #
 # Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
 # comparison), serve-bench-1b-mv8 (decode batches over 8 rows through cuBLAS, for
-# comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas:
-# against serve-1b-8k), serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
+# comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas)
+# and serve-1b-8k-f32-prefill (prefill attention without the tensor cores), each against
+# serve-1b-8k, serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
 # serve-moe-shape (the OLMoE shape, experts on the host), serve-moe-gpu-experts (its
 # experts on the GPU, --device-experts 64), and each step of the groups.
 #
@@ -244,6 +245,9 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # as f32), as before the GPU wrote them in place: against serve-1b-8k, whose prefill
     # stores 128K positions' rows.
     serve-1b-8k-host-writes) step serve-1b-8k-host-writes env DUET_CUDA_ARENA_WRITES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
+    # Prefill attention in f32 (attn_prefill), as before the tensor-core kernel took it
+    # (attn_prefill_mma): against serve-1b-8k, whose 16 x 8K prompts it dominates.
+    serve-1b-8k-f32-prefill) step serve-1b-8k-f32-prefill env DUET_CUDA_PREFILL_MMA=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
     # Decode batches of 9-64 rows through cuBLAS (the weights dequantised every step), as
     # before the matrix-vector kernels took them in passes of 8 rows.
     serve-bench-1b-mv8) step serve-bench-1b-mv8 env DUET_CUDA_MV_ROWS=8 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;

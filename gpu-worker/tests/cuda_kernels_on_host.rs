@@ -90,7 +90,9 @@ const LENS: [usize; 3] = [5, 70, 300];
 
 /// Runs the kernels on one shape and compares with the exact attention; the largest output
 /// and log-sum-exp differences.
-fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, seed: u64) -> (f64, f64) {
+/// With `mma` the tiles run `attn_prefill_mma`, whose Q is rounded to f16: so is the
+/// reference's then.
+fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mma: bool, seed: u64) -> (f64, f64) {
     let Shape { n_kv_head, group, head_dim } = *shape;
     let (kv_dim, n_head) = (n_kv_head * head_dim, n_kv_head * group);
     let (layers, layer) = (2usize, 1usize);
@@ -148,6 +150,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, se
     }
     let q: Vec<f32> = (0..ranges.len() * n_head * head_dim).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     let scale = 1.0 / (head_dim as f32).sqrt();
+    let tiled = first_single as usize;
 
     let mut input = Input::default();
     input.i32(1).i32(n_kv_head).i32(head_dim).i32(group).i32(PAGE).i32(layers).i32(layer).i32(n_pages).i32(slots.len());
@@ -158,7 +161,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, se
     }
     input.i32s(&slots).i32(pages.len()).i32s(&pages).i32(ranges.len()).i32s(&items);
     input.i32(tiles.len() / 3).i32s(&tiles).i32(singles.len()).i32s(&singles);
-    input.i32(ranges.len()).f32s(&q).i32(n_split).f32(scale).f32(softcap);
+    input.i32(ranges.len()).f32s(&q).i32(n_split).f32(scale).f32(softcap).i32(usize::from(mma));
     let words = run(exe, &input);
     let f: Vec<f32> = words.iter().map(|b| f32::from_le_bytes(*b)).collect();
     assert_eq!(f.len(), ranges.len() * n_head * (head_dim + 1), "the harness's output");
@@ -169,7 +172,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, se
         let (k, v) = &kv[*s];
         for h in 0..n_head {
             let kh = h / group;
-            let qh = &q[(i * n_head + h) * head_dim..][..head_dim];
+            let qh: Vec<f32> = q[(i * n_head + h) * head_dim..][..head_dim].iter().map(|&x| if mma && i < tiled { f16_rounded(x) } else { x }).collect();
             let got = &out[(i * n_head + h) * head_dim..][..head_dim];
             let got_lse = lse[i * n_head + h];
             // NaN where no kernel wrote (the harness's fill), or read from a slot never stored.
@@ -213,12 +216,40 @@ fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
     ];
     for (i, shape) in shapes.iter().enumerate() {
         for (n_split, softcap) in [(1, 0.0), (3, 0.0), (2, 30.0)] {
-            let (out, lse) = attention_case(exe, shape, n_split, softcap, 7 + i as u64);
+            let (out, lse) = attention_case(exe, shape, n_split, softcap, false, 7 + i as u64);
             println!(
                 "{} KV heads × {} query heads of {}, {n_split} splits, soft cap {softcap}: outputs within {out:.1e}, log-sum-exps within {lse:.1e} (relative)",
                 shape.n_kv_head, shape.group, shape.head_dim
             );
             assert!(out <= 2e-6 && lse <= 2e-6, "shape {i}, {n_split} splits, soft cap {softcap}: outputs off by {out:.3e}, log-sum-exps by {lse:.3e}");
+        }
+    }
+}
+
+/// The tensor-core prefill kernel (`attn_prefill_mma`, its `mma.sync` emulated with the PTX
+/// ISA's fragment layouts) on the same tiles, for every head it takes (multiples of 16 up to
+/// 128: 32, 64, 80 and 128; whole and partial warps of query vectors, one-row tiles, sliding
+/// windows, a soft cap): within the rounding of its probabilities to f16 (2^-11 of each
+/// weight: outputs within 1e-3) of the exact attention of its f16 queries; the log-sum-exps,
+/// from f32 scores, within 2e-6.
+#[test]
+fn the_tensor_core_prefill_kernel_gives_the_exact_attention_of_its_f16_queries() {
+    let Some(exe) = harness() else { return };
+    let shapes = [
+        Shape { n_kv_head: 2, group: 3, head_dim: 64 },
+        Shape { n_kv_head: 1, group: 6, head_dim: 128 },
+        Shape { n_kv_head: 3, group: 1, head_dim: 32 },
+        Shape { n_kv_head: 2, group: 2, head_dim: 80 },
+        Shape { n_kv_head: 2, group: 4, head_dim: 128 },
+    ];
+    for (i, shape) in shapes.iter().enumerate() {
+        for softcap in [0.0, 30.0] {
+            let (out, lse) = attention_case(exe, shape, 1, softcap, true, 11 + i as u64);
+            println!(
+                "{} KV heads × {} query heads of {}, soft cap {softcap}, tensor cores: outputs within {out:.1e}, log-sum-exps within {lse:.1e} (relative)",
+                shape.n_kv_head, shape.group, shape.head_dim
+            );
+            assert!(out <= 1e-3 && lse <= 2e-6, "shape {i}, soft cap {softcap}: outputs off by {out:.3e}, log-sum-exps by {lse:.3e}");
         }
     }
 }

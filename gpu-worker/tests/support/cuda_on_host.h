@@ -53,6 +53,9 @@ inline std::vector<std::array<uint64_t, 32>> exchange;
 // a GPU (here it would read stale values), so it aborts.
 inline std::unique_ptr<std::atomic<int>[]> live;
 
+// Per warp, each lane's mma fragments (a[4], b[2]).
+inline std::vector<std::array<std::array<uint32_t, 6>, 32>> mma_exchange;
+
 inline unsigned linear_thread() {
     return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
@@ -78,6 +81,47 @@ inline T __shfl_xor_sync(unsigned, T v, int off) {
     std::memcpy(&r, &ex[lane ^ (unsigned)off], sizeof(T));
     host_cuda::warp_barriers[warp]->arrive_and_wait();
     return r;
+}
+
+inline float host_f16_to_f32(uint16_t h);
+
+// common.cuh's mma_16816 (PTX mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32): every lane of
+// the warp hands in its fragments (laid out as the PTX ISA's figures for m16n8k16 say, and as
+// common.cuh describes them), then each computes its four elements of d += A · B from all of
+// them: the products exact, summed in f64 and rounded once (the tensor cores' order and
+// rounding of the f32 sums are not IEEE's either; the tests bound the difference).
+inline void host_mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    unsigned t = host_cuda::linear_thread(), warp = t / 32, lane = t % 32;
+    if (host_cuda::live[warp].load() != 32) {
+        fprintf(stderr, "mma with %d live lanes in warp %u\n", host_cuda::live[warp].load(), warp);
+        abort();
+    }
+    auto& ex = host_cuda::mma_exchange[warp];
+    for (int i = 0; i < 4; i++) ex[lane][i] = a[i];
+    for (int i = 0; i < 2; i++) ex[lane][4 + i] = b[i];
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    float A[16][16], B[16][8];
+    for (unsigned l = 0; l < 32; l++) {
+        unsigned g = l / 4, q = l % 4;
+        for (int r = 0; r < 4; r++) {
+            unsigned row = g + 8 * (r % 2), col = 8 * (r / 2) + 2 * q;
+            A[row][col] = host_f16_to_f32((uint16_t)(ex[l][r] & 0xffff));
+            A[row][col + 1] = host_f16_to_f32((uint16_t)(ex[l][r] >> 16));
+        }
+        for (int r = 0; r < 2; r++) {
+            unsigned k = 8 * r + 2 * q;
+            B[k][g] = host_f16_to_f32((uint16_t)(ex[l][4 + r] & 0xffff));
+            B[k + 1][g] = host_f16_to_f32((uint16_t)(ex[l][4 + r] >> 16));
+        }
+    }
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    unsigned g = lane / 4, q = lane % 4;
+    for (int e = 0; e < 4; e++) {
+        unsigned row = g + 8 * (e / 2), col = 2 * q + e % 2;
+        double acc = d[e];
+        for (int k = 0; k < 16; k++) acc += (double)A[row][k] * (double)B[k][col];
+        d[e] = (float)acc;
+    }
 }
 
 inline float __int_as_float(int i) {
@@ -148,6 +192,7 @@ void launch(dim3 grid, dim3 block, F body) {
                 for (unsigned w = 0; w < warps; ++w)
                     host_cuda::warp_barriers.push_back(std::make_unique<host_cuda::Barrier>(std::min(32u, n - 32 * w)));
                 host_cuda::exchange.assign(warps, {});
+                host_cuda::mma_exchange.assign(warps, {});
                 host_cuda::live = std::make_unique<std::atomic<int>[]>(warps);
                 for (unsigned w = 0; w < warps; ++w) host_cuda::live[w] = (int)std::min(32u, n - 32 * w);
                 std::vector<std::thread> threads;

@@ -3,8 +3,8 @@
 // gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
 // kernel's outputs.
 //
-//   1 attention: the K/V rows stored into a page pool (kv_store), then attn_prefill over the
-//     tiles given and attn_partial and attn_merge over the single items given, as
+//   1 attention: the K/V rows stored into a page pool (kv_store), then attn_prefill (or, when
+//     asked, attn_prefill_mma on the emulated tensor cores) over the tiles given and attn_partial and attn_merge over the single items given, as
 //     `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
 //   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
@@ -39,6 +39,7 @@ static void attention() {
     auto q = read_vec<float>((size_t)read_one<int>() * n_head * head_dim);
     int n_split = read_one<int>();
     float scale = read_one<float>(), softcap = read_one<float>();
+    int mma = read_one<int>();
 
     long long page_elems = (long long)layers * 2 * kv_dim * page_size;
     std::vector<u16> pool((size_t)n_pages * page_elems, 0xffff);  // NaN: a read of a slot never written shows
@@ -48,7 +49,12 @@ static void attention() {
     });
     // NaN where no kernel writes.
     std::vector<float> out((size_t)n_items * n_head * head_dim, NAN), lse((size_t)n_items * n_head, NAN);
-    if (n_tiles > 0)
+    if (n_tiles > 0 && mma)
+        launch(dim3{(unsigned)n_tiles, (unsigned)n_kv_head}, dim3{PFM_WARPS * WARP}, [&] {
+            attn_prefill_mma(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), tiles.data(), n_kv_head, head_dim, group, page_size,
+                             scale, softcap, out.data(), lse.data());
+        });
+    else if (n_tiles > 0)
         launch(dim3{(unsigned)n_tiles, (unsigned)n_kv_head}, dim3{ATT_THREADS}, [&] {
             attn_prefill(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), tiles.data(), n_kv_head, head_dim, group, page_size,
                          scale, softcap, out.data(), lse.data());

@@ -73,7 +73,7 @@ pub const FILES: [KernelFile; 4] = [
         body: include_str!("kernels/ops.cu"),
         entries: &["rms_norm", "rope", "silu_mul", "add_assign", "add_bias", "to_f16", "gather_rows", "scatter_add_scaled", "argmax_rows"],
     },
-    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "kv_to_arena", "attn_partial", "attn_merge", "attn_prefill"] },
+    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "kv_to_arena", "attn_partial", "attn_merge", "attn_prefill", "attn_prefill_mma"] },
 ];
 
 impl KernelFile {
@@ -140,6 +140,8 @@ pub fn compile(file: &KernelFile, arch: u32, cache: Option<&Path>) -> Result<Str
 /// The loaded kernels of every file, by entry-point name.
 pub struct Kernels {
     functions: HashMap<&'static str, CudaFunction>,
+    /// The architecture they were compiled for (e.g. 90).
+    pub arch: u32,
 }
 
 impl Kernels {
@@ -157,7 +159,7 @@ impl Kernels {
                 functions.insert(entry, module.load_function(entry)?);
             }
         }
-        Ok(Kernels { functions })
+        Ok(Kernels { functions, arch })
     }
 
     /// The kernel `name` (one of [`FILES`]' entries).

@@ -35,6 +35,20 @@ pub const MAX_HEAD_DIM: usize = 256;
 const PF_QUERIES: usize = 32;
 const PF_ELEMS: usize = 4096;
 
+/// The most values a head may have for `attn_prefill_mma` (`PFM_MAX_HEAD_DIM`).
+const PFM_MAX_HEAD_DIM: usize = 128;
+/// Threads of an `attn_prefill_mma` block (`PFM_WARPS` warps: 16 query vectors each).
+const PFM_THREADS: u32 = (PF_QUERIES / 16 * 32) as u32;
+
+/// Whether prefill tiles run on the tensor cores (`attn_prefill_mma`, its queries and
+/// probabilities rounded to f16): on sm_80 and later, for heads of a multiple of 16 values up
+/// to [`PFM_MAX_HEAD_DIM`], unless `DUET_CUDA_PREFILL_MMA=0`; else `attn_prefill` in f32.
+pub fn prefill_on_tensor_cores(arch: u32, head_dim: usize) -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let enabled = *ENABLED.get_or_init(|| std::env::var("DUET_CUDA_PREFILL_MMA").map_or(true, |v| v != "0"));
+    enabled && arch >= 80 && head_dim % 16 == 0 && head_dim <= PFM_MAX_HEAD_DIM
+}
+
 /// Rows of a sequence one `attn_prefill` block attends: as many as its query vectors (rows ×
 /// the `group` query heads of a KV head) and their floats allow; 0 where not even one fits.
 fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
@@ -342,10 +356,12 @@ impl KvMirror {
         if !tiles.is_empty() {
             let n_tiles = tiles.len() / 3;
             let (md, td) = (tables.meta.get(stream, meta.clone())?, tables.tiles.get(stream, tiles)?);
-            let mut b = stream.launch_builder(kern.kernels().get("attn_prefill")?);
+            let mma = prefill_on_tensor_cores(kern.kernels().arch, head_dim);
+            let mut b = stream.launch_builder(kern.kernels().get(if mma { "attn_prefill_mma" } else { "attn_prefill" })?);
             b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(pd).arg(md).arg(td).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&scale).arg(&cap);
             b.arg(&mut out).arg(&mut lse);
-            let cfg = LaunchConfig { grid_dim: (n_tiles as u32, n_kv_head as u32, 1), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: 0 };
+            let threads = if mma { PFM_THREADS } else { ATT_THREADS };
+            let cfg = LaunchConfig { grid_dim: (n_tiles as u32, n_kv_head as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: every tile's rows are items of one sequence whose positions up to the
             // largest end are mirrored in the pages of its table; out and lse hold n items.
             unsafe { b.launch(cfg) }.map_err(CudaError::from)?;

@@ -380,3 +380,179 @@ attn_prefill(const float* q, const u16* pool, long long page_elems, int layer, c
         }
     }
 }
+
+// Prefill attention on the tensor cores (sm_80 and later: mma_16816, f16 inputs, f32 sums),
+// for attn_prefill's tiles and with its outputs: a warp takes 16 of a tile's query vectors (in
+// attn_prefill's order), rounded to f16 and kept in its registers as mma fragments; the block's
+// warps read each tile of PFM_KT positions of K, and of V transposed, into shared memory once
+// for all of them. The scores, the online softmax and the output stay in the fragments'
+// registers: the scores' d fragments are the probabilities' A fragments, rounded to f16. Heads
+// of a multiple of 16 values, at most PFM_MAX_HEAD_DIM (else attn_prefill). Grid: x tiles, y
+// n_kv_head; PFM_WARPS * WARP threads.
+#define PFM_WARPS (PF_QUERIES / 16)
+#define PFM_KT 32
+#define PFM_MAX_HEAD_DIM 128
+// Shared rows padded by 8 halves, so that a fragment's 32 lanes meet 32 different banks.
+#define PFM_KSTRIDE (PFM_MAX_HEAD_DIM + 8)
+#define PFM_VSTRIDE (PFM_KT + 8)
+
+extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)
+attn_prefill_mma(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
+                 int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
+    // As words, so that a fragment's pair of halves is one aligned load.
+    __shared__ u32 ks_words[PFM_KT * PFM_KSTRIDE / 2];
+    __shared__ u32 vt_words[PFM_MAX_HEAD_DIM * PFM_VSTRIDE / 2];
+    __shared__ int lo[PF_QUERIES], hi[PF_QUERIES];
+    u16* ks = (u16*)ks_words;  // [position][dimension], rows of head_dim + 8
+    u16* vt = (u16*)vt_words;  // [dimension][position], rows of PFM_VSTRIDE
+
+    const int tile = blockIdx.x, kh = blockIdx.y;
+    const int j0 = tiles[3 * tile], nr = tiles[3 * tile + 1], toff = tiles[3 * tile + 2];
+    const int nq = nr * group, n_head = n_kv_head * group, kv_dim = n_kv_head * head_dim;
+    const int kstride = head_dim + 8, half = head_dim / 2, kchunks = head_dim / 16, dtiles = head_dim / 8;
+    const long long layer_off = (long long)layer * 2 * kv_dim * page_size + (long long)kh * page_size * head_dim;
+    const long long v_off = (long long)kv_dim * page_size;
+    const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP, g = lane / 4, t4 = lane % 4;
+    const int q0 = warp * 16;
+    const bool active = q0 < nq;
+
+    if (tid < nr) {
+        lo[tid] = items[4 * (j0 + tid) + 1];
+        hi[tid] = items[4 * (j0 + tid) + 2];
+    }
+    // The warp's query vectors q0 + g and q0 + g + 8 as A fragments, 16 dimensions a chunk.
+    u32 qa[PFM_MAX_HEAD_DIM / 16][4];
+#pragma unroll
+    for (int c = 0; c < PFM_MAX_HEAD_DIM / 16; c++) {
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int qi = q0 + g + 8 * (r % 2), d = 16 * c + 8 * (r / 2) + 2 * t4;
+            float x0 = 0.0f, x1 = 0.0f;
+            if (c < kchunks && qi < nq) {
+                int row = items[4 * (j0 + qi / group)];
+                const float* qv = q + ((long long)row * n_head + kh * group + qi % group) * head_dim + d;
+                x0 = qv[0];
+                x1 = qv[1];
+            }
+            qa[c][r] = pack_f16x2(x0, x1);
+        }
+    }
+    __syncthreads();
+    int t_begin = lo[0], t_end = hi[0];
+    for (int r = 1; r < nr; r++) {
+        t_begin = min(t_begin, lo[r]);
+        t_end = max(t_end, hi[r]);
+    }
+    // The positions each of this lane's two query vectors attends (none past the tile's).
+    int r_lo[2], r_hi[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int qi = q0 + g + 8 * i;
+        r_lo[i] = qi < nq ? lo[qi / group] : 0;
+        r_hi[i] = qi < nq ? hi[qi / group] : 0;
+    }
+    float o[PFM_MAX_HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+
+    for (int t0 = t_begin; t0 < t_end; t0 += PFM_KT) {
+        const int nt = min(PFM_KT, t_end - t0);
+        __syncthreads();
+        // Positions past the tile's end read as zeros (their scores are masked below).
+        for (int i = tid; i < PFM_KT * half; i += PFM_WARPS * WARP) {
+            int t = i / half, d2 = i % half, pos = t0 + t;
+            u32 k2 = 0, v2 = 0;
+            if (t < nt) {
+                long long at = (long long)pages[toff + pos / page_size] * page_elems + layer_off + (long long)(pos % page_size) * head_dim;
+                k2 = ((const u32*)(pool + at))[d2];
+                v2 = ((const u32*)(pool + at + v_off))[d2];
+            }
+            ks_words[(t * kstride) / 2 + d2] = k2;
+            vt[(2 * d2) * PFM_VSTRIDE + t] = (u16)(v2 & 0xffff);
+            vt[(2 * d2 + 1) * PFM_VSTRIDE + t] = (u16)(v2 >> 16);
+        }
+        __syncthreads();
+        if (!active) continue;
+        // Scores of the warp's 16 query vectors over the tile's positions: PFM_KT / 8 d fragments.
+        float s[PFM_KT / 8][4];
+#pragma unroll
+        for (int n = 0; n < PFM_KT / 8; n++) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+            const u32* kr = ks_words + ((n * 8 + g) * kstride) / 2 + t4;
+#pragma unroll
+            for (int c = 0; c < PFM_MAX_HEAD_DIM / 16; c++) {
+                if (c >= kchunks) break;
+                const u32 b[2] = {kr[8 * c], kr[8 * c + 4]};
+                mma_16816(s[n], qa[c], b);
+            }
+        }
+        // Scaled, capped, and minus infinity outside each vector's range; then the online
+        // softmax of each of the lane's two vectors (a row's 32 scores lie in the 4 lanes of
+        // its group: 2 in each of their PFM_KT / 8 fragments).
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < PFM_KT / 8; n++)
+#pragma unroll
+                for (int e = 2 * i; e < 2 * i + 2; e++) {
+                    int pos = t0 + n * 8 + 2 * t4 + e % 2;
+                    float x = s[n][e] * scale;
+                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                    if (pos < r_lo[i] || pos >= r_hi[i]) x = NEG_INF;
+                    s[n][e] = x;
+                    mx = fmaxf(mx, x);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            float m_new = fmaxf(m[i], mx), sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < PFM_KT / 8; n++)
+#pragma unroll
+                for (int e = 2 * i; e < 2 * i + 2; e++) {
+                    float p = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - m_new);
+                    s[n][e] = p;
+                    sum += p;
+                }
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            float c = m_new == NEG_INF ? 1.0f : expf(m[i] - m_new);
+            l[i] = l[i] * c + sum;
+            m[i] = m_new;
+#pragma unroll
+            for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) {
+                o[n][2 * i] *= c;
+                o[n][2 * i + 1] *= c;
+            }
+        }
+        // o += P · V, 16 positions a step: P's A fragment from two score fragments.
+#pragma unroll
+        for (int kc = 0; kc < PFM_KT / 16; kc++) {
+            const u32 pa[4] = {pack_f16x2(s[2 * kc][0], s[2 * kc][1]), pack_f16x2(s[2 * kc][2], s[2 * kc][3]), pack_f16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                               pack_f16x2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+#pragma unroll
+            for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) {
+                if (n >= dtiles) break;
+                const u32* vr = vt_words + ((n * 8 + g) * PFM_VSTRIDE + 16 * kc) / 2 + t4;
+                const u32 b[2] = {vr[0], vr[4]};
+                mma_16816(o[n], pa, b);
+            }
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int qi = q0 + g + 8 * i;
+        if (qi >= nq) continue;
+        long long oh = (long long)(j0 + qi / group) * n_head + kh * group + qi % group;
+#pragma unroll
+        for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) {
+            if (n >= dtiles) break;
+            int d = n * 8 + 2 * t4;
+            out[oh * head_dim + d] = l[i] > 0.0f ? o[n][2 * i] / l[i] : 0.0f;
+            out[oh * head_dim + d + 1] = l[i] > 0.0f ? o[n][2 * i + 1] / l[i] : 0.0f;
+        }
+        if (t4 == 0) lse[oh] = l[i] > 0.0f ? m[i] + logf(l[i]) : NEG_INF;
+    }
+}

@@ -61,3 +61,31 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int off = WARP / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
     return v;
 }
+
+// Two floats as one word of two f16 (`lo` in the low half), an mma fragment's register.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+}
+
+// d += A · B on the tensor cores, for the whole warp (PTX mma.sync.aligned.m16n8k16.row.col,
+// f16 inputs, f32 sums; sm_80 and later: its callers are launched only there). Each lane holds
+// the PTX ISA's fragments, with g = lane / 4 and t = lane % 4 and two f16 to a word (the lower
+// column or row in the low half): A (16 x 16) a[0..3] = row g, row g + 8, row g, row g + 8 of
+// columns 2t, 2t + 1 (a[0], a[1]) and 8 + 2t, 9 + 2t (a[2], a[3]); B (16 x 8) b[0] = rows 2t,
+// 2t + 1 and b[1] = rows 8 + 2t, 9 + 2t of column g; d (16 x 8) = (g, 2t), (g, 2t + 1), (g + 8,
+// 2t), (g + 8, 2t + 1).
+#ifdef DUET_HOST
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    host_mma_16816(d, a, b);
+}
+#else
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();
+#endif
+}
+#endif
