@@ -182,6 +182,9 @@ serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY] [GATEWAY FLAGS]
   local gw=$!
   sleep 2
   wait_healthy 18090 $gw || { kill -TERM $gw; wait $gw; return 1; }
+  # The most batch x context each side holds: kv_tokens (the arenas, hybrid), gpu_kv_tokens
+  # (the mirror, GPU-only).
+  grep -o 'kv_tokens=[0-9]* gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1
   "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "${3:-1024}" --max-tokens 64 --policies cpu,gpu,lp
   local rc=$?
   kill -TERM $gw

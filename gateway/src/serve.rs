@@ -311,7 +311,10 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
         model = %cfg.model_name,
         device = %cfg.gpu_device,
         cpu_workers = cfg.blocks_per_worker.len(),
+        // The KV the system holds (the cpu-workers' arenas) against what the GPU alone
+        // attends (its mirror; 0 without one): the most batch × context each serves.
         kv_tokens = cfg.blocks_per_worker.iter().map(|&b| b as usize).sum::<usize>() * cfg.block_size,
+        gpu_kv_tokens = cfg.gpu_kv_positions,
         policy = %cfg.policy,
         %http_addr,
         node = %cfg.node_name,
