@@ -51,7 +51,7 @@ pub fn prefill_on_tensor_cores(arch: u32, head_dim: usize) -> bool {
 
 /// Rows of a sequence one `attn_prefill` block attends: as many as its query vectors (rows ×
 /// the `group` query heads of a KV head) and their floats allow; 0 where not even one fits.
-fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
+pub(super) fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
     (PF_QUERIES / group).min(PF_ELEMS / (group * head_dim))
 }
 
@@ -60,7 +60,7 @@ fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
 /// `attn_prefill` — per tile its first item, its items and the sequence's `table` (`keys[i]`:
 /// item `i`'s sequence, table offset and row of Q) — and the rest one by one
 /// (`attn_partial`), by index: decode rows, and shares of one row's context.
-fn prefill_tiles(keys: &[(u64, i32, i32)], per_tile: usize) -> (Vec<i32>, Vec<usize>) {
+pub(super) fn prefill_tiles(keys: &[(u64, i32, i32)], per_tile: usize) -> (Vec<i32>, Vec<usize>) {
     let (mut tiles, mut singles) = (Vec::new(), Vec::new());
     let mut i = 0;
     while i < keys.len() {
