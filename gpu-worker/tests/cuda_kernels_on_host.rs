@@ -16,6 +16,8 @@
 //!   products of 1, 3 and 8 rows) within the rounding bound of their Q8_1 activations of the
 //!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them;
 //! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly;
+//! - `dequant_f16_*` of every quantised weight type (prefill's weights for cuBLAS): bit for
+//!   bit the CPU's dequantisation rounded to f16, for a slice of rows;
 //! - `kv_to_arena`, the GPU's K/V rows written into a cpu-worker's arena in place: byte for
 //!   byte what the host writes there (f16 and Q8_0 arenas, rounding ties included), nothing
 //!   else touched.
@@ -410,5 +412,32 @@ fn the_kv_rows_the_gpu_writes_in_place_are_the_hosts() {
             let first_wrong = got.iter().zip(&want).position(|(a, b)| a != b);
             assert!(first_wrong.is_none(), "{dtype} layer {layer}: byte {} differs: {} against the host's {}", first_wrong.unwrap(), got[first_wrong.unwrap()], want[first_wrong.unwrap()]);
         }
+    }
+}
+
+/// `dequant_f16_*` (prefill batches' weights for cuBLAS), a slice of rows of each quantised
+/// type: bit for bit the CPU's dequantised values rounded to f16, every value written.
+#[test]
+fn dequantised_weights_are_the_cpus_rounded_to_f16() {
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(29);
+    let (rows, cols, row0, n) = (9, 512, 2, 5);
+    let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    for ty in types {
+        let w: Vec<u8> = (0..rows).flat_map(|_| host_kernels::random_row(ty, cols, &mut rng)).collect();
+        let rb = ty.row_bytes(cols);
+        let mut want = Vec::with_capacity(n * cols);
+        for r in row0..row0 + n {
+            let mut f = vec![0f32; cols];
+            dequantize(ty, &w[r * rb..(r + 1) * rb], &mut f).unwrap();
+            want.extend(f.iter().map(|&x| f16::from_f32(x).to_bits()));
+        }
+        let mut input = Input::default();
+        input.i32(6).i32(ty.id() as usize).i32(cols).i32(row0).i32(n).i32(w.len());
+        input.0.extend(&w);
+        let got: Vec<u16> = run(exe, &input).iter().flat_map(|b| [u16::from_le_bytes([b[0], b[1]]), u16::from_le_bytes([b[2], b[3]])]).collect();
+        assert_eq!(got.len(), want.len(), "{ty:?}");
+        let first = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(first.is_none(), "{ty:?}: value {} is {:#06x}, the CPU's {:#06x}", first.unwrap(), got[first.unwrap()], want[first.unwrap()]);
     }
 }

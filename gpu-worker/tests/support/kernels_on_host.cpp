@@ -1,11 +1,11 @@
-// The CUDA kernels of attention.cu, ops.cu and matvec.cu run on the host (cuda_on_host.h), launched as
+// The CUDA kernels of attention.cu, ops.cu, matvec.cu and dequant.cu run on the host (cuda_on_host.h), launched as
 // the CUDA device launches them (`device::cuda::mirror`, `device::cuda::launch`), for
 // gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
 // kernel's outputs.
 //
 //   1 attention: the K/V rows stored into a page pool (kv_store), then attn_prefill (or, when
-//     asked, attn_prefill_mma on the emulated tensor cores) over the tiles given and attn_partial and attn_merge over the single items given, as
-//     `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
+//     asked, attn_prefill_mma on the emulated tensor cores) over the tiles given and
+//     attn_partial and attn_merge over the single items given, as `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
 //   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
 //   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
@@ -13,6 +13,8 @@
 //   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
 //     starts as 0xab), at slots given as offsets into it, as `host_map::store_in_place`
 //     does; out: the arena's bytes.
+//   6 dequant_f16_* of one quantised weight type: rows row0..row0 + rows to f16, launched as
+//     `Launcher::dequant_f16` launches it; out: the f16 values.
 
 #include "cuda_on_host.h"
 
@@ -22,6 +24,7 @@
 #include "attention.cu"
 #include "ops.cu"
 #include "matvec.cu"
+#include "dequant.cu"
 
 static void attention() {
     int n_kv_head = read_one<int>(), head_dim = read_one<int>(), group = read_one<int>(), page_size = read_one<int>();
@@ -145,6 +148,28 @@ static void arena_rows() {
     write_vec(arena);
 }
 
+static void dequant() {
+    int ty = read_one<int>(), cols = read_one<int>(), row0 = read_one<int>(), rows = read_one<int>();
+    auto w = read_vec<u8>((size_t)read_one<int>());
+    int units = cols / 32;
+    std::vector<u16> out((size_t)rows * cols, 0xffff);  // NaN where no thread writes
+    // Blocks of 256 (the device's are 1024: the kernels index by the global thread).
+    dim3 grid{(unsigned)(((size_t)rows * units * DQ_LANES + 255) / 256)}, block{256};
+    auto run = [&](auto kernel) { launch(grid, block, [&] { kernel(w.data(), row0, rows, units, out.data()); }); };
+    switch (ty) {
+        case T_Q4_0: run(dequant_f16_q4_0); break;
+        case T_Q4_1: run(dequant_f16_q4_1); break;
+        case T_Q5_0: run(dequant_f16_q5_0); break;
+        case T_Q5_1: run(dequant_f16_q5_1); break;
+        case T_Q8_0: run(dequant_f16_q8_0); break;
+        case T_Q4_K: run(dequant_f16_q4_k); break;
+        case T_Q5_K: run(dequant_f16_q5_k); break;
+        case T_Q6_K: run(dequant_f16_q6_k); break;
+        default: exit(4);
+    }
+    write_vec(out);
+}
+
 int main() {
     switch (read_one<int>()) {
         case 1: attention(); break;
@@ -152,6 +177,7 @@ int main() {
         case 3: matvec(); break;
         case 4: expert_rows(); break;
         case 5: arena_rows(); break;
+        case 6: dequant(); break;
         default: return 3;
     }
     return 0;

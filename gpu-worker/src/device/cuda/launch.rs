@@ -33,6 +33,8 @@ const NORM_THREADS: u32 = 256;
 const ARGMAX_THREADS: u32 = 256;
 /// Bytes of one Q8_1 activation unit (`BlockQ8_1` in quants.cuh: d, s, 32 quants).
 const Q8_1_BYTES: usize = 40;
+/// Threads `dequant_f16_*` gives a unit (`DQ_LANES` in dequant.cu).
+const DQ_LANES: usize = 16;
 /// Elements of the f16 workspace a weight is dequantised into for cuBLAS (128 MiB).
 pub const WORKSPACE_ELEMS: usize = 64 << 20;
 
@@ -275,7 +277,8 @@ impl Launcher {
                 let mut b = self.stream.launch_builder(self.f(&format!("dequant_f16_{suffix}"))?);
                 b.arg(&w.data).arg(&row0_i).arg(&rows_i).arg(&units_i).arg(out);
                 // SAFETY: `out` holds rows*cols f16 (the callers' chunking); the rows exist.
-                unsafe { b.launch(grid_1d(rows * units)) }?;
+                // A thread per pair of a unit's values (`DQ_LANES` in dequant.cu).
+                unsafe { b.launch(grid_1d(rows * units * DQ_LANES)) }?;
             }
             None => {
                 let (ty, cols) = (w.ty.id() as i32, w.cols as i32);
