@@ -2,7 +2,8 @@
 //! and after the kernels), the
 //! cpu-worker's decode attention over f16 and q8_0 caches (GB/s of KV read, and its fraction of that bandwidth) at
 //! contexts 1K/4K/16K × batches 1/8/32, and the quantised matrix-vector product of every
-//! weight type (GB/s of weights). One table on stdout.
+//! weight type (GB/s of weights), and an OLMoE-shaped layer's routed experts at 16 sessions.
+//! One table on stdout.
 //!
 //! `cargo bench -p duet-cpu-worker --bench kernels [-- --threads N] [--quick] [--only WHAT]`
 
@@ -255,6 +256,73 @@ fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
     (gbs(best_stack), gbs(best_sum))
 }
 
+/// GB/s of the routed experts of one OLMoE-1B-7B-shaped layer at 16 sessions, as a
+/// cpu-worker's expert job computes them (`duet_cpu_worker::experts::compute`): 64 experts of
+/// SiLU-gated MLPs (width 2048, FFN 1024, Q4_K interleaved), 16 tokens routed to 8 each (the
+/// same random routing every pass: ~56 distinct experts, 1–6 rows each). GB/s of the distinct
+/// experts' bytes, against a plain sum over as many bytes timed alternately with it. Four
+/// layers in turn, so that no pass finds its experts in cache.
+fn expert_layer(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
+    let (width, ffn, n_expert, tokens, top_k, layers) = (2048usize, 1024usize, 64usize, 16usize, 8usize, 4usize);
+    let ty = GgmlType::Q4K;
+    let matrix = |rows: usize, cols: usize, rng: &mut rand::rngs::StdRng| {
+        let mut data = vec![0u8; rows * ty.row_bytes(cols)];
+        rng.fill(data.as_mut_slice());
+        for block in data.chunks_exact_mut(ty.block_bytes()) {
+            block[1] &= 0x3b;
+            block[3] &= 0x3b;
+        }
+        let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
+        (data, packed, rows, cols)
+    };
+    let experts: Vec<Vec<[(Vec<u8>, Interleaved, usize, usize); 3]>> =
+        (0..layers).map(|_| (0..n_expert).map(|_| [matrix(ffn, width, rng), matrix(ffn, width, rng), matrix(width, ffn, rng)]).collect()).collect();
+    // Each token's experts: top_k distinct ones.
+    let mut routed: Vec<Vec<usize>> = vec![Vec::new(); n_expert];
+    for t in 0..tokens {
+        let mut chosen = Vec::new();
+        while chosen.len() < top_k {
+            let e = rng.random_range(0..n_expert);
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        chosen.into_iter().for_each(|e| routed[e].push(t));
+    }
+    let used: Vec<usize> = (0..n_expert).filter(|&e| !routed[e].is_empty()).collect();
+    let x: Vec<f32> = (0..tokens * width).map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0).collect();
+    let silu: duet_kernels::mlp::GateAct = |g, u| g.iter_mut().zip(u).for_each(|(g, &u)| *g = *g / (1.0 + (-*g).exp()) * u);
+    let one_layer = |l: usize| {
+        let outs: Vec<Vec<f32>> = used
+            .par_iter()
+            .map(|&e| {
+                let xs: Vec<f32> = routed[e].iter().flat_map(|&t| x[t * width..(t + 1) * width].iter().copied()).collect();
+                let m: Vec<QMatrix<'_>> = experts[l][e].iter().map(|(d, p, r, c)| QMatrix::new(ty, *r, *c, d).with_interleaved(p)).collect();
+                duet_kernels::mlp::gated_mlp([&m[0], &m[1], &m[2]], silu, &xs)
+            })
+            .collect();
+        std::hint::black_box(outs);
+    };
+    let bytes: usize = used.iter().map(|&e| experts[0][e].iter().map(|(d, ..)| d.len()).sum::<usize>()).sum();
+    let plain: Vec<f32> = vec![0.5; bytes / 4];
+    let sum = || {
+        let s: f32 = plain.par_chunks(1 << 16).map(sum_lanes).sum();
+        std::hint::black_box(s);
+    };
+    let (mut best_layer, mut best_sum) = (Duration::MAX, Duration::MAX);
+    (0..layers).for_each(one_layer);
+    for i in 0..12 {
+        let t = Instant::now();
+        one_layer(i % layers);
+        best_layer = best_layer.min(t.elapsed());
+        let t = Instant::now();
+        sum();
+        best_sum = best_sum.min(t.elapsed());
+    }
+    let gbs = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
+    (gbs(best_layer), gbs(best_sum))
+}
+
 /// GB/s of f32 activations `quantize` turns into `ty` blocks: 512 rows of 2048, row by row on
 /// one thread (as a product quantises its input).
 fn quantize_rows(ty: GgmlType, quantize: fn(GgmlType, &[f32], &mut [u8]), rng: &mut rand::rngs::StdRng) -> f64 {
@@ -345,6 +413,12 @@ fn main() {
     if wanted(what) && interleaved::available() {
         let (stack, sum) = layer_stack(&mut rng);
         rows.push((what.into(), "16 layers of width 2048, FFN 8192".into(), stack));
+        rows.push(("read bandwidth, timed alternately with the row above".into(), "as many bytes".into(), sum));
+    }
+    let what = "an OLMoE layer's routed experts, 16 sessions";
+    if wanted(what) && interleaved::available() {
+        let (experts, sum) = expert_layer(&mut rng);
+        rows.push((what.into(), "~56 of 64 experts, 1–6 rows each".into(), experts));
         rows.push(("read bandwidth, timed alternately with the row above".into(), "as many bytes".into(), sum));
     }
     // The same in cache: how far the kernels' compute outruns the DRAM.
