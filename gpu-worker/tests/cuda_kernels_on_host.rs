@@ -18,6 +18,8 @@
 //! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly;
 //! - `dequant_f16_*` of every quantised weight type (prefill's weights for cuBLAS): bit for
 //!   bit the CPU's dequantisation rounded to f16, for a slice of rows;
+//! - the fused decode kernels (`rms_norm_fused`: residual add, norm and Q8_1 units in one
+//!   launch; `silu_mul_q8`) against the kernels they fuse: bit for bit;
 //! - `kv_to_arena`, the GPU's K/V rows written into a cpu-worker's arena in place: byte for
 //!   byte what the host writes there (f16 and Q8_0 arenas, rounding ties included), nothing
 //!   else touched.
@@ -439,5 +441,43 @@ fn dequantised_weights_are_the_cpus_rounded_to_f16() {
         assert_eq!(got.len(), want.len(), "{ty:?}");
         let first = got.iter().zip(&want).position(|(a, b)| a != b);
         assert!(first.is_none(), "{ty:?}: value {} is {:#06x}, the CPU's {:#06x}", first.unwrap(), got[first.unwrap()], want[first.unwrap()]);
+    }
+}
+
+/// The fused decode kernels compute what the kernels they replace compute, bit for bit:
+/// `rms_norm_fused` (with the residual add or without, with Q8_1 units) against `add_assign`,
+/// `rms_norm` and `quantize_q8_1`; `silu_mul_q8` against `silu_mul` and `quantize_q8_1`. Rows
+/// of 2048 and of 576 (SmolLM2's: units that straddle the norm's thread stride), and of a
+/// zero unit (scale 0).
+#[test]
+fn the_fused_decode_kernels_compute_what_the_separate_ones_do() {
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    for (rows, cols) in [(3usize, 2048usize), (2, 576)] {
+        for add in [false, true] {
+            let n = rows * cols;
+            let mut vals = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-3.0f32..3.0)).collect() };
+            let (mut x, y, w, g, u) = (vals(n), vals(n), vals(cols), vals(n), vals(n));
+            x[32..64].fill(0.0);
+            let mut input = Input::default();
+            input.i32(7).i32(rows).i32(cols).i32(usize::from(add)).f32(1e-5).f32s(&x).f32s(&y).f32s(&w).f32s(&g).f32s(&u);
+            let words = run(exe, &input);
+            // Per way: x, the normed rows, their units (40 bytes each), g, its units.
+            let units_words = n / 32 * 10;
+            let way = 3 * n + 2 * units_words;
+            assert_eq!(words.len(), 2 * way, "rows {rows} of {cols}");
+            let (separate, fused) = words.split_at(way);
+            let names = ["x after the add", "the normed rows", "their Q8_1 units", "g", "g's Q8_1 units"];
+            let lens = [n, n, units_words, n, units_words];
+            let (mut at, mut first_diff) = (0, None);
+            for (name, len) in names.iter().zip(lens) {
+                if let Some(i) = (at..at + len).find(|&i| separate[i] != fused[i]) {
+                    first_diff.get_or_insert((*name, i - at));
+                }
+                at += len;
+            }
+            assert_eq!(first_diff, None, "rows {rows} of {cols}, add {add}: (what, word) that differs");
+            assert!(fused[n..2 * n].iter().all(|b| f32::from_le_bytes(*b).is_finite()), "every normed value written");
+        }
     }
 }

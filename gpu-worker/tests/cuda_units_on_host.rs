@@ -41,6 +41,10 @@ static int ld_int_b2(const u8* p) { int v; memcpy(&v, p, 4); return v; }
 static float __fmul_rn(float a, float b) { return a * b; }
 static float __fadd_rn(float a, float b) { return a + b; }
 static float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
+// Declared only: quants.cuh's q8_1_unit, which this check does not call, names them.
+#include <cmath>
+float warp_max(float v);
+int warp_sum_int(int v);
 static int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; ++i) c += (int)(i8)(a >> (8 * i)) * (int)(i8)(b >> (8 * i));
     return c;

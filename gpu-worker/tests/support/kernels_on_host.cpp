@@ -13,6 +13,10 @@
 //   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
 //     starts as 0xab), at slots given as offsets into it, as `host_map::store_in_place`
 //     does; out: the arena's bytes.
+//   7 the fused decode kernels against the ones they fuse, on the same rows: rms_norm_fused
+//     (with and without the residual add, with Q8_1 units) against add_assign, rms_norm and
+//     quantize_q8_1; silu_mul_q8 against silu_mul and quantize_q8_1; out: for each way, x
+//     after the add, the normed rows, their units, then g and its units.
 //   6 dequant_f16_* of one quantised weight type: rows row0..row0 + rows to f16, launched as
 //     `Launcher::dequant_f16` launches it; out: the f16 values.
 
@@ -148,6 +152,42 @@ static void arena_rows() {
     write_vec(arena);
 }
 
+static void fused() {
+    int rows = read_one<int>(), cols = read_one<int>(), add = read_one<int>();
+    float eps = read_one<float>();
+    auto x = read_vec<float>((size_t)rows * cols);
+    auto y = read_vec<float>((size_t)rows * cols);
+    auto w = read_vec<float>((size_t)cols);
+    auto g = read_vec<float>((size_t)rows * cols);
+    auto u = read_vec<float>((size_t)rows * cols);
+    int units = rows * cols / 32;
+    size_t n = (size_t)rows * cols;
+    dim3 q8_grid{(unsigned)(units + MV_WARPS - 1) / MV_WARPS}, q8_block{32, MV_WARPS};
+    // The separate kernels.
+    auto x1 = x;
+    std::vector<float> out1(n, NAN), g1 = g;
+    std::vector<BlockQ8_1> q1(units), qg1(units);
+    if (add) launch(dim3{(unsigned)((n + 255) / 256)}, dim3{256}, [&] { add_assign(x1.data(), y.data(), n); });
+    launch(dim3{(unsigned)rows}, dim3{NORM_THREADS}, [&] { rms_norm(x1.data(), w.data(), out1.data(), cols, eps); });
+    launch(q8_grid, q8_block, [&] { quantize_q8_1(out1.data(), q1.data(), units); });
+    launch(dim3{(unsigned)((n + 255) / 256)}, dim3{256}, [&] { silu_mul(g1.data(), u.data(), n); });
+    launch(q8_grid, q8_block, [&] { quantize_q8_1(g1.data(), qg1.data(), units); });
+    // The fused ones.
+    auto x2 = x;
+    std::vector<float> out2(n, NAN), g2 = g;
+    std::vector<BlockQ8_1> q2(units), qg2(units);
+    launch(dim3{(unsigned)rows}, dim3{NORM_THREADS}, [&] { rms_norm_fused(x2.data(), add ? y.data() : nullptr, w.data(), out2.data(), q2.data(), cols, eps); });
+    launch(dim3{(unsigned)(units + SILU_Q8_WARPS - 1) / SILU_Q8_WARPS}, dim3{32, SILU_Q8_WARPS}, [&] { silu_mul_q8(g2.data(), u.data(), qg2.data(), units); });
+    for (auto* way : {&x1, &out1}) write_vec(*way);
+    write_vec(q1);
+    write_vec(g1);
+    write_vec(qg1);
+    for (auto* way : {&x2, &out2}) write_vec(*way);
+    write_vec(q2);
+    write_vec(g2);
+    write_vec(qg2);
+}
+
 static void dequant() {
     int ty = read_one<int>(), cols = read_one<int>(), row0 = read_one<int>(), rows = read_one<int>();
     auto w = read_vec<u8>((size_t)read_one<int>());
@@ -178,6 +218,7 @@ int main() {
         case 4: expert_rows(); break;
         case 5: arena_rows(); break;
         case 6: dequant(); break;
+        case 7: fused(); break;
         default: return 3;
     }
     return 0;

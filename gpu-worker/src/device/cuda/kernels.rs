@@ -71,7 +71,7 @@ pub const FILES: [KernelFile; 4] = [
     KernelFile {
         name: "ops.cu",
         body: include_str!("kernels/ops.cu"),
-        entries: &["rms_norm", "rope", "silu_mul", "add_assign", "add_bias", "to_f16", "gather_rows", "scatter_add_scaled", "argmax_rows"],
+        entries: &["rms_norm", "rms_norm_fused", "rope", "silu_mul", "silu_mul_q8", "add_assign", "add_bias", "to_f16", "gather_rows", "scatter_add_scaled", "argmax_rows"],
     },
     KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "kv_to_arena", "attn_partial", "attn_merge", "attn_prefill", "attn_prefill_mma"] },
 ];

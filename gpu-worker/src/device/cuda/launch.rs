@@ -29,6 +29,8 @@ pub const MV_PASS_ROWS: usize = 64;
 const MV_WARPS: u32 = 4;
 /// Threads per row of `rms_norm` (`NORM_THREADS` in ops.cu).
 const NORM_THREADS: u32 = 256;
+/// Warps per block of `silu_mul_q8` (`SILU_Q8_WARPS` in ops.cu).
+const SILU_Q8_WARPS: u32 = 4;
 /// Threads per row of `argmax_rows` (`ARGMAX_THREADS` in ops.cu).
 const ARGMAX_THREADS: u32 = 256;
 /// Bytes of one Q8_1 activation unit (`BlockQ8_1` in quants.cuh: d, s, 32 quants).
@@ -85,6 +87,12 @@ pub struct Acts<'a> {
 impl<'a> Acts<'a> {
     pub fn new(x: &'a CudaSlice<f32>, n: usize, cols: usize) -> Self {
         Acts { x, n, cols, q8: None, h: None }
+    }
+
+    /// With their Q8_1 units made already (by a fused kernel: [`Launcher::norm_fused`],
+    /// [`Launcher::silu_mul_q8`]).
+    pub fn with_q8(x: &'a CudaSlice<f32>, n: usize, cols: usize, q8: Option<CudaSlice<u8>>) -> Self {
+        Acts { x, n, cols, q8, h: None }
     }
 }
 
@@ -326,6 +334,59 @@ impl Launcher {
         // SAFETY: x and out hold n_rows rows of cols.
         unsafe { b.launch(cfg) }?;
         Ok(out)
+    }
+
+    /// Whether a product of `n` activation rows with `w` runs the matrix-vector kernels on
+    /// Q8_1 units (else cuBLAS, or the float kernels).
+    pub fn takes_q8(&self, w: &GpuWeight, n: usize) -> bool {
+        quant_suffix(w.ty).is_some() && n <= self.mv_pass_rows
+    }
+
+    /// [`Launcher::rms_norm`] of `x`'s rows fused with what surrounds it in a decode layer, in
+    /// one launch: with `add`, `x += add` first (the residual, written back); with `q8`, the
+    /// normed rows' Q8_1 units as well (what [`Acts::with_q8`] takes; the rows must be whole
+    /// units). Bit for bit the separate kernels.
+    pub fn norm_fused(&self, x: &mut CudaSlice<f32>, add: Option<&CudaSlice<f32>>, weight: &CudaSlice<f32>, n_rows: usize, eps: f32, q8: bool) -> Result<(CudaSlice<f32>, Option<CudaSlice<u8>>), CudaError> {
+        let cols = weight.len();
+        debug_assert!(!q8 || cols % 32 == 0);
+        let mut out = self.alloc(n_rows * cols)?;
+        // SAFETY: the kernel writes every unit of every row.
+        let mut units = if q8 { Some(unsafe { self.stream.alloc::<u8>(n_rows * cols / 32 * Q8_1_BYTES) }?) } else { None };
+        let cols_i = cols as i32;
+        let (null_f, null_q) = (0u64, 0u64);
+        let mut b = self.stream.launch_builder(self.f("rms_norm_fused")?);
+        b.arg(x);
+        match add {
+            Some(y) => b.arg(y),
+            None => b.arg(&null_f),
+        };
+        b.arg(weight).arg(&mut out);
+        match units.as_mut() {
+            Some(u) => b.arg(u),
+            None => b.arg(&null_q),
+        };
+        b.arg(&cols_i).arg(&eps);
+        let cfg = LaunchConfig { grid_dim: (n_rows as u32, 1, 1), block_dim: (NORM_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: x, add and out hold n_rows rows of cols; units (when asked) n_rows · cols / 32
+        // Q8_1 units; a null pointer stands for a missing add or units, as the kernel expects.
+        unsafe { b.launch(cfg) }?;
+        Ok((out, units))
+    }
+
+    /// [`Launcher::silu_mul`] with `g`'s Q8_1 units made in the same launch (rows of whole
+    /// units), for the down projection's matrix-vector product.
+    pub fn silu_mul_q8(&self, g: &mut CudaSlice<f32>, u: &CudaSlice<f32>) -> Result<CudaSlice<u8>, CudaError> {
+        let units = g.len() / 32;
+        debug_assert!(g.len() % 32 == 0 && u.len() == g.len());
+        // SAFETY: the kernel writes every unit.
+        let mut q8 = unsafe { self.stream.alloc::<u8>(units * Q8_1_BYTES) }?;
+        let units_i = units as i32;
+        let mut b = self.stream.launch_builder(self.f("silu_mul_q8")?);
+        b.arg(g).arg(u).arg(&mut q8).arg(&units_i);
+        let cfg = LaunchConfig { grid_dim: ((units as u32).div_ceil(SILU_Q8_WARPS), 1, 1), block_dim: (32, SILU_Q8_WARPS, 1), shared_mem_bytes: 0 };
+        // SAFETY: g and u hold units · 32 values; q8 has room for as many units.
+        unsafe { b.launch(cfg) }?;
+        Ok(q8)
     }
 
     /// RoPE in place on `x` (`[row][n_heads][head_dim]`) with the rows' (cos, sin) tables:

@@ -404,8 +404,10 @@ impl CudaDevice {
     fn qkv_on_gpu(&self, l: usize, b: &mut CudaBatch) -> Result<GpuQkv> {
         let c = &self.m.config;
         let layer = self.layer(l)?;
-        let xn = self.k.rms_norm(&b.x, &layer.attn_norm, b.n, c.rms_eps)?;
-        let mut acts = Acts::new(&xn, b.n, c.n_embd);
+        // The norm and, for the matrix-vector kernels, its Q8_1 units in one launch.
+        let q8 = self.k.takes_q8(&layer.wq, b.n);
+        let (xn, units) = self.k.norm_fused(&mut b.x, None, &layer.attn_norm, b.n, c.rms_eps, q8)?;
+        let mut acts = Acts::with_q8(&xn, b.n, c.n_embd, units);
         let mut q = self.k.linear(&layer.wq, &mut acts)?;
         let mut k = self.k.linear(&layer.wk, &mut acts)?;
         let mut v = self.k.linear(&layer.wv, &mut acts)?;
@@ -430,15 +432,23 @@ impl CudaDevice {
         let layer = self.layer(l)?;
         let t = Instant::now();
         let o = self.k.linear(&layer.wo, &mut Acts::new(a, b.n, c.q_dim()))?;
-        self.k.add_assign(&mut b.x, &o)?;
-        let xn = self.k.rms_norm(&b.x, &layer.ffn_norm, b.n, c.rms_eps)?;
-        let mut acts = Acts::new(&xn, b.n, c.n_embd);
+        // The residual add, the norm and its Q8_1 units (for a dense MLP's matrix-vector
+        // kernels) in one launch.
+        let q8 = matches!(&layer.ffn, GpuFfn::Dense { gate, .. } if self.k.takes_q8(gate, b.n));
+        let (xn, units) = self.k.norm_fused(&mut b.x, Some(&o), &layer.ffn_norm, b.n, c.rms_eps, q8)?;
+        let mut acts = Acts::with_q8(&xn, b.n, c.n_embd, units);
         let down = match &layer.ffn {
             GpuFfn::Dense { gate, up, down } => {
                 let mut g = self.k.linear(gate, &mut acts)?;
                 let u = self.k.linear(up, &mut acts)?;
-                self.k.silu_mul(&mut g, &u)?;
-                self.k.linear(down, &mut Acts::new(&g, b.n, c.n_ff))?
+                let units = match self.k.takes_q8(down, b.n) {
+                    true => Some(self.k.silu_mul_q8(&mut g, &u)?),
+                    false => {
+                        self.k.silu_mul(&mut g, &u)?;
+                        None
+                    }
+                };
+                self.k.linear(down, &mut Acts::with_q8(&g, b.n, c.n_ff, units))?
             }
             GpuFfn::Moe { router } => {
                 // The router on the GPU; the normed rows and its logits cross to the host,

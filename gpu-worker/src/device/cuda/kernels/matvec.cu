@@ -25,18 +25,7 @@ extern "C" __global__ void __launch_bounds__(WARP * MV_WARPS)
 quantize_q8_1(const float* __restrict__ x, BlockQ8_1* __restrict__ out, int units) {
     int unit = blockIdx.x * MV_WARPS + threadIdx.y;
     if (unit >= units) return;
-    int lane = threadIdx.x;
-    float v = x[(size_t)unit * WARP + lane];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int q = (int)roundf(v * id);
-    int sum = warp_sum_int(q);
-    ((i8*)out[unit].qs)[lane] = (i8)q;
-    if (lane == 0) {
-        out[unit].d = d;
-        out[unit].s = d * (float)sum;
-    }
+    q8_1_unit(x[(size_t)unit * WARP + threadIdx.x], out + unit, threadIdx.x);
 }
 
 // y[t][row] = dot(weight row `row`, activation row t) for t < n_tok: quantised weights.

@@ -2,6 +2,16 @@
 
 #define NORM_THREADS 256
 
+// The block's sum of `sum` (a thread's share of a row's squares), in every thread.
+__device__ __forceinline__ float norm_block_sum(float sum, float* partial) {
+    sum = warp_sum(sum);
+    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+    if (lane == 0) partial[wid] = sum;
+    __syncthreads();
+    sum = lane < NORM_THREADS / WARP ? partial[lane] : 0.0f;
+    return warp_sum(sum);
+}
+
 // out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w, one block of NORM_THREADS per row.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int cols, float eps) {
@@ -10,14 +20,43 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __rest
     float* orow = out + (size_t)blockIdx.x * cols;
     float sum = 0.0f;
     for (int c = threadIdx.x; c < cols; c += NORM_THREADS) sum += xr[c] * xr[c];
-    sum = warp_sum(sum);
-    int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
-    if (lane == 0) partial[wid] = sum;
-    __syncthreads();
-    sum = lane < NORM_THREADS / WARP ? partial[lane] : 0.0f;
-    sum = warp_sum(sum);
-    float scale = 1.0f / sqrtf(sum / (float)cols + eps);
+    float scale = 1.0f / sqrtf(norm_block_sum(sum, partial) / (float)cols + eps);
     for (int c = threadIdx.x; c < cols; c += NORM_THREADS) orow[c] = (xr[c] * scale) * w[c];
+}
+
+// rms_norm fused with what goes around it in a decode layer, bit for bit the separate kernels:
+// with `y`, first x[r] += y[r] (the residual add before the norm; x written back); then the
+// norm into `out`; with `q8`, the normed row also as Q8_1 units, as quantize_q8_1 makes them
+// (cols a multiple of 32), for the matrix-vector products that follow. A thread takes the
+// columns tid, tid + NORM_THREADS, ... in every loop, so it reads only what it wrote.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rms_norm_fused(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out, BlockQ8_1* __restrict__ q8,
+               int cols, float eps) {
+    __shared__ float partial[NORM_THREADS / WARP];
+    float* xr = x + (size_t)blockIdx.x * cols;
+    float* orow = out + (size_t)blockIdx.x * cols;
+    float sum = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += NORM_THREADS) {
+        float v = xr[c];
+        if (y) {
+            v += y[(size_t)blockIdx.x * cols + c];
+            xr[c] = v;
+        }
+        sum += v * v;
+    }
+    float scale = 1.0f / sqrtf(norm_block_sum(sum, partial) / (float)cols + eps);
+    if (!q8) {
+        for (int c = threadIdx.x; c < cols; c += NORM_THREADS) orow[c] = (xr[c] * scale) * w[c];
+        return;
+    }
+    // A warp per unit of 32 columns (unit u's lane l is column tid + NORM_THREADS * k).
+    int lane = threadIdx.x % WARP, units = cols / WARP;
+    for (int u = threadIdx.x / WARP; u < units; u += NORM_THREADS / WARP) {
+        int c = u * WARP + lane;
+        float v = (xr[c] * scale) * w[c];
+        orow[c] = v;
+        q8_1_unit(v, q8 + (size_t)blockIdx.x * units + u, lane);
+    }
 }
 
 // RoPE in place: pairs (2i, 2i+1) (normal) or (i, i + n_rot/2) (NeoX, `neox` != 0), i <
@@ -39,12 +78,28 @@ extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__
     h[b] = x0 * s + x1 * c;
 }
 
+__device__ __forceinline__ float silu_times(float g, float u) {
+    return g / (1.0f + expf(-g)) * u;
+}
+
 // g = silu(g) * u, element-wise.
 extern "C" __global__ void silu_mul(float* __restrict__ g, const float* __restrict__ u, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float v = g[i];
-    g[i] = v / (1.0f + expf(-v)) * u[i];
+    g[i] = silu_times(g[i], u[i]);
+}
+
+// silu_mul, and g's units of 32 as Q8_1 (quantize_q8_1's), for the down projection's
+// matrix-vector product. A warp per unit, SILU_Q8_WARPS warps a block.
+#define SILU_Q8_WARPS 4
+extern "C" __global__ void __launch_bounds__(WARP * SILU_Q8_WARPS)
+silu_mul_q8(float* __restrict__ g, const float* __restrict__ u, BlockQ8_1* __restrict__ q8, int units) {
+    int unit = blockIdx.x * SILU_Q8_WARPS + threadIdx.y;
+    if (unit >= units) return;
+    size_t i = (size_t)unit * WARP + threadIdx.x;
+    float v = silu_times(g[i], u[i]);
+    g[i] = v;
+    q8_1_unit(v, q8 + unit, threadIdx.x);
 }
 
 // x += y, element-wise.

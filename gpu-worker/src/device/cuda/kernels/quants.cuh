@@ -23,6 +23,21 @@ struct BlockQ8_1 {
     int qs[8];
 };
 
+// One unit of 32 activations, one a lane, to Q8_1 (the whole warp calls it): scale amax / 127,
+// quants round(v / scale), s = scale * their sum.
+__device__ __forceinline__ void q8_1_unit(float v, BlockQ8_1* __restrict__ out, int lane) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int q = (int)roundf(v * id);
+    int sum = warp_sum_int(q);
+    ((i8*)out->qs)[lane] = (i8)q;
+    if (lane == 0) {
+        out->d = d;
+        out->s = d * (float)sum;
+    }
+}
+
 // Bytes of a block and elements per block, per weight type.
 template <int T> struct Fmt;
 template <> struct Fmt<T_Q4_0> { static const int bytes = 18, elems = 32; };
