@@ -1,4 +1,5 @@
-//! The CUDA device's attention, greedy-sampling, decode matrix-vector and expert-row kernels checked on any machine: the kernel
+//! The CUDA device's kernels checked on any machine (attention, greedy sampling, decode
+//! products, expert rows, dequantisation, the fused decode steps, RoPE, in-place K/V): the kernel
 //! files compile as host C++ with `support/cuda_on_host.h` (every thread of a block an OS
 //! thread, `__syncthreads` and the warp shuffles barriers; see the header) and run, launched
 //! as the CUDA device launches them, by `support/kernels_on_host.cpp`:
@@ -9,7 +10,7 @@
 //!   cap; and `attn_prefill` on tiles of prefill rows over their causal prefixes, with and
 //!   without a sliding window, beside them (each writing its items' slots): against the exact
 //!   attention (f64) of the same f16 K/V, outputs within 2e-6, log-sum-exps within 2e-6
-//!   relative;
+//!   relative; and `attn_prefill_mma` on the same tiles, its `mma.sync` emulated;
 //! - `argmax_rows` against the host's greedy sampler (`sampler::argmax`): ties, NaNs,
 //!   nothing above minus infinity;
 //! - `quantize_q8_1` and the `mmvq_*` kernels of every quantised weight type (decode-sized
@@ -20,6 +21,8 @@
 //!   bit the CPU's dequantisation rounded to f16, for a slice of rows;
 //! - the fused decode kernels (`rms_norm_fused`: residual add, norm and Q8_1 units in one
 //!   launch; `silu_mul_q8`) against the kernels they fuse: bit for bit;
+//! - `rope` on a batch's queries and keys in one launch, against the CPU's RoPE (normal and
+//!   NeoX pairs, a partial rotation): within 1e-6;
 //! - `kv_to_arena`, the GPU's K/V rows written into a cpu-worker's arena in place: byte for
 //!   byte what the host writes there (f16 and Q8_0 arenas, rounding ties included), nothing
 //!   else touched.
@@ -478,6 +481,37 @@ fn the_fused_decode_kernels_compute_what_the_separate_ones_do() {
             }
             assert_eq!(first_diff, None, "rows {rows} of {cols}, add {add}: (what, word) that differs");
             assert!(fused[n..2 * n].iter().all(|b| f32::from_le_bytes(*b).is_finite()), "every normed value written");
+        }
+    }
+}
+
+/// `rope` turns a batch's queries and keys (heads of each a row) in one launch as the CPU's
+/// `Rope` does: normal and NeoX pairs, 32 of 64 dimensions rotated, per-pair divisors.
+#[test]
+fn rope_turns_queries_and_keys_as_the_cpu_does() {
+    use duet_kernels::ops::Rope;
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(37);
+    let (q_heads, k_heads, hd, n_rot) = (9usize, 3usize, 64usize, 32usize);
+    let rope = Rope::new(n_rot, 10000.0, 0.5, Some((0..n_rot / 2).map(|i| 1.0 + i as f32 / 4.0).collect()));
+    let positions = [0usize, 1, 17, 300, 4095];
+    let mut vals = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    let (q, k) = (vals(positions.len() * q_heads * hd), vals(positions.len() * k_heads * hd));
+    let tables: Vec<f32> = positions.iter().flat_map(|&p| rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
+    for neox in [false, true] {
+        let mut input = Input::default();
+        input.i32(8).i32(positions.len()).i32(q_heads).i32(k_heads).i32(hd).i32(n_rot).i32(usize::from(neox)).f32s(&q).f32s(&k).f32s(&tables);
+        let got: Vec<f32> = run(exe, &input).iter().map(|b| f32::from_le_bytes(*b)).collect();
+        let (gq, gk) = got.split_at(q.len());
+        let apply = if neox { Rope::apply_neox } else { Rope::apply };
+        for (what, got, x, heads) in [("queries", gq, &q, q_heads), ("keys", gk, &k, k_heads)] {
+            let mut want = x.clone();
+            for (row, &p) in want.chunks_exact_mut(heads * hd).zip(&positions) {
+                let t = rope.table(p);
+                row.chunks_exact_mut(hd).for_each(|h| apply(&t, &mut h[..n_rot]));
+            }
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst <= 1e-6, "rope (neox {neox}) of the {what}: off by {worst}");
         }
     }
 }

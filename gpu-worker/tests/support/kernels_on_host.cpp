@@ -1,11 +1,12 @@
-// The CUDA kernels of attention.cu, ops.cu, matvec.cu and dequant.cu run on the host (cuda_on_host.h), launched as
-// the CUDA device launches them (`device::cuda::mirror`, `device::cuda::launch`), for
-// gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
+// The CUDA kernels of attention.cu, ops.cu, matvec.cu and dequant.cu run on the host
+// (cuda_on_host.h), launched as the CUDA device launches them (`device::cuda::mirror`,
+// `device::cuda::launch`), for gpu-worker/tests/cuda_kernels_on_host.rs. stdin: a command and its inputs; stdout: the
 // kernel's outputs.
 //
 //   1 attention: the K/V rows stored into a page pool (kv_store), then attn_prefill (or, when
 //     asked, attn_prefill_mma on the emulated tensor cores) over the tiles given and
-//     attn_partial and attn_merge over the single items given, as `KvMirror::launch` does; out: every item's output rows and log-sum-exps.
+//     attn_partial and attn_merge over the single items given, as `KvMirror::launch` does;
+//     out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
 //   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
 //   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
@@ -13,12 +14,13 @@
 //   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
 //     starts as 0xab), at slots given as offsets into it, as `host_map::store_in_place`
 //     does; out: the arena's bytes.
+//   6 dequant_f16_* of one quantised weight type: rows row0..row0 + rows to f16, launched as
+//     `Launcher::dequant_f16` launches it; out: the f16 values.
 //   7 the fused decode kernels against the ones they fuse, on the same rows: rms_norm_fused
 //     (with and without the residual add, with Q8_1 units) against add_assign, rms_norm and
 //     quantize_q8_1; silu_mul_q8 against silu_mul and quantize_q8_1; out: for each way, x
 //     after the add, the normed rows, their units, then g and its units.
-//   6 dequant_f16_* of one quantised weight type: rows row0..row0 + rows to f16, launched as
-//     `Launcher::dequant_f16` launches it; out: the f16 values.
+//   8 rope on a batch's queries and keys in one launch; out: q, then k.
 
 #include "cuda_on_host.h"
 
@@ -188,6 +190,18 @@ static void fused() {
     write_vec(qg2);
 }
 
+static void rope_qk() {
+    int rows = read_one<int>(), q_heads = read_one<int>(), k_heads = read_one<int>(), head_dim = read_one<int>(), n_rot = read_one<int>(),
+        neox = read_one<int>();
+    auto q = read_vec<float>((size_t)rows * q_heads * head_dim);
+    auto k = read_vec<float>((size_t)rows * k_heads * head_dim);
+    auto tables = read_vec<float>((size_t)rows * n_rot);
+    size_t n = (size_t)rows * (q_heads + k_heads) * (n_rot / 2);
+    launch(dim3{(unsigned)((n + 255) / 256)}, dim3{256}, [&] { rope(q.data(), k.data(), tables.data(), rows, q_heads, k_heads, head_dim, n_rot, neox); });
+    write_vec(q);
+    write_vec(k);
+}
+
 static void dequant() {
     int ty = read_one<int>(), cols = read_one<int>(), row0 = read_one<int>(), rows = read_one<int>();
     auto w = read_vec<u8>((size_t)read_one<int>());
@@ -219,6 +233,7 @@ int main() {
         case 5: arena_rows(); break;
         case 6: dequant(); break;
         case 7: fused(); break;
+        case 8: rope_qk(); break;
         default: return 3;
     }
     return 0;

@@ -389,15 +389,17 @@ impl Launcher {
         Ok(q8)
     }
 
-    /// RoPE in place on `x` (`[row][n_heads][head_dim]`) with the rows' (cos, sin) tables:
-    /// normal pairs, or NeoX's with `neox`.
+    /// RoPE in place on a batch's queries `q` and keys `k` (`[row][heads][head_dim]`, `q_heads`
+    /// and `k_heads` a row) with the rows' (cos, sin) tables, in one launch: normal pairs, or
+    /// NeoX's with `neox`.
     #[allow(clippy::too_many_arguments)] // the kernel's arguments, one each
-    pub fn rope(&self, x: &mut CudaSlice<f32>, tables: &CudaSlice<f32>, n_rows: usize, n_heads: usize, head_dim: usize, n_rot: usize, neox: bool) -> Result<(), CudaError> {
-        let (r, h, d, nr, nx) = (n_rows as i32, n_heads as i32, head_dim as i32, n_rot as i32, i32::from(neox));
+    pub fn rope(&self, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, tables: &CudaSlice<f32>, n_rows: usize, q_heads: usize, k_heads: usize, head_dim: usize, n_rot: usize, neox: bool) -> Result<(), CudaError> {
+        let (r, qh, kh, d, nr, nx) = (n_rows as i32, q_heads as i32, k_heads as i32, head_dim as i32, n_rot as i32, i32::from(neox));
         let mut b = self.stream.launch_builder(self.f("rope")?);
-        b.arg(x).arg(tables).arg(&r).arg(&h).arg(&d).arg(&nr).arg(&nx);
-        // SAFETY: x holds n_rows * n_heads * head_dim; tables n_rows * n_rot pairs' halves.
-        unsafe { b.launch(grid_1d(n_rows * n_heads * (n_rot / 2))) }?;
+        b.arg(q).arg(k).arg(tables).arg(&r).arg(&qh).arg(&kh).arg(&d).arg(&nr).arg(&nx);
+        // SAFETY: q holds n_rows * q_heads * head_dim, k n_rows * k_heads * head_dim; tables
+        // n_rows * n_rot pairs' halves.
+        unsafe { b.launch(grid_1d(n_rows * (q_heads + k_heads) * (n_rot / 2))) }?;
         Ok(())
     }
 

@@ -421,8 +421,7 @@ impl CudaDevice {
             q = self.k.rms_norm(&q, qn, b.n * c.q_dim() / qn.len(), c.rms_eps)?;
             k = self.k.rms_norm(&k, kn, b.n * c.kv_dim() / kn.len(), c.rms_eps)?;
         }
-        self.k.rope(&mut q, &b.tables, b.n, c.n_head, c.head_dim, c.n_rot, c.rope_neox)?;
-        self.k.rope(&mut k, &b.tables, b.n, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
+        self.k.rope(&mut q, &mut k, &b.tables, b.n, c.n_head, c.n_kv_head, c.head_dim, c.n_rot, c.rope_neox)?;
         Ok(GpuQkv { q, k, v })
     }
 

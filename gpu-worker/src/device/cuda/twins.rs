@@ -199,22 +199,26 @@ fn row_ops_match_the_cpu() {
         rms_norm(xr, &w, 1e-5, o);
     }
     close("rms_norm", &got, &want, 1e-5);
-    // RoPE with per-pair divisors, 9 heads of 64, 32 dimensions rotated.
-    let (heads, hd, n_rot) = (9, 64, 32);
+    // RoPE with per-pair divisors, 9 query and 3 key heads of 64 in one launch, 32 dimensions
+    // rotated.
+    let (q_heads, k_heads, hd, n_rot) = (9, 3, 64, 32);
     let rope = Rope::new(n_rot, 10000.0, 0.5, Some((0..n_rot / 2).map(|i| 1.0 + i as f32 / 4.0).collect()));
     let positions = [0usize, 1, 17, 300, 4095];
-    let q: Vec<f32> = (0..positions.len() * heads * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let rows = |heads: usize, rng: &mut rand::rngs::StdRng| -> Vec<f32> { (0..positions.len() * heads * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    let (q, kr) = (rows(q_heads, &mut rng), rows(k_heads, &mut rng));
     let tables: Vec<f32> = positions.iter().flat_map(|&p| rope.table(p)).flat_map(|(c, s)| [c, s]).collect();
     for neox in [false, true] {
-        let mut qd = k.stream.clone_htod(&q).unwrap();
-        k.rope(&mut qd, &k.stream.clone_htod(&tables).unwrap(), positions.len(), heads, hd, n_rot, neox).unwrap();
-        let mut want = q.clone();
+        let (mut qd, mut kd) = (k.stream.clone_htod(&q).unwrap(), k.stream.clone_htod(&kr).unwrap());
+        k.rope(&mut qd, &mut kd, &k.stream.clone_htod(&tables).unwrap(), positions.len(), q_heads, k_heads, hd, n_rot, neox).unwrap();
         let apply = if neox { Rope::apply_neox } else { Rope::apply };
-        for (row, &p) in want.chunks_exact_mut(heads * hd).zip(&positions) {
-            let t = rope.table(p);
-            row.chunks_exact_mut(hd).for_each(|h| apply(&t, &mut h[..n_rot]));
+        for (what, got, x, heads) in [("queries", &qd, &q, q_heads), ("keys", &kd, &kr, k_heads)] {
+            let mut want = x.clone();
+            for (row, &p) in want.chunks_exact_mut(heads * hd).zip(&positions) {
+                let t = rope.table(p);
+                row.chunks_exact_mut(hd).for_each(|h| apply(&t, &mut h[..n_rot]));
+            }
+            close(&format!("rope{} of the {what}", if neox { " (NeoX)" } else { "" }), &down(&k, got), &want, 1e-6);
         }
-        close(if neox { "rope (NeoX)" } else { "rope" }, &down(&k, &qd), &want, 1e-6);
     }
     // SiLU-mul, residual add, row gathering.
     let u: Vec<f32> = (0..n * d).map(|_| rng.random_range(-3.0f32..3.0)).collect();

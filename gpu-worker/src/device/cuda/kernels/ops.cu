@@ -59,19 +59,21 @@ rms_norm_fused(float* __restrict__ x, const float* __restrict__ y, const float* 
     }
 }
 
-// RoPE in place: pairs (2i, 2i+1) (normal) or (i, i + n_rot/2) (NeoX, `neox` != 0), i <
-// n_rot / 2, of every head of every row, rotated by the row's table ([row][n_rot / 2] of
-// (cos, sin), computed on the host as the CPU device computes it). One thread per pair.
-extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ tables, int n_rows, int n_heads, int head_dim,
-                                int n_rot, int neox) {
-    int half = n_rot / 2;
+// RoPE in place on a row's queries and keys together: pairs (2i, 2i+1) (normal) or (i, i +
+// n_rot/2) (NeoX, `neox` != 0), i < n_rot / 2, of every head of every row of q (n_q_heads a
+// row) and of k (n_k_heads), rotated by the row's table ([row][n_rot / 2] of (cos, sin),
+// computed on the host as the CPU device computes it). One thread per pair.
+extern "C" __global__ void rope(float* __restrict__ q, float* __restrict__ k, const float* __restrict__ tables, int n_rows, int n_q_heads,
+                                int n_k_heads, int head_dim, int n_rot, int neox) {
+    int half = n_rot / 2, heads = n_q_heads + n_k_heads;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n_rows * n_heads * half) return;
+    if (i >= (size_t)n_rows * heads * half) return;
     int p = (int)(i % half);
     size_t rh = i / half;
-    size_t row = rh / n_heads;
+    size_t row = rh / heads;
+    int head = (int)(rh % heads);
     float c = tables[(row * half + p) * 2], s = tables[(row * half + p) * 2 + 1];
-    float* h = x + rh * head_dim;
+    float* h = head < n_q_heads ? q + (row * n_q_heads + head) * head_dim : k + (row * n_k_heads + (head - n_q_heads)) * head_dim;
     int a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
     float x0 = h[a], x1 = h[b];
     h[a] = x0 * c - x1 * s;
