@@ -18,6 +18,7 @@
 //! Q8_0/Q8_K as ggml does) and to f16 for cuBLAS, and sums run in another order, so logits
 //! match the CPU device's within a tolerance, not bit for bit; dequantisation is exact.
 
+mod budget;
 mod gpu_experts;
 mod host_map;
 mod kernels;
@@ -42,6 +43,7 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 
 pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FILES as KERNEL_FILES};
+pub use budget::{set_kv_budget, set_memory_budget, usable_bytes, WORKSPACE_BYTES};
 pub use gpu_experts::{room as expert_room, set_expert_slots};
 pub use probe::{probe, Gpu};
 
@@ -58,45 +60,11 @@ use crate::error::{Result, GpuWorkerError};
 
 pub use crate::error::CudaError;
 
-/// The GPU memory the device may use (`--gpu-mem-bytes`), set once for the process before a
-/// model loads: a budget below the card's, e.g. to measure what fits a 16 GB card on a
-/// bigger one, or to leave room to other programs. Stage A checks the weights and the
-/// dequantisation workspace against it at load (activations take a few MiB more).
-static MEMORY_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-
-/// Sets the process's GPU memory budget; false if one was already set.
-pub fn set_memory_budget(bytes: usize) -> bool {
-    MEMORY_BUDGET.set(bytes).is_ok()
-}
-
-/// The GPU memory the KV mirror may take (`--gpu-kv-bytes`), set once for the process.
-static KV_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-
-/// Sets the process's KV mirror budget (0: no mirror, attention on the host as at stage A);
-/// false if one was already set.
-pub fn set_kv_budget(bytes: usize) -> bool {
-    KV_BUDGET.set(bytes).is_ok()
-}
-
-/// GPU memory left for activations, cuBLAS and attention's partial results when the KV
-/// mirror takes the rest by default.
-const ACTIVATION_RESERVE: usize = 768 << 20;
-
 /// The most K/V rows' bytes the whole-layer path keeps on the GPU before storing them into the
-/// caller's KV (twice this at the moment they come down, within [`ACTIVATION_RESERVE`]): a
+/// caller's KV (twice this at the moment they come down, within `budget`'s activation reserve): a
 /// decode step of 64 rows of the 8B shape defers its 32 layers' 16 MiB whole, a 512-row
 /// prefill chunk of the 1B shape comes down every 8 layers.
 const DEFERRED_KV_BYTES: usize = 16 << 20;
-
-/// GPU memory the device needs besides the weights: the dequantisation workspace (f16).
-pub const WORKSPACE_BYTES: usize = WORKSPACE_ELEMS * 2;
-
-/// The GPU memory the device may use on `gpu`: what is free, or less where
-/// `--gpu-mem-bytes` says.
-pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
-    let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
-    Ok(MEMORY_BUDGET.get().map_or(free, |&b| b.min(free)))
-}
 
 /// The longest prompt slice of one forward pass on the CUDA device (as the CPU's: the
 /// gateway's scheduling and the runner's chunks stay the same across devices).
@@ -195,7 +163,7 @@ impl CudaDevice {
         }
         // The hot experts' slots count as the weights do: a plan of them must always fit.
         let need = m.weight_bytes(&file, &held) + WORKSPACE_BYTES + gpu_experts::room(m.experts.as_ref(), local_experts, held.len());
-        if let Some(&budget) = MEMORY_BUDGET.get().filter(|&&b| need > b) {
+        if let Some(budget) = budget::memory_budget().filter(|&b| need > b) {
             return Err(CudaError::OverBudget { need, budget }.into());
         }
         let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
@@ -261,7 +229,7 @@ impl CudaDevice {
         if reserved > 0 {
             tracing::info!(mib = reserved >> 20, "room for hot experts on the GPU");
         }
-        let mirror = Self::make_mirror(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES, reserved)?;
+        let mirror = budget::mirror_within_budget(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES, reserved)?;
         Ok(CudaDevice {
             gpu,
             k,
@@ -278,37 +246,6 @@ impl CudaDevice {
             attention_events: Mutex::default(),
             in_place_rows: AtomicU64::new(0),
         })
-    }
-
-    /// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
-    /// leaves after `used` bytes and a reserve for activations; none for 0, or heads the
-    /// attention kernel does not take.
-    fn make_mirror(gpu: &Gpu, stream: &Arc<CudaStream>, config: &LlamaConfig, layers: usize, used: usize, reserved: usize) -> Result<Option<Mutex<KvMirror>>> {
-        let shape = super::attn_shape(config);
-        if !KvMirror::supports(&shape) {
-            tracing::info!(head_dim = shape.head_dim, "no KV mirror: the GPU's attention takes even heads of up to {} values; attention on the host", mirror::MAX_HEAD_DIM);
-            return Ok(None);
-        }
-        // `used` is on the GPU already (out of `free`); `reserved`, the hot experts' room, is not yet.
-        let free = gpu.ctx.mem_get_info().map_err(CudaError::from)?.0.saturating_sub(reserved);
-        let left = MEMORY_BUDGET.get().map_or(free, |&b| b.saturating_sub(used + reserved).min(free)).saturating_sub(ACTIVATION_RESERVE);
-        let bytes = match KV_BUDGET.get() {
-            Some(&b) if b > left => {
-                tracing::warn!("--gpu-kv-bytes {b} is over the {left} bytes of GPU memory left; the mirror takes those");
-                left
-            }
-            Some(&b) => b,
-            None => left,
-        };
-        let page = KvMirror::page_bytes(layers, &shape);
-        if bytes < page {
-            tracing::info!(bytes, "no KV mirror (under one page of {page} bytes): attention on the host");
-            return Ok(None);
-        }
-        let sms = gpu.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(CudaError::from)?;
-        let mirror = KvMirror::new(stream, bytes, layers, shape, sms.max(1) as usize)?;
-        tracing::info!(mib = bytes >> 20, positions = mirror.capacity(), "KV mirror on the GPU: attention there");
-        Ok(Some(Mutex::new(mirror)))
     }
 
     /// The GPU's attention of `items` over the mirror: per item its output and per-head

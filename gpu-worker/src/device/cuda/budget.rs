@@ -1,0 +1,83 @@
+//! The CUDA device's GPU memory: what it may use (`--gpu-mem-bytes`), what its KV mirror
+//! takes (`--gpu-kv-bytes`, by default what the weights, the workspace and the hot experts'
+//! room leave), and the reserve kept for activations.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaStream;
+use duet_model::config::LlamaConfig;
+
+use super::launch::WORKSPACE_ELEMS;
+use super::mirror::{self, KvMirror};
+use super::{CudaError, Gpu};
+use crate::error::Result;
+
+/// The GPU memory the device may use (`--gpu-mem-bytes`), set once for the process before a
+/// model loads: a budget below the card's, e.g. to measure what fits a 16 GB card on a
+/// bigger one, or to leave room to other programs. Stage A checks the weights and the
+/// dequantisation workspace against it at load (activations take a few MiB more).
+static MEMORY_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Sets the process's GPU memory budget; false if one was already set.
+pub fn set_memory_budget(bytes: usize) -> bool {
+    MEMORY_BUDGET.set(bytes).is_ok()
+}
+
+/// The GPU memory the KV mirror may take (`--gpu-kv-bytes`), set once for the process.
+static KV_BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+/// Sets the process's KV mirror budget (0: no mirror, attention on the host as at stage A);
+/// false if one was already set.
+pub fn set_kv_budget(bytes: usize) -> bool {
+    KV_BUDGET.set(bytes).is_ok()
+}
+
+/// GPU memory left for activations, cuBLAS and attention's partial results when the KV
+/// mirror takes the rest by default.
+const ACTIVATION_RESERVE: usize = 768 << 20;
+
+/// GPU memory the device needs besides the weights: the dequantisation workspace (f16).
+pub const WORKSPACE_BYTES: usize = WORKSPACE_ELEMS * 2;
+
+/// The GPU memory the device may use on `gpu`: what is free, or less where
+/// `--gpu-mem-bytes` says.
+pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
+    let (free, _) = gpu.ctx.mem_get_info().map_err(CudaError::from)?;
+    Ok(MEMORY_BUDGET.get().map_or(free, |&b| b.min(free)))
+}
+
+/// The budget `--gpu-mem-bytes` set, if any.
+pub fn memory_budget() -> Option<usize> {
+    MEMORY_BUDGET.get().copied()
+}
+
+/// The KV mirror: `--gpu-kv-bytes`, by default what the GPU memory the device may use
+/// leaves after `used` bytes and a reserve for activations; none for 0, or heads the
+/// attention kernel does not take.
+pub fn mirror_within_budget(gpu: &Gpu, stream: &Arc<CudaStream>, config: &LlamaConfig, layers: usize, used: usize, reserved: usize) -> Result<Option<Mutex<KvMirror>>> {
+    let shape = crate::device::attn_shape(config);
+    if !KvMirror::supports(&shape) {
+        tracing::info!(head_dim = shape.head_dim, "no KV mirror: the GPU's attention takes even heads of up to {} values; attention on the host", mirror::MAX_HEAD_DIM);
+        return Ok(None);
+    }
+    // `used` is on the GPU already (out of `free`); `reserved`, the hot experts' room, is not yet.
+    let free = gpu.ctx.mem_get_info().map_err(CudaError::from)?.0.saturating_sub(reserved);
+    let left = MEMORY_BUDGET.get().map_or(free, |&b| b.saturating_sub(used + reserved).min(free)).saturating_sub(ACTIVATION_RESERVE);
+    let bytes = match KV_BUDGET.get() {
+        Some(&b) if b > left => {
+            tracing::warn!("--gpu-kv-bytes {b} is over the {left} bytes of GPU memory left; the mirror takes those");
+            left
+        }
+        Some(&b) => b,
+        None => left,
+    };
+    let page = KvMirror::page_bytes(layers, &shape);
+    if bytes < page {
+        tracing::info!(bytes, "no KV mirror (under one page of {page} bytes): attention on the host");
+        return Ok(None);
+    }
+    let sms = gpu.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(CudaError::from)?;
+    let mirror = KvMirror::new(stream, bytes, layers, shape, sms.max(1) as usize)?;
+    tracing::info!(mib = bytes >> 20, positions = mirror.capacity(), "KV mirror on the GPU: attention there");
+    Ok(Some(Mutex::new(mirror)))
+}
