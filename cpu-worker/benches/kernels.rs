@@ -195,6 +195,20 @@ fn matvec(ty: GgmlType, cols: usize, mib: usize, interleave: bool, rng: &mut ran
     bytes as f64 / t.as_secs_f64() / 1e9
 }
 
+/// A random Q4_K matrix (finite f16 scales: the exponent's top bits of d and dmin cleared)
+/// and its interleaved copy.
+fn random_q4_k(rows: usize, cols: usize, rng: &mut rand::rngs::StdRng) -> (Vec<u8>, Interleaved) {
+    let ty = GgmlType::Q4K;
+    let mut data = vec![0u8; rows * ty.row_bytes(cols)];
+    rng.fill(data.as_mut_slice());
+    for block in data.chunks_exact_mut(ty.block_bytes()) {
+        block[1] &= 0x3b;
+        block[3] &= 0x3b;
+    }
+    let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
+    (data, packed)
+}
+
 /// GB/s of the products of 16 Llama-3.2-1B-shaped layers (Q/K/V together, O, gate and up
 /// together, down; all Q4_K interleaved) with one activation row, and of a parallel sum over
 /// the same number of bytes, timed alternately: the best of 7 of each.
@@ -206,17 +220,7 @@ fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
         .map(|_| {
             shapes
                 .iter()
-                .map(|&(rows, cols)| {
-                    let mut data = vec![0u8; rows * ty.row_bytes(cols)];
-                    rng.fill(data.as_mut_slice());
-                    // Finite f16 scales: clear the exponent's top bits of d and dmin.
-                    for block in data.chunks_exact_mut(ty.block_bytes()) {
-                        block[1] &= 0x3b;
-                        block[3] &= 0x3b;
-                    }
-                    let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
-                    (data, packed)
-                })
+                .map(|&(rows, cols)| random_q4_k(rows, cols, rng))
                 .collect()
         })
         .collect();
@@ -266,13 +270,7 @@ fn expert_layer(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
     let (width, ffn, n_expert, tokens, top_k, layers) = (2048usize, 1024usize, 64usize, 16usize, 8usize, 4usize);
     let ty = GgmlType::Q4K;
     let matrix = |rows: usize, cols: usize, rng: &mut rand::rngs::StdRng| {
-        let mut data = vec![0u8; rows * ty.row_bytes(cols)];
-        rng.fill(data.as_mut_slice());
-        for block in data.chunks_exact_mut(ty.block_bytes()) {
-            block[1] &= 0x3b;
-            block[3] &= 0x3b;
-        }
-        let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
+        let (data, packed) = random_q4_k(rows, cols, rng);
         (data, packed, rows, cols)
     };
     let experts: Vec<Vec<[(Vec<u8>, Interleaved, usize, usize); 3]>> =
