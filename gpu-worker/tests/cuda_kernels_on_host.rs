@@ -426,7 +426,8 @@ fn the_kv_rows_the_gpu_writes_in_place_are_the_hosts() {
 fn dequantised_weights_are_the_cpus_rounded_to_f16() {
     let Some(exe) = harness() else { return };
     let mut rng = rand::rngs::StdRng::seed_from_u64(29);
-    let (rows, cols, row0, n) = (9, 512, 2, 5);
+    // 7 rows of 24 units: a whole block of 128 units and a partial one.
+    let (rows, cols, row0, n) = (10, 768, 2, 7);
     let types = [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
     for ty in types {
         let w: Vec<u8> = (0..rows).flat_map(|_| host_kernels::random_row(ty, cols, &mut rng)).collect();
@@ -448,7 +449,7 @@ fn dequantised_weights_are_the_cpus_rounded_to_f16() {
 }
 
 /// The fused decode kernels compute what the kernels they replace compute, bit for bit:
-/// `rms_norm_fused` (with the residual add or without, with Q8_1 units) against `add_assign`,
+/// `rms_norm_fused` (with the residual add or without, with Q8_1 units or without) against `add_assign`,
 /// `rms_norm` and `quantize_q8_1`; `silu_mul_q8` against `silu_mul` and `quantize_q8_1`. Rows
 /// of 2048 and of 576 (SmolLM2's: units that straddle the norm's thread stride), and of a
 /// zero unit (scale 0).
@@ -468,8 +469,10 @@ fn the_fused_decode_kernels_compute_what_the_separate_ones_do() {
             // Per way: x, the normed rows, their units (40 bytes each), g, its units.
             let units_words = n / 32 * 10;
             let way = 3 * n + 2 * units_words;
-            assert_eq!(words.len(), 2 * way, "rows {rows} of {cols}");
-            let (separate, fused) = words.split_at(way);
+            assert_eq!(words.len(), 2 * way + 2 * n, "rows {rows} of {cols}");
+            let (separate, rest) = words.split_at(way);
+            let (fused, unquantised) = rest.split_at(way);
+            assert_eq!(unquantised, &separate[..2 * n], "rows {rows} of {cols}, add {add}: x and the normed rows without units");
             let names = ["x after the add", "the normed rows", "their Q8_1 units", "g", "g's Q8_1 units"];
             let lens = [n, n, units_words, n, units_words];
             let (mut at, mut first_diff) = (0, None);

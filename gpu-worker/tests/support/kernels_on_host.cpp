@@ -19,7 +19,8 @@
 //   7 the fused decode kernels against the ones they fuse, on the same rows: rms_norm_fused
 //     (with and without the residual add, with Q8_1 units) against add_assign, rms_norm and
 //     quantize_q8_1; silu_mul_q8 against silu_mul and quantize_q8_1; out: for each way, x
-//     after the add, the normed rows, their units, then g and its units.
+//     after the add, the normed rows, their units, then g and its units; then x and the
+//     normed rows of rms_norm_fused without units.
 //   8 rope on a batch's queries and keys in one launch; out: q, then k.
 
 #include "cuda_on_host.h"
@@ -180,6 +181,10 @@ static void fused() {
     std::vector<BlockQ8_1> q2(units), qg2(units);
     launch(dim3{(unsigned)rows}, dim3{NORM_THREADS}, [&] { rms_norm_fused(x2.data(), add ? y.data() : nullptr, w.data(), out2.data(), q2.data(), cols, eps); });
     launch(dim3{(unsigned)(units + SILU_Q8_WARPS - 1) / SILU_Q8_WARPS}, dim3{32, SILU_Q8_WARPS}, [&] { silu_mul_q8(g2.data(), u.data(), qg2.data(), units); });
+    // rms_norm_fused without units (prefill batches, mixtures' layers).
+    auto x3 = x;
+    std::vector<float> out3(n, NAN);
+    launch(dim3{(unsigned)rows}, dim3{NORM_THREADS}, [&] { rms_norm_fused(x3.data(), add ? y.data() : nullptr, w.data(), out3.data(), nullptr, cols, eps); });
     for (auto* way : {&x1, &out1}) write_vec(*way);
     write_vec(q1);
     write_vec(g1);
@@ -188,6 +193,8 @@ static void fused() {
     write_vec(q2);
     write_vec(g2);
     write_vec(qg2);
+    write_vec(x3);
+    write_vec(out3);
 }
 
 static void rope_qk() {
@@ -207,8 +214,7 @@ static void dequant() {
     auto w = read_vec<u8>((size_t)read_one<int>());
     int units = cols / 32;
     std::vector<u16> out((size_t)rows * cols, 0xffff);  // NaN where no thread writes
-    // Blocks of 256 (the device's are 1024: the kernels index by the global thread).
-    dim3 grid{(unsigned)(((size_t)rows * units * DQ_LANES + 255) / 256)}, block{256};
+    dim3 grid{(unsigned)(((size_t)rows * units + DQ_UNITS - 1) / DQ_UNITS)}, block{DQ_UNITS};
     auto run = [&](auto kernel) { launch(grid, block, [&] { kernel(w.data(), row0, rows, units, out.data()); }); };
     switch (ty) {
         case T_Q4_0: run(dequant_f16_q4_0); break;

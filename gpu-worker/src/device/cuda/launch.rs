@@ -35,8 +35,8 @@ const SILU_Q8_WARPS: u32 = 4;
 const ARGMAX_THREADS: u32 = 256;
 /// Bytes of one Q8_1 activation unit (`BlockQ8_1` in quants.cuh: d, s, 32 quants).
 const Q8_1_BYTES: usize = 40;
-/// Threads `dequant_f16_*` gives a unit (`DQ_LANES` in dequant.cu).
-const DQ_LANES: usize = 16;
+/// Units (and threads) of a `dequant_f16_*` block (`DQ_UNITS` in dequant.cu).
+const DQ_UNITS: usize = 128;
 /// Elements of the f16 workspace a weight is dequantised into for cuBLAS (128 MiB).
 pub const WORKSPACE_ELEMS: usize = 64 << 20;
 
@@ -285,8 +285,8 @@ impl Launcher {
                 let mut b = self.stream.launch_builder(self.f(&format!("dequant_f16_{suffix}"))?);
                 b.arg(&w.data).arg(&row0_i).arg(&rows_i).arg(&units_i).arg(out);
                 // SAFETY: `out` holds rows*cols f16 (the callers' chunking); the rows exist.
-                // A thread per pair of a unit's values (`DQ_LANES` in dequant.cu).
-                unsafe { b.launch(grid_1d(rows * units * DQ_LANES)) }?;
+                let blocks = (rows * units).div_ceil(DQ_UNITS) as u32;
+                unsafe { b.launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (DQ_UNITS as u32, 1, 1), shared_mem_bytes: 0 }) }?;
             }
             None => {
                 let (ty, cols) = (w.ty.id() as i32, w.cols as i32);
@@ -339,7 +339,7 @@ impl Launcher {
     /// Whether a product of `n` activation rows with `w` runs the matrix-vector kernels on
     /// Q8_1 units (else cuBLAS, or the float kernels).
     pub fn takes_q8(&self, w: &GpuWeight, n: usize) -> bool {
-        quant_suffix(w.ty).is_some() && n <= self.mv_pass_rows
+        quant_suffix(w.ty).is_some() && n <= self.mv_pass_rows && w.cols % 32 == 0
     }
 
     /// [`Launcher::rms_norm`] of `x`'s rows fused with what surrounds it in a decode layer, in

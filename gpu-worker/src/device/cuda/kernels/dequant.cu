@@ -3,21 +3,30 @@
 // exactly the CPU's dequantised values (before the f16 rounding of the first).
 
 // Rows `row0..row0 + rows` of a quantised weight (n_units per row) -> f16 [rows][n_units*32].
-// One thread per pair of values (DQ_LANES to a unit, each decoding the unit: they read the same
-// bytes), so that a warp writes two whole units, 128 contiguous bytes, where a thread per unit
-// made each of its stores touch 32 lines.
-#define DQ_LANES 16
+// A thread decodes a unit (DQ_UNITS consecutive units a block) into shared memory, and the block
+// then writes its units' 64-byte runs out together, a word a thread: every store of a warp
+// lands in 128 contiguous bytes, where a thread writing its own unit spread each store over
+// 32 lines.
+#define DQ_UNITS 128
+// Words of a unit in shared memory, padded to 17 so that a warp's 32 units meet 32 banks.
+#define DQ_STRIDE 17
 template <int T>
 __device__ __forceinline__ void dequant_f16(const u8* __restrict__ w, int row0, int rows, int n_units, u16* __restrict__ out) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    size_t unit = i / DQ_LANES;
-    if (unit >= (size_t)rows * n_units) return;
-    int pair = (int)(i % DQ_LANES);
-    int row = (int)(unit / n_units), u = (int)(unit % n_units);
-    size_t row_bytes = (size_t)(n_units * WARP / Fmt<T>::elems) * Fmt<T>::bytes;
-    Unit r;
-    load_unit<T>(w + (size_t)(row0 + row) * row_bytes, u, r);
-    ((u32*)(out + unit * WARP))[pair] = (u32)f32_to_f16(unit_value(r, 2 * pair)) | ((u32)f32_to_f16(unit_value(r, 2 * pair + 1)) << 16);
+    __shared__ u32 stage[DQ_UNITS * DQ_STRIDE];
+    size_t unit0 = (size_t)blockIdx.x * DQ_UNITS, total = (size_t)rows * n_units;
+    size_t i = unit0 + threadIdx.x;
+    if (i < total) {
+        int row = (int)(i / n_units), u = (int)(i % n_units);
+        size_t row_bytes = (size_t)(n_units * WARP / Fmt<T>::elems) * Fmt<T>::bytes;
+        Unit r;
+        load_unit<T>(w + (size_t)(row0 + row) * row_bytes, u, r);
+#pragma unroll
+        for (int e = 0; e < WARP / 2; ++e) stage[threadIdx.x * DQ_STRIDE + e] = pack_f16x2(unit_value(r, 2 * e), unit_value(r, 2 * e + 1));
+    }
+    __syncthreads();
+    int here = total - unit0 < DQ_UNITS ? (int)(total - unit0) : DQ_UNITS;
+    u32* o = (u32*)(out + unit0 * WARP);
+    for (int k = threadIdx.x; k < here * (WARP / 2); k += DQ_UNITS) o[k] = stage[(k / (WARP / 2)) * DQ_STRIDE + k % (WARP / 2)];
 }
 
 // Embedding rows of `tokens` (n_tok of them) -> f32 [n_tok][n_units*32]. One thread per unit.
