@@ -269,11 +269,13 @@ fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
 fn expert_layer(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
     let (width, ffn, n_expert, tokens, top_k, layers) = (2048usize, 1024usize, 64usize, 16usize, 8usize, 4usize);
     let ty = GgmlType::Q4K;
+    // An expert's gate, up and down matrices: (bytes, interleaved copy, rows, columns) each.
+    type Expert = [(Vec<u8>, Interleaved, usize, usize); 3];
     let matrix = |rows: usize, cols: usize, rng: &mut rand::rngs::StdRng| {
         let (data, packed) = random_q4_k(rows, cols, rng);
         (data, packed, rows, cols)
     };
-    let experts: Vec<Vec<[(Vec<u8>, Interleaved, usize, usize); 3]>> =
+    let experts: Vec<Vec<Expert>> =
         (0..layers).map(|_| (0..n_expert).map(|_| [matrix(ffn, width, rng), matrix(ffn, width, rng), matrix(width, ffn, rng)]).collect()).collect();
     // Each token's experts: top_k distinct ones.
     let mut routed: Vec<Vec<usize>> = vec![Vec::new(); n_expert];

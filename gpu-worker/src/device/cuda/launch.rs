@@ -339,7 +339,7 @@ impl Launcher {
     /// Whether a product of `n` activation rows with `w` runs the matrix-vector kernels on
     /// Q8_1 units (else cuBLAS, or the float kernels).
     pub fn takes_q8(&self, w: &GpuWeight, n: usize) -> bool {
-        quant_suffix(w.ty).is_some() && n <= self.mv_pass_rows && w.cols % 32 == 0
+        quant_suffix(w.ty).is_some() && n <= self.mv_pass_rows && w.cols.is_multiple_of(32)
     }
 
     /// [`Launcher::rms_norm`] of `x`'s rows fused with what surrounds it in a decode layer, in
@@ -348,7 +348,7 @@ impl Launcher {
     /// units). Bit for bit the separate kernels.
     pub fn norm_fused(&self, x: &mut CudaSlice<f32>, add: Option<&CudaSlice<f32>>, weight: &CudaSlice<f32>, n_rows: usize, eps: f32, q8: bool) -> Result<(CudaSlice<f32>, Option<CudaSlice<u8>>), CudaError> {
         let cols = weight.len();
-        debug_assert!(!q8 || cols % 32 == 0);
+        debug_assert!(!q8 || cols.is_multiple_of(32));
         let mut out = self.alloc(n_rows * cols)?;
         // SAFETY: the kernel writes every unit of every row.
         let mut units = if q8 { Some(unsafe { self.stream.alloc::<u8>(n_rows * cols / 32 * Q8_1_BYTES) }?) } else { None };
@@ -377,7 +377,7 @@ impl Launcher {
     /// units), for the down projection's matrix-vector product.
     pub fn silu_mul_q8(&self, g: &mut CudaSlice<f32>, u: &CudaSlice<f32>) -> Result<CudaSlice<u8>, CudaError> {
         let units = g.len() / 32;
-        debug_assert!(g.len() % 32 == 0 && u.len() == g.len());
+        debug_assert!(g.len().is_multiple_of(32) && u.len() == g.len());
         // SAFETY: the kernel writes every unit.
         let mut q8 = unsafe { self.stream.alloc::<u8>(units * Q8_1_BYTES) }?;
         let units_i = units as i32;

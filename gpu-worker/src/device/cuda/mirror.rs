@@ -46,7 +46,7 @@ const PFM_THREADS: u32 = (PF_QUERIES / 16 * 32) as u32;
 pub fn prefill_on_tensor_cores(arch: u32, head_dim: usize) -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let enabled = *ENABLED.get_or_init(|| std::env::var("DUET_CUDA_PREFILL_MMA").map_or(true, |v| v != "0"));
-    enabled && arch >= 80 && head_dim % 16 == 0 && head_dim <= PFM_MAX_HEAD_DIM
+    enabled && arch >= 80 && head_dim.is_multiple_of(16) && head_dim <= PFM_MAX_HEAD_DIM
 }
 
 /// Rows of a sequence one `attn_prefill` block attends: as many as its query vectors (rows ×
