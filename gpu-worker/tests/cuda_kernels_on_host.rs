@@ -14,7 +14,7 @@
 //! - `argmax_rows` against the host's greedy sampler (`sampler::argmax`): ties, NaNs,
 //!   nothing above minus infinity;
 //! - `quantize_q8_1` and the `mmvq_*` kernels of every quantised weight type (decode-sized
-//!   products of 1, 3 and 8 rows) within the rounding bound of their Q8_1 activations of the
+//!   products of 1, 3, 8 and 16 rows) within the rounding bound of their Q8_1 activations of the
 //!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them;
 //! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly;
 //! - `dequant_f16_*` of every quantised weight type (prefill's weights for cuBLAS): bit for
@@ -274,7 +274,7 @@ fn the_decode_matrix_vector_kernels_are_within_their_rounding_bound_of_the_exact
         for (r, o) in wf.chunks_exact_mut(cols).enumerate() {
             dequantize(ty, &w[r * ty.row_bytes(cols)..(r + 1) * ty.row_bytes(cols)], o).unwrap();
         }
-        for n in [1, 3, 8] {
+        for n in [1, 3, 8, 16] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let mut input = Input::default();
             input.i32(3).i32(ty.id() as usize).i32(rows).i32(cols).i32(n).i32(w.len());

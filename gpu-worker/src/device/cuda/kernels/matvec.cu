@@ -1,4 +1,4 @@
-// Duet CUDA kernels: matrix-vector products for decode-sized batches (1..8 rows), on the
+// Duet CUDA kernels: matrix-vector products for decode-sized batches (1..16 rows a launch), on the
 // weights as the GGUF file stores them. Activations are first quantised to Q8_1-like units
 // (`quantize_q8_1`); each warp then computes one output row for every activation row, its
 // lanes striding over the row's units and summing 4-byte dot products with __dp4a (the scheme
@@ -6,7 +6,7 @@
 // BF16) take `mv_*` on the f32 activations instead.
 
 #define MV_WARPS 4
-#define MV_MAX_TOK 8
+#define MV_MAX_TOK 16
 
 // y[t][row] = the warp's sum of acc[t], for t < n_tok (lane 0 writes).
 __device__ __forceinline__ void store_row_sums(float (&acc)[MV_MAX_TOK], int n_tok, int lane, float* __restrict__ y, int rows, int row) {
