@@ -13,11 +13,7 @@ use crate::error::Result;
 /// Stores a batch's new K/V rows of `layer` (`k` and `v` on the host, `[row][kv_dim]`) where
 /// `kv` says, row by row.
 pub fn store(config: &LlamaConfig, layer: usize, k: &[f32], v: &[f32], kv: &mut dyn KvSink) -> Result<()> {
-    let kv_dim = config.kv_dim();
-    for (row, (k, v)) in k.chunks_exact(kv_dim).zip(v.chunks_exact(kv_dim)).enumerate() {
-        kv.write(layer, row, k, v)?;
-    }
-    Ok(())
+    Ok(kv.write_rows(layer, config.kv_dim(), k, v)?)
 }
 
 /// Prefill attention of `items` (rows of `q`, `[row][n_head][head_dim]`) over their causal

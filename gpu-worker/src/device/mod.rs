@@ -211,6 +211,15 @@ impl std::fmt::Debug for DeviceCopy {
 pub trait KvSink {
     /// Stores one row's K and V (`[n_kv_head][head_dim]` each, rounded to the cache's f16).
     fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError>;
+    /// Stores a batch's rows of `layer` (`k`, `v`: `[row][kv_dim]`, row r batch row r):
+    /// [`KvSink::write`] for each in turn, unless the sink stores them otherwise (the arenas:
+    /// in parallel, each row's slots its own).
+    fn write_rows(&mut self, layer: usize, kv_dim: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
+        for (row, (k, v)) in k.chunks_exact(kv_dim).zip(v.chunks_exact(kv_dim)).enumerate() {
+            self.write(layer, row, k, v)?;
+        }
+        Ok(())
+    }
     /// Where batch row `row`'s K and V lie in host memory the device mapped
     /// ([`Device::map_host`]), for a device that stores them there itself, as
     /// [`KvSink::write`] would; `None` (the default): only through [`KvSink::write`].

@@ -8,6 +8,8 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use rayon::prelude::*;
+
 use duet_kernels::attention::{windowed, AttnShape, KvRun, KV_PADDING};
 use duet_kernels::decode_batch::merge_partials;
 use duet_proto::pb;
@@ -66,11 +68,34 @@ impl PlanSlots<'_> {
     }
 }
 
-impl KvSink for PlanSlots<'_> {
-    fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
+impl PlanSlots<'_> {
+    /// Row `row`'s K and V of `layer` into its slots.
+    fn write_row(&self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
         let (p, pos) = self.entry(row).ok_or(KvAccessError::NoRow { row })?;
         let (w, b) = *p.blocks.get(pos / self.block_size).ok_or(KvAccessError::NoBlock { position: pos })?;
         self.arenas.write_token(w, b, pos % self.block_size, layer as u32, k, v)
+    }
+}
+
+/// Rows a batch must have for its K/V to be stored in parallel (a row is a few microseconds).
+const PARALLEL_WRITE_ROWS: usize = 16;
+/// Split rows a step must have for their partial attention results to be merged in parallel.
+const PARALLEL_MERGE_ROWS: usize = 16;
+
+impl KvSink for PlanSlots<'_> {
+    fn write(&mut self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
+        self.write_row(layer, row, k, v)
+    }
+
+    /// In parallel from [`PARALLEL_WRITE_ROWS`] rows: each row's slots are its own (the plan
+    /// gives each position to one sequence).
+    fn write_rows(&mut self, layer: usize, kv_dim: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
+        let rows = k.chunks_exact(kv_dim).zip(v.chunks_exact(kv_dim));
+        if k.len() < PARALLEL_WRITE_ROWS * kv_dim {
+            return rows.enumerate().try_for_each(|(row, (k, v))| self.write_row(layer, row, k, v));
+        }
+        let this = &*self;
+        k.par_chunks_exact(kv_dim).zip(v.par_chunks_exact(kv_dim)).enumerate().try_for_each(|(row, (k, v))| this.write_row(layer, row, k, v))
     }
 
     fn position_of(&self, row: usize) -> Option<(u64, usize)> {
@@ -222,15 +247,24 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         self.timings.attention_wait_ns += ns(t.elapsed());
 
         let t = Instant::now();
-        for (p, parts) in plan.iter().zip(&partials) {
-            if p.shares.is_empty() {
-                continue;
-            }
-            let o = &mut out[p.row0 * q_dim..(p.row0 + 1) * q_dim];
-            for (h, oh) in o.chunks_exact_mut(hd).enumerate() {
-                let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(po, pl)| (&po[h * hd..(h + 1) * hd], pl[h])).collect();
-                oh.copy_from_slice(&merge_partials(&head_parts));
-            }
+        // Each split row's heads merged from its parts (decode rows: one row each), the rows
+        // in parallel when there are many.
+        let merge_row = |parts: &Vec<Partial>| -> Vec<f32> {
+            (0..self.shape.n_head)
+                .flat_map(|h| {
+                    let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(po, pl)| (&po[h * hd..(h + 1) * hd], pl[h])).collect();
+                    merge_partials(&head_parts)
+                })
+                .collect()
+        };
+        let split: Vec<(usize, &Vec<Partial>)> = plan.iter().zip(&partials).filter(|(p, _)| !p.shares.is_empty()).map(|(p, parts)| (p.row0, parts)).collect();
+        let merged: Vec<(usize, Vec<f32>)> = if split.len() >= PARALLEL_MERGE_ROWS {
+            split.par_iter().map(|&(row, parts)| (row, merge_row(parts))).collect()
+        } else {
+            split.iter().map(|&(row, parts)| (row, merge_row(parts))).collect()
+        };
+        for (row, o) in merged {
+            out[row * q_dim..(row + 1) * q_dim].copy_from_slice(&o);
         }
         self.timings.merge_ns += ns(t.elapsed());
         Ok(())
