@@ -1,7 +1,8 @@
 //! The executor driven with step requests directly (an arena and an exchange ring made here,
 //! all attention on the gpu-worker): steps that feed a sequence its own last sample compute
 //! what steps carrying the token compute; a step sent after a failed one skips the sequences
-//! the failure took and serves the ones that joined it.
+//! the failure took and serves the ones that joined it; a step whose new rows of two places
+//! land in one block is refused.
 
 use std::sync::Arc;
 
@@ -75,4 +76,19 @@ fn fed_steps_equal_carried_ones_and_a_failed_step_takes_only_its_own_sequences()
     // Not sent after another step: an unknown sequence is an error, as it always was.
     let err = step(&mut ex, 22, 0, vec![part(2, at + 1, &[], &[], false)]).unwrap_err();
     assert!(err.contains("unknown"), "{err}");
+}
+
+/// Two sequences whose new rows land in one block would write one slot from two rows (and the
+/// rows are written in parallel): the step is refused, naming the block, and nothing runs.
+#[test]
+fn a_block_given_to_two_sequences_is_refused() {
+    let (mut ex, _segments) = support::executor_with_arena(CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap(), "exec-shared");
+    let err = step(&mut ex, 1, 0, vec![part(1, 0, &PROMPT, &[3], true), part(2, 0, &PROMPT, &[3], true)]).unwrap_err();
+    assert!(err.contains("block 3 of cpu-worker 0 takes new rows of two sequences"), "{err}");
+    // The block given twice in one sequence's list, where both places take new rows.
+    let long: Vec<u32> = PROMPT.iter().cycle().take(20).copied().collect();
+    let err = step(&mut ex, 2, 0, vec![part(3, 0, &long, &[5, 5], true)]).unwrap_err();
+    assert!(err.contains("block 5 of cpu-worker 0"), "{err}");
+    // Distinct blocks: served.
+    assert_eq!(step(&mut ex, 3, 0, vec![part(4, 0, &PROMPT, &[6], true), part(5, 0, &PROMPT, &[7], true)]).unwrap().len(), 2);
 }

@@ -172,7 +172,9 @@ impl KvArenas {
                 // validated against the segment's length). Nobody reads this slot while it is
                 // written: the plan gives each token position to one sequence, and its
                 // attention jobs are posted after this write (the ring's release/acquire
-                // orders them).
+                // orders them). Nobody else writes it either, though rows are written in
+                // parallel (`PlanSlots::write_rows`): the executor refuses a step whose new
+                // rows of two places land in one block (`StepError::SharedBlock`).
                 if w.layout.dtype == KvDtype::Q8_0 {
                     quantize_row(GgmlType::Q8_0, src, unsafe { w.arena.slice_mut::<u8>(offset + slot * row, row) });
                 } else {

@@ -193,6 +193,17 @@ impl<D: Device> Executor<D> {
         if subs.iter().all(|s| s.plan.is_empty()) {
             return Ok(pb::StepResponse { sampled: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
         }
+        // Every slot the step writes is one row's: a block the new rows of two sequences (or
+        // two places of one sequence's list) land in would have two rows write one slot, and
+        // the rows are written in parallel.
+        let mut written = HashSet::new();
+        for p in subs.iter().flat_map(|s| &s.plan) {
+            for &(worker, block) in p.blocks.get(p.start / bs..(p.start + p.n).div_ceil(bs)).unwrap_or_default() {
+                if !written.insert((worker, block)) {
+                    return Err(StepError::SharedBlock { worker, block });
+                }
+            }
+        }
         let mut timings = pb::StepTimings::default();
         for p in subs.iter().flat_map(|s| &s.plan) {
             if p.shares.is_empty() && p.n > 1 {

@@ -32,6 +32,8 @@ pub enum StepError {
     Sequence { seq_id: u64, problem: SequenceError },
     #[error("invalid step: block {block} of cpu-worker {worker}, whose arena has {n_blocks}")]
     BlockOutOfRange { worker: u32, block: BlockId, n_blocks: u32 },
+    #[error("invalid step: block {block} of cpu-worker {worker} takes new rows of two sequences, or twice in one sequence's blocks")]
+    SharedBlock { worker: u32, block: BlockId },
     #[error("invalid step: layer {layer}'s attention job for cpu-worker {worker} needs {need} bytes, its ring slots hold {slot_bytes} (raise its --slot-bytes)")]
     JobTooLarge { layer: u32, worker: u32, need: usize, slot_bytes: usize },
     #[error("invalid step: encoding layer {layer}'s attention job: {source}")]

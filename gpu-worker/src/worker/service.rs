@@ -136,6 +136,7 @@ pub fn status(e: StepError) -> Status {
         StepError::DuplicateSequence(_)
         | StepError::Sequence { .. }
         | StepError::BlockOutOfRange { .. }
+        | StepError::SharedBlock { .. }
         | StepError::JobTooLarge { .. }
         | StepError::JobEncoding { .. }
         | StepError::Model(GpuWorkerError::InvalidRequest(_)) => Status::invalid_argument(msg),

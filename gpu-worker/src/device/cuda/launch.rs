@@ -171,7 +171,7 @@ impl Launcher {
             }
             return Ok(y);
         }
-        if acts.n <= MV_MAX_TOK && quant_suffix(w.ty).is_none() {
+        if acts.n <= MV_MAX_TOK.min(self.mv_pass_rows) && quant_suffix(w.ty).is_none() {
             let name = match w.ty {
                 GgmlType::F32 => "mv_f32",
                 GgmlType::F16 => "mv_f16",

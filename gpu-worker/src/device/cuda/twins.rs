@@ -141,8 +141,8 @@ fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
         let data = random_weight(ty, rows, cols, &mut rng);
         let wf = dequant_rows(ty, &data, rows, cols);
         let w = upload(&k, ty, rows, cols, &data);
-        // 13 rows: two matrix-vector launches for quantised weights, cuBLAS for float ones;
-        // 70: cuBLAS for every type.
+        // MV_MAX_TOK + 5 rows: two matrix-vector launches for quantised weights, cuBLAS for
+        // float ones; 70: cuBLAS for every type.
         for n in [1, 3, MV_MAX_TOK, MV_MAX_TOK + 5, MV_PASS_ROWS + 6] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let xd = k.stream.clone_htod(&x).unwrap();
