@@ -133,11 +133,7 @@ impl GpuExperts {
             let weights: Vec<f32> = r.rows.iter().map(|&(_, w)| w).collect();
             let (rows, weights) = (k.stream.clone_htod(&rows).map_err(CudaError::from)?, k.stream.clone_htod(&weights).map_err(CudaError::from)?);
             let xs = k.gather_rows_at(xn, &rows, d)?;
-            let mut acts = Acts::new(&xs, rows.len(), d);
-            let mut g = k.linear(&ex.gate, &mut acts)?;
-            let u = k.linear(&ex.up, &mut acts)?;
-            k.silu_mul(&mut g, &u)?;
-            let out = k.linear(&ex.down, &mut Acts::new(&g, rows.len(), ff))?;
+            let out = k.silu_mlp(&ex.gate, &ex.up, &ex.down, &mut Acts::new(&xs, rows.len(), d), ff)?;
             k.scatter_add_scaled(&out, &rows, &weights, d, y)?;
         }
         Ok(())

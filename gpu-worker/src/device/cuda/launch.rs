@@ -391,6 +391,23 @@ impl Launcher {
         Ok(q8)
     }
 
+    /// A SiLU-gated MLP, `down(silu(gate(x)) · up(x))`, of `acts.n` rows (`ff` wide between
+    /// the projections): SiLU·mul makes the down projection's Q8_1 units in the same launch
+    /// where it takes the matrix-vector kernels. A dense layer's MLP and a hot expert's.
+    pub fn silu_mlp(&self, gate: &GpuWeight, up: &GpuWeight, down: &GpuWeight, acts: &mut Acts<'_>, ff: usize) -> Result<CudaSlice<f32>, CudaError> {
+        let n = acts.n;
+        let mut g = self.linear(gate, acts)?;
+        let u = self.linear(up, acts)?;
+        let units = match self.takes_q8(down, n) {
+            true => Some(self.silu_mul_q8(&mut g, &u)?),
+            false => {
+                self.silu_mul(&mut g, &u)?;
+                None
+            }
+        };
+        self.linear(down, &mut Acts::with_q8(&g, n, ff, units))
+    }
+
     /// RoPE in place on a batch's queries `q` and keys `k` (`[row][heads][head_dim]`, `q_heads`
     /// and `k_heads` a row) with the rows' (cos, sin) tables, in one launch: normal pairs, or
     /// NeoX's with `neox`.

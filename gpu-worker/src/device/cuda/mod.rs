@@ -374,18 +374,7 @@ impl CudaDevice {
         let (xn, units) = self.k.norm_fused(&mut b.x, Some(&o), &layer.ffn_norm, b.n, c.rms_eps, q8)?;
         let mut acts = Acts::with_q8(&xn, b.n, c.n_embd, units);
         let down = match &layer.ffn {
-            GpuFfn::Dense { gate, up, down } => {
-                let mut g = self.k.linear(gate, &mut acts)?;
-                let u = self.k.linear(up, &mut acts)?;
-                let units = match self.k.takes_q8(down, b.n) {
-                    true => Some(self.k.silu_mul_q8(&mut g, &u)?),
-                    false => {
-                        self.k.silu_mul(&mut g, &u)?;
-                        None
-                    }
-                };
-                self.k.linear(down, &mut Acts::with_q8(&g, b.n, c.n_ff, units))?
-            }
+            GpuFfn::Dense { gate, up, down } => self.k.silu_mlp(gate, up, down, &mut acts, c.n_ff)?,
             GpuFfn::Moe { router } => {
                 // The router on the GPU; the normed rows and its logits cross to the host,
                 // which routes them and runs the experts held there or on the cpu-workers, and
