@@ -120,7 +120,7 @@ impl HostExperts {
         // (row, choice) of each item sent away, in the order sent.
         let (mut away, mut away_of) = (Vec::new(), Vec::new());
         for (t, r) in routes.iter().enumerate() {
-            for (k, &(ex, w)) in r.iter().enumerate().filter(|(_, &(ex, _))| !held(ex) && !elsewhere(ex)) {
+            for (k, &(ex, w)) in r.iter().enumerate().filter(|(_, &(ex, _))| !self.bank.holds(l, ex) && !elsewhere(ex)) {
                 away.push(ExpertItem { expert: ex as u32, row: t as u32, weight: w });
                 away_of.push((t, k));
             }

@@ -162,7 +162,9 @@ impl CudaDevice {
             ))));
         }
         // The hot experts' slots count as the weights do: a plan of them must always fit.
-        let need = m.weight_bytes(&file, &held) + WORKSPACE_BYTES + gpu_experts::room(m.experts.as_ref(), local_experts, held.len());
+        let gpu_experts = GpuExperts::new(file.clone(), m.experts.clone(), local_experts, held.len());
+        let reserved = gpu_experts.as_ref().map_or(0, GpuExperts::reserved);
+        let need = m.weight_bytes(&file, &held) + WORKSPACE_BYTES + reserved;
         if let Some(budget) = budget::memory_budget().filter(|&b| need > b) {
             return Err(CudaError::OverBudget { need, budget }.into());
         }
@@ -224,8 +226,6 @@ impl CudaDevice {
             Some(t) => Some(HostExperts::load(file.clone(), &m.config, t, local_experts, &held, super::cpu::repack_default())?),
             None => None,
         };
-        let gpu_experts = GpuExperts::new(file.clone(), m.experts.clone(), local_experts, layers.len());
-        let reserved = gpu_experts.as_ref().map_or(0, GpuExperts::reserved);
         if reserved > 0 {
             tracing::info!(mib = reserved >> 20, "room for hot experts on the GPU");
         }
