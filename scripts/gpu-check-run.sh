@@ -9,7 +9,9 @@
 #   bench  prefill and decode speed of the 1B and 8B shapes on the CUDA device and the CPU
 #          device (single process; the 8B also with half its layers on the CPU device,
 #          --gpu-layers 16), and the served system at 1, 16 and 64 streams;
-#   table  the served system at depths 1K, 8K and 32K (the CUDA issue's table);
+#   table  the served system's decode at depths 1K, 8K and 32K and 1, 16 and 64 streams, the
+#          1B and 8B shapes under the 16 GB cap (the CUDA issue's table; the depths made up by
+#          --synthetic-prefill, so that 64 x 32K opens in seconds; one call each, ~5 min);
 #   session  what one session's 15 minutes of device time fit (tests, then the 1B and 8B
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
@@ -172,9 +174,10 @@ run_speed() { # DEVICE MODEL [GPU_LAYERS]
     | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
 }
 
-# The served system: 1, 16 and 64 streams (or CONCURRENCY) at context 1K (or CONTEXT),
-# policies cpu, gpu and lp.
-serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY] [GATEWAY FLAGS]
+# The served system: 1, 16 and 64 streams (or CONCURRENCY) at context 1K (or each of the
+# comma-separated CONTEXTS, one server for all), policies cpu, gpu and lp, 64 tokens each
+# (or BENCH_TOKENS).
+serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
   # The step log (linear layers, attention, waits per step) and the device's phases every 64
   # steps show where a step's time goes.
   RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" ${5:-} \
@@ -185,8 +188,10 @@ serve_bench() { # MODEL KV_BYTES [CONTEXT] [CONCURRENCY] [GATEWAY FLAGS]
   # The most batch x context each side holds: kv_tokens (the arenas, hybrid), gpu_kv_tokens
   # (the mirror, GPU-only).
   grep -o 'kv_tokens=[0-9]* gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1
-  "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "${3:-1024}" --max-tokens 64 --policies cpu,gpu,lp
-  local rc=$?
+  local rc=0 ctx
+  for ctx in $(echo "${3:-1024}" | tr , ' '); do
+    "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies cpu,gpu,lp || rc=$?
+  done
   kill -TERM $gw
   wait $gw
   return $rc
@@ -200,8 +205,8 @@ expand() {
   case $1 in
     tests) echo twins nvrtc tiny-models cuda-vs-cpu mirror-pressure over-budget serve-stream serve-moe ;;
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
-    # The CUDA issue's table at the depths stage A can prefill within a call (~6 min).
-    table) echo serve-bench-1b serve-1b-8k serve-1b-32k serve-8b-1k serve-8b-8k ;;
+    # The CUDA issue's table: decode at depth (made-up prompts' K/V), then real prefill.
+    table) echo table-1b table-8b ;;
     # What a session lent 15 minutes of device time runs in one call (~6 minutes on an H200):
     # every test, the 1B shape's speed and serving (and the 9-64-row rule before
     # MV_PASS_ROWS, for comparison), and 16 x 8K of the 8B shape over the mirror.
@@ -233,6 +238,15 @@ for s in $(for g in $steps; do expand "$g"; done); do
     serve-1b-32k) step serve-1b-32k serve_bench "$(model llama-3.2-1b q4_k_m)" 8G 32768 1 ;;
     serve-8b-1k) step serve-8b-1k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 1024 1,16 ;;
     serve-8b-8k) step serve-8b-8k serve_bench "$(model llama-3.1-8b q4_k_m)" 12G 8192 1 ;;
+    # Decode at depth under the 16 GB cap with the depths' K/V made up (--synthetic-prefill:
+    # only each prompt chunk's last token computed): 1B 64 x 32K is 64 GiB of arenas, 8B
+    # 64 x 8K and 16 x 32K are too (8B 64 x 32K, 256 GiB, exceeds the machine). The serving
+    # line's gpu_kv_tokens is what GPU-only holds; kv_tokens what the hybrid does.
+    table-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-1b env BENCH_TOKENS=16 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 66G 1024,8192,32768 1,16,64 --synthetic-prefill ;;
+    table-8b)
+      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b env BENCH_TOKENS=16 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 1024,8192 1,16,64 --synthetic-prefill
+      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b-32k env BENCH_TOKENS=16 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 32768 1,16 --synthetic-prefill
+      ;;
     # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host
     # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.
     speed-moe) step speed-moe run_speed cuda "$(model olmoe-1b-7b q4_k_m)" ;;

@@ -47,6 +47,8 @@ pub struct LevelReport {
     pub ttft_max_ms: f64,
     pub prediction_error_p50: Option<f64>,
     pub prediction_error_p90: Option<f64>,
+    /// The gateway made up prompts' K/V (`--synthetic-prefill`): prefill figures mean nothing.
+    pub synthetic_prefill: bool,
 }
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -58,6 +60,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let policies: Vec<Option<String>> = if args.policies.is_empty() { vec![None] } else { args.policies.iter().cloned().map(Some).collect() };
     wait_until_serving(&mut client, &args.addr.to_string(), args.json).await?;
+    let synthetic = client.info(pb::InfoRequest {}).await.is_ok_and(|r| r.into_inner().synthetic_prefill);
+    if synthetic {
+        eprintln!(
+            "note: the gateway's prefill is synthetic (--synthetic-prefill): prompts' K/V are made up, so decode at depth is timed truly but time to first token{} means nothing",
+            if args.context.is_some() { " when opening sessions" } else { " (every prompt is prefilled in the timed streams)" }
+        );
+    }
     for &c in &args.concurrency {
         // At depth: open the sessions once (their prefill is not timed).
         let sessions = match args.context {
@@ -100,6 +109,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.policy = info.policy.clone();
             r.prediction_error_p50 = info.step_prediction_error_p50;
             r.prediction_error_p90 = info.step_prediction_error_p90;
+            r.synthetic_prefill = info.synthetic_prefill;
             if !args.json {
                 let err = match (r.prediction_error_p50, r.prediction_error_p90) {
                     (Some(a), Some(b)) => format!(" | step prediction error p50 {:.1}% p90 {:.1}%", a * 100.0, b * 100.0),
@@ -277,6 +287,7 @@ fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[Strea
         ttft_median_ms: median(ttfts),
         prediction_error_p50: None,
         prediction_error_p90: None,
+        synthetic_prefill: false,
     }
 }
 

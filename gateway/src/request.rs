@@ -212,6 +212,8 @@ pub struct ServerInfo {
     pub prediction_error: Option<(f64, f64)>,
     pub prefilled_tokens_total: u64,
     pub generated_tokens_total: u64,
+    /// The gpu-worker makes up prompts' K/V (benchmarks only).
+    pub synthetic_prefill: bool,
 }
 
 /// The model's text side, shared by the front ends and the scheduler.

@@ -130,6 +130,12 @@ pub struct ServeArgs {
     /// of each layer, the ones the router chose most (re-planned every 64 steps); 0: none.
     #[arg(long, env = "DUET_DEVICE_EXPERTS", default_value_t = 0, conflicts_with = "gpu_worker")]
     pub device_experts: usize,
+    /// Benchmarks only: the spawned gpu-worker computes only the last token of each prompt
+    /// chunk and makes up the others' K/V (its `--synthetic-prefill`), so that decode at
+    /// depths of 32K can be timed without prefilling them (`duet bench --context`). Decode
+    /// timings are real; prefill timings and all text are noise.
+    #[arg(long, env = "DUET_SYNTHETIC_PREFILL", conflicts_with = "gpu_worker")]
+    pub synthetic_prefill: bool,
     /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
     #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]
     pub gpu_worker: Option<Address>,
@@ -262,6 +268,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
             max_running: args.max_running.max(1),
             experts_on_cpu_workers: args.experts_on == "cpu-workers",
             device_experts: args.device_experts,
+            synthetic_prefill: args.synthetic_prefill,
         };
         tracing::info!(instance = %cfg.instance, runtime_dir = %cfg.runtime_dir.display(), cpu_workers = n, "starting local workers");
         match supervisor::spawn_local(&cfg) {
@@ -321,6 +328,9 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
         api_key = api_key.is_some(),
         "duet-gateway serving"
     );
+    if cfg.synthetic_prefill {
+        tracing::warn!("the gpu-worker's prefill is synthetic (benchmarks only): prompts' K/V are made up, every text is noise");
+    }
     // Tests and scripts read the addresses from these lines on stdout (printed once serving).
     println!("duet-gateway http listening on {http_addr}");
     println!("duet-gateway listening on {addr}");
@@ -400,6 +410,7 @@ fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: 
         // (its CPU device, or the layers --gpu-layers leaves to it) competes for them.
         shared_cores: local && g.host_layers > 0,
         gpu_kv_positions: g.gpu_kv_positions as usize,
+        synthetic_prefill: g.synthetic_prefill,
     })
 }
 

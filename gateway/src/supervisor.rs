@@ -52,6 +52,8 @@ pub struct LocalWorkers {
     /// Hot experts per layer the gpu-worker's device computes beside the cpu-workers
     /// (`--device-experts`; 0: none).
     pub device_experts: usize,
+    /// The gpu-worker's `--synthetic-prefill` (benchmarks only).
+    pub synthetic_prefill: bool,
 }
 
 /// One worker the gateway talks to.
@@ -156,6 +158,9 @@ impl LocalWorkers {
         }
         if let Some(t) = self.gpu_threads {
             cmd.arg("--threads").arg(t.to_string());
+        }
+        if self.synthetic_prefill {
+            cmd.arg("--synthetic-prefill");
         }
         spawn(cmd)
     }

@@ -91,6 +91,12 @@ pub struct ServeArgs {
     /// counts); 0: none.
     #[arg(long, env = "DUET_DEVICE_EXPERTS", default_value_t = 0)]
     pub device_experts: usize,
+    /// Benchmarks only: compute only the last token of each prompt chunk and make up the
+    /// others' K/V rows (pseudo-random values, written where computed ones would go), so that
+    /// decode at a depth of 32K positions can be timed without prefilling it. Decode timings
+    /// are the real system's; prefill timings and every generated text are meaningless.
+    #[arg(long, env = "DUET_SYNTHETIC_PREFILL")]
+    pub synthetic_prefill: bool,
     /// Stop, as on SIGTERM, when process PID (which must be this worker's parent) exits:
     /// `duet-gateway serve` passes its own, so that its workers never outlive it.
     #[arg(long)]
@@ -226,7 +232,8 @@ fn serve(args: ServeArgs, device: Placement) -> anyhow::Result<()> {
     let local_experts = args.experts_on == ExpertsOn::Device;
     // The CUDA device keeps the hot experts' room out of its KV mirror's.
     crate::device::cuda::set_expert_slots(args.device_experts);
-    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, timeout, local_experts, args.device_experts)
+    let options = crate::worker::service::ServiceOptions { job_timeout: timeout, hot_experts: args.device_experts, synthetic_prefill: args.synthetic_prefill };
+    let service = crate::worker::service::GpuWorkerService::load(&args.model.model, device, local_experts, options)
         .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.model.model.display()))?;
     tracing::info!(model = %args.model.model.display(), device = %service.device(), ms = start.elapsed().as_millis() as u64, "model loaded");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;

@@ -2,15 +2,19 @@
 //! all attention on the gpu-worker): steps that feed a sequence its own last sample compute
 //! what steps carrying the token compute; a step sent after a failed one skips the sequences
 //! the failure took and serves the ones that joined it; a step whose new rows of two places
-//! land in one block is refused.
+//! land in one block is refused; a synthetic prefill (benchmarks) computes only each chunk's
+//! last token and makes up the others' K/V.
 
 use std::sync::Arc;
 
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use duet_kv::shm::{Ring, Segment};
+use duet_kv::{BlockId, KvDtype};
+use duet_gpu_worker::worker::arenas::SYNTHETIC_ROWS;
 use duet_model::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
+use duet_gpu_worker::device::Device;
 use duet_gpu_worker::worker::executor::Executor;
 
 mod support;
@@ -91,4 +95,62 @@ fn a_block_given_to_two_sequences_is_refused() {
     assert!(err.contains("block 5 of cpu-worker 0"), "{err}");
     // Distinct blocks: served.
     assert_eq!(step(&mut ex, 3, 0, vec![part(4, 0, &PROMPT, &[6], true), part(5, 0, &PROMPT, &[7], true)]).unwrap().len(), 2);
+}
+
+/// `--synthetic-prefill`: a 40-token prompt writes made-up rows at positions 0..39 of every
+/// layer (cycling through `SYNTHETIC_ROWS` rows) and computes position 39 itself, whose
+/// layer-0 K/V (which depend only on its token and position) are what a real prefill stores;
+/// the prompt counts as prefilled, and decode goes on from it.
+#[test]
+fn a_synthetic_prefill_makes_up_all_but_the_last_tokens_kv() {
+    let load = || CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap();
+    let (mut real, real_arena) = support::executor_with_arena(load(), "exec-real");
+    let (ex, synth_arena) = support::executor_with_arena(load(), "exec-synth");
+    let mut synth = ex.with_synthetic_prefill();
+    let layout = support::arena_layout(synth.device().config(), KvDtype::F16);
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(40).copied().collect();
+    let req = |ex: &mut Executor| {
+        let req = pb::StepRequest { step: 1, sequences: vec![part(1, 0, &prompt, &[0, 1, 2], true)], released: Vec::new(), after_step: 0 };
+        ex.step(&req).unwrap()
+    };
+    req(&mut real);
+    let synth_resp = req(&mut synth);
+    assert_eq!(synth_resp.timings.as_ref().map(|t| (t.prefill_tokens, t.decode_tokens)), Some((40, 0)));
+    assert_eq!(synth_resp.sampled.len(), 1);
+    let row = |arena: &Segment, kv: usize, layer: u32, head: u32, pos: usize| -> Vec<u16> {
+        let block = BlockId((pos / 16) as u32);
+        let offset = if kv == 0 { layout.k_offset(block, layer, head) } else { layout.v_offset(block, layer, head) };
+        let n = layout.head_dim as usize;
+        // SAFETY: inside the arena; no step runs while the test reads it.
+        unsafe { arena.slice::<u16>(offset + (pos % 16) * layout.row_bytes().unwrap(), n) }.to_vec()
+    };
+    for layer in 0..layout.n_layer {
+        for head in 0..layout.n_kv_head {
+            for kv in 0..2 {
+                for pos in 0..39 {
+                    let made_up = row(&synth_arena.0, kv, layer, head, pos);
+                    assert_ne!(made_up, row(&real_arena.0, kv, layer, head, pos), "layer {layer} position {pos} was computed");
+                    assert_ne!(made_up, row(&synth_arena.0, kv, layer, head, pos + 1), "layer {layer} position {pos} left unwritten");
+                    if pos + SYNTHETIC_ROWS < 39 {
+                        assert_eq!(made_up, row(&synth_arena.0, kv, layer, head, pos + SYNTHETIC_ROWS), "layer {layer} position {pos}");
+                    }
+                }
+            }
+        }
+    }
+    // The last token computed at its position: layer 0's rows as a real prefill's, to the
+    // rounding of a one-row product against a 40-row one.
+    for head in 0..layout.n_kv_head {
+        for kv in 0..2 {
+            let (a, b) = (row(&real_arena.0, kv, 0, head, 39), row(&synth_arena.0, kv, 0, head, 39));
+            for (x, y) in a.iter().zip(&b) {
+                let (x, y) = (half::f16::from_bits(*x).to_f32(), half::f16::from_bits(*y).to_f32());
+                assert!((x - y).abs() <= 1e-2 * x.abs().max(1.0), "head {head} {kv}: {x} vs {y}");
+            }
+        }
+    }
+    // Decode goes on from the made-up context.
+    let next = step(&mut synth, 2, 1, vec![part(1, 40, &[], &[], false)]).unwrap();
+    assert_eq!(next.len(), 1);
+    assert!(next[0].2.is_finite());
 }

@@ -211,6 +211,7 @@ impl Inference for InferenceService {
             step_prediction_error_p90: i.prediction_error.map(|e| e.1),
             prefilled_tokens_total: i.prefilled_tokens_total,
             generated_tokens_total: i.generated_tokens_total,
+            synthetic_prefill: i.synthetic_prefill,
         }))
     }
 }

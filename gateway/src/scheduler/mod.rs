@@ -82,6 +82,8 @@ pub struct SchedulerConfig {
     pub shared_cores: bool,
     /// Positions of KV the gpu-worker's GPU mirror holds (0: none, it attends on the host).
     pub gpu_kv_positions: usize,
+    /// The gpu-worker makes up prompts' K/V (benchmarks only: `--synthetic-prefill`).
+    pub synthetic_prefill: bool,
 }
 
 /// The scheduler's command channel (made before the scheduler, so that the front ends can
@@ -441,6 +443,7 @@ impl Scheduler {
             prediction_error: self.stats.prediction_error(),
             prefilled_tokens_total: self.prefilled_total,
             generated_tokens_total: self.generated_total,
+            synthetic_prefill: self.cfg.synthetic_prefill,
         }
     }
 

@@ -160,6 +160,7 @@ fn harness(blocks: u32) -> Harness {
         node_name: "here".into(),
         shared_cores: false,
         gpu_kv_positions: 0,
+        synthetic_prefill: false,
     };
     let gpu = Arc::new(FakeGpu::default());
     let (commands, rx) = super::commands();

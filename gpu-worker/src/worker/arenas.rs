@@ -12,9 +12,13 @@ use duet_kv::{ArenaLayout, BlockId, KvDtype, KvShape};
 use duet_kv::shm::{Producer, Ring, Segment};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
 
 use super::StepError;
 use crate::device::{HostMapping, InPlaceRow, KvAccessError};
+
+/// The distinct made-up rows [`KvArenas::write_synthetic`] cycles through.
+pub const SYNTHETIC_ROWS: usize = 16;
 
 /// One attached cpu-worker.
 #[derive(Debug)]
@@ -184,6 +188,31 @@ impl KvArenas {
             }
         }
         Ok(())
+    }
+
+    /// Benchmarks only (`--synthetic-prefill`): made-up K and V rows of every layer in the
+    /// slots of positions `range` of the sequence whose blocks are `blocks`, in parallel —
+    /// one of [`SYNTHETIC_ROWS`] fixed pseudo-random rows a position, values in ±0.5, stored
+    /// as [`write_token`](Self::write_token) stores computed ones (so attention reads real
+    /// bytes). The blocks must have been checked.
+    pub fn write_synthetic(&self, blocks: &[(u32, BlockId)], range: Range<usize>) -> Result<(), KvAccessError> {
+        let bs = self.block_size().ok_or(KvAccessError::WorkerNotAttached(0))?;
+        let kv_dim = (self.shape.n_kv_head * self.shape.head_dim) as usize;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let rows: Vec<f32> = (0..2 * SYNTHETIC_ROWS * kv_dim)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        range.into_par_iter().try_for_each(|pos| {
+            let (worker, block) = *blocks.get(pos / bs).ok_or(KvAccessError::NoBlock { position: pos })?;
+            let pair = &rows[(pos % SYNTHETIC_ROWS) * 2 * kv_dim..][..2 * kv_dim];
+            let (k, v) = pair.split_at(kv_dim);
+            (0..self.shape.n_layer).try_for_each(|layer| self.write_token(worker, block, pos % bs, layer, k, v))
+        })
     }
 
     /// Where slot `slot` of `block` on `worker` lies for a device that mapped the arena

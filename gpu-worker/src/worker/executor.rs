@@ -79,6 +79,9 @@ pub struct Executor<D: Device = crate::device::cpu::CpuDevice> {
     /// The device's phase times summed over recent steps, and how many (see
     /// [`Executor::log_phases`]).
     phases: (Vec<(&'static str, u64)>, u32),
+    /// Benchmarks only: prompts' K/V made up, not computed (see
+    /// [`Executor::with_synthetic_prefill`]).
+    synthetic_prefill: bool,
 }
 
 /// Steps over which the device's phase times are summed before they are logged.
@@ -90,7 +93,7 @@ impl<D: Device> Executor<D> {
         // Expert jobs keep the cpu-worker on every core for a millisecond or more while the
         // device waits; on shared cores neither side should spin then (`duet_kv::shm::ring`).
         let arenas = KvArenas::new(shape, device.host_layers() > 0 && !device.holds_all_experts());
-        Ok(Executor { device, arenas, seqs: HashMap::new(), job_timeout, grammars: None, hot: None, phases: (Vec::new(), 0) })
+        Ok(Executor { device, arenas, seqs: HashMap::new(), job_timeout, grammars: None, hot: None, phases: (Vec::new(), 0), synthetic_prefill: false })
     }
 
     /// Holds on the device, planned every `every` steps, the `k` experts of each layer the
@@ -119,6 +122,16 @@ impl<D: Device> Executor<D> {
             Ok(moved) => tracing::info!(moved, held = plan.iter().map(Vec::len).sum::<usize>(), "hot experts placed on the device"),
             Err(e) => tracing::warn!("hot experts not placed: {e}"),
         }
+    }
+
+    /// For benchmarks of decode at depth (`--synthetic-prefill`): of each prefill chunk only
+    /// the last token is computed; the K/V rows of the others are made up
+    /// ([`KvArenas::write_synthetic`]), so that sessions of 32K positions open in seconds on
+    /// any device. Decode then attends real bytes of the real size, so its timings are the
+    /// served system's; the text is noise.
+    pub fn with_synthetic_prefill(mut self) -> Self {
+        self.synthetic_prefill = true;
+        self
     }
 
     /// Enables structured output over this vocabulary.
@@ -181,12 +194,10 @@ impl<D: Device> Executor<D> {
                 return Err(StepError::Sequence { seq_id: s.seq_id, problem: SequenceError::SubBatch(s.sub_batch) });
             }
             let sub = &mut subs[s.sub_batch as usize];
-            let Some(p) = self.accept(s, bs, sub.tokens.len(), req.after_step != 0)? else {
+            let Some(p) = self.accept(s, bs, req.after_step != 0)? else {
                 tracing::debug!(step = req.step, seq = s.seq_id, "sequence skipped: the step before failed and took it");
                 continue;
             };
-            sub.tokens.extend_from_slice(&self.seqs[&s.seq_id].tokens[p.start..p.n_ctx()]);
-            sub.positions.extend(p.start..p.n_ctx());
             order.push((s.sub_batch as usize, sub.plan.len()));
             sub.plan.push(p);
         }
@@ -204,12 +215,27 @@ impl<D: Device> Executor<D> {
                 }
             }
         }
+        // Counted as asked (a synthetic prefill's chunk too: its step is no decode step).
         let mut timings = pb::StepTimings::default();
         for p in subs.iter().flat_map(|s| &s.plan) {
             if p.shares.is_empty() && p.n > 1 {
                 timings.prefill_tokens += p.n as u32;
             } else {
                 timings.decode_tokens += p.n as u32;
+            }
+        }
+        // Each sub-batch's rows: its sequences' tokens in plan order (a synthetic prefill's
+        // chunk first reduced to its last token).
+        for sub in &mut subs {
+            for p in &mut sub.plan {
+                if self.synthetic_prefill && p.shares.is_empty() && p.n > 1 {
+                    self.arenas.write_synthetic(&p.blocks, p.start..p.n_ctx() - 1)?;
+                    p.start = p.n_ctx() - 1;
+                    p.n = 1;
+                }
+                p.row0 = sub.tokens.len();
+                sub.tokens.extend_from_slice(&self.seqs[&p.seq_id].tokens[p.start..p.n_ctx()]);
+                sub.positions.extend(p.start..p.n_ctx());
             }
         }
         // The non-empty sub-batches, each started on the device; two interleave their layers.
@@ -366,7 +392,7 @@ impl<D: Device> Executor<D> {
     /// from a position the gpu-worker does not hold is skipped (`None`): the step before
     /// failed and took it, and the gateway has failed its request; failing this whole step
     /// would take the requests that joined it too.
-    fn accept(&mut self, s: &pb::SequenceStep, bs: usize, row0: usize, skip_unknown: bool) -> Result<Option<Planned>, StepError> {
+    fn accept(&mut self, s: &pb::SequenceStep, bs: usize, skip_unknown: bool) -> Result<Option<Planned>, StepError> {
         let start = s.start_pos as usize;
         let invalid = |problem: SequenceError| Err(StepError::Sequence { seq_id: s.seq_id, problem });
         // Held tokens: the sequence is taken up from the arenas (its positions 0..start are in
@@ -463,7 +489,7 @@ impl<D: Device> Executor<D> {
             }
             shares
         };
-        Ok(Some(Planned { seq_id: s.seq_id, row0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample }))
+        Ok(Some(Planned { seq_id: s.seq_id, row0: 0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample }))
     }
 }
 

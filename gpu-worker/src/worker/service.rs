@@ -28,6 +28,18 @@ pub struct GpuWorkerService<D: Device> {
     info: pb::GpuInfoResponse,
 }
 
+/// How the service runs its steps.
+#[derive(Debug, Clone, Copy)]
+pub struct ServiceOptions {
+    /// Longest wait for a cpu-worker's answer to one job.
+    pub job_timeout: Duration,
+    /// Experts of each layer the device holds itself, the most used (when it leaves a
+    /// mixture's experts to the cpu-workers; see [`Executor::with_hot_experts`]).
+    pub hot_experts: usize,
+    /// Benchmarks only: see [`Executor::with_synthetic_prefill`].
+    pub synthetic_prefill: bool,
+}
+
 /// Steps between two plans of the hot experts (`--device-experts`).
 const HOT_EXPERTS_EVERY: u64 = 64;
 
@@ -38,8 +50,8 @@ const ORDER_WAIT: Duration = Duration::from_secs(60);
 impl GpuWorkerService<AnyDevice> {
     /// Loads the model at `path` where `placement` says (a mixture's routed experts
     /// too with `local_experts`, else the cpu-workers serve them, and the device holds the
-    /// `hot_experts` most used of each layer; see [`Executor::with_hot_experts`]).
-    pub fn load(path: &Path, placement: Placement, job_timeout: Duration, local_experts: bool, hot_experts: usize) -> Result<Self, StepError> {
+    /// `options.hot_experts` most used of each layer).
+    pub fn load(path: &Path, placement: Placement, local_experts: bool, options: ServiceOptions) -> Result<Self, StepError> {
         let file = Arc::new(GgufFile::open(path).map_err(GpuWorkerError::from)?);
         let name = file
             .get(GeneralKey::Name.key())
@@ -53,15 +65,14 @@ impl GpuWorkerService<AnyDevice> {
             .inspect_err(|e| tracing::warn!("no structured output: {e}"))
             .ok();
         let device = crate::device::open(placement, file, local_experts)?;
-        GpuWorkerService::new(device, name, job_timeout, grammars, hot_experts)
+        GpuWorkerService::new(device, name, grammars, options)
     }
 }
 
 impl<D: Device + 'static> GpuWorkerService<D> {
-    /// Serves `device`, with the model named `name` (and structured output over `grammars`;
-    /// `hot_experts` per layer on the device when it leaves a mixture's experts to the
-    /// cpu-workers).
-    pub fn new(device: D, name: String, job_timeout: Duration, grammars: Option<Grammars>, hot_experts: usize) -> Result<Self, StepError> {
+    /// Serves `device`, with the model named `name` (and structured output over `grammars`).
+    pub fn new(device: D, name: String, grammars: Option<Grammars>, options: ServiceOptions) -> Result<Self, StepError> {
+        let ServiceOptions { job_timeout, hot_experts, synthetic_prefill } = options;
         let c = device.config();
         let info = pb::GpuInfoResponse {
             model: name,
@@ -78,6 +89,7 @@ impl<D: Device + 'static> GpuWorkerService<D> {
             experts_on_cpu_workers: !device.holds_all_experts(),
             host_layers: device.host_layers() as u32,
             gpu_kv_positions: device.gpu_kv_positions() as u64,
+            synthetic_prefill,
         };
         let mut executor = Executor::new(device, job_timeout)?;
         if let Some(g) = grammars {
@@ -85,6 +97,10 @@ impl<D: Device + 'static> GpuWorkerService<D> {
         }
         if hot_experts > 0 {
             executor = executor.with_hot_experts(hot_experts, HOT_EXPERTS_EVERY)?;
+        }
+        if synthetic_prefill {
+            tracing::warn!("synthetic prefill (benchmarks only): prompts' K/V rows are made up, not computed; the text is noise");
+            executor = executor.with_synthetic_prefill();
         }
         Ok(GpuWorkerService { executor: Arc::new(Ordered::new(executor)), info })
     }
