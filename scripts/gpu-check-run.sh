@@ -16,7 +16,7 @@
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
 # Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
-# comparison), serve-bench-1b-mv8 (decode batches over 8 rows through cuBLAS, for
+# comparison), speed-1b-pool-default (activations' memory handed back at every step), serve-bench-1b-mv8 (decode batches over 8 rows through cuBLAS, for
 # comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas)
 # and serve-1b-8k-f32-prefill (prefill attention without the tensor cores), each against
 # serve-1b-8k, serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
@@ -210,7 +210,7 @@ expand() {
     # What a session lent 15 minutes of device time runs in one call (~6 minutes on an H200):
     # every test, the 1B shape's speed and serving (and the 9-64-row rule before
     # MV_PASS_ROWS, for comparison), and 16 x 8K of the 8B shape over the mirror.
-    session) echo "$(expand tests)" speed-1b serve-bench-1b serve-bench-1b-mv8 serve-8b-16x8k ;;
+    session) echo "$(expand tests)" speed-1b speed-1b-pool-default serve-bench-1b serve-bench-1b-mv8 serve-8b-16x8k ;;
     *) echo "$1" ;;
   esac
 }
@@ -258,6 +258,10 @@ for s in $(for g in $steps; do expand "$g"; done); do
     serve-bench-1b-host) step serve-bench-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
     serve-1b-8k-host) step serve-1b-8k-host env DUET_GPU_KV_BYTES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
     speed-1b-host) step speed-1b-host env DUET_GPU_KV_BYTES=0 bash -c 'run_speed "$@"' _ cuda "$(model llama-3.2-1b q4_k_m)" ;;
+    # The memory pool handing every step's activations back to the driver at each
+    # synchronisation (CUDA's default release threshold, 0), as before keep_activation_memory:
+    # against speed-1b's CUDA run.
+    speed-1b-pool-default) step speed-1b-pool-default env DUET_CUDA_POOL_KEEP=0 bash -c 'run_speed "$@"' _ cuda "$(model llama-3.2-1b q4_k_m)" ;;
     # The K/V rows of steps wholly on the GPU written into the arenas by the host (downloaded
     # as f32), as before the GPU wrote them in place: against serve-1b-8k, whose prefill
     # stores 128K positions' rows.

@@ -46,6 +46,37 @@ pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
     Ok(MEMORY_BUDGET.get().map_or(free, |&b| b.min(free)))
 }
 
+/// Lets the device's default memory pool keep up to [`ACTIVATION_RESERVE`] bytes between
+/// steps. cudarc allocates every buffer stream-ordered (`cuMemAllocAsync`) from that pool,
+/// whose release threshold is 0 by default: at every synchronisation (each step has at
+/// least one) it hands all unused memory back to the driver, so the next step's activations
+/// — tens of buffers a step — are mapped anew, a driver call each. Kept, they are reused.
+/// `DUET_CUDA_POOL_KEEP=0` leaves the default (for comparison); a failure only costs speed.
+pub fn keep_activation_memory(gpu: &Gpu) {
+    if std::env::var("DUET_CUDA_POOL_KEEP").is_ok_and(|v| v == "0") {
+        return;
+    }
+    let kept = gpu.ctx.bind_to_thread().map_err(|e| e.to_string()).and_then(|()| {
+        use cudarc::driver::sys::{self, CUmemPool_attribute, CUresult};
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: the context is current; `pool` and `threshold` outlive the calls.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, gpu.ctx.cu_device()) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(format!("cuDeviceGetDefaultMemPool: {r:?}"));
+        }
+        let mut threshold = ACTIVATION_RESERVE as u64;
+        let attr = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        let r = unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&raw mut threshold).cast()) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemPoolSetAttribute: {r:?}"));
+        }
+        Ok(())
+    });
+    if let Err(e) = kept {
+        tracing::warn!("the GPU's memory pool returns activations' memory at every step: {e}");
+    }
+}
+
 /// The budget `--gpu-mem-bytes` set, if any.
 pub fn memory_budget() -> Option<usize> {
     MEMORY_BUDGET.get().copied()

@@ -175,6 +175,7 @@ impl CudaDevice {
         // One stream does all the work, so cudarc's per-buffer events are not needed.
         // SAFETY: no other stream of this context touches the device's buffers.
         unsafe { gpu.ctx.disable_event_tracking() };
+        budget::keep_activation_memory(&gpu);
         let stream = gpu.ctx.default_stream();
         let started = std::time::Instant::now();
         let k = Launcher::new(stream.clone(), kernels::Kernels::load(&gpu.ctx, gpu.arch)?, WORKSPACE_ELEMS)?;
