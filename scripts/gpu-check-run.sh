@@ -11,7 +11,8 @@
 #          --gpu-layers 16), and the served system at 1, 16 and 64 streams;
 #   table  the served system's decode at depths 1K, 8K and 32K and 1, 16 and 64 streams, the
 #          1B and 8B shapes under the 16 GB cap (the CUDA issue's table; the depths made up by
-#          --synthetic-prefill, so that 64 x 32K opens in seconds; one call each, ~5 min);
+#          --synthetic-prefill, so that 64 x 32K opens in seconds): table-1b, table-8b and
+#          table-8b-32k, one call each (a step stops at 540 s);
 #   session  what one session's 15 minutes of device time fit (tests, then the 1B and 8B
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
@@ -187,9 +188,15 @@ serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
   wait_healthy 18090 $gw || { kill -TERM $gw; wait $gw; return 1; }
   # The most batch x context each side holds: kv_tokens (the arenas, hybrid), gpu_kv_tokens
   # (the mirror, GPU-only).
+  # The serving line comes just after /health first says serving.
+  local gpu_kv rc=0 ctx fit levels=${4:-1,16,64} i
+  for i in $(seq 20); do
+    gpu_kv=$(grep -o 'gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1 | cut -d= -f2)
+    [ -n "$gpu_kv" ] && break
+    sleep 0.5
+  done
   grep -o 'kv_tokens=[0-9]* gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1
-  local gpu_kv rc=0 ctx fit levels=${4:-1,16,64}
-  gpu_kv=$(grep -o 'gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1 | cut -d= -f2)
+  [ -n "$gpu_kv" ] || echo "no serving line with gpu_kv_tokens in the server's log: no GPU-only fit runs"
   for ctx in $(echo "${3:-1024}" | tr , ' '); do
     "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "$levels" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies cpu,gpu,lp || rc=$?
     # With GPU_FIT=1: the most sessions of this depth the mirror holds (GPU-only), each
@@ -207,16 +214,28 @@ serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
   return $rc
 }
 
+# kv_fit GIB: the KV arena to ask for: GIB, or what /dev/shm has free less 2 GiB (it may be half
+# the RAM), grown first where this user may remount it.
+kv_fit() {
+  local avail
+  avail=$(( $(df --output=avail -B1G /dev/shm | tail -1) - 2 ))
+  if [ "$avail" -lt "$1" ] && mount -o remount,size=$(( $1 + 8 ))G /dev/shm 2>/dev/null; then
+    avail=$(( $(df --output=avail -B1G /dev/shm | tail -1) - 2 ))
+  fi
+  [ "$avail" -lt "$1" ] && echo "/dev/shm has ${avail}G free: the arena shrinks to it (the largest levels may not fit)" >&2
+  echo "$(( avail < $1 ? avail : $1 ))G"
+}
+
 export kit out logs models
-export -f wait_healthy serve_and_stream serve_moe over_budget run_speed serve_bench model
+export -f wait_healthy serve_and_stream serve_moe over_budget run_speed serve_bench model kv_fit
 
 # Groups of steps; a step's own name runs it alone.
 expand() {
   case $1 in
     tests) echo twins nvrtc tiny-models cuda-vs-cpu mirror-pressure over-budget serve-stream serve-moe ;;
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
-    # The CUDA issue's table: decode at depth (made-up prompts' K/V), then real prefill.
-    table) echo table-1b table-8b ;;
+    # The CUDA issue's table: decode at depth (made-up prompts' K/V); one call each.
+    table) echo table-1b table-8b table-8b-32k ;;
     # What a session lent 15 minutes of device time runs in one call (~6 minutes on an H200):
     # every test, the 1B shape's speed and serving (and the 9-64-row rule before
     # MV_PASS_ROWS, for comparison), and 16 x 8K of the 8B shape over the mirror.
@@ -253,11 +272,9 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # 64 x 8K and 16 x 32K are too (8B 64 x 32K, 256 GiB, exceeds the machine). The serving
     # line's gpu_kv_tokens is what GPU-only holds, kv_tokens what the hybrid does; GPU_FIT
     # adds, per depth, the most sessions the mirror holds under gpu and lp.
-    table-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-1b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 66G 1024,8192,32768 1,16,64 --synthetic-prefill ;;
-    table-8b)
-      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 1024,8192 1,16,64 --synthetic-prefill
-      STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b-32k env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 66G 32768 1,16 --synthetic-prefill
-      ;;
+    table-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-1b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" "$(kv_fit 66)" 1024,8192,32768 1,16,64 --synthetic-prefill ;;
+    table-8b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 1024,8192 1,16,64 --synthetic-prefill ;;
+    table-8b-32k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b-32k env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 32768 1,16 --synthetic-prefill ;;
     # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host
     # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.
     speed-moe) step speed-moe run_speed cuda "$(model olmoe-1b-7b q4_k_m)" ;;

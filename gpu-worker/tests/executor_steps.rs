@@ -149,8 +149,58 @@ fn a_synthetic_prefill_makes_up_all_but_the_last_tokens_kv() {
             }
         }
     }
+    // Layer 1's are computed from attention over the context: the made-up one, not the real.
+    assert_ne!(row(&real_arena.0, 0, 1, 0, 39), row(&synth_arena.0, 0, 1, 0, 39), "the last token did not attend the made-up context");
     // Decode goes on from the made-up context.
     let next = step(&mut synth, 2, 1, vec![part(1, 40, &[], &[], false)]).unwrap();
     assert_eq!(next.len(), 1);
     assert!(next[0].2.is_finite());
+}
+
+/// A synthetic prefill beside a decode in one step: the prompt's rows shrink to one, and the
+/// decoding sequence behind it in the batch still samples what it samples beside a real
+/// prefill (bit for bit); a prompt in two chunks has each chunk's last token computed.
+#[test]
+fn a_synthetic_prefill_leaves_the_other_rows_of_its_step_alone() {
+    let load = || CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap();
+    let (mut real, real_arena) = support::executor_with_arena(load(), "exec-real2");
+    let (ex, synth_arena) = support::executor_with_arena(load(), "exec-synth2");
+    let mut synth = ex.with_synthetic_prefill();
+    let layout = support::arena_layout(synth.device().config(), KvDtype::F16);
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(40).copied().collect();
+    // Sequence 1 decodes from a one-token prompt (nothing made up): the same KV in both.
+    let mut outs: Vec<Vec<(u64, u32, f32)>> = Vec::new();
+    for ex in [&mut real, &mut synth] {
+        step(ex, 1, 0, vec![part(1, 0, &PROMPT[..1], &[0], true)]).unwrap();
+        for i in 0..3 {
+            step(ex, 2 + i, 1 + i, vec![part(1, 1 + i as u32, &[], &[], false)]).unwrap();
+        }
+        // The prompt first in the batch, the decode row behind it.
+        outs.push(step(ex, 5, 4, vec![part(2, 0, &prompt, &[4, 5, 6], true), part(1, 4, &[], &[], false)]).unwrap());
+    }
+    let of = |v: &[(u64, u32, f32)], id: u64| v.iter().find(|s| s.0 == id).map(|s| (s.1, s.2.to_bits()));
+    assert_eq!(of(&outs[1], 1), of(&outs[0], 1), "the decode row beside a synthetic prefill");
+    assert!(of(&outs[1], 2).is_some());
+    // A prompt in two chunks (24 tokens, then 16): positions 23 and 39 computed.
+    let chunk = |start: usize, n: usize, blocks: &[u32], sample: bool| pb::SequenceStep {
+        sample,
+        ..part(3, start as u32, &prompt[start..start + n], blocks, start == 0)
+    };
+    for ex in [&mut real, &mut synth] {
+        step(ex, 6, 0, vec![chunk(0, 24, &[8, 9], false)]).unwrap();
+        step(ex, 7, 0, vec![chunk(24, 16, &[10], true)]).unwrap();
+    }
+    let k0 = |arena: &Segment, pos: usize| -> Vec<f32> {
+        let block = BlockId(8 + (pos / 16) as u32);
+        // SAFETY: inside the arena; no step runs while the test reads it.
+        let h = unsafe { arena.slice::<u16>(layout.k_offset(block, 0, 0) + (pos % 16) * layout.row_bytes().unwrap(), layout.head_dim as usize) };
+        h.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect()
+    };
+    let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-2 * x.abs().max(1.0));
+    for pos in [23, 39] {
+        assert!(close(&k0(&real_arena.0, pos), &k0(&synth_arena.0, pos)), "position {pos} of the chunked prompt was not computed");
+    }
+    for pos in [22, 24, 38] {
+        assert!(!close(&k0(&real_arena.0, pos), &k0(&synth_arena.0, pos)), "position {pos} of the chunked prompt was computed");
+    }
 }

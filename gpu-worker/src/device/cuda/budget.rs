@@ -53,7 +53,8 @@ pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
 /// — tens of buffers a step — are mapped anew, a driver call each. Kept, they are reused.
 /// `DUET_CUDA_POOL_KEEP=0` leaves the default (for comparison); a failure only costs speed.
 pub fn keep_activation_memory(gpu: &Gpu) {
-    if std::env::var("DUET_CUDA_POOL_KEEP").is_ok_and(|v| v == "0") {
+    // Without stream-ordered allocation cudarc allocates with `cuMemAlloc`: no pool.
+    if std::env::var("DUET_CUDA_POOL_KEEP").is_ok_and(|v| v == "0") || !gpu.ctx.has_async_alloc() {
         return;
     }
     let kept = gpu.ctx.bind_to_thread().map_err(|e| e.to_string()).and_then(|()| {
