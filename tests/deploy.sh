@@ -146,7 +146,8 @@ grep -q -- "--config" <<<"$help" || fail "$gateway serve has no --config flag (s
 keys="$(sed -nE 's/^#?([a-z_]+) = .*/\1/p' deploy/duet.toml.example)"
 [ -n "$keys" ] || fail "no keys found in deploy/duet.toml.example"
 for key in $keys; do
-    grep -q -- "--${key//_/-} " <<<"$help" || fail "deploy/duet.toml.example: key $key is not a flag of duet-gateway serve"
+    # (A switch's line ends at its name; a flag with a value has a space and the value.)
+    grep -qE -- "--${key//_/-}( |\$)" <<<"$help" || fail "deploy/duet.toml.example: key $key is not a flag of duet-gateway serve"
 done
 # And every flag (but --config itself and --api-key, whose secret belongs in api_key_file)
 # is documented there.

@@ -97,18 +97,33 @@ fn a_block_given_to_two_sequences_is_refused() {
     assert_eq!(step(&mut ex, 3, 0, vec![part(4, 0, &PROMPT, &[6], true), part(5, 0, &PROMPT, &[7], true)]).unwrap().len(), 2);
 }
 
+/// Two executors on the same model, one with `--synthetic-prefill`, each with its arena, and
+/// a 40-token prompt.
+struct Pair {
+    real: Executor,
+    real_arena: (Segment, Ring),
+    synth: Executor,
+    synth_arena: (Segment, Ring),
+    layout: duet_kv::ArenaLayout,
+    prompt: Vec<u32>,
+}
+
+fn pair(tag: &str) -> Pair {
+    let load = || CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap();
+    let (real, real_arena) = support::executor_with_arena(load(), &format!("exec-real{tag}"));
+    let (ex, synth_arena) = support::executor_with_arena(load(), &format!("exec-synth{tag}"));
+    let synth = ex.with_synthetic_prefill();
+    let layout = support::arena_layout(synth.device().config(), KvDtype::F16);
+    Pair { real, real_arena, synth, synth_arena, layout, prompt: PROMPT.iter().cycle().take(40).copied().collect() }
+}
+
 /// `--synthetic-prefill`: a 40-token prompt writes made-up rows at positions 0..39 of every
 /// layer (cycling through `SYNTHETIC_ROWS` rows) and computes position 39 itself, whose
 /// layer-0 K/V (which depend only on its token and position) are what a real prefill stores;
 /// the prompt counts as prefilled, and decode goes on from it.
 #[test]
 fn a_synthetic_prefill_makes_up_all_but_the_last_tokens_kv() {
-    let load = || CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap();
-    let (mut real, real_arena) = support::executor_with_arena(load(), "exec-real");
-    let (ex, synth_arena) = support::executor_with_arena(load(), "exec-synth");
-    let mut synth = ex.with_synthetic_prefill();
-    let layout = support::arena_layout(synth.device().config(), KvDtype::F16);
-    let prompt: Vec<u32> = PROMPT.iter().cycle().take(40).copied().collect();
+    let Pair { mut real, real_arena, mut synth, synth_arena, layout, prompt } = pair("1");
     let req = |ex: &mut Executor| {
         let req = pb::StepRequest { step: 1, sequences: vec![part(1, 0, &prompt, &[0, 1, 2], true)], released: Vec::new(), after_step: 0 };
         ex.step(&req).unwrap()
@@ -162,12 +177,7 @@ fn a_synthetic_prefill_makes_up_all_but_the_last_tokens_kv() {
 /// prefill (bit for bit); a prompt in two chunks has each chunk's last token computed.
 #[test]
 fn a_synthetic_prefill_leaves_the_other_rows_of_its_step_alone() {
-    let load = || CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap();
-    let (mut real, real_arena) = support::executor_with_arena(load(), "exec-real2");
-    let (ex, synth_arena) = support::executor_with_arena(load(), "exec-synth2");
-    let mut synth = ex.with_synthetic_prefill();
-    let layout = support::arena_layout(synth.device().config(), KvDtype::F16);
-    let prompt: Vec<u32> = PROMPT.iter().cycle().take(40).copied().collect();
+    let Pair { mut real, real_arena, mut synth, synth_arena, layout, prompt } = pair("2");
     // Sequence 1 decodes from a one-token prompt (nothing made up): the same KV in both.
     let mut outs: Vec<Vec<(u64, u32, f32)>> = Vec::new();
     for ex in [&mut real, &mut synth] {
