@@ -27,6 +27,8 @@ struct StreamTiming {
     ttft: Duration,
     total: Duration,
     generated: u32,
+    /// The time between each token and the one before it.
+    gaps: Vec<Duration>,
 }
 
 /// One concurrency level's results.
@@ -45,6 +47,10 @@ pub struct LevelReport {
     pub decode_tokens_per_s_per_stream: f64,
     pub ttft_median_ms: f64,
     pub ttft_max_ms: f64,
+    /// Inter-token latency over every stream's tokens after its first: median and 99th
+    /// percentile (nearest rank), what a reader of a stream waits between tokens.
+    pub itl_p50_ms: f64,
+    pub itl_p99_ms: f64,
     pub prediction_error_p50: Option<f64>,
     pub prediction_error_p90: Option<f64>,
     /// The gateway made up prompts' K/V (`--synthetic-prefill`): prefill figures mean nothing.
@@ -116,8 +122,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     _ => String::new(),
                 };
                 println!(
-                    "{:<10} concurrency {:>3}: depth {:>5} + {:>4} generated each | aggregate {:>8.1} tok/s | per stream {:>7.1} tok/s | TTFT median {:>7.1} ms, max {:>7.1} ms | {:.1} s{err}",
-                    r.policy, r.concurrency, r.prompt_tokens, r.max_tokens, r.aggregate_tokens_per_s, r.decode_tokens_per_s_per_stream, r.ttft_median_ms, r.ttft_max_ms, r.wall_s
+                    "{:<10} concurrency {:>3}: depth {:>5} + {:>4} generated each | aggregate {:>8.1} tok/s | per stream {:>7.1} tok/s | TTFT median {:>7.1} ms, max {:>7.1} ms | between tokens p50 {:.1} ms, p99 {:.1} ms | {:.1} s{err}",
+                    r.policy, r.concurrency, r.prompt_tokens, r.max_tokens, r.aggregate_tokens_per_s, r.decode_tokens_per_s_per_stream, r.ttft_median_ms, r.ttft_max_ms, r.itl_p50_ms, r.itl_p99_ms, r.wall_s
                 );
             }
             reports.push(r);
@@ -252,14 +258,18 @@ async fn one_stream(client: &mut InferenceClient<tonic::transport::Channel>, req
         anyhow::anyhow!("Generate: {}{hint}", e.message())
     })?
     .into_inner();
-    let (mut ttft, mut generated) = (None, 0u32);
+    let (mut ttft, mut generated, mut last, mut gaps) = (None, 0u32, None, Vec::new());
     while let Some(msg) = stream.message().await.map_err(|e| anyhow::anyhow!("Generate stream: {}", e.message()))? {
         if let Some(Event::Token(_)) = msg.event {
+            let now = Instant::now();
             generated += 1;
-            ttft.get_or_insert_with(|| start.elapsed());
+            ttft.get_or_insert_with(|| now - start);
+            if let Some(before) = last.replace(now) {
+                gaps.push(now - before);
+            }
         }
     }
-    Ok(StreamTiming { ttft: ttft.unwrap_or_default(), total: start.elapsed(), generated })
+    Ok(StreamTiming { ttft: ttft.unwrap_or_default(), total: start.elapsed(), generated, gaps })
 }
 
 fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[StreamTiming]) -> LevelReport {
@@ -274,6 +284,8 @@ fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[Strea
         .map(|s| (s.generated - 1) as f64 / (s.total - s.ttft).as_secs_f64().max(1e-9))
         .collect();
     let ttfts: Vec<f64> = t.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+    let mut gaps: Vec<f64> = t.iter().flat_map(|s| &s.gaps).map(|g| g.as_secs_f64() * 1e3).collect();
+    gaps.sort_by(f64::total_cmp);
     LevelReport {
         policy: String::new(),
         concurrency: c,
@@ -285,15 +297,40 @@ fn report(c: usize, prompt_tokens: usize, max_tokens: u32, wall: f64, t: &[Strea
         decode_tokens_per_s_per_stream: median(decode),
         ttft_max_ms: ttfts.iter().copied().fold(0.0, f64::max),
         ttft_median_ms: median(ttfts),
+        itl_p50_ms: nearest_rank(&gaps, 0.50),
+        itl_p99_ms: nearest_rank(&gaps, 0.99),
         prediction_error_p50: None,
         prediction_error_p90: None,
         synthetic_prefill: false,
     }
 }
 
+/// The `q` quantile of sorted `v` by nearest rank (0 for none).
+fn nearest_rank(v: &[f64], q: f64) -> f64 {
+    let rank = (q * v.len() as f64).ceil() as usize;
+    v.get(rank.max(1) - 1).copied().unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inter_token_latency_pools_every_streams_gaps() {
+        let ms = Duration::from_millis;
+        let stream = |gaps: std::ops::RangeInclusive<u64>| StreamTiming {
+            ttft: ms(10),
+            total: ms(1000),
+            generated: *gaps.end() as u32 + 1,
+            gaps: gaps.map(ms).collect(),
+        };
+        // Gaps of 1..=50 ms and 51..=100 ms: 100 in all.
+        let r = report(2, 8, 51, 1.0, &[stream(1..=50), stream(51..=100)]);
+        assert_eq!((r.itl_p50_ms, r.itl_p99_ms), (50.0, 99.0));
+        // A one-token stream has no gaps.
+        let one = StreamTiming { ttft: ms(5), total: ms(5), generated: 1, gaps: Vec::new() };
+        assert_eq!(report(1, 8, 1, 1.0, &[one]).itl_p99_ms, 0.0);
+    }
 
     #[test]
     fn progress_lines_say_how_far_and_how_long_is_left() {

@@ -448,7 +448,7 @@ impl Scheduler {
     }
 
     /// Queue, session and KV gauges.
-    fn publish_metrics(&self) {
+    pub(super) fn publish_metrics(&self) {
         metrics::queues(self.waiting.len(), self.running.len(), self.sessions.len());
         for w in 0..self.pool.n_workers() {
             metrics::cpu_worker(w as u32, self.cfg.blocks_per_worker[w], self.pool.n_free(WorkerId(w as u32)), self.worker_up[w]);

@@ -334,8 +334,12 @@ impl Scheduler {
     /// Ends the sequences that finished or failed: events, sessions, KV.
     pub(super) fn conclude(&mut self, mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)>) {
         outcomes.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+        // The requests' KV goes back (and the gauges say so) before their clients hear the
+        // end: a client that reads /metrics after its last event finds its KV freed.
+        let mut ends = Vec::with_capacity(outcomes.len());
         for (i, outcome) in outcomes {
             let mut seq = self.running.swap_remove(i);
+            let events = seq.events.clone();
             match outcome {
                 Ok(reason) => {
                     let ev = seq.finished(reason);
@@ -343,15 +347,19 @@ impl Scheduler {
                         seq.output.push_str(text);
                         metrics::request_finished(reason, usage);
                     }
-                    let _ = seq.events.send(Ok(ev));
                     self.keep_or_release(seq);
+                    ends.push((events, Ok(ev)));
                 }
                 Err(e) => {
                     metrics::request_failed(false);
-                    let _ = seq.events.send(Err(e));
                     self.return_session(seq);
+                    ends.push((events, Err(e)));
                 }
             }
+        }
+        self.publish_metrics();
+        for (events, end) in ends {
+            let _ = events.send(end);
         }
     }
 
