@@ -241,23 +241,30 @@ fn layer_stack(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
             matmul(&m[6], &x_ffn, down);
         }
     };
+    pass();
+    against_a_sum(bytes, 7, |_| pass())
+}
+
+/// GB/s of `work(i)` for passes `i` in `0..passes` reading `bytes`, and of a plain parallel
+/// f32 sum over as many bytes, timed alternately (this VM's bandwidth drifts between
+/// phases): the best pass of each. The caller warms `work` up first.
+fn against_a_sum(bytes: usize, passes: usize, mut work: impl FnMut(usize)) -> (f64, f64) {
     let plain: Vec<f32> = vec![0.5; bytes / 4];
     let sum = || {
         let s: f32 = plain.par_chunks(1 << 16).map(sum_lanes).sum();
         std::hint::black_box(s);
     };
-    let (mut best_stack, mut best_sum) = (Duration::MAX, Duration::MAX);
-    pass();
-    for _ in 0..7 {
+    let (mut best_work, mut best_sum) = (Duration::MAX, Duration::MAX);
+    for i in 0..passes {
         let t = Instant::now();
-        pass();
-        best_stack = best_stack.min(t.elapsed());
+        work(i);
+        best_work = best_work.min(t.elapsed());
         let t = Instant::now();
         sum();
         best_sum = best_sum.min(t.elapsed());
     }
     let gbs = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
-    (gbs(best_stack), gbs(best_sum))
+    (gbs(best_work), gbs(best_sum))
 }
 
 /// GB/s of the routed experts of one OLMoE-1B-7B-shaped layer at 16 sessions, as a
@@ -304,23 +311,8 @@ fn expert_layer(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
         std::hint::black_box(outs);
     };
     let bytes: usize = used.iter().map(|&e| experts[0][e].iter().map(|(d, ..)| d.len()).sum::<usize>()).sum();
-    let plain: Vec<f32> = vec![0.5; bytes / 4];
-    let sum = || {
-        let s: f32 = plain.par_chunks(1 << 16).map(sum_lanes).sum();
-        std::hint::black_box(s);
-    };
-    let (mut best_layer, mut best_sum) = (Duration::MAX, Duration::MAX);
     (0..layers).for_each(one_layer);
-    for i in 0..12 {
-        let t = Instant::now();
-        one_layer(i % layers);
-        best_layer = best_layer.min(t.elapsed());
-        let t = Instant::now();
-        sum();
-        best_sum = best_sum.min(t.elapsed());
-    }
-    let gbs = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
-    (gbs(best_layer), gbs(best_sum))
+    against_a_sum(bytes, 12, |i| one_layer(i % layers))
 }
 
 /// GB/s of f32 activations `quantize` turns into `ty` blocks: 512 rows of 2048, row by row on

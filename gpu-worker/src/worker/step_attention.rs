@@ -66,9 +66,7 @@ impl PlanSlots<'_> {
         let p = self.plan.get(self.plan.partition_point(|p| p.row0 + p.n <= row)).filter(|p| p.row0 <= row)?;
         Some((p, p.start + (row - p.row0)))
     }
-}
 
-impl PlanSlots<'_> {
     /// Row `row`'s K and V of `layer` into its slots.
     fn write_row(&self, layer: usize, row: usize, k: &[f32], v: &[f32]) -> Result<(), KvAccessError> {
         let (p, pos) = self.entry(row).ok_or(KvAccessError::NoRow { row })?;
