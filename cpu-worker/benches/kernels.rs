@@ -474,6 +474,10 @@ fn main() {
             }
         }
     }
+    // Merging a split decode step's partial attention results (the gpu-worker's share and a
+    // cpu-worker's, per head), one thread: µs per layer of 64 split rows.
+    let what = "merging split attention results (µs per layer, one thread)";
+    let merge = wanted(what).then(|| (what, "64 rows × 32 heads of 64, 2 parts each", merge_layer(64, 32, 64, &mut rng)));
     let bw_after = read_bandwidth(a.quick);
     let bw = bw_before.max(bw_after);
     let mib = if a.quick { 512 } else { 1024 };
@@ -488,4 +492,25 @@ fn main() {
     for (what, shape, g) in macs {
         println!("| {what} (G multiply-adds/s) | {shape} | {g:.1} | |");
     }
+    if let Some((what, shape, us)) = merge {
+        println!("| {what} | {shape} | {us:.1} | |");
+    }
+}
+
+/// µs to merge one layer's `rows` split rows of `n_head` heads of `hd` from two partial
+/// results each (`duet_kernels::decode_batch::merge_heads`, as the gpu-worker merges its own
+/// share with a cpu-worker's), on one thread: the best of 50 layers.
+fn merge_layer(rows: usize, n_head: usize, hd: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+    let part = |rng: &mut rand::rngs::StdRng| -> duet_kernels::decode_batch::Partial {
+        ((0..n_head * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect(), (0..n_head).map(|_| rng.random_range(-4.0f32..4.0)).collect())
+    };
+    let split: Vec<Vec<duet_kernels::decode_batch::Partial>> = (0..rows).map(|_| vec![part(rng), part(rng)]).collect();
+    let mut out = vec![0f32; rows * n_head * hd];
+    let t = best(50, || {
+        for (parts, o) in split.iter().zip(out.chunks_exact_mut(n_head * hd)) {
+            duet_kernels::decode_batch::merge_heads(parts, o, None);
+        }
+        std::hint::black_box(&out);
+    });
+    t.as_secs_f64() * 1e6
 }

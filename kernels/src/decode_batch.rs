@@ -97,15 +97,26 @@ fn decode_chunks(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
     })
 }
 
-/// Merges one query group's results over consecutive chunks (`(out, lse)` each, in position
-/// order) into `out` and `lse`, head by head: one chunk is copied unchanged.
-fn merge_chunks(parts: &[Partial], out: &mut [f32], lse: &mut [f32]) {
-    let group = lse.len();
-    let hd = out.len() / group;
-    for (h, (oh, lh)) in out.chunks_exact_mut(hd).zip(lse.iter_mut()).enumerate() {
-        let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(o, l)| (&o[h * hd..(h + 1) * hd], l[h])).collect();
-        oh.copy_from_slice(&merge_partials(&head_parts));
-        *lh = merge_lse(&head_parts.iter().map(|p| p.1).collect::<Vec<_>>());
+/// Merges the partial results `parts` of one token (`(out, lse)` each: `[head][head_dim]` and
+/// one log-sum-exp per head, over disjoint position ranges) into `out`, head by head with
+/// [`merge_partials`]'s arithmetic, and each head's log-sum-exp into `lse` where given: the
+/// chunks of a long context, or the shares of a split token (the gpu-worker's and the
+/// cpu-workers'). One part is copied unchanged.
+pub fn merge_heads(parts: &[Partial], out: &mut [f32], mut lse: Option<&mut [f32]>) {
+    let n_head = parts.first().map_or(0, |p| p.1.len());
+    let hd = out.len() / n_head.max(1);
+    // One scratch for every head: per head, allocating its parts, sum and output (three
+    // vectors) cost as much as the arithmetic (a 64-row layer of 32 heads: 268 µs before).
+    let mut acc = vec![0f64; hd];
+    let mut lses = Vec::with_capacity(parts.len());
+    for (h, oh) in out.chunks_exact_mut(hd).enumerate() {
+        lses.clear();
+        lses.extend(parts.iter().map(|p| p.1[h]));
+        let total = merge_into(|i| &parts[i].0[h * hd..(h + 1) * hd], &lses, oh, &mut acc);
+        if let Some(lse) = lse.as_deref_mut() {
+            // `merge_lse` of these log-sum-exps, where the merge computed it already.
+            lse[h] = total.map_or_else(|| merge_lse(&lses), |t| t as f32);
+        }
     }
 }
 
@@ -142,7 +153,7 @@ fn merge_chunk_tasks(tasks: &[ChunkTask], parts: &[Partial], n_items: usize, n_k
         let (i, h) = (tasks[at].item, tasks[at].kv_head);
         let n = tasks[at..].iter().take_while(|t| (t.item, t.kv_head) == (i, h)).count();
         let (o, l) = &mut results[i];
-        merge_chunks(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], &mut l[h * group..(h + 1) * group]);
+        merge_heads(&parts[at..at + n], &mut o[h * group * hd..(h + 1) * group * hd], Some(&mut l[h * group..(h + 1) * group]));
         at += n;
     }
     results
@@ -157,30 +168,46 @@ pub fn merge_partials(parts: &[(&[f32], f32)]) -> Vec<f32> {
     assert!(!parts.is_empty(), "merge of no partial results");
     let dim = parts[0].0.len();
     assert!(parts.iter().all(|(o, _)| o.len() == dim), "partial outputs differ in length");
+    let lses: Vec<f32> = parts.iter().map(|p| p.1).collect();
+    let mut out = vec![0f32; dim];
+    merge_into(|i| parts[i].0, &lses, &mut out, &mut vec![0f64; dim]);
+    out
+}
+
+/// [`merge_partials`] of the parts `part(i)` with log-sum-exps `lses` into `out`, summing in
+/// `acc` (`out.len()` values): the merged log-sum-exp (`merge_lse`'s value, in f64) where it
+/// was computed, `None` where one part came back unchanged.
+fn merge_into<'a>(part: impl Fn(usize) -> &'a [f32], lses: &[f32], out: &mut [f32], acc: &mut [f64]) -> Option<f64> {
     // A single part, or a single part that attended anything (the others being ranges a
     // sliding window cut away, which weigh nothing), comes back unchanged.
-    let mut live = parts.iter().filter(|p| p.1 != f32::NEG_INFINITY);
-    if let (Some((o, _)), None) = (live.next(), live.next()) {
-        return o.to_vec();
+    let mut live = lses.iter().enumerate().filter(|(_, &l)| l != f32::NEG_INFINITY);
+    if let (Some((i, _)), None) = (live.next(), live.next()) {
+        out.copy_from_slice(part(i));
+        return None;
     }
-    if let [(o, _)] = parts {
-        return o.to_vec();
+    if lses.len() == 1 {
+        out.copy_from_slice(part(0));
+        return None;
     }
-    let total = merge_lse_f64(parts.iter().map(|p| p.1));
+    let total = merge_lse_f64(lses.iter().copied());
     if total == f64::NEG_INFINITY {
-        return vec![0.0; dim];
+        out.fill(0.0);
+        return Some(total);
     }
-    let mut acc = vec![0f64; dim];
-    for (o, l) in parts {
-        let w = (*l as f64 - total).exp();
+    acc.fill(0.0);
+    for (i, &l) in lses.iter().enumerate() {
+        let w = (l as f64 - total).exp();
         if w == 0.0 {
             continue;
         }
-        for (a, &x) in acc.iter_mut().zip(o.iter()) {
+        for (a, &x) in acc.iter_mut().zip(part(i)) {
             *a += x as f64 * w;
         }
     }
-    acc.into_iter().map(|a| a as f32).collect()
+    for (o, &a) in out.iter_mut().zip(acc.iter()) {
+        *o = a as f32;
+    }
+    Some(total)
 }
 
 /// The log-sum-exp of merged parts: `ln Σ exp(lse_i)` (a single part unchanged), so that
@@ -297,6 +324,32 @@ mod tests {
         let m = merge_partials(&[(&a, 1000.0), (&b, 1001.0)]);
         let wb = 1.0 / (1.0 + (-1f32).exp());
         assert!((m[0] - (1.0 - wb)).abs() < 1e-6 && (m[1] - wb).abs() < 1e-6, "{m:?}");
+    }
+
+    /// A token's heads merged at once are each head's merge, bit for bit, and its
+    /// log-sum-exps `merge_lse`'s: heads with every part live, one live part, none, and a
+    /// part left empty (a sliding window's cut).
+    #[test]
+    fn merging_a_tokens_heads_is_merging_each_head() {
+        let (n_head, hd) = (4usize, 5usize);
+        let inf = f32::NEG_INFINITY;
+        let lses = [[0.3f32, 1.7, inf, 2.0], [-1.2, inf, inf, 900.0], [4.5, inf, inf, inf]];
+        let parts: Vec<Partial> = lses
+            .iter()
+            .enumerate()
+            .map(|(p, l)| ((0..n_head * hd).map(|i| ((i * 7 + p * 13) % 11) as f32 * 0.37 - 1.5).collect(), l.to_vec()))
+            .collect();
+        let (mut out, mut lse) = (vec![f32::NAN; n_head * hd], vec![f32::NAN; n_head]);
+        merge_heads(&parts, &mut out, Some(&mut lse));
+        for h in 0..n_head {
+            let head: Vec<(&[f32], f32)> = parts.iter().map(|(o, l)| (&o[h * hd..(h + 1) * hd], l[h])).collect();
+            let want = merge_partials(&head);
+            assert_eq!(out[h * hd..(h + 1) * hd].iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "head {h}");
+            assert_eq!(lse[h].to_bits(), merge_lse(&head.iter().map(|p| p.1).collect::<Vec<_>>()).to_bits(), "head {h}");
+        }
+        let mut alone = vec![0f32; n_head * hd];
+        merge_heads(&parts[..1], &mut alone, None);
+        assert_eq!(alone, parts[0].0, "one part comes back unchanged");
     }
 }
 

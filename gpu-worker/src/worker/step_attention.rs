@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use duet_kernels::attention::{windowed, AttnShape, KvRun, KV_PADDING};
-use duet_kernels::decode_batch::merge_partials;
+use duet_kernels::decode_batch::merge_heads;
 use duet_proto::pb;
 use duet_kv::shm::job::{busy_ns, encode_job, read_results, AttnJob, SeqJob, SeqResult};
 
@@ -248,12 +248,9 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         // Each split row's heads merged from its parts (decode rows: one row each), the rows
         // in parallel when there are many.
         let merge_row = |parts: &Vec<Partial>| -> Vec<f32> {
-            (0..self.shape.n_head)
-                .flat_map(|h| {
-                    let head_parts: Vec<(&[f32], f32)> = parts.iter().map(|(po, pl)| (&po[h * hd..(h + 1) * hd], pl[h])).collect();
-                    merge_partials(&head_parts)
-                })
-                .collect()
+            let mut o = vec![0f32; q_dim];
+            merge_heads(parts, &mut o, None);
+            o
         };
         let split: Vec<(usize, &Vec<Partial>)> = plan.iter().zip(&partials).filter(|(p, _)| !p.shares.is_empty()).map(|(p, parts)| (p.row0, parts)).collect();
         let merged: Vec<(usize, Vec<f32>)> = if split.len() >= PARALLEL_MERGE_ROWS {
