@@ -166,12 +166,13 @@ over_budget() { # MODEL
   echo "$log" | grep -q "gpu-mem-bytes" && echo "$log" | grep -q "the CPU device"
 }
 
-# Single-process speed: a 512-token prompt, then 128 tokens, on one device (the GPU's memory
+# Single-process speed: a 512-token prompt, then 128 tokens, timed after one untimed run of the
+# same (first-use costs left out), on one device (the GPU's memory
 # capped at a T4's 16 GB, as the CUDA issue's table asks).
 run_speed() { # DEVICE MODEL [GPU_LAYERS]
   local ids
   ids=$(python3 -c 'print(",".join(str(1000 + 7 * i) for i in range(512)))')
-  "$kit/duet-gpu-worker" --device "$1" ${3:+--gpu-layers "$3"} --gpu-mem-bytes 16G run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json \
+  "$kit/duet-gpu-worker" --device "$1" ${3:+--gpu-layers "$3"} --gpu-mem-bytes 16G run --model "$2" --prompt-ids "$ids" --max-tokens 128 --json --warmup \
     | python3 -c 'import json,sys; t=json.load(sys.stdin)["timings"]; print(json.dumps(t))'
 }
 

@@ -152,6 +152,11 @@ pub struct RunArgs {
     /// Print one JSON object (prompt_ids, generated_ids, text, top5) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Generate once, untimed and unprinted, before the timed generation: the speeds then
+    /// leave out first-use costs (on a GPU: cuBLAS's choice of algorithms, the memory pool's
+    /// growth; on the CPU: the thread pool's start, first touches of the weights' pages).
+    #[arg(long)]
+    pub warmup: bool,
 }
 
 #[derive(Debug, Args)]
@@ -301,6 +306,11 @@ fn run_generate(args: RunArgs, device: Placement) -> anyhow::Result<()> {
         sampling,
         top_n: if args.json { 5 } else { 0 },
     };
+    if args.warmup {
+        let started = std::time::Instant::now();
+        engine.generate(&req, |_| {})?;
+        tracing::info!(ms = started.elapsed().as_millis() as u64, "warm-up generation done (untimed)");
+    }
     let stdout = std::io::stdout();
     let gen = engine.generate(&req, |piece| {
         if !args.json {

@@ -116,6 +116,18 @@ fn run_json_from_prompt_ids_matches_llama_cpp() {
     }
 }
 
+/// `--warmup` generates once before the timed run: the printed generation is the timed one
+/// alone (one JSON object, the same greedy tokens), and the log says the warm-up ran.
+#[test]
+fn run_with_a_warmup_prints_only_the_timed_generation() {
+    let args = ["run", "--model", &model_arg(), "--prompt-ids", "504,3575,282,4649,314", "--max-tokens", "6", "--json", "--warmup"];
+    let v = json_of(&args);
+    assert_eq!(ids(&v["generated_ids"]), ids(&golden_item("raw_capital")["generated_ids"])[..6]);
+    assert!(v["timings"]["decode_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
+    let out = worker(&args);
+    assert!(stderr(&out).contains("warm-up generation done"), "{}", stderr(&out));
+}
+
 #[test]
 fn run_json_from_prompt_text_tokenizes_like_llama_cpp() {
     let item = golden_item("raw_capital");
