@@ -338,6 +338,25 @@ async fn the_service_behaves_as_a_client_expects() {
     same_up_to_near_tie(&next.ids, &fresh_ref, 0.5).unwrap_or_else(|e| panic!("a session turn after a gpu-worker restart vs a fresh request: {e}"));
     gw.client().close_session(pb::CloseSessionRequest { session_id: idle_session }).await.unwrap();
 
+    // `duet bench` against it: an untimed warm-up stream first (said in text mode), then each
+    // level's streams, every one generating exactly --max-tokens.
+    let bench = |extra: &[&str]| {
+        let out = std::process::Command::new(duet_tests::bin("duet"))
+            .args(["bench", "--addr", &gw.addr, "--concurrency", "1,2", "--prompt-tokens", "8", "--max-tokens", "5"])
+            .args(extra)
+            .output()
+            .expect("starting duet bench");
+        assert!(out.status.success(), "duet bench {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = bench(&[]);
+    assert!(text.lines().next().is_some_and(|l| l.starts_with("warmed up in")), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("concurrency")).count(), 2, "{text}");
+    let levels: serde_json::Value = serde_json::from_str(&bench(&["--json", "--no-warmup"])).expect("duet bench --json prints JSON");
+    let levels = levels.as_array().expect("one report per level");
+    assert_eq!(levels.iter().map(|l| (l["concurrency"].as_u64(), l["generated_tokens"].as_u64())).collect::<Vec<_>>(), [(Some(1), Some(5)), (Some(2), Some(10))]);
+    assert!(levels.iter().all(|l| l["aggregate_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0)), "{levels:?}");
+
     let status = gw.stop();
     assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
     assert!(!gw.runtime_dir.exists(), "runtime directory removed");

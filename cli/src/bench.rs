@@ -2,7 +2,8 @@
 //! concurrency level it starts that many greedy streams at once (distinct random prompts of
 //! a fixed length, end-of-generation ignored so every stream generates exactly
 //! `--max-tokens`) and reports time to first token, per-stream decode speed and the
-//! aggregate generated tokens per second. One line per level, or JSON.
+//! aggregate generated tokens per second. One line per level, or JSON. An untimed warm-up
+//! stream goes first (`--no-warmup` skips it).
 //!
 //! With `--context N` it measures decode at depth instead: it first opens one session per
 //! stream with an N-token prompt (prefilled once), then every measured run continues those
@@ -72,6 +73,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             "note: the gateway's prefill is synthetic (--synthetic-prefill): prompts' K/V are made up, so decode at depth is timed truly but time to first token{} means nothing",
             if args.context.is_some() { " when opening sessions" } else { " (every prompt is prefilled in the timed streams)" }
         );
+    }
+    if !args.no_warmup {
+        // One stream with the levels' prompt length (with --context a short one: the
+        // sessions' long prompts are prefilled untimed anyway), untimed.
+        let started = Instant::now();
+        let n = if args.context.is_some() { WARMUP_CONTEXT_PROMPT } else { args.prompt_tokens.max(1) };
+        let mut req = stream_request((0..n).map(|_| rng.random_range(PROMPT_IDS)).collect(), &args, None);
+        req.max_tokens = Some(args.max_tokens.min(WARMUP_TOKENS));
+        one_stream(&mut client, req).await.map_err(|e| anyhow::anyhow!("the warm-up stream failed: {e}"))?;
+        if !args.json {
+            println!("warmed up in {:.1} s (untimed)", started.elapsed().as_secs_f64());
+        }
     }
     for &c in &args.concurrency {
         // At depth: open the sessions once (their prefill is not timed).
@@ -150,6 +163,12 @@ fn stream_request(ids: Vec<u32>, args: &BenchArgs, session_id: Option<String>) -
         ..Default::default()
     }
 }
+
+/// Tokens the untimed warm-up stream generates.
+const WARMUP_TOKENS: u32 = 4;
+
+/// The warm-up stream's prompt with `--context`.
+const WARMUP_CONTEXT_PROMPT: usize = 16;
 
 /// The longest a bench waits for a gateway still loading its model.
 const LOAD_WAIT: Duration = Duration::from_secs(600);
