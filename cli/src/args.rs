@@ -117,9 +117,10 @@ pub struct BenchArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Skip the untimed warm-up stream (a prompt of the first level's length, 4 tokens) sent
-    /// before the first level, which otherwise keeps first-use costs (the GPU's choice of
-    /// kernels for new shapes, memory growth) out of the measured levels.
+    /// Skip the untimed warm-up stream (the levels' prompt length, or 16 tokens with
+    /// --context; 4 tokens generated) sent before the first level, which otherwise keeps
+    /// first-use costs (the GPU's choice of kernels for new shapes, memory growth) out of the
+    /// measured levels.
     #[arg(long)]
     pub no_warmup: bool,
 }
