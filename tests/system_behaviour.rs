@@ -352,10 +352,16 @@ async fn the_service_behaves_as_a_client_expects() {
     let text = bench(&[]);
     assert!(text.lines().next().is_some_and(|l| l.starts_with("warmed up in")), "{text}");
     assert_eq!(text.lines().filter(|l| l.contains("concurrency")).count(), 2, "{text}");
-    let levels: serde_json::Value = serde_json::from_str(&bench(&["--json", "--no-warmup"])).expect("duet bench --json prints JSON");
-    let levels = levels.as_array().expect("one report per level");
-    assert_eq!(levels.iter().map(|l| (l["concurrency"].as_u64(), l["generated_tokens"].as_u64())).collect::<Vec<_>>(), [(Some(1), Some(5)), (Some(2), Some(10))]);
-    assert!(levels.iter().all(|l| l["aggregate_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0)), "{levels:?}");
+    let cold = bench(&["--no-warmup"]);
+    assert!(!cold.contains("warmed up") && cold.lines().filter(|l| l.contains("concurrency")).count() == 2, "{cold}");
+    // JSON (what scripts/bench.py reads), warm or not: nothing but the levels' reports, the
+    // warm-up's tokens in none of them.
+    for extra in [&["--json"][..], &["--json", "--no-warmup"]] {
+        let levels: serde_json::Value = serde_json::from_str(&bench(extra)).unwrap_or_else(|e| panic!("duet bench {extra:?} prints JSON: {e}"));
+        let levels = levels.as_array().expect("one report per level");
+        assert_eq!(levels.iter().map(|l| (l["concurrency"].as_u64(), l["generated_tokens"].as_u64())).collect::<Vec<_>>(), [(Some(1), Some(5)), (Some(2), Some(10))]);
+        assert!(levels.iter().all(|l| l["aggregate_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0)), "{levels:?}");
+    }
 
     let status = gw.stop();
     assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());

@@ -117,10 +117,10 @@ pub struct BenchArgs {
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Skip the untimed warm-up stream (the levels' prompt length, or 16 tokens with
-    /// --context; 4 tokens generated) sent before the first level, which otherwise keeps
-    /// first-use costs (the GPU's choice of kernels for new shapes, memory growth) out of the
-    /// measured levels.
+    /// Skip the untimed warm-up stream sent before the first level: one stream of the levels'
+    /// prompt length (16 tokens with --context), 4 tokens generated. It takes a single
+    /// stream's first-use costs (on a GPU: kernels chosen for its shapes, memory growth) out
+    /// of the first level; larger batches' shapes still meet theirs in their own level.
     #[arg(long)]
     pub no_warmup: bool,
 }

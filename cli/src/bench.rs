@@ -79,7 +79,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         // sessions' long prompts are prefilled untimed anyway), untimed.
         let started = Instant::now();
         let n = if args.context.is_some() { WARMUP_CONTEXT_PROMPT } else { args.prompt_tokens.max(1) };
-        let mut req = stream_request((0..n).map(|_| rng.random_range(PROMPT_IDS)).collect(), &args, None);
+        // Its own random prompt: the levels' prompts stay what `--seed` gives with or without it.
+        let mut own = rand::rngs::StdRng::seed_from_u64(args.seed ^ WARMUP_SEED);
+        let mut req = stream_request((0..n).map(|_| own.random_range(PROMPT_IDS)).collect(), &args, None);
         req.max_tokens = Some(args.max_tokens.min(WARMUP_TOKENS));
         one_stream(&mut client, req).await.map_err(|e| anyhow::anyhow!("the warm-up stream failed: {e}"))?;
         if !args.json {
@@ -169,6 +171,9 @@ const WARMUP_TOKENS: u32 = 4;
 
 /// The warm-up stream's prompt with `--context`.
 const WARMUP_CONTEXT_PROMPT: usize = 16;
+
+/// Mixed into `--seed` for the warm-up stream's prompt.
+const WARMUP_SEED: u64 = 0x5741_524d;
 
 /// The longest a bench waits for a gateway still loading its model.
 const LOAD_WAIT: Duration = Duration::from_secs(600);

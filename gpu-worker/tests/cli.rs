@@ -120,12 +120,13 @@ fn run_json_from_prompt_ids_matches_llama_cpp() {
 /// alone (one JSON object, the same greedy tokens), and the log says the warm-up ran.
 #[test]
 fn run_with_a_warmup_prints_only_the_timed_generation() {
-    let args = ["run", "--model", &model_arg(), "--prompt-ids", "504,3575,282,4649,314", "--max-tokens", "6", "--json", "--warmup"];
-    let v = json_of(&args);
+    let out = worker(&["run", "--model", &model_arg(), "--prompt-ids", "504,3575,282,4649,314", "--max-tokens", "6", "--json", "--warmup"]);
+    assert!(out.status.success() && stderr(&out).contains("warm-up generation done"), "{}", stderr(&out));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(stdout.trim_end().lines().count(), 1, "one JSON object: {stdout:?}");
+    let v: Value = serde_json::from_str(stdout.trim_end()).unwrap();
     assert_eq!(ids(&v["generated_ids"]), ids(&golden_item("raw_capital")["generated_ids"])[..6]);
     assert!(v["timings"]["decode_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0), "{v}");
-    let out = worker(&args);
-    assert!(stderr(&out).contains("warm-up generation done"), "{}", stderr(&out));
 }
 
 #[test]

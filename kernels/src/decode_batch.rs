@@ -103,8 +103,11 @@ fn decode_chunks(range: Range<usize>) -> impl Iterator<Item = Range<usize>> {
 /// chunks of a long context, or the shares of a split token (the gpu-worker's and the
 /// cpu-workers'). One part is copied unchanged.
 pub fn merge_heads(parts: &[Partial], out: &mut [f32], mut lse: Option<&mut [f32]>) {
-    let n_head = parts.first().map_or(0, |p| p.1.len());
-    let hd = out.len() / n_head.max(1);
+    assert!(!parts.is_empty(), "merge of no partial results");
+    let n_head = parts[0].1.len();
+    assert!(n_head > 0 && out.len().is_multiple_of(n_head), "{} outputs for {n_head} heads", out.len());
+    assert!(parts.iter().all(|(o, l)| o.len() == out.len() && l.len() == n_head), "partial results of another shape");
+    let hd = out.len() / n_head;
     // One scratch for every head: per head, allocating its parts, sum and output (three
     // vectors) cost as much as the arithmetic (a 64-row layer of 32 heads: 268 µs before).
     let mut acc = vec![0f64; hd];
