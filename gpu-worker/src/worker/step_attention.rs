@@ -245,21 +245,21 @@ impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {
         self.timings.attention_wait_ns += ns(t.elapsed());
 
         let t = Instant::now();
-        // Each split row's heads merged from its parts (decode rows: one row each), the rows
-        // in parallel when there are many.
-        let merge_row = |parts: &Vec<Partial>| -> Vec<f32> {
-            let mut o = vec![0f32; q_dim];
-            merge_heads(parts, &mut o, None);
-            o
+        // Each split row's heads merged from its parts straight into its row of `out` (decode
+        // rows: one row each), the rows in parallel when there are many.
+        let mut parts_of: Vec<Option<&Vec<Partial>>> = vec![None; out.len() / q_dim];
+        for (p, parts) in plan.iter().zip(&partials).filter(|(p, _)| !p.shares.is_empty()) {
+            parts_of[p.row0] = Some(parts);
+        }
+        let merge_row = |(o, parts): (&mut [f32], &Option<&Vec<Partial>>)| {
+            if let Some(parts) = parts {
+                merge_heads(parts, o, None);
+            }
         };
-        let split: Vec<(usize, &Vec<Partial>)> = plan.iter().zip(&partials).filter(|(p, _)| !p.shares.is_empty()).map(|(p, parts)| (p.row0, parts)).collect();
-        let merged: Vec<(usize, Vec<f32>)> = if split.len() >= PARALLEL_MERGE_ROWS {
-            split.par_iter().map(|&(row, parts)| (row, merge_row(parts))).collect()
+        if parts_of.iter().flatten().count() >= PARALLEL_MERGE_ROWS {
+            out.par_chunks_mut(q_dim).zip(&parts_of).for_each(merge_row);
         } else {
-            split.iter().map(|&(row, parts)| (row, merge_row(parts))).collect()
-        };
-        for (row, o) in merged {
-            out[row * q_dim..(row + 1) * q_dim].copy_from_slice(&o);
+            out.chunks_mut(q_dim).zip(&parts_of).for_each(merge_row);
         }
         self.timings.merge_ns += ns(t.elapsed());
         Ok(())
