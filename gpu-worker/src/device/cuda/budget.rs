@@ -46,11 +46,18 @@ pub fn usable_bytes(gpu: &Gpu) -> Result<usize> {
     Ok(MEMORY_BUDGET.get().map_or(free, |&b| b.min(free)))
 }
 
-/// Lets the device's default memory pool keep up to [`ACTIVATION_RESERVE`] bytes between
-/// steps. cudarc allocates every buffer stream-ordered (`cuMemAllocAsync`) from that pool,
-/// whose release threshold is 0 by default: at every synchronisation (each step has at
-/// least one) it hands all unused memory back to the driver, so the next step's activations
-/// — tens of buffers a step — are mapped anew, a driver call each. Kept, they are reused.
+/// Lets the device's default memory pool keep its activations' memory between steps.
+/// cudarc allocates every buffer stream-ordered (`cuMemAllocAsync`) from that pool, whose
+/// release threshold is 0 by default: at every synchronisation (each step has at least one)
+/// it hands all unused memory back to the driver, so the next step's activations — tens of
+/// buffers a step — are mapped anew, a driver call each. Kept, they are reused.
+///
+/// The threshold is compared with all the pool holds, in use or not, and the weights, the
+/// workspace, the KV mirror and the hot experts come from the same pool: so it is set to what
+/// the pool holds when this is called plus [`ACTIVATION_RESERVE`]. Call it once the device is
+/// loaded and again whenever what it holds for good changes (hot experts placed). (It was
+/// first written as the reserve alone, below the weights, which released everything at
+/// every synchronisation as before; a review found that before any GPU ran it.)
 /// `DUET_CUDA_POOL_KEEP=0` leaves the default (for comparison); a failure only costs speed.
 pub fn keep_activation_memory(gpu: &Gpu) {
     // Without stream-ordered allocation cudarc allocates with `cuMemAlloc`: no pool.
@@ -60,21 +67,26 @@ pub fn keep_activation_memory(gpu: &Gpu) {
     let kept = gpu.ctx.bind_to_thread().map_err(|e| e.to_string()).and_then(|()| {
         use cudarc::driver::sys::{self, CUmemPool_attribute, CUresult};
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: the context is current; `pool` and `threshold` outlive the calls.
+        // SAFETY: the context is current; `pool`, `held` and `threshold` outlive the calls.
         let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, gpu.ctx.cu_device()) };
         if r != CUresult::CUDA_SUCCESS {
             return Err(format!("cuDeviceGetDefaultMemPool: {r:?}"));
         }
-        let mut threshold = ACTIVATION_RESERVE as u64;
-        let attr = CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-        let r = unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&raw mut threshold).cast()) };
+        let mut held: u64 = 0;
+        let r = unsafe { sys::cuMemPoolGetAttribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, (&raw mut held).cast()) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(format!("cuMemPoolGetAttribute: {r:?}"));
+        }
+        let mut threshold = held.saturating_add(ACTIVATION_RESERVE as u64);
+        let r = unsafe { sys::cuMemPoolSetAttribute(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&raw mut threshold).cast()) };
         if r != CUresult::CUDA_SUCCESS {
             return Err(format!("cuMemPoolSetAttribute: {r:?}"));
         }
-        Ok(())
+        Ok(threshold)
     });
-    if let Err(e) = kept {
-        tracing::warn!("the GPU's memory pool returns activations' memory at every step: {e}");
+    match kept {
+        Ok(threshold) => tracing::debug!(mib = threshold >> 20, "the GPU's memory pool keeps up to this between steps"),
+        Err(e) => tracing::warn!("the GPU's memory pool returns activations' memory at every step: {e}"),
     }
 }
 

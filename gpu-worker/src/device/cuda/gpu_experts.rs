@@ -45,11 +45,19 @@ pub struct GpuExperts {
 
 impl GpuExperts {
     /// Room for the slots [`set_expert_slots`] set (none without) in each of the device's
-    /// first `layers` layers, nothing uploaded yet; `None` for a model without experts, or
+    /// first `layers` layers, nothing uploaded yet; `None` for a model without experts,
     /// experts the host holds (`local`: there is nothing for the GPU to take from the
-    /// cpu-workers).
+    /// cpu-workers), or experts of a type the GPU has no kernels for (mixtures often store
+    /// their experts in types the dense layers do not use): no room is then taken from the
+    /// KV mirror for experts that could never be placed.
     pub fn new(file: Arc<GgufFile>, tensors: Option<ExpertTensors>, local: bool, layers: usize) -> Option<Self> {
         let tensors = tensors.filter(|_| !local)?;
+        if let Some(s) = tensors.layers.iter().take(layers).flatten().find(|s| !GpuWeight::takes(s.ty)) {
+            if EXPERT_SLOTS.get().is_some_and(|&k| k > 0) {
+                tracing::warn!(tensor = %s.name, ty = %s.ty, "no hot experts on the GPU: it has no kernels for this type; the cpu-workers serve every expert");
+            }
+            return None;
+        }
         let reserved = room(Some(&tensors), local, layers);
         let held = (0..layers).map(|_| (0..tensors.n_expert).map(|_| None).collect()).collect();
         Some(GpuExperts { file, tensors, held, reserved })

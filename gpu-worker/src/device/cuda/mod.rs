@@ -175,7 +175,6 @@ impl CudaDevice {
         // One stream does all the work, so cudarc's per-buffer events are not needed.
         // SAFETY: no other stream of this context touches the device's buffers.
         unsafe { gpu.ctx.disable_event_tracking() };
-        budget::keep_activation_memory(&gpu);
         let stream = gpu.ctx.default_stream();
         let started = std::time::Instant::now();
         let k = Launcher::new(stream.clone(), kernels::Kernels::load(&gpu.ctx, gpu.arch)?, WORKSPACE_ELEMS)?;
@@ -231,6 +230,7 @@ impl CudaDevice {
             tracing::info!(mib = reserved >> 20, "room for hot experts on the GPU");
         }
         let mirror = budget::mirror_within_budget(&gpu, &stream, &m.config, layers.len(), weight_bytes + WORKSPACE_BYTES, reserved)?;
+        budget::keep_activation_memory(&gpu);
         Ok(CudaDevice {
             gpu,
             k,
@@ -562,10 +562,13 @@ impl Device for CudaDevice {
     fn place_experts(&mut self, held: &[Vec<usize>]) -> Result<usize> {
         let stream = self.stream().clone();
         let act = self.m.config.ffn_act;
-        match &mut self.gpu_experts {
-            Some(g) => g.place(&stream, act, held),
-            None => Err(GpuWorkerError::InvalidRequest("placing routed experts needs a mixture with its experts on the cpu-workers".into())),
-        }
+        let placed = match &mut self.gpu_experts {
+            Some(g) => g.place(&stream, act, held)?,
+            None => return Err(GpuWorkerError::InvalidRequest("placing routed experts on the GPU needs a mixture with its experts on the cpu-workers, of types the GPU has kernels for".into())),
+        };
+        // What the pool holds for good changed: keep activations on top of the new amount.
+        budget::keep_activation_memory(&self.gpu);
+        Ok(placed)
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
