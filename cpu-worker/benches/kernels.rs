@@ -267,14 +267,14 @@ fn against_a_sum(bytes: usize, passes: usize, mut work: impl FnMut(usize)) -> (f
     (gbs(best_work), gbs(best_sum))
 }
 
-/// GB/s of the routed experts of one OLMoE-1B-7B-shaped layer at 16 sessions, as a
+/// GB/s of the routed experts of one OLMoE-1B-7B-shaped layer at `tokens` sessions, as a
 /// cpu-worker's expert job computes them (`duet_cpu_worker::experts::compute`): 64 experts of
-/// SiLU-gated MLPs (width 2048, FFN 1024, Q4_K interleaved), 16 tokens routed to 8 each (the
-/// same random routing every pass: ~56 distinct experts, 1–6 rows each). GB/s of the distinct
-/// experts' bytes, against a plain sum over as many bytes timed alternately with it. Four
-/// layers in turn, so that no pass finds its experts in cache.
-fn expert_layer(rng: &mut rand::rngs::StdRng) -> (f64, f64) {
-    let (width, ffn, n_expert, tokens, top_k, layers) = (2048usize, 1024usize, 64usize, 16usize, 8usize, 4usize);
+/// SiLU-gated MLPs (width 2048, FFN 1024, Q4_K interleaved), each token routed to 8 (the
+/// same random routing every pass; at 16 tokens ~56 distinct experts, 1–6 rows each). GB/s of
+/// the distinct experts' bytes, against a plain sum over as many bytes timed alternately with
+/// it. Four layers in turn, so that no pass finds its experts in cache.
+fn expert_layer(tokens: usize, rng: &mut rand::rngs::StdRng) -> (f64, f64) {
+    let (width, ffn, n_expert, top_k, layers) = (2048usize, 1024usize, 64usize, 8usize, 4usize);
     let ty = GgmlType::Q4K;
     // An expert's gate, up and down matrices: (bytes, interleaved copy, rows, columns) each.
     type Expert = [(Vec<u8>, Interleaved, usize, usize); 3];
@@ -407,11 +407,15 @@ fn main() {
         rows.push((what.into(), "16 layers of width 2048, FFN 8192".into(), stack));
         rows.push(("read bandwidth, timed alternately with the row above".into(), "as many bytes".into(), sum));
     }
-    let what = "an OLMoE layer's routed experts, 16 sessions";
-    if wanted(what) && interleaved::available() {
-        let (experts, sum) = expert_layer(&mut rng);
-        rows.push((what.into(), "~56 of 64 experts, 1–6 rows each".into(), experts));
-        rows.push(("read bandwidth, timed alternately with the row above".into(), "as many bytes".into(), sum));
+    for (tokens, what, shape) in [
+        (1, "an OLMoE layer's routed experts, batch 1", "8 of 64 experts, 1 row each"),
+        (16, "an OLMoE layer's routed experts, 16 sessions", "~56 of 64 experts, 1–6 rows each"),
+    ] {
+        if wanted(what) && interleaved::available() {
+            let (experts, sum) = expert_layer(tokens, &mut rng);
+            rows.push((what.into(), shape.into(), experts));
+            rows.push(("read bandwidth, timed alternately with the row above".into(), "as many bytes".into(), sum));
+        }
     }
     // The same in cache: how far the kernels' compute outruns the DRAM.
     for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {

@@ -66,11 +66,11 @@ pub fn decode_batch<'k, E>(
     Ok(merge_chunk_tasks(&tasks, &parts, queries.len(), n_kv, group, hd))
 }
 
-/// Decode attention jobs of fewer (position, KV head) pairs than this run on the calling thread
-/// (`decode_batch`'s `serial_below`, wherever decode attention runs: a cpu-worker's jobs, the
-/// CPU device's own attention): waking the pool costs more than it saves there (a batch-1 step
-/// of the 1B shape at depth 0–64: 0.6–0.8 ms of attention across the pool, 0.5–0.55 on one
-/// thread).
+/// A cpu-worker's decode attention jobs of fewer (position, KV head) pairs than this run on
+/// the calling thread (`decode_batch`'s `serial_below`): waking the pool cost more than it
+/// saved there (a batch-1 step of the 1B shape at depth 0–64: 0.6–0.8 ms of attention across
+/// the pool, 0.5–0.55 on one thread, when the gpu-worker's own attention used it too; that
+/// one is now always parallel, `duet_gpu_worker::device::host_attention::decode`).
 pub const PARALLEL_MIN_POSITIONS: usize = 8192;
 
 /// Decode attention over a long context is computed in chunks of this many positions,
