@@ -51,12 +51,12 @@ pub struct GpuWeight {
 }
 
 impl GpuWeight {
-    /// Uploads `bytes`, the data of `w`, after checking the device has kernels for its type.
     /// Whether the GPU's kernels take weights of type `ty`.
     pub fn takes(ty: GgmlType) -> bool {
         quant_suffix(ty).is_some() || matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
     }
 
+    /// Uploads `bytes`, the data of `w`, after checking the device has kernels for its type.
     pub fn upload(stream: &Arc<CudaStream>, w: &Weight, bytes: &[u8]) -> Result<GpuWeight, CudaError> {
         if !Self::takes(w.ty) {
             return Err(CudaError::UnsupportedType { tensor: w.name.clone(), ty: w.ty });

@@ -563,12 +563,13 @@ impl Device for CudaDevice {
         let stream = self.stream().clone();
         let act = self.m.config.ffn_act;
         let placed = match &mut self.gpu_experts {
-            Some(g) => g.place(&stream, act, held)?,
+            Some(g) => g.place(&stream, act, held),
             None => return Err(GpuWorkerError::InvalidRequest("placing routed experts on the GPU needs a mixture with its experts on the cpu-workers, of types the GPU has kernels for".into())),
         };
-        // What the pool holds for good changed: keep activations on top of the new amount.
+        // What the pool holds for good changed (a failed placement may have freed some):
+        // keep activations on top of the new amount.
         budget::keep_activation_memory(&self.gpu);
-        Ok(placed)
+        placed
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
