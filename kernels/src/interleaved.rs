@@ -58,6 +58,8 @@ const Q6K_FIELDS: [Field; 50] = q6k_fields();
 const Q6K_SCALES_AT: usize = 0;
 const Q6K_D_AT: usize = 256;
 const Q6K_QUANTS_AT: usize = 320;
+/// A Q6_K group block's bytes: its quants are 16 words of three lines each.
+const Q6K_GROUP_BLOCK: usize = Q6K_QUANTS_AT + 16 * 3 * 64;
 
 const fn q6k_fields() -> [Field; 50] {
     let mut f = [Field { from: 0, len: 0, size: 1, at: 0 }; 50];
@@ -98,7 +100,7 @@ struct Layout {
 fn layout(ty: GgmlType) -> Option<Layout> {
     let (fields, group_block, unit_cols): (&'static [Field], usize, usize) = match ty {
         GgmlType::Q4K => (&Q4K_FIELDS, 2304, QK_K),
-        GgmlType::Q6K => (&Q6K_FIELDS, 3392, QK_K),
+        GgmlType::Q6K => (&Q6K_FIELDS, Q6K_GROUP_BLOCK, QK_K),
         GgmlType::Q4_0 => (&Q40_FIELDS, 576, 64),
         _ => return None,
     };
@@ -454,8 +456,7 @@ mod avx512 {
     }
 
     /// Bytes of a Q6_K group block, and where its parts start (see `Q6K_FIELDS`).
-    const Q6K_BLOCK: usize = 3392;
-    use super::{Q6K_D_AT, Q6K_QUANTS_AT, Q6K_SCALES_AT};
+    use super::{Q6K_D_AT, Q6K_GROUP_BLOCK as Q6K_BLOCK, Q6K_QUANTS_AT, Q6K_SCALES_AT};
 
     /// Sixteen Q6_K rows · `T` activation rows: the quants offset to 0..63 for the unsigned
     /// byte product, each group of sixteen's sum started at −32 × its activation sum (ggml's
