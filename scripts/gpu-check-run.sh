@@ -17,8 +17,8 @@
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
 # Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
-# comparison), speed-1b-pool-default (activations' memory handed back at every step), serve-bench-1b-mv8 (decode batches over 8 rows through cuBLAS, for
-# comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas)
+# comparison), speed-1b-pool-default (activations' memory handed back at every step), serve-bench-1b-mv64 (decode batches of up to 64 rows through the
+# matrix-vector kernels, in passes of 16, for comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas)
 # and serve-1b-8k-f32-prefill (prefill attention without the tensor cores), each against
 # serve-1b-8k, serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
 # serve-moe-shape (the OLMoE shape, experts on the host), serve-moe-gpu-experts (its
@@ -237,10 +237,10 @@ expand() {
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
     # The CUDA issue's table: decode at depth (made-up prompts' K/V); one call each.
     table) echo table-1b table-8b table-8b-32k ;;
-    # What a session lent 15 minutes of device time runs in one call (~6 minutes on an H200):
-    # every test, the 1B shape's speed and serving (and the 9-64-row rule before
-    # MV_PASS_ROWS, for comparison), and 16 x 8K of the 8B shape over the mirror.
-    session) echo "$(expand tests)" speed-1b speed-1b-pool-default serve-bench-1b serve-bench-1b-mv8 serve-8b-16x8k ;;
+    # What a session lent 15 minutes of device time runs in one call (~5 minutes on an H200):
+    # every test, the 1B shape's speed and serving (and the 64-row matrix-vector rule, for
+    # comparison), and 16 x 8K of the 8B shape over the mirror.
+    session) echo "$(expand tests)" speed-1b speed-1b-pool-default serve-bench-1b serve-bench-1b-mv64 serve-8b-16x8k ;;
     *) echo "$1" ;;
   esac
 }
@@ -298,9 +298,9 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # Prefill attention in f32 (attn_prefill), as before the tensor-core kernel took it
     # (attn_prefill_mma): against serve-1b-8k, whose 16 x 8K prompts it dominates.
     serve-1b-8k-f32-prefill) step serve-1b-8k-f32-prefill env DUET_CUDA_PREFILL_MMA=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
-    # Decode batches of 9-64 rows through cuBLAS (the weights dequantised every step), as
-    # before the matrix-vector kernels took them in passes of 8 rows.
-    serve-bench-1b-mv8) step serve-bench-1b-mv8 env DUET_CUDA_MV_ROWS=8 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
+    # Decode batches of 9-64 rows through the matrix-vector kernels (passes of 16 rows), as
+    # before MV_PASS_ROWS went back to 8 (2026-11-28: 2.6x slower at 64 rows on the H200).
+    serve-bench-1b-mv64) step serve-bench-1b-mv64 env DUET_CUDA_MV_ROWS=64 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
     # 16 sessions of 8K on the 8B shape: 128K positions, over what the mirror holds under the
     # 16 GB cap (~80K): gpu alone against the cpu-workers' and lp's split.
     # ~200 s of prefill before its decode: its own longer limit.

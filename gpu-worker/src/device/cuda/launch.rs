@@ -21,12 +21,13 @@ use crate::device::model::Weight;
 /// eight times), for 8 more registers a thread (ptxas, sm_90: 48 against 40).
 pub const MV_MAX_TOK: usize = 16;
 /// The most activation rows a quantised weight multiplies with the matrix-vector kernels (in
-/// launches of [`MV_MAX_TOK`]) before it is dequantised for cuBLAS. On the H200, a 1B-shaped
-/// model's 16-row decode step spent 18.5 ms in its linear layers through cuBLAS (the weights
-/// dequantised every step), against 1.85 ms for one row through the matrix-vector kernels; a
-/// pass of [`MV_MAX_TOK`] rows reads the weights once more. `DUET_CUDA_MV_ROWS` overrides it
-/// (8 is the rule before it), for comparing the two.
-pub const MV_PASS_ROWS: usize = 64;
+/// launches of [`MV_MAX_TOK`]) before it is dequantised for cuBLAS. The kernels' time grows
+/// with the rows (dp4a-bound), cuBLAS's hardly (the dequantisation dominates): on the H200
+/// (2026-11-28, 1B shape served at depth 1024) a decode step's linear layers took 1.84 ms for
+/// one row, 4.76 ms for 16 and 15.7 ms for 64 through the matrix-vector kernels, and 3.23 ms
+/// for 16 and 3.63 ms for 64 through cuBLAS. `DUET_CUDA_MV_ROWS` overrides it, for comparing
+/// the two.
+pub const MV_PASS_ROWS: usize = 8;
 /// Warps per block of the matrix-vector and quantisation kernels (`MV_WARPS` in matvec.cu).
 const MV_WARPS: u32 = 4;
 /// Threads per row of `rms_norm` (`NORM_THREADS` in ops.cu).
@@ -112,6 +113,15 @@ pub struct Launcher {
     workspace: Mutex<CudaSlice<u16>>,
     /// [`MV_PASS_ROWS`], or `DUET_CUDA_MV_ROWS`.
     mv_pass_rows: usize,
+}
+
+#[cfg(test)]
+impl Launcher {
+    /// Sets the rows up to which quantised weights take the matrix-vector kernels (the twins
+    /// check both rules).
+    pub(super) fn set_mv_pass_rows(&mut self, rows: usize) {
+        self.mv_pass_rows = rows;
+    }
 }
 
 fn grid_1d(n: usize) -> LaunchConfig {

@@ -134,23 +134,25 @@ fn check_product(what: &str, got: &[f32], w: &[f32], x: &[f32], rows: usize, col
 
 #[test]
 fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
-    let Some(k) = launcher() else { return };
+    let Some(mut k) = launcher() else { return };
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let (rows, cols) = (67, 768);
-    for ty in TYPES {
+    // The default rule, and passes of MV_MAX_TOK rows up to 64 (DUET_CUDA_MV_ROWS=64).
+    for (ty, pass_rows) in TYPES.iter().flat_map(|&ty| [(ty, MV_PASS_ROWS), (ty, 4 * MV_MAX_TOK)]) {
+        k.set_mv_pass_rows(pass_rows);
         let data = random_weight(ty, rows, cols, &mut rng);
         let wf = dequant_rows(ty, &data, rows, cols);
         let w = upload(&k, ty, rows, cols, &data);
-        // MV_MAX_TOK + 5 rows: two matrix-vector launches for quantised weights, cuBLAS for
-        // float ones; 70: cuBLAS for every type.
-        for n in [1, 3, MV_MAX_TOK, MV_MAX_TOK + 5, MV_PASS_ROWS + 6] {
+        // MV_MAX_TOK + 5 rows: under passes of 64, two matrix-vector launches for quantised
+        // weights; 70: cuBLAS for every type.
+        for n in [1, 3, MV_PASS_ROWS, MV_PASS_ROWS + 1, MV_MAX_TOK, MV_MAX_TOK + 5, 70] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let xd = k.stream.clone_htod(&x).unwrap();
             let got = down(&k, &k.linear(&w, &mut Acts::new(&xd, n, cols)).unwrap());
             let abs_dot = |r: usize, t: usize| -> f64 { (0..cols).map(|c| (wf[r * cols + c] as f64 * x[t * cols + c] as f64).abs()).sum() };
             let float_slack = |r: usize, t: usize| 1e-5 * abs_dot(r, t) + 1e-6;
             let quantised = super::kernels::quant_suffix(ty).is_some();
-            let mv_rows = if quantised { MV_PASS_ROWS } else { MV_MAX_TOK };
+            let mv_rows = if quantised { pass_rows } else { MV_MAX_TOK.min(pass_rows) };
             if n > mv_rows && ty == GgmlType::F32 {
                 check_product(&format!("{ty:?} sgemm n={n}"), &got, &wf, &x, rows, cols, float_slack);
             } else if n > mv_rows {
