@@ -20,7 +20,8 @@ context 4096, untied; about 6.9B weights, 1.3B used per token). Types:
   and for attn_v / ffn_down in the layers llama.cpp gives more bits (the first and last
   eighth, and every third between);
 * q4_0, q8_0: every matrix of that type, the LM head Q6_K for q4_0 as llama.cpp does;
-* f16.
+* f16;
+* q5_k_m (with `--llama-cpp` only): llama.cpp's Q5_K_M mix (Q5_K, Q6_K where Q4_K_M has it).
 
 Quantised blocks are random bytes with their f16 scale fields set to values that give
 weights of a typical spread (about 0.02), so activations stay finite through the layers.
@@ -303,11 +304,13 @@ def build(shape_name: str, kind: str, seed: int) -> Writer:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    p.add_argument("--type", choices=["q4_k_m", "q4_0", "q8_0", "f16"], default="q4_k_m")
+    p.add_argument("--type", choices=["q4_k_m", "q5_k_m", "q4_0", "q8_0", "f16"], default="q4_k_m")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--llama-cpp", action="store_true", help="quantise F16 weights with llama.cpp's quantiser")
     p.add_argument("-o", "--output", type=Path, required=True)
     a = p.parse_args()
+    if a.type == "q5_k_m" and not a.llama_cpp:
+        p.error("--type q5_k_m is made by llama.cpp's quantiser: add --llama-cpp")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     if a.llama_cpp and a.type != "f16":
         f16 = a.output.with_suffix(".f16.tmp.gguf")
@@ -332,7 +335,12 @@ def quantize_with_llama_cpp(src: Path, dst: Path, kind: str):
     except ImportError:
         sys.exit("--llama-cpp needs llama-cpp-python (python3 -m pip install llama-cpp-python)")
     params = L.llama_model_quantize_default_params()
-    params.ftype = {"q4_k_m": L.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0}[kind]
+    params.ftype = {
+        "q4_k_m": L.LLAMA_FTYPE_MOSTLY_Q4_K_M,
+        "q5_k_m": L.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+        "q4_0": L.LLAMA_FTYPE_MOSTLY_Q4_0,
+        "q8_0": L.LLAMA_FTYPE_MOSTLY_Q8_0,
+    }[kind]
     params.nthread = os.cpu_count() or 1
     if L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         sys.exit(f"llama.cpp could not quantise {src}")

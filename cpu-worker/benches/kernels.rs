@@ -168,8 +168,8 @@ fn attention(shape: AttnBench, dtype: KvDtype, batch: usize, context: usize, rng
 /// GB/s of weights streamed by one matrix-vector product with `cols` columns and as many
 /// rows as make `mib` MiB (256: well past the last-level cache; 8: held in L3, the kernel's
 /// compute ceiling, which must stay well above the DRAM's read bandwidth).
-/// With `interleave`, a Q4_K or Q6_K matrix is also repacked into interleaved groups (as the CPU
-/// device does at load) and multiplied through them.
+/// With `interleave`, a matrix of a packed type is also repacked into interleaved groups (as
+/// the CPU device does at load) and multiplied through them.
 fn matvec(ty: GgmlType, cols: usize, mib: usize, interleave: bool, rng: &mut rand::rngs::StdRng) -> f64 {
     let rows = (mib << 20) / ty.row_bytes(cols);
     let bytes = ty.row_bytes(cols) * rows;
@@ -183,7 +183,7 @@ fn matvec(ty: GgmlType, cols: usize, mib: usize, interleave: bool, rng: &mut ran
     let bytes = ty.row_bytes(cols) * rows;
     let data = &data[..bytes];
     let packed = interleave
-        .then(|| Interleaved::new(ty, rows, cols, data).expect("Q4_K, Q6_K or Q4_0, whole groups"));
+        .then(|| Interleaved::new(ty, rows, cols, data).expect("a packed type, whole groups"));
     let mut w = QMatrix::new(ty, rows, cols, data);
     if let Some(p) = &packed {
         w = w.with_interleaved(p);
@@ -342,7 +342,7 @@ fn matmul_rows(
     let mut data = vec![0u8; ty.row_bytes(cols) * rows];
     rng.fill(data.as_mut_slice());
     let packed = interleave
-        .then(|| Interleaved::new(ty, rows, cols, &data).expect("Q4_K, Q6_K or Q4_0, whole groups"));
+        .then(|| Interleaved::new(ty, rows, cols, &data).expect("a packed type, whole groups"));
     let mut w = QMatrix::new(ty, rows, cols, &data);
     if let Some(p) = &packed {
         w = w.with_interleaved(p);
@@ -388,7 +388,7 @@ fn main() {
             ));
         }
     }
-    for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         let what = format!("matrix-vector {ty} interleaved");
         if wanted(&what) && interleaved::available() {
             rows.push((
@@ -418,10 +418,10 @@ fn main() {
         }
     }
     // The same in cache: how far the kernels' compute outruns the DRAM.
-    for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         for interleave in [false, true] {
             let what = format!("matrix-vector {ty}{}", if interleave { " interleaved" } else { "" });
-            let packs = matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0) && interleaved::available();
+            let packs = interleaved::packs(ty) && interleaved::available();
             if wanted(&what) && (packs || !interleave) {
                 rows.push((what, format!("8 MiB (in L3), {cols} columns"), matvec(ty, cols, 8, interleave, &mut rng)));
             }
@@ -465,7 +465,7 @@ fn main() {
                     ));
                 }
                 let what = format!("matrix × {batch} rows {ty} interleaved");
-                if matches!(ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0)
+                if interleaved::packs(ty)
                     && wanted(&what)
                     && interleaved::available()
                 {

@@ -1,4 +1,4 @@
-//! Q4_K, Q6_K and Q4_0 weights repacked at load into groups of sixteen interleaved rows, and
+//! Q4_K, Q5_K, Q6_K and Q4_0 weights repacked at load into groups of sixteen interleaved rows, and
 //! the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for Q4_0) activation rows
 //! at a time: each of
 //! a register's sixteen 32-bit lanes is one weight row, so a block's integer sums, its float
@@ -12,7 +12,7 @@
 //! Layout: per group of sixteen rows, its blocks in order; in a group's block, every field of
 //! the rows' ggml blocks cut into words (1, 2 or 4 bytes), word `i` of row `r` at
 //! `at + 16·size·i + size·r`, so that one 64-byte line holds a 4-byte word of all sixteen rows
-//! ([`Field`]; the tables [`Q4K_FIELDS`] and [`Q6K_FIELDS`]). A line of quants is then one
+//! ([`Field`]; the tables [`Q4K_FIELDS`], [`Q5K_FIELDS`] and [`Q6K_FIELDS`]). A line of quants is then one
 //! `vpdpbusd` operand against a broadcast word of activations.
 
 use rayon::prelude::*;
@@ -42,6 +42,18 @@ const Q4K_FIELDS: [Field; 4] = [
     Field { from: 2, len: 2, size: 2, at: 32 },
     Field { from: 4, len: 12, size: 4, at: 64 },
     Field { from: 16, len: 128, size: 4, at: 256 },
+];
+
+/// Q5_K (176-byte blocks; group block 2816 bytes): Q4_K's fields, with the 32 bytes of fifth
+/// bits as eight words between the scales and the nibbles (word `c`: the fifth bits of quants
+/// `4c..4c + 4` of every pair of sub-blocks, bit `j` for sub-block `j`), so that the block is
+/// read from start to end as Q4_K's is (its nibbles' word `8p + c` with its bits' word `c`).
+const Q5K_FIELDS: [Field; 5] = [
+    Field { from: 0, len: 2, size: 2, at: 0 },
+    Field { from: 2, len: 2, size: 2, at: 32 },
+    Field { from: 4, len: 12, size: 4, at: 64 },
+    Field { from: 16, len: 32, size: 4, at: 256 },
+    Field { from: 48, len: 128, size: 4, at: 768 },
 ];
 
 /// Q6_K (210-byte blocks; group block 3392 bytes): the sixteen 8-bit scales one byte each
@@ -100,6 +112,7 @@ struct Layout {
 fn layout(ty: GgmlType) -> Option<Layout> {
     let (fields, group_block, unit_cols): (&'static [Field], usize, usize) = match ty {
         GgmlType::Q4K => (&Q4K_FIELDS, 2304, QK_K),
+        GgmlType::Q5K => (&Q5K_FIELDS, 2816, QK_K),
         GgmlType::Q6K => (&Q6K_FIELDS, Q6K_GROUP_BLOCK, QK_K),
         GgmlType::Q4_0 => (&Q40_FIELDS, 576, 64),
         _ => return None,
@@ -107,7 +120,12 @@ fn layout(ty: GgmlType) -> Option<Layout> {
     Some(Layout { fields, group_block, unit_cols, unit_bytes: ty.row_bytes(unit_cols) })
 }
 
-/// A Q4_K or Q6_K matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
+/// Whether matrices of type `ty` are repacked (the types with interleaved kernels).
+pub fn packs(ty: GgmlType) -> bool {
+    layout(ty).is_some()
+}
+
+/// A Q4_K, Q5_K, Q6_K or Q4_0 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
 pub struct Interleaved {
     ty: GgmlType,
     rows: usize,
@@ -176,7 +194,7 @@ impl Interleaved {
     }
 
     /// Row `r`'s unit `b` as ggml lays it out (the inverse of the packing; for tests): a
-    /// block of Q4_K or Q6_K, two blocks of Q4_0 ([`Self::unit_cols`] columns).
+    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0 ([`Self::unit_cols`] columns).
     pub fn block(&self, r: usize, b: usize) -> Vec<u8> {
         let Layout { fields, group_block, unit_bytes, .. } = layout(self.ty).expect("a packed type");
         let p = &self.group(r / GROUP_ROWS)[b * group_block..(b + 1) * group_block];
@@ -359,11 +377,28 @@ mod avx512 {
     const Q4K_BLOCK: usize = 2304;
     const Q4K_SCALES: usize = 64;
     const Q4K_QS: usize = 256;
+    /// Bytes of a Q5_K group block, and where its fifth bits and nibbles start (its scales
+    /// are where Q4_K's are).
+    const Q5K_BLOCK: usize = 2816;
+    const Q5K_QH: usize = 256;
+    const Q5K_QS: usize = 768;
 
-    /// Sixteen Q4_K rows · `T` activation rows.
+    /// Sixteen Q4_K rows · `T` activation rows; with `FIVE`, sixteen Q5_K rows (each nibble
+    /// with its fifth bit).
     #[inline(always)]
-    unsafe fn q4k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
-        debug_assert!(packed.len() == nb * Q4K_BLOCK && acts.len() == T);
+    unsafe fn q4k<const T: usize, const VNNI: bool, const FIVE: bool>(
+        packed: &[u8],
+        nb: usize,
+        acts: &[&[u8]],
+        _q8_0: &[&[Q80Block]],
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let (block, qs_at) = if FIVE { (Q5K_BLOCK, Q5K_QS) } else { (Q4K_BLOCK, Q4K_QS) };
+        debug_assert!(packed.len() == nb * block && acts.len() == T);
+        // High nibbles kept in place (16 × the quant) only where a quant is four bits.
+        let in_place = VNNI && !FIVE;
+        let bit4 = _mm512_set1_epi8(0x10);
         let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
         let high4 = _mm512_set1_epi8(0xF0u8 as i8);
@@ -373,8 +408,8 @@ mod avx512 {
         // The scalar twin's `.sum()` over blocks starts from −0.0.
         let mut total = [_mm512_set1_ps(-0.0); T];
         for b in 0..nb {
-            let p = packed.as_ptr().add(b * Q4K_BLOCK);
-            prefetch_lines(p, Q4K_QS);
+            let p = packed.as_ptr().add(b * block);
+            prefetch_lines(p, qs_at);
             // The sixteen rows' 6-bit scales and mins, byte j of a lane for sub-block j mod 4
             // (ggml's `scale_min_k4`, as `k4_scales_mins` decodes one row).
             let u0 = _mm512_load_si512(p.add(Q4K_SCALES).cast());
@@ -399,16 +434,24 @@ mod avx512 {
                 // (median 31.5) → 33.8–38.7 (34.5) tok/s.
                 let mut lo = [[_mm512_setzero_si512(); T]; 2];
                 let mut hi = [[_mm512_setzero_si512(); T]; 2];
+                // Q5_K: sub-blocks 2·pair and 2·pair + 1 take these bits of their quants' bytes.
+                let (bit_lo, bit_hi) = (_mm512_set1_epi8(1 << (2 * pair)), _mm512_set1_epi8((1u8 << (2 * pair + 1)) as i8));
                 for c in 0..8 {
                     let k = if T <= 2 { c % 2 } else { 0 };
-                    prefetch_line(p.add(Q4K_QS + 64 * (8 * pair + c)));
-                    let raw = _mm512_load_si512(p.add(Q4K_QS + 64 * (8 * pair + c)).cast());
-                    let ql = _mm512_and_si512(raw, low4);
+                    prefetch_line(p.add(qs_at + 64 * (8 * pair + c)));
+                    let raw = _mm512_load_si512(p.add(qs_at + 64 * (8 * pair + c)).cast());
+                    let mut ql = _mm512_and_si512(raw, low4);
                     // With VNNI the high nibbles stay in place (16 × the quant): `vpdpbusd`
                     // does not saturate, so the sum is 16 × the twin's, shifted back below
                     // (exact) — one instruction per line fewer than shifting each line
                     // (one row from L3, 2 threads: 62.9–67.8 → 71.3–71.9 GB/s).
-                    let qh = if VNNI { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
+                    let mut qh = if in_place { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
+                    if FIVE {
+                        // 16 added where the quant's fifth bit is set (its line of bits: word c).
+                        let bits = _mm512_load_si512(p.add(Q5K_QH + 64 * c).cast());
+                        ql = _mm512_mask_add_epi8(ql, _mm512_test_epi8_mask(bits, bit_lo), ql, bit4);
+                        qh = _mm512_mask_add_epi8(qh, _mm512_test_epi8_mask(bits, bit_hi), qh, bit4);
+                    }
                     for t in 0..T {
                         let q = y[t].qs.as_ptr().add(64 * pair + 4 * c);
                         lo[k][t] = dpbusd::<VNNI>(lo[k][t], ql, word(q));
@@ -417,7 +460,7 @@ mod avx512 {
                 }
                 let lo: [__m512i; T] = std::array::from_fn(|t| _mm512_add_epi32(lo[0][t], lo[1][t]));
                 let mut hi: [__m512i; T] = std::array::from_fn(|t| _mm512_add_epi32(hi[0][t], hi[1][t]));
-                if VNNI {
+                if in_place {
                     // |Σ| ≤ 32 · 240 · 128 per lane: no overflow, and a multiple of 16.
                     for h in &mut hi {
                         *h = _mm512_srai_epi32::<4>(*h);
@@ -587,43 +630,51 @@ mod avx512 {
     pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[Q80Block]], *mut f32, usize);
 
     macro_rules! kernels {
-        ($($name:ident: $body:ident, $t:literal, $vnni:literal, $features:literal;)*) => {$(
+        ($($name:ident: $body:ident::<$($param:literal),*>, $features:literal;)*) => {$(
             /// # Safety
             /// The CPU features named; `packed` the group's `nb` blocks (64-byte aligned),
             /// every row of `acts` `nb` units of its type (and for Q4_0 `q8_0` its blocks'
             /// `Q80Block`s), `out` `T` rows of 16 floats `stride` apart.
             #[target_feature(enable = $features)]
             unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
-                $body::<$t, $vnni>(packed, nb, acts, q8_0, out, stride)
+                $body::<$($param),*>(packed, nb, acts, q8_0, out, stride)
             }
         )*};
     }
 
     kernels! {
-        q4k_1_vnni: q4k, 1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q4k_2_vnni: q4k, 2, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q4k_3_vnni: q4k, 3, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q4k_4_vnni: q4k, 4, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q4k_1: q4k, 1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q4k_2: q4k, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q4k_3: q4k, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q4k_4: q4k, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q6k_1_vnni: q6k, 1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q6k_2_vnni: q6k, 2, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q6k_3_vnni: q6k, 3, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q6k_4_vnni: q6k, 4, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q6k_1: q6k, 1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q6k_2: q6k, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q6k_3: q6k, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q6k_4: q6k, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_1_vnni: q40, 1, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_2_vnni: q40, 2, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_3_vnni: q40, 3, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_4_vnni: q40, 4, true, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_1: q40, 1, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_2: q40, 2, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_3: q40, 3, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_4: q40, 4, false, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_1_vnni: q4k::<1, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_2_vnni: q4k::<2, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_3_vnni: q4k::<3, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_4_vnni: q4k::<4, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q4k_1: q4k::<1, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_2: q4k::<2, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_3: q4k::<3, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q4k_4: q4k::<4, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q5k_1_vnni: q4k::<1, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q5k_2_vnni: q4k::<2, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q5k_3_vnni: q4k::<3, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q5k_4_vnni: q4k::<4, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q5k_1: q4k::<1, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q5k_2: q4k::<2, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q5k_3: q4k::<3, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q5k_4: q4k::<4, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_1_vnni: q6k::<1, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_2_vnni: q6k::<2, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_3_vnni: q6k::<3, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_4_vnni: q6k::<4, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q6k_1: q6k::<1, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_2: q6k::<2, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_3: q6k::<3, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q6k_4: q6k::<4, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_1_vnni: q40::<1, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_2_vnni: q40::<2, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_3_vnni: q40::<3, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_4_vnni: q40::<4, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_1: q40::<1, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_2: q40::<2, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_3: q40::<3, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_4: q40::<4, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
     }
 
     /// The kernels for 1, 2, 3 and 4 activation rows of a packed type, with `vpdpbusd` or
@@ -632,6 +683,8 @@ mod avx512 {
         match (ty, vnni) {
             (GgmlType::Q4K, true) => [q4k_1_vnni, q4k_2_vnni, q4k_3_vnni, q4k_4_vnni],
             (GgmlType::Q4K, false) => [q4k_1, q4k_2, q4k_3, q4k_4],
+            (GgmlType::Q5K, true) => [q5k_1_vnni, q5k_2_vnni, q5k_3_vnni, q5k_4_vnni],
+            (GgmlType::Q5K, false) => [q5k_1, q5k_2, q5k_3, q5k_4],
             (GgmlType::Q6K, true) => [q6k_1_vnni, q6k_2_vnni, q6k_3_vnni, q6k_4_vnni],
             (GgmlType::Q6K, false) => [q6k_1, q6k_2, q6k_3, q6k_4],
             (GgmlType::Q4_0, true) => [q40_1_vnni, q40_2_vnni, q40_3_vnni, q40_4_vnni],

@@ -467,7 +467,7 @@ fn matmul_equals_per_row_vec_dot() {
     }
 }
 
-/// Q4_K, Q6_K and Q4_0 matrices repacked into interleaved groups of sixteen rows give, bit for
+/// Q4_K, Q5_K, Q6_K and Q4_0 matrices repacked into interleaved groups of sixteen rows give, bit for
 /// bit, the scalar twin's dot product of every original row with every activation row, for
 /// every batch size the kernels split differently (1–4 rows at a time, then the rest), beside
 /// a matrix of the other type in ggml's layout in one `matmul_many` (as a Q4_K_M layer mixes
@@ -481,6 +481,7 @@ fn interleaved_equals_scalar_twin() {
     let mut rng = StdRng::seed_from_u64(0x5eed_0016);
     for (ty, beside) in [
         (GgmlType::Q4K, GgmlType::Q6K),
+        (GgmlType::Q5K, GgmlType::Q6K),
         (GgmlType::Q6K, GgmlType::Q4K),
         (GgmlType::Q4_0, GgmlType::Q8_0),
     ] {

@@ -203,7 +203,7 @@ impl ExpertBank {
 /// Expert `e`'s interleaved copy of stack `s` (whose data is `data`), where `repack` asks for
 /// one and the kernels take its type.
 fn packed_copy(repack: bool, s: &Stacked, data: &[u8], e: usize) -> Option<Interleaved> {
-    match repack && matches!(s.ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0) {
+    match repack && interleaved::packs(s.ty) {
         true => Interleaved::new(s.ty, s.rows, s.cols, s.expert_bytes(data, e)),
         false => None,
     }

@@ -1,7 +1,7 @@
 //! The CPU device: a Llama-shaped forward pass (Qwen 2's biases, Qwen 3's Q/K norms, NeoX
 //! RoPE, Gemma 3's embedding scale, GeGLU, post norms and sliding-window layers) over weights
 //! memory-mapped from a GGUF file
-//! (Q4_K and Q6_K matrices repacked at load into interleaved rows where the CPU has the kernels for
+//! (Q4_K, Q5_K, Q6_K and Q4_0 matrices repacked at load into interleaved rows where the CPU has the kernels for
 //! them), with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from
 //! rayon; attention on the host kernels (`host_attention`).
 
@@ -14,7 +14,7 @@ use duet_kernels::interleaved::{self, Interleaved};
 use duet_kernels::matmul::QMatrix;
 use duet_kernels::mlp::{self, GateAct};
 use duet_kernels::ops::{rms_norm, Rope};
-use duet_kernels::quant::{dequantize, GgmlType};
+use duet_kernels::quant::dequantize;
 use duet_model::config::LlamaConfig;
 use duet_model::experts::gate_act;
 use duet_model::gguf::GgufFile;
@@ -337,7 +337,7 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
     // The LM head where the device computes logits (a tied one too), and its layers' matrices.
     let last = layers.end == m.config.n_layer;
     let products = m.weights().filter(|w| if w.name == m.output.name { last } else { w.name != m.token_embd.name && m.tensor_in(&w.name, layers) });
-    for w in products.filter(|w| matches!(w.ty, GgmlType::Q4K | GgmlType::Q6K | GgmlType::Q4_0)) {
+    for w in products.filter(|w| interleaved::packs(w.ty)) {
         let data = w.bytes(file.tensor(&w.name).expect("tensor checked at load").data);
         if let Some(packed) = Interleaved::new(w.ty, w.rows, w.cols, data) {
             bytes += data.len();
