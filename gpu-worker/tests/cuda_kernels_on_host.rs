@@ -220,6 +220,8 @@ fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
         Shape { n_kv_head: 1, group: 2, head_dim: 256 },
         // Not a multiple of 32 (Phi-2's 80): the decode kernel's lanes own 2 or 3 dimensions.
         Shape { n_kv_head: 2, group: 2, head_dim: 80 },
+        // Not a multiple of 8: K rows not on 16 bytes, read 4 bytes at a time.
+        Shape { n_kv_head: 2, group: 2, head_dim: 36 },
     ];
     for (i, shape) in shapes.iter().enumerate() {
         for (n_split, softcap) in [(1, 0.0), (3, 0.0), (2, 30.0)] {

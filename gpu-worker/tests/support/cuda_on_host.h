@@ -40,6 +40,11 @@ struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
 
+// CUDA's built-in vector type of a 16-byte load.
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
 inline thread_local dim3 threadIdx;
 inline dim3 blockIdx, blockDim, gridDim;
 

@@ -113,6 +113,9 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
     const int kv_dim = n_kv_head * head_dim;
     const long long layer_off = (long long)layer * 2 * kv_dim * page_size + (long long)kh * page_size * head_dim;
     const long long v_off = (long long)kv_dim * page_size;
+    // Every K row starts on 16 bytes: the pool does, and each row's offset in halves is a
+    // multiple of 8 when the head's and the page's are.
+    const bool k_in_16 = head_dim % 8 == 0 && page_elems % 8 == 0;
 
     for (int i = threadIdx.x; i < nh * head_dim; i += ATT_THREADS) {
         int h = i / head_dim, d = i % head_dim;
@@ -140,17 +143,36 @@ extern "C" __global__ void attn_partial(const float* q, const u16* pool, long lo
             krow[threadIdx.x] = (long long)pages[toff + pos / page_size] * page_elems + layer_off + (long long)(pos % page_size) * head_dim;
         }
         __syncthreads();
-        // Scores: one position per thread, for every head of the block.
+        // Scores: one position per thread, for every head of the block. Each thread reads its
+        // own K row, so a warp's load touches 32 rows: 16 bytes a load (where every row starts
+        // on 16 bytes) instead of 4, a quarter of the loads; the same sums in the same order.
         float x[ATT_HEADS];
         if (threadIdx.x < nt) {
-            const u32* kr = (const u32*)(pool + krow[threadIdx.x]);
             float acc[ATT_HEADS] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (k_in_16) {
+                const uint4* kr = (const uint4*)(pool + krow[threadIdx.x]);
+#pragma unroll 2
+                for (int d8 = 0; d8 < head_dim / 8; d8++) {
+                    uint4 eight = kr[d8];
+                    u32 words[4] = {eight.x, eight.y, eight.z, eight.w};
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float k0 = f16_to_f32((u16)(words[i] & 0xffff)), k1 = f16_to_f32((u16)(words[i] >> 16));
+                        int d = 8 * d8 + 2 * i;
+                        for (int h = 0; h < ATT_HEADS; h++) {
+                            if (h < nh) acc[h] += qs[h][d] * k0 + qs[h][d + 1] * k1;
+                        }
+                    }
+                }
+            } else {
+                const u32* kr = (const u32*)(pool + krow[threadIdx.x]);
 #pragma unroll 8
-            for (int d2 = 0; d2 < head_dim / 2; d2++) {
-                u32 two = kr[d2];
-                float k0 = f16_to_f32((u16)(two & 0xffff)), k1 = f16_to_f32((u16)(two >> 16));
-                for (int h = 0; h < ATT_HEADS; h++) {
-                    if (h < nh) acc[h] += qs[h][2 * d2] * k0 + qs[h][2 * d2 + 1] * k1;
+                for (int d2 = 0; d2 < head_dim / 2; d2++) {
+                    u32 two = kr[d2];
+                    float k0 = f16_to_f32((u16)(two & 0xffff)), k1 = f16_to_f32((u16)(two >> 16));
+                    for (int h = 0; h < ATT_HEADS; h++) {
+                        if (h < nh) acc[h] += qs[h][2 * d2] * k0 + qs[h][2 * d2 + 1] * k1;
+                    }
                 }
             }
             for (int h = 0; h < ATT_HEADS; h++) {
