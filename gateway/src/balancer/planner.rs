@@ -185,6 +185,40 @@ pub fn plan_lp(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: 
     Ok(if overlapped.predicted_s < plain.predicted_s { overlapped } else { plain })
 }
 
+/// How much slower (relative) a plan whose GPU prefixes are even may be predicted than the
+/// LP's own and still be kept: rounding to blocks moves either by a few positions.
+const EVEN_SPLIT_SLACK: f64 = 0.005;
+
+/// `total` positions for the GPU spread over `seqs` as one level: each sequence's prefix the
+/// same number of whole blocks, or all it may take (`gpu_max`, its context) where that is
+/// less; the blocks left below `total` one each to the first sequences that can take them.
+pub fn level_prefixes(seqs: &[SeqDemand], total: usize, block_size: usize) -> Vec<usize> {
+    let bs = block_size.max(1);
+    let caps: Vec<usize> = seqs.iter().map(|s| s.gpu_max.min(s.n_ctx)).collect();
+    let given = |level: usize| caps.iter().map(|&c| c.min(level)).sum::<usize>();
+    // The highest level of whole blocks that stays within the total.
+    let (mut lo, mut hi) = (0usize, caps.iter().max().copied().unwrap_or(0).div_ceil(bs));
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if given(mid * bs) <= total {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let level = lo * bs;
+    let mut prefix: Vec<usize> = caps.iter().map(|&c| c.min(level)).collect();
+    let mut left = total.saturating_sub(prefix.iter().sum());
+    for (p, &c) in prefix.iter_mut().zip(&caps) {
+        let more = c.min(*p + bs) - *p;
+        if more > 0 && more <= left {
+            *p += more;
+            left -= more;
+        }
+    }
+    prefix
+}
+
 /// The LP plan of one form: overlapped (two interleaved sub-batches) or not.
 pub fn solve(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: usize, overlap: bool) -> Result<Plan, PlanError> {
     if seqs.is_empty() {
@@ -243,7 +277,17 @@ pub fn solve(cost: &CostModel, tokens: usize, seqs: &[SeqDemand], block_size: us
             if rounded >= cap || cap as f64 - want < (want - rounded as f64).abs() { cap } else { rounded }
         })
         .collect();
-    let solved = realise(cost, tokens, seqs, &prefix, overlap);
+    let mut solved = realise(cost, tokens, seqs, &prefix, overlap);
+    // Where the GPU is not saturated the LP is degenerate: any split of its total among the
+    // sequences is as good, and the solver's vertex gives some sequences all they may take and
+    // others nothing (on 64 equal sequences: 46 and 18), which sequences shifting from step to
+    // step. Each shift makes the GPU's KV mirror drop one sequence's prefix and upload
+    // another's, so the total is spread evenly instead, unless that is predicted slower (a
+    // cpu-worker the LP chose to relieve).
+    let even = realise(cost, tokens, seqs, &level_prefixes(seqs, prefix.iter().sum(), bs), overlap);
+    if even.predicted_s <= solved.predicted_s * (1.0 + EVEN_SPLIT_SLACK) {
+        solved = even;
+    }
     // The LP cannot see what a step with no cpu-worker saves (their fixed costs, and the
     // cheaper line of `local_linear`): the plan that gives the GPU all it may take is
     // priced on its own, and kept when it is faster.
@@ -272,6 +316,40 @@ mod tests {
 
     fn on(worker: u32, n: usize) -> SeqDemand {
         SeqDemand { n_ctx: n, held: vec![(worker, 0..n)], gpu_max: n }
+    }
+
+    fn gpu_prefixes(plan: &Plan) -> Vec<usize> {
+        plan.shares.iter().map(|s| s.iter().find(|x| x.cpu_worker.is_none()).map_or(0, |x| x.range.end)).collect()
+    }
+
+    #[test]
+    fn an_unsaturated_gpu_attends_the_same_prefix_of_every_sequence() {
+        // 64 sequences of 8 208 over a KV mirror that gives each 7 360: the GPU is cheaper per
+        // position but the LP balances it against the cpu-worker below its allowance. The
+        // solver's vertex gave 46 sequences 7 360 and 18 none; the plan is even instead, and
+        // predicted as fast.
+        let cost = CostModel { cpu_fixed: vec![0.005], ..cost(4.4e-8, &[5.3e-8]) };
+        for step in 0..3 {
+            let n = 8208 + step;
+            let seqs: Vec<SeqDemand> = (0..64).map(|_| SeqDemand { gpu_max: 7360, ..on(0, n) }).collect();
+            let plan = solve(&cost, 64, &seqs, 64, false).unwrap();
+            let p = gpu_prefixes(&plan);
+            let (lo, hi) = (*p.iter().min().unwrap(), *p.iter().max().unwrap());
+            assert!(hi - lo <= 64 && lo > 0, "step {step}: prefixes {lo}..{hi}");
+            let total: usize = p.iter().sum();
+            assert!(total < 64 * 7360 && total > 64 * 5000, "step {step}: {total}");
+        }
+    }
+
+    #[test]
+    fn level_prefixes_fill_evenly_within_each_allowance() {
+        let seqs = [SeqDemand { gpu_max: 100, ..on(0, 1000) }, on(0, 1000), on(0, 300), on(0, 1000)];
+        // Level 256 (four blocks) gives 100 + 3 × 256 = 868 of 1 000; of the 132 left the
+        // second takes a block (320), the third the 44 up to its context (300), and the 24
+        // left are not a block.
+        assert_eq!(level_prefixes(&seqs, 1000, 64), vec![100, 320, 300, 256]);
+        assert_eq!(level_prefixes(&seqs, 0, 64), vec![0; 4]);
+        assert_eq!(level_prefixes(&seqs, 1 << 20, 64), vec![100, 1000, 300, 1000]);
     }
 
     #[test]
