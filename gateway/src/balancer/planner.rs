@@ -192,7 +192,7 @@ const EVEN_SPLIT_SLACK: f64 = 0.005;
 /// `total` positions for the GPU spread over `seqs` as one level: each sequence's prefix the
 /// same number of whole blocks, or all it may take (`gpu_max`, its context) where that is
 /// less; the blocks left below `total` one each to the first sequences that can take them.
-pub fn level_prefixes(seqs: &[SeqDemand], total: usize, block_size: usize) -> Vec<usize> {
+fn level_prefixes(seqs: &[SeqDemand], total: usize, block_size: usize) -> Vec<usize> {
     let bs = block_size.max(1);
     let caps: Vec<usize> = seqs.iter().map(|s| s.gpu_max.min(s.n_ctx)).collect();
     let given = |level: usize| caps.iter().map(|&c| c.min(level)).sum::<usize>();
