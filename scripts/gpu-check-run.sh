@@ -16,7 +16,8 @@
 #   session  what one session's 15 minutes of device time fit (tests, then the 1B and 8B
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
-# Steps named alone: speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
+# Steps named alone: ncu-attention (Nsight Compute on the decode attention kernel at depth 8K),
+# speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
 # comparison), speed-1b-pool-default (activations' memory handed back at every step), serve-bench-1b-mv64 (decode batches of up to 64 rows through the
 # matrix-vector kernels, in passes of 16, for comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas)
 # and serve-1b-8k-f32-prefill (prefill attention without the tensor cores), each against
@@ -166,6 +167,17 @@ over_budget() { # MODEL
   echo "$log" | grep -q "gpu-mem-bytes" && echo "$log" | grep -q "the CPU device"
 }
 
+# Nsight Compute on the decode attention kernel (attn_partial) of the single-process runner at
+# depth 8K: its achieved DRAM throughput and what limits it (the H200 measured the kernel at
+# 12-16 % of its bandwidth, served).
+ncu_attention() { # MODEL
+  local ncu ids
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; return 1; }
+  ids=$(python3 -c 'print(",".join(str(1000 + 7 * i) for i in range(8192)))')
+  "$ncu" --kernel-name regex:attn_partial --launch-skip 32 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section LaunchStats --section Occupancy "$kit/duet-gpu-worker" --device cuda --gpu-mem-bytes 16G run --model "$1" --prompt-ids "$ids" --max-tokens 8 --json
+}
+
 # Single-process speed: a 512-token prompt, then 128 tokens, timed after one untimed run of the
 # same (first-use costs left out), on one device (the GPU's memory
 # capped at a T4's 16 GB, as the CUDA issue's table asks).
@@ -228,7 +240,7 @@ kv_fit() {
 }
 
 export kit out logs models
-export -f wait_healthy serve_and_stream serve_moe over_budget run_speed serve_bench model kv_fit
+export -f wait_healthy serve_and_stream serve_moe over_budget ncu_attention run_speed serve_bench model kv_fit
 
 # Groups of steps; a step's own name runs it alone.
 expand() {
@@ -260,6 +272,7 @@ for s in $(for g in $steps; do expand "$g"; done); do
       step speed-1b-cpu run_speed cpu "$(model llama-3.2-1b q4_k_m)"
       ;;
     speed-8b) step speed-8b-cuda run_speed cuda "$(model llama-3.1-8b q4_k_m)" ;;
+    ncu-attention) step ncu-attention ncu_attention "$(model llama-3.2-1b q4_k_m)" ;;
     # Half of the 8B shape's 32 layers on the GPU, the rest on the CPU device (--gpu-layers).
     speed-8b-split) step speed-8b-split run_speed cuda "$(model llama-3.1-8b q4_k_m)" 16 ;;
     serve-bench-1b) step serve-bench-1b serve_bench "$(model llama-3.2-1b q4_k_m)" 8G ;;
