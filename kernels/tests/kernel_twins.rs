@@ -8,7 +8,7 @@
 //! * `quantize_row` for Q8_0 / Q8_1 / Q8_K: round trip within half a step, `s = d * sum(q)`,
 //!   `bsums` the sums of 16 quants, zero blocks all zero.
 //! * `matmul::matmul` over several batch rows equals `vec_dot` row by row, bit for bit.
-//! * The same for Q4_K, Q6_K and Q4_0 matrices repacked into interleaved groups (`interleaved`),
+//! * The same for Q4_K, Q5_K, Q6_K and Q4_0 matrices repacked into interleaved groups (`interleaved`),
 //!   against the scalar twin on the original rows, and the repacking's inverse.
 //!
 //! Weights are random valid blocks (random bytes with random finite f16 scales), activations

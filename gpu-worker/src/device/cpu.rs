@@ -321,7 +321,7 @@ impl Device for CpuDevice {
     }
 }
 
-/// Repacks every Q4_K, Q6_K and Q4_0 matrix the products of `layers` read (those layers', and
+/// Repacks every Q4_K, Q5_K, Q6_K and Q4_0 matrix the products of `layers` read (those layers', and
 /// the LM head where they end at the last; not an untied embedding, whose rows are only
 /// looked up) whose rows fill whole groups into interleaved rows (llama.cpp's CPU "repack"
 /// buffers do the same), when this CPU has the kernels; the file's pages of a repacked matrix
@@ -356,7 +356,7 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
             matrices = out.len(),
             mib = bytes >> 20,
             secs = started.elapsed().as_secs_f32(),
-            "Q4_K, Q6_K and Q4_0 weights repacked into interleaved rows"
+            "Q4_K, Q5_K, Q6_K and Q4_0 weights repacked into interleaved rows"
         );
     }
     out
