@@ -192,9 +192,9 @@ run_speed() { # DEVICE MODEL [GPU_LAYERS]
 # comma-separated CONTEXTS, one server for all), policies cpu, gpu and lp, 64 tokens each
 # (or BENCH_TOKENS).
 serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
-  # The step log (linear layers, attention, waits per step) and the device's phases every 64
-  # steps show where a step's time goes.
-  RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" ${5:-} \
+  # The step log (linear layers, attention, waits per step), the device's phases every 64
+  # steps and the KV mirror's uploads (each step that made some) show where a step's time goes.
+  RUST_LOG=info,duet_gateway::scheduler::step=debug,duet_gpu_worker::worker=debug,duet_gpu_worker::device::cuda=debug DUET_GPU_MEM_BYTES=16G "$kit/duet-gateway" serve --device cuda --model "$1" --cpu-workers 1 --kv-bytes "$2" ${5:-} \
     --listen 127.0.0.1:18091 --http-listen 127.0.0.1:18090 --instance gpubench >"$logs/$STEP-server.log" 2>&1 &
   local gw=$!
   sleep 2

@@ -110,6 +110,9 @@ pub struct KvMirror {
     target_blocks: usize,
     /// The launches' small tables, kept on the GPU from one layer to the next.
     tables: Tables,
+    /// Rows (a position of one layer each) uploaded from the host since [`Self::take_uploaded`]:
+    /// what the mirror lacked when asked to attend.
+    uploaded: u64,
 }
 
 /// A small host table's copy on the GPU, uploaded again only when it changes: a step's
@@ -157,7 +160,12 @@ impl KvMirror {
         let page_elems = page_bytes / 2;
         // SAFETY: a page is read only for the positions written into it (`filled`).
         let pool = unsafe { stream.alloc::<u16>((n_pages * page_elems).max(1)) }?;
-        Ok(KvMirror { pool, page_elems, shape, pages: Pages::new(n_pages, layers), target_blocks: 4 * sm_count.max(1), tables: Tables::default() })
+        Ok(KvMirror { pool, page_elems, shape, pages: Pages::new(n_pages, layers), target_blocks: 4 * sm_count.max(1), tables: Tables::default(), uploaded: 0 })
+    }
+
+    /// Rows uploaded from the host since the last call.
+    pub fn take_uploaded(&mut self) -> u64 {
+        std::mem::take(&mut self.uploaded)
     }
 
     /// Positions the mirror holds, all sequences together.
@@ -231,6 +239,7 @@ impl KvMirror {
         let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
         self.store_rows(kern, layer, (&k, &v), slots)?;
         self.pages.set_filled(key, layer, end);
+        self.uploaded += n as u64;
         Ok(true)
     }
 

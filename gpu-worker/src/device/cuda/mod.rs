@@ -590,6 +590,15 @@ impl Device for CudaDevice {
     }
 
     fn phase_times(&self) -> Vec<(&'static str, u64)> {
+        // The mirror's uploads (a position of one layer each) since the last call: a mirror
+        // that drops what the next steps attend shows here (the H200's steps over the mirror
+        // spent up to 480 ms a step in `attend_prepare`).
+        if let Some(m) = &self.mirror {
+            let rows = m.lock().unwrap_or_else(|p| p.into_inner()).take_uploaded();
+            if rows > 0 {
+                tracing::debug!(rows, "KV mirror: rows uploaded from the arenas");
+            }
+        }
         self.phases.take()
     }
 
