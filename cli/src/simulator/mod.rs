@@ -10,7 +10,9 @@
 //! - GPU linear layers (all projections, MLP, LM head) per step:
 //!   `overhead + max(weight bytes / (bandwidth · 0.8), 2 · params · batch / (FLOP/s · 0.6))`,
 //!   overhead = 0.3 ms per step + 20 µs per layer (launches, norms, sampling). Weight-only
-//!   quantisation streams fewer bytes but multiplies in fp16.
+//!   quantisation streams fewer bytes but multiplies in fp16; above 8 rows (the CUDA device's
+//!   `MV_PASS_ROWS`) a quantised weight is dequantised to f16 for cuBLAS on every step: its
+//!   bytes read, and 2 bytes a parameter written and read again, at the same bandwidth.
 //! - GPU attention per KV position = KV bytes per position / (bandwidth · 0.15): Duet's
 //!   decode-attention kernel on the mirror, measured on an H200, not the hardware's peak; the GPU only
 //!   attends KV in its own memory (the `gpu` policy's whole KV, or the mirrored prefix of
@@ -62,6 +64,11 @@ pub struct Assumptions {
     pub gpu_attention_bandwidth_fraction: f64,
     /// Fraction of peak fp16 tensor FLOP/s that the linear layers reach.
     pub gpu_flops_fraction: f64,
+    /// The most rows a quantised weight multiplies without being dequantised (the CUDA
+    /// device's `MV_PASS_ROWS`). Measured on the H200 (2026-11-28, the 1B shape): a step's
+    /// linear layers 1.84 ms at one row, 3.23 at 16 and 3.63 at 64, the dequantisation's
+    /// bytes (5.6 GB a step) at 80 % of the bandwidth being 1.5 ms.
+    pub matvec_max_rows: usize,
     /// Fraction of GPU memory the server may use (vLLM's `gpu_memory_utilization`).
     pub gpu_memory_utilization: f64,
     /// CUDA context, cuBLAS workspace and allocator slack, bytes.
@@ -99,6 +106,7 @@ impl Default for Assumptions {
             gpu_bandwidth_fraction: 0.8,
             gpu_attention_bandwidth_fraction: 0.15,
             gpu_flops_fraction: 0.6,
+            matvec_max_rows: 8,
             gpu_memory_utilization: 0.9,
             gpu_context_bytes: 0.5 * GIB,
             workspace_step_tokens: 2048,
@@ -232,7 +240,12 @@ impl Setup {
         let overhead = a.step_overhead_s + a.layer_overhead_s * m.n_layer as f64;
         let memory = m.linear_params() * self.weights.bytes_per_param() / (self.gpu.bandwidth * a.gpu_bandwidth_fraction);
         let compute = 2.0 * m.linear_params() * tokens as f64 / (self.gpu.flops * a.gpu_flops_fraction);
-        overhead + memory.max(compute)
+        let dequantise = if self.weights != WeightDtype::Fp16 && tokens > a.matvec_max_rows {
+            m.linear_params() * (self.weights.bytes_per_param() + 4.0) / (self.gpu.bandwidth * a.gpu_bandwidth_fraction)
+        } else {
+            0.0
+        };
+        overhead + memory.max(compute) + dequantise
     }
 
     /// The planner's cost model for a decode batch of `batch` sequences. The roofline of the
