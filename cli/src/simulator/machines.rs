@@ -34,19 +34,22 @@ pub struct GpuSpec {
     pub flops: f64,
     /// Effective host-link bandwidth (pinned memory, one direction), bytes/s.
     pub pcie: f64,
+    /// Streaming multiprocessors.
+    pub sms: u32,
 }
 
 impl GpuPreset {
-    /// The preset's spec. Sources: NVIDIA's data sheets (T4, A10, H100); memory is what
+    /// The preset's spec. Sources: NVIDIA's data sheets (T4, A10, H100; multiprocessors: 40,
+    /// 72, 114 and 132); memory is what
     /// nvidia-smi reports (T4 15360 MiB, A10 23028 MiB, H100 81559 MiB); host-link values
     /// are measured-typical pinned copies, about 75–80% of the PCIe line rate
     /// (3.0 x16 15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63 GB/s).
     pub fn spec(self) -> GpuSpec {
-        let (name, mib, gbs, tflops, pcie_gbs) = match self {
-            GpuPreset::T4 => ("T4", 15360.0, 320.0, 65.0, 12.0),
-            GpuPreset::A10 => ("A10", 23028.0, 600.0, 125.0, 25.0),
-            GpuPreset::H100 => ("H100 PCIe", 81559.0, 2000.0, 756.0, 50.0),
-            GpuPreset::H100Sxm => ("H100 SXM", 81559.0, 3350.0, 989.0, 50.0),
+        let (name, mib, gbs, tflops, pcie_gbs, sms) = match self {
+            GpuPreset::T4 => ("T4", 15360.0, 320.0, 65.0, 12.0, 40),
+            GpuPreset::A10 => ("A10", 23028.0, 600.0, 125.0, 25.0, 72),
+            GpuPreset::H100 => ("H100 PCIe", 81559.0, 2000.0, 756.0, 50.0, 114),
+            GpuPreset::H100Sxm => ("H100 SXM", 81559.0, 3350.0, 989.0, 50.0, 132),
         };
         GpuSpec {
             name: name.to_string(),
@@ -54,6 +57,7 @@ impl GpuPreset {
             bandwidth: gbs * GB,
             flops: tflops * 1e12,
             pcie: pcie_gbs * GB,
+            sms,
         }
     }
 }

@@ -13,8 +13,8 @@
 //!   quantisation streams fewer bytes but multiplies in fp16; above 8 rows (the CUDA device's
 //!   `MV_PASS_ROWS`) a quantised weight is dequantised to f16 for cuBLAS on every step: its
 //!   bytes read, and 2 bytes a parameter written and read again, at the same bandwidth.
-//! - GPU attention per KV position = KV bytes per position / (bandwidth · 0.15): Duet's
-//!   decode-attention kernel on the mirror, measured on an H200, not the hardware's peak; the GPU only
+//! - GPU attention per KV position = KV bytes per position / min(bandwidth · 0.8, 5.6 GB/s per
+//!   multiprocessor): Duet's decode-attention kernel on the mirror as an H200 measured it; the GPU only
 //!   attends KV in its own memory (the `gpu` policy's whole KV, or the mirrored prefix of
 //!   `ratio`/`lp`); reading host memory over PCIe would be 10–50x slower and is never chosen.
 //! - CPU attention per position and socket = max(KV bytes / (socket bandwidth · 0.8),
@@ -55,13 +55,16 @@ const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 pub struct Assumptions {
     /// Fraction of peak GPU bandwidth that weight streaming reaches.
     pub gpu_bandwidth_fraction: f64,
-    /// Fraction of peak GPU bandwidth that Duet's decode attention on the KV mirror reaches.
-    /// Measured on an H200 (2026-11-28, the Llama-3.2-1B shape served under a 16 GB cap,
-    /// docs/cuda-device.md): 20.6 ms a step for 57 sessions at depth 8 192 (15.3 GB of K/V),
-    /// 7.6 ms for 16 at 8 192 and 3.25 ms for 64 at 1 024: 12–16 % of its 4.8 TB/s. 0.8 was
-    /// assumed before, which put the attention of GPU-only steps at a fifth of its measured
-    /// time. The kernel (`attn_partial`), not the hardware, sets this.
-    pub gpu_attention_bandwidth_fraction: f64,
+    /// K/V bytes a second one multiprocessor reads in Duet's decode attention on the KV
+    /// mirror (`attn_partial`), up to `gpu_bandwidth_fraction` of the GPU's bandwidth.
+    /// Measured on an H200 (132 multiprocessors; 2026-11-28, the Llama-3.2-1B shape served
+    /// under a 16 GB cap, docs/cuda-device.md): 20.6 ms a step for 57 sessions at depth 8 192
+    /// (15.3 GB of K/V: 740 GB/s), 7.6 ms for 16 at 8 192 and 3.25 ms for 64 at 1 024 — 12–16 %
+    /// of its 4.8 TB/s. 80 % of the bandwidth was assumed before, which put the attention of
+    /// GPU-only steps at a fifth of its measured time. The kernel, not the memory, sets this
+    /// (each thread reads its own K row), so it scales with the multiprocessors: a GPU with less
+    /// bandwidth for each (a T4: 8 GB/s, against the H200's 36) loses less of it.
+    pub gpu_attention_bytes_per_sm: f64,
     /// Fraction of peak fp16 tensor FLOP/s that the linear layers reach.
     pub gpu_flops_fraction: f64,
     /// The most rows a quantised weight multiplies without being dequantised (the CUDA
@@ -104,7 +107,7 @@ impl Default for Assumptions {
     fn default() -> Self {
         Assumptions {
             gpu_bandwidth_fraction: 0.8,
-            gpu_attention_bandwidth_fraction: 0.15,
+            gpu_attention_bytes_per_sm: 5.6e9,
             gpu_flops_fraction: 0.6,
             matvec_max_rows: 8,
             gpu_memory_utilization: 0.9,
@@ -258,7 +261,7 @@ impl Setup {
         let memory_bound = self.linear_s(0);
         let linear_per_token = (self.linear_s(batch) - memory_bound) / batch as f64;
         let kv = self.kv_bytes_per_pos();
-        let gpu_attn_per_pos = kv / (self.gpu.bandwidth * a.gpu_attention_bandwidth_fraction);
+        let gpu_attn_per_pos = kv / (self.gpu.bandwidth * a.gpu_bandwidth_fraction).min(self.gpu.sms as f64 * a.gpu_attention_bytes_per_sm);
         let cpu_bw = self.cpu.socket_bandwidth * a.cpu_bandwidth_fraction;
         let cpu_compute = self.cpu.cores as f64 * self.cpu.core_flops;
         let cpu_attn = (kv / cpu_bw).max(m.attn_flops_per_pos() / cpu_compute);
@@ -508,7 +511,8 @@ mod tests {
         s.gpu.bandwidth = 150e9;
         s.gpu.pcie = f64::INFINITY;
         s.assumptions.layer_sync_s = 0.0;
-        s.assumptions.gpu_attention_bandwidth_fraction = s.assumptions.cpu_bandwidth_fraction;
+        s.assumptions.gpu_bandwidth_fraction = s.assumptions.cpu_bandwidth_fraction;
+        s.assumptions.gpu_attention_bytes_per_sm = f64::INFINITY;
         s.gpu.mem_bytes = 1e12; // room to mirror every context
         let cost = s.cost_model(4);
         assert!((cost.gpu_attn_per_pos - cost.cpu_attn_per_pos[0]).abs() < 1e-15, "{cost:?}");
