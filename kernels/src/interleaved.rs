@@ -1,5 +1,6 @@
-//! Q4_K, Q5_K, Q6_K and Q4_0 weights repacked at load into groups of sixteen interleaved rows, and
-//! the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for Q4_0) activation rows
+//! Q4_K, Q5_K, Q6_K, Q4_0 and Q5_0 weights repacked at load into groups of sixteen interleaved
+//! rows, and the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for Q4_0 and
+//! Q5_0) activation rows
 //! at a time: each of
 //! a register's sixteen 32-bit lanes is one weight row, so a block's integer sums, its float
 //! epilogue and the sum over blocks all run sixteen rows wide with no horizontal reduction.
@@ -100,6 +101,19 @@ const Q40_FIELDS: [Field; 4] = [
     Field { from: 20, len: 16, size: 4, at: 320 },
 ];
 
+/// Q5_0 (22-byte blocks of 32), two ggml blocks per group block (704 bytes): the 32 rows-and-
+/// blocks' `d` in one line, each block's 32 bits of fifth bits in a line (a 4-byte word per row:
+/// bit `j` for quant `j`), then each block's 16 bytes of nibbles as 4 lines, as Q4_0's. Fields
+/// count from the start of the row's two consecutive blocks (44 bytes).
+const Q50_FIELDS: [Field; 6] = [
+    Field { from: 0, len: 2, size: 2, at: 0 },
+    Field { from: 22, len: 2, size: 2, at: 32 },
+    Field { from: 2, len: 4, size: 4, at: 64 },
+    Field { from: 24, len: 4, size: 4, at: 128 },
+    Field { from: 6, len: 16, size: 4, at: 192 },
+    Field { from: 28, len: 16, size: 4, at: 448 },
+];
+
 /// The layout of a type: how a row's unit (a run of whole ggml blocks) lies in a group's
 /// block — its fields, the bytes of the group's block, and the unit's columns and bytes.
 struct Layout {
@@ -115,6 +129,7 @@ fn layout(ty: GgmlType) -> Option<Layout> {
         GgmlType::Q5K => (&Q5K_FIELDS, 2816, QK_K),
         GgmlType::Q6K => (&Q6K_FIELDS, Q6K_GROUP_BLOCK, QK_K),
         GgmlType::Q4_0 => (&Q40_FIELDS, 576, 64),
+        GgmlType::Q5_0 => (&Q50_FIELDS, 704, 64),
         _ => return None,
     };
     Some(Layout { fields, group_block, unit_cols, unit_bytes: ty.row_bytes(unit_cols) })
@@ -125,7 +140,7 @@ pub fn packs(ty: GgmlType) -> bool {
     layout(ty).is_some()
 }
 
-/// A Q4_K, Q5_K, Q6_K or Q4_0 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
+/// A Q4_K, Q5_K, Q6_K, Q4_0 or Q5_0 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
 pub struct Interleaved {
     ty: GgmlType,
     rows: usize,
@@ -194,7 +209,7 @@ impl Interleaved {
     }
 
     /// Row `r`'s unit `b` as ggml lays it out (the inverse of the packing; for tests): a
-    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0 ([`Self::unit_cols`] columns).
+    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0 or Q5_0 ([`Self::unit_cols`] columns).
     pub fn block(&self, r: usize, b: usize) -> Vec<u8> {
         let Layout { fields, group_block, unit_bytes, .. } = layout(self.ty).expect("a packed type");
         let p = &self.group(r / GROUP_ROWS)[b * group_block..(b + 1) * group_block];
@@ -223,7 +238,7 @@ pub fn available() -> bool {
 }
 
 /// A product's activation rows as the interleaved kernels take them, made once per product
-/// (not per task): the rows' bytes and, for Q8_0 rows (Q4_0's kernel), each block's
+/// (not per task): the rows' bytes and, for Q8_0 rows (Q4_0's and Q5_0's kernel), each block's
 /// [`Q80Block`].
 pub struct GroupActs<'a> {
     ty: GgmlType,
@@ -231,12 +246,12 @@ pub struct GroupActs<'a> {
     q8_0: Vec<Vec<Q80Block>>,
 }
 
-/// What Q4_0's kernel takes from a Q8_0 activation block besides its quants, computed once per
-/// product rather than once per group of weight rows: `Σ (q − 8)·a` is taken as `Σ q·a − 8 Σ a`,
-/// so `bias` = −8 Σ a, and `d` is the block's f16 scale as f32.
+/// What Q4_0's and Q5_0's kernel take from a Q8_0 activation block besides its quants,
+/// computed once per product rather than once per group of weight rows: `Σ (q − 8)·a` is taken
+/// as `Σ q·a − 8 Σ a` (Q5_0: `− 16 Σ a`), so `sum` = Σ a, and `d` is the block's f16 scale as f32.
 #[derive(Clone, Copy, Debug)]
 pub struct Q80Block {
-    bias: i32,
+    sum: i32,
     d: f32,
 }
 
@@ -248,7 +263,7 @@ impl<'a> GroupActs<'a> {
                 .iter()
                 .map(|r| {
                     let blocks = BlockQ8_0::slice(r).expect("whole Q8_0 blocks");
-                    blocks.iter().map(|b| Q80Block { bias: -8 * b.qs.iter().map(|&q| i32::from(q as i8)).sum::<i32>(), d: super::quant::f16_bytes(b.d) }).collect()
+                    blocks.iter().map(|b| Q80Block { sum: b.qs.iter().map(|&q| i32::from(q as i8)).sum::<i32>(), d: super::quant::f16_bytes(b.d) }).collect()
                 })
                 .collect(),
             _ => Vec::new(),
@@ -570,18 +585,40 @@ mod avx512 {
     }
 
     /// Bytes of a Q4_0 group block (two ggml blocks of sixteen rows), and where its blocks'
-    /// nibbles start.
+    /// nibbles start; the same for Q5_0, and where its blocks' fifth bits are.
     const Q40_BLOCK: usize = 576;
     const Q40_QS: usize = 64;
+    const Q50_BLOCK: usize = 704;
+    const Q50_QH: usize = 64;
+    const Q50_QS: usize = 192;
 
-    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`q8_0`: each activation block's bias and
+    /// Byte `j` of every 32-bit lane in all four of its bytes, j = 0..3 (a lane's fifth-bit
+    /// byte beside each of its quants).
+    static BYTE_SPREAD: [[u8; 64]; 4] = [lane_bytes([0, 0, 0, 0]), lane_bytes([1, 1, 1, 1]), lane_bytes([2, 2, 2, 2]), lane_bytes([3, 3, 3, 3])];
+
+    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`q8_0`: each activation block's sum and
     /// scale): per block the twin's integer `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`, then
-    /// `sumi · (dx · dy)` added to the total, block after block. The rows are read through raw
-    /// pointers: indexed per block, their bounds checks kept the compiler from unrolling the
-    /// float epilogue over the rows, whose sums then went through the stack.
+    /// `sumi · (dx · dy)` added to the total, block after block; with `FIVE`, sixteen Q5_0
+    /// rows (each nibble with its fifth bit, `Σ (q − 16)·a` as `Σ q·a − 16 Σ a`). The rows are
+    /// read through raw pointers: indexed per block, their bounds checks kept the compiler
+    /// from unrolling the float epilogue over the rows, whose sums then went through the stack.
     #[inline(always)]
-    unsafe fn q40<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
-        debug_assert!(packed.len() == nb * Q40_BLOCK && acts.len() == T && q8_0.len() == T);
+    unsafe fn q40<const T: usize, const VNNI: bool, const FIVE: bool>(
+        packed: &[u8],
+        nb: usize,
+        acts: &[&[u8]],
+        q8_0: &[&[Q80Block]],
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let (block, qs_at, offset) = if FIVE { (Q50_BLOCK, Q50_QS, 16) } else { (Q40_BLOCK, Q40_QS, 8) };
+        // High nibbles kept in place (16 × the quant) only where a quant is four bits.
+        let in_place = VNNI && !FIVE;
+        let bit4 = _mm512_set1_epi8(0x10);
+        // Q5_0: the bits of quants 4i..4i + 4 (and 16 + 4i..) are bits 4(i mod 2)..+4 of the
+        // lane's byte i / 2 (and 2 + i / 2) of its fifth bits, one per byte.
+        let bit_of = [_mm512_set1_epi32(0x0804_0201), _mm512_set1_epi32(0x8040_2010u32 as i32)];
+        debug_assert!(packed.len() == nb * block && acts.len() == T && q8_0.len() == T);
         debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * BlockQ8_0::BYTES && q8_0[t].len() == 2 * nb));
         let ys: [*const u8; T] = std::array::from_fn(|t| acts[t].as_ptr());
         let ex: [*const Q80Block; T] = std::array::from_fn(|t| q8_0[t].as_ptr());
@@ -589,22 +626,30 @@ mod avx512 {
         let high4 = _mm512_set1_epi8(0xF0u8 as i8);
         let mut total = [_mm512_set1_ps(-0.0); T];
         for u in 0..nb {
-            let p = packed.as_ptr().add(u * Q40_BLOCK);
-            prefetch_lines(p, Q40_QS);
+            let p = packed.as_ptr().add(u * block);
+            prefetch_lines(p, qs_at);
             for k in 0..2 {
                 let blk = 2 * u + k;
                 let e: [Q80Block; T] = std::array::from_fn(|t| *ex[t].add(blk));
                 // The quants of activation block `blk` (after its 2-byte scale).
                 let qs: [*const u8; T] = std::array::from_fn(|t| ys[t].add(BlockQ8_0::BYTES * blk + 2));
-                let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(e[t].bias));
+                let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(-offset * e[t].sum));
                 let mut hi = [_mm512_setzero_si512(); T];
+                let bits = if FIVE { _mm512_load_si512(p.add(Q50_QH + 64 * k).cast()) } else { _mm512_setzero_si512() };
                 for i in 0..4 {
-                    prefetch_line(p.add(Q40_QS + 256 * k + 64 * i));
-                    let raw = _mm512_load_si512(p.add(Q40_QS + 256 * k + 64 * i).cast());
-                    let ql = _mm512_and_si512(raw, low4);
+                    prefetch_line(p.add(qs_at + 256 * k + 64 * i));
+                    let raw = _mm512_load_si512(p.add(qs_at + 256 * k + 64 * i).cast());
+                    let mut ql = _mm512_and_si512(raw, low4);
                     // With VNNI the high nibbles stay in place (16 × the quant), shifted back
                     // below, as in `q4k`.
-                    let qh = if VNNI { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
+                    let mut qh = if in_place { _mm512_and_si512(raw, high4) } else { _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4) };
+                    if FIVE {
+                        // 16 added where the quant's fifth bit is set.
+                        let lo_bits = _mm512_shuffle_epi8(bits, table(&BYTE_SPREAD[i / 2]));
+                        let hi_bits = _mm512_shuffle_epi8(bits, table(&BYTE_SPREAD[2 + i / 2]));
+                        ql = _mm512_mask_add_epi8(ql, _mm512_test_epi8_mask(lo_bits, bit_of[i % 2]), ql, bit4);
+                        qh = _mm512_mask_add_epi8(qh, _mm512_test_epi8_mask(hi_bits, bit_of[i % 2]), qh, bit4);
+                    }
                     for t in 0..T {
                         lo[t] = dpbusd::<VNNI>(lo[t], ql, word(qs[t].add(4 * i)));
                         hi[t] = dpbusd::<VNNI>(hi[t], qh, word(qs[t].add(16 + 4 * i)));
@@ -613,7 +658,7 @@ mod avx512 {
                 let dx = _mm512_cvtph_ps(_mm256_load_si256(p.add(32 * k).cast()));
                 for t in 0..T {
                     // |Σ| ≤ 16 · 240 · 128 per lane: no overflow, and a multiple of 16.
-                    let h = if VNNI { _mm512_srai_epi32::<4>(hi[t]) } else { hi[t] };
+                    let h = if in_place { _mm512_srai_epi32::<4>(hi[t]) } else { hi[t] };
                     let sumi = _mm512_add_epi32(lo[t], h);
                     // The twin: sumi · (dx · dy), then added to the total.
                     let v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, _mm512_set1_ps(e[t].d)));
@@ -667,14 +712,22 @@ mod avx512 {
         q6k_2: q6k::<2, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
         q6k_3: q6k::<3, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
         q6k_4: q6k::<4, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_1_vnni: q40::<1, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_2_vnni: q40::<2, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_3_vnni: q40::<3, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_4_vnni: q40::<4, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_1: q40::<1, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_2: q40::<2, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_3: q40::<3, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_4: q40::<4, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_1_vnni: q40::<1, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_2_vnni: q40::<2, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_3_vnni: q40::<3, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_4_vnni: q40::<4, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_1: q40::<1, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_2: q40::<2, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_3: q40::<3, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_4: q40::<4, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_1_vnni: q40::<1, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_2_vnni: q40::<2, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_3_vnni: q40::<3, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_4_vnni: q40::<4, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_1: q40::<1, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_2: q40::<2, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_3: q40::<3, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_4: q40::<4, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
     }
 
     /// The kernels for 1, 2, 3 and 4 activation rows of a packed type, with `vpdpbusd` or
@@ -689,6 +742,8 @@ mod avx512 {
             (GgmlType::Q6K, false) => [q6k_1, q6k_2, q6k_3, q6k_4],
             (GgmlType::Q4_0, true) => [q40_1_vnni, q40_2_vnni, q40_3_vnni, q40_4_vnni],
             (GgmlType::Q4_0, false) => [q40_1, q40_2, q40_3, q40_4],
+            (GgmlType::Q5_0, true) => [q50_1_vnni, q50_2_vnni, q50_3_vnni, q50_4_vnni],
+            (GgmlType::Q5_0, false) => [q50_1, q50_2, q50_3, q50_4],
             (other, _) => panic!("{other} is never interleaved"),
         }
     }
