@@ -388,7 +388,7 @@ fn main() {
             ));
         }
     }
-    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q5_0] {
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q5_1] {
         let what = format!("matrix-vector {ty} interleaved");
         if wanted(&what) && interleaved::available() {
             rows.push((
@@ -418,7 +418,7 @@ fn main() {
         }
     }
     // The same in cache: how far the kernels' compute outruns the DRAM.
-    for ty in [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+    for ty in [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
         for interleave in [false, true] {
             let what = format!("matrix-vector {ty}{}", if interleave { " interleaved" } else { "" });
             let packs = interleaved::packs(ty) && interleaved::available();

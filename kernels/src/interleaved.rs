@@ -1,6 +1,6 @@
-//! Q4_K, Q5_K, Q6_K, Q4_0 and Q5_0 weights repacked at load into groups of sixteen interleaved
-//! rows, and the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for Q4_0 and
-//! Q5_0) activation rows
+//! Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 weights repacked at load into groups of sixteen
+//! interleaved rows, and the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for
+//! Q4_0 and Q5_0, Q8_1 for Q5_1) activation rows
 //! at a time: each of
 //! a register's sixteen 32-bit lanes is one weight row, so a block's integer sums, its float
 //! epilogue and the sum over blocks all run sixteen rows wide with no horizontal reduction.
@@ -18,7 +18,7 @@
 
 use rayon::prelude::*;
 
-use super::quant::{BlockQ8_0, ByteBlock, GgmlType, QK_K};
+use super::quant::{BlockQ8_0, BlockQ8_1, ByteBlock, GgmlType, QK_K};
 use super::packed_slab::SlabBytes;
 
 /// Rows per interleaved group: one per 32-bit lane of a 512-bit register.
@@ -114,6 +114,20 @@ const Q50_FIELDS: [Field; 6] = [
     Field { from: 28, len: 16, size: 4, at: 448 },
 ];
 
+/// Q5_1 (24-byte blocks of 32), two ggml blocks per group block (768 bytes): the blocks' `d`,
+/// then their `m` (a line each pair), then Q5_0's fifth bits and nibbles. Fields count from the
+/// start of the row's two consecutive blocks (48 bytes).
+const Q51_FIELDS: [Field; 8] = [
+    Field { from: 0, len: 2, size: 2, at: 0 },
+    Field { from: 24, len: 2, size: 2, at: 32 },
+    Field { from: 2, len: 2, size: 2, at: 64 },
+    Field { from: 26, len: 2, size: 2, at: 96 },
+    Field { from: 4, len: 4, size: 4, at: 128 },
+    Field { from: 28, len: 4, size: 4, at: 192 },
+    Field { from: 8, len: 16, size: 4, at: 256 },
+    Field { from: 32, len: 16, size: 4, at: 512 },
+];
+
 /// The layout of a type: how a row's unit (a run of whole ggml blocks) lies in a group's
 /// block — its fields, the bytes of the group's block, and the unit's columns and bytes.
 struct Layout {
@@ -130,6 +144,7 @@ fn layout(ty: GgmlType) -> Option<Layout> {
         GgmlType::Q6K => (&Q6K_FIELDS, Q6K_GROUP_BLOCK, QK_K),
         GgmlType::Q4_0 => (&Q40_FIELDS, 576, 64),
         GgmlType::Q5_0 => (&Q50_FIELDS, 704, 64),
+        GgmlType::Q5_1 => (&Q51_FIELDS, 768, 64),
         _ => return None,
     };
     Some(Layout { fields, group_block, unit_cols, unit_bytes: ty.row_bytes(unit_cols) })
@@ -140,7 +155,7 @@ pub fn packs(ty: GgmlType) -> bool {
     layout(ty).is_some()
 }
 
-/// A Q4_K, Q5_K, Q6_K, Q4_0 or Q5_0 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
+/// A Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 or Q5_1 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
 pub struct Interleaved {
     ty: GgmlType,
     rows: usize,
@@ -209,7 +224,7 @@ impl Interleaved {
     }
 
     /// Row `r`'s unit `b` as ggml lays it out (the inverse of the packing; for tests): a
-    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0 or Q5_0 ([`Self::unit_cols`] columns).
+    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0, Q5_0 or Q5_1 ([`Self::unit_cols`] columns).
     pub fn block(&self, r: usize, b: usize) -> Vec<u8> {
         let Layout { fields, group_block, unit_bytes, .. } = layout(self.ty).expect("a packed type");
         let p = &self.group(r / GROUP_ROWS)[b * group_block..(b + 1) * group_block];
@@ -238,42 +253,52 @@ pub fn available() -> bool {
 }
 
 /// A product's activation rows as the interleaved kernels take them, made once per product
-/// (not per task): the rows' bytes and, for Q8_0 rows (Q4_0's and Q5_0's kernel), each block's
-/// [`Q80Block`].
+/// (not per task): the rows' bytes and, for Q8_0 and Q8_1 rows (Q4_0's, Q5_0's and Q5_1's
+/// kernels), each block's [`ActBlock`].
 pub struct GroupActs<'a> {
     ty: GgmlType,
     rows: Vec<&'a [u8]>,
-    q8_0: Vec<Vec<Q80Block>>,
+    act_blocks: Vec<Vec<ActBlock>>,
 }
 
-/// What Q4_0's and Q5_0's kernel take from a Q8_0 activation block besides its quants,
-/// computed once per product rather than once per group of weight rows: `Σ (q − 8)·a` is taken
-/// as `Σ q·a − 8 Σ a` (Q5_0: `− 16 Σ a`), so `sum` = Σ a, and `d` is the block's f16 scale as f32.
+/// What Q4_0's, Q5_0's and Q5_1's kernels take from a Q8_0 or Q8_1 activation block besides its
+/// quants, computed once per product rather than once per group of weight rows: `Σ (q − 8)·a`
+/// is taken as `Σ q·a − 8 Σ a` (Q5_0: `− 16 Σ a`), so `sum` = Σ a; `d` is the block's f16
+/// scale as f32, and `s` a Q8_1 block's f16 `d · Σ a` as f32 (0 for Q8_0).
 #[derive(Clone, Copy, Debug)]
-pub struct Q80Block {
+pub struct ActBlock {
     sum: i32,
     d: f32,
+    s: f32,
 }
 
 impl<'a> GroupActs<'a> {
     /// `rows` quantised to `ty` (Q8_K, or Q8_0). Panics on rows of partial blocks (a caller bug).
     pub fn new(ty: GgmlType, rows: Vec<&'a [u8]>) -> Self {
-        let q8_0 = match ty {
+        let sum = |qs: &[u8]| qs.iter().map(|&q| i32::from(q as i8)).sum::<i32>();
+        let act_blocks = match ty {
             GgmlType::Q8_0 => rows
                 .iter()
                 .map(|r| {
                     let blocks = BlockQ8_0::slice(r).expect("whole Q8_0 blocks");
-                    blocks.iter().map(|b| Q80Block { sum: b.qs.iter().map(|&q| i32::from(q as i8)).sum::<i32>(), d: super::quant::f16_bytes(b.d) }).collect()
+                    blocks.iter().map(|b| ActBlock { sum: sum(&b.qs), d: super::quant::f16_bytes(b.d), s: 0.0 }).collect()
+                })
+                .collect(),
+            GgmlType::Q8_1 => rows
+                .iter()
+                .map(|r| {
+                    let blocks = BlockQ8_1::slice(r).expect("whole Q8_1 blocks");
+                    blocks.iter().map(|b| ActBlock { sum: sum(&b.qs), d: super::quant::f16_bytes(b.d), s: super::quant::f16_bytes(b.s) }).collect()
                 })
                 .collect(),
             _ => Vec::new(),
         };
-        GroupActs { ty, rows, q8_0 }
+        GroupActs { ty, rows, act_blocks }
     }
 }
 
 /// `out[t * out_stride + r] = row r · acts[t]` for the rows of groups `groups` of `w` and
-/// every activation row (Q8_K, or Q8_0 for Q4_0; `w.cols()` columns), four activation rows at
+/// every activation row (Q8_K, or Q8_0 for Q4_0 and Q5_0, Q8_1 for Q5_1; `w.cols()` columns), four activation rows at
 /// a time. Panics if the kernels are not [`available`] or the sizes disagree (caller bugs).
 ///
 /// # Safety
@@ -284,17 +309,17 @@ pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, act
     assert!(groups.end * GROUP_ROWS <= w.rows && out_stride >= w.rows);
     let nb = w.cols / w.unit_cols();
     assert!(acts.ty == super::dot::vec_dot_type(w.ty) && acts.rows.iter().all(|a| a.len() == acts.ty.row_bytes(w.cols)));
-    let q8_0: Vec<&[Q80Block]> = acts.q8_0.iter().map(Vec::as_slice).collect();
+    let act_blocks: Vec<&[ActBlock]> = acts.act_blocks.iter().map(Vec::as_slice).collect();
     let kernel = avx512::kernel(w.ty, super::has_vnni());
     for g in groups {
         let packed = w.group(g);
         for (c, chunk) in acts.rows.chunks(4).enumerate() {
-            let chunk_q8_0 = q8_0.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
+            let chunk_act_blocks = act_blocks.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
             // SAFETY: the kernel's CPU features were detected; `packed` is `nb` group blocks
             // of `w.ty`, every activation row `nb` units of its type (asserted), with its
-            // blocks' `Q80Block`s for Q4_0; the caller's `out` holds a row of `out_stride` floats per
+            // blocks' `ActBlock`s for Q4_0, Q5_0 and Q5_1; the caller's `out` holds a row of `out_stride` floats per
             // activation row, of which this writes group `g`'s.
-            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_q8_0, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
+            unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_act_blocks, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
         }
     }
 }
@@ -305,8 +330,8 @@ pub unsafe fn matmul_groups(w: &Interleaved, groups: std::ops::Range<usize>, act
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{GgmlType, Q80Block};
-    use crate::quant::{BlockQ8K, BlockQ8_0, ByteBlock};
+    use super::{GgmlType, ActBlock};
+    use crate::quant::{BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
     /// How far ahead of the block being read its group's stream is prefetched.
     const AHEAD: usize = crate::matvec_avx512::LINEAR_AHEAD;
@@ -405,7 +430,7 @@ mod avx512 {
         packed: &[u8],
         nb: usize,
         acts: &[&[u8]],
-        _q8_0: &[&[Q80Block]],
+        _act_blocks: &[&[ActBlock]],
         out: *mut f32,
         stride: usize,
     ) {
@@ -520,7 +545,7 @@ mod avx512 {
     /// byte product, each group of sixteen's sum started at −32 × its activation sum (ggml's
     /// `bsums`) to take the offset back, then scaled — the twin's integer `sumi`.
     #[inline(always)]
-    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
+    unsafe fn q6k<const T: usize, const VNNI: bool>(packed: &[u8], nb: usize, acts: &[&[u8]], _act_blocks: &[&[ActBlock]], out: *mut f32, stride: usize) {
         debug_assert!(packed.len() == nb * Q6K_BLOCK && acts.len() == T);
         let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
         let low4 = _mm512_set1_epi8(0x0F);
@@ -591,37 +616,50 @@ mod avx512 {
     const Q50_BLOCK: usize = 704;
     const Q50_QH: usize = 64;
     const Q50_QS: usize = 192;
+    /// A Q5_1 group block's bytes, and where its `m`, fifth bits and nibbles start.
+    const Q51_BLOCK: usize = 768;
+    const Q51_M: usize = 64;
+    const Q51_QH: usize = 128;
+    const Q51_QS: usize = 256;
 
     /// Byte `j` of every 32-bit lane in all four of its bytes, j = 0..3 (a lane's fifth-bit
     /// byte beside each of its quants).
     static BYTE_SPREAD: [[u8; 64]; 4] = [lane_bytes([0, 0, 0, 0]), lane_bytes([1, 1, 1, 1]), lane_bytes([2, 2, 2, 2]), lane_bytes([3, 3, 3, 3])];
 
-    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`q8_0`: each activation block's sum and
+    /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`act_blocks`: each activation block's sum and
     /// scale): per block the twin's integer `Σ (q − 8)·a` as `Σ q·a − 8 Σ a`, then
     /// `sumi · (dx · dy)` added to the total, block after block; with `FIVE`, sixteen Q5_0
-    /// rows (each nibble with its fifth bit, `Σ (q − 16)·a` as `Σ q·a − 16 Σ a`). The rows are
+    /// rows (each nibble with its fifth bit, `Σ (q − 16)·a` as `Σ q·a − 16 Σ a`); with `FIVE`
+    /// and `MIN`, sixteen Q5_1 rows · Q8_1 activations (`Σ q·a`, then the twin's
+    /// `(dx · dy) · sumi + mx · sy`). The rows are
     /// read through raw pointers: indexed per block, their bounds checks kept the compiler
     /// from unrolling the float epilogue over the rows, whose sums then went through the stack.
     #[inline(always)]
-    unsafe fn q40<const T: usize, const VNNI: bool, const FIVE: bool>(
+    unsafe fn q40<const T: usize, const VNNI: bool, const FIVE: bool, const MIN: bool>(
         packed: &[u8],
         nb: usize,
         acts: &[&[u8]],
-        q8_0: &[&[Q80Block]],
+        act_blocks: &[&[ActBlock]],
         out: *mut f32,
         stride: usize,
     ) {
-        let (block, qs_at, offset) = if FIVE { (Q50_BLOCK, Q50_QS, 16) } else { (Q40_BLOCK, Q40_QS, 8) };
+        let (block, qh_at, qs_at, offset) = match (FIVE, MIN) {
+            (true, true) => (Q51_BLOCK, Q51_QH, Q51_QS, 0),
+            (true, false) => (Q50_BLOCK, Q50_QH, Q50_QS, 16),
+            _ => (Q40_BLOCK, 0, Q40_QS, 8),
+        };
+        // An activation block: Q8_1's (d, s, 32 quants) or Q8_0's (d, 32 quants).
+        let (act_bytes, act_qs) = if MIN { (BlockQ8_1::BYTES, 4) } else { (BlockQ8_0::BYTES, 2) };
         // High nibbles kept in place (16 × the quant) only where a quant is four bits.
         let in_place = VNNI && !FIVE;
         let bit4 = _mm512_set1_epi8(0x10);
         // Q5_0: the bits of quants 4i..4i + 4 (and 16 + 4i..) are bits 4(i mod 2)..+4 of the
         // lane's byte i / 2 (and 2 + i / 2) of its fifth bits, one per byte.
         let bit_of = [_mm512_set1_epi32(0x0804_0201), _mm512_set1_epi32(0x8040_2010u32 as i32)];
-        debug_assert!(packed.len() == nb * block && acts.len() == T && q8_0.len() == T);
-        debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * BlockQ8_0::BYTES && q8_0[t].len() == 2 * nb));
+        debug_assert!(packed.len() == nb * block && acts.len() == T && act_blocks.len() == T);
+        debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * act_bytes && act_blocks[t].len() == 2 * nb));
         let ys: [*const u8; T] = std::array::from_fn(|t| acts[t].as_ptr());
-        let ex: [*const Q80Block; T] = std::array::from_fn(|t| q8_0[t].as_ptr());
+        let ex: [*const ActBlock; T] = std::array::from_fn(|t| act_blocks[t].as_ptr());
         let low4 = _mm512_set1_epi8(0x0F);
         let high4 = _mm512_set1_epi8(0xF0u8 as i8);
         let mut total = [_mm512_set1_ps(-0.0); T];
@@ -630,12 +668,12 @@ mod avx512 {
             prefetch_lines(p, qs_at);
             for k in 0..2 {
                 let blk = 2 * u + k;
-                let e: [Q80Block; T] = std::array::from_fn(|t| *ex[t].add(blk));
-                // The quants of activation block `blk` (after its 2-byte scale).
-                let qs: [*const u8; T] = std::array::from_fn(|t| ys[t].add(BlockQ8_0::BYTES * blk + 2));
+                let e: [ActBlock; T] = std::array::from_fn(|t| *ex[t].add(blk));
+                // The quants of activation block `blk` (after its scale, and Q8_1's sum).
+                let qs: [*const u8; T] = std::array::from_fn(|t| ys[t].add(act_bytes * blk + act_qs));
                 let mut lo: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(-offset * e[t].sum));
                 let mut hi = [_mm512_setzero_si512(); T];
-                let bits = if FIVE { _mm512_load_si512(p.add(Q50_QH + 64 * k).cast()) } else { _mm512_setzero_si512() };
+                let bits = if FIVE { _mm512_load_si512(p.add(qh_at + 64 * k).cast()) } else { _mm512_setzero_si512() };
                 for i in 0..4 {
                     prefetch_line(p.add(qs_at + 256 * k + 64 * i));
                     let raw = _mm512_load_si512(p.add(qs_at + 256 * k + 64 * i).cast());
@@ -660,8 +698,12 @@ mod avx512 {
                     // |Σ| ≤ 16 · 240 · 128 per lane: no overflow, and a multiple of 16.
                     let h = if in_place { _mm512_srai_epi32::<4>(hi[t]) } else { hi[t] };
                     let sumi = _mm512_add_epi32(lo[t], h);
-                    // The twin: sumi · (dx · dy), then added to the total.
-                    let v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, _mm512_set1_ps(e[t].d)));
+                    // The twin: sumi · (dx · dy) (Q5_1: plus mx · sy), then added to the total.
+                    let mut v = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), _mm512_mul_ps(dx, _mm512_set1_ps(e[t].d)));
+                    if MIN {
+                        let mx = _mm512_cvtph_ps(_mm256_load_si256(p.add(Q51_M + 32 * k).cast()));
+                        v = _mm512_add_ps(v, _mm512_mul_ps(mx, _mm512_set1_ps(e[t].s)));
+                    }
                     total[t] = _mm512_add_ps(total[t], v);
                 }
             }
@@ -671,18 +713,19 @@ mod avx512 {
         }
     }
 
-    /// A kernel for one group against 1–4 activation rows (with their blocks' `Q80Block`s for Q4_0).
-    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[Q80Block]], *mut f32, usize);
+    /// A kernel for one group against 1–4 activation rows (with their blocks' `ActBlock`s for
+    /// Q4_0, Q5_0 and Q5_1).
+    pub type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[ActBlock]], *mut f32, usize);
 
     macro_rules! kernels {
         ($($name:ident: $body:ident::<$($param:literal),*>, $features:literal;)*) => {$(
             /// # Safety
             /// The CPU features named; `packed` the group's `nb` blocks (64-byte aligned),
-            /// every row of `acts` `nb` units of its type (and for Q4_0 `q8_0` its blocks'
-            /// `Q80Block`s), `out` `T` rows of 16 floats `stride` apart.
+            /// every row of `acts` `nb` units of its type (and for Q4_0, Q5_0 and Q5_1 `act_blocks` its blocks'
+            /// `ActBlock`s), `out` `T` rows of 16 floats `stride` apart.
             #[target_feature(enable = $features)]
-            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], q8_0: &[&[Q80Block]], out: *mut f32, stride: usize) {
-                $body::<$($param),*>(packed, nb, acts, q8_0, out, stride)
+            unsafe fn $name(packed: &[u8], nb: usize, acts: &[&[u8]], act_blocks: &[&[ActBlock]], out: *mut f32, stride: usize) {
+                $body::<$($param),*>(packed, nb, acts, act_blocks, out, stride)
             }
         )*};
     }
@@ -712,22 +755,30 @@ mod avx512 {
         q6k_2: q6k::<2, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
         q6k_3: q6k::<3, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
         q6k_4: q6k::<4, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_1_vnni: q40::<1, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_2_vnni: q40::<2, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_3_vnni: q40::<3, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_4_vnni: q40::<4, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q40_1: q40::<1, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_2: q40::<2, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_3: q40::<3, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q40_4: q40::<4, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q50_1_vnni: q40::<1, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q50_2_vnni: q40::<2, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q50_3_vnni: q40::<3, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q50_4_vnni: q40::<4, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
-        q50_1: q40::<1, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q50_2: q40::<2, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q50_3: q40::<3, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
-        q50_4: q40::<4, false, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_1_vnni: q40::<1, true, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_2_vnni: q40::<2, true, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_3_vnni: q40::<3, true, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_4_vnni: q40::<4, true, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q40_1: q40::<1, false, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_2: q40::<2, false, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_3: q40::<3, false, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q40_4: q40::<4, false, false, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_1_vnni: q40::<1, true, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_2_vnni: q40::<2, true, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_3_vnni: q40::<3, true, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_4_vnni: q40::<4, true, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q50_1: q40::<1, false, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_2: q40::<2, false, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_3: q40::<3, false, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q50_4: q40::<4, false, true, false>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q51_1_vnni: q40::<1, true, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q51_2_vnni: q40::<2, true, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q51_3_vnni: q40::<3, true, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q51_4_vnni: q40::<4, true, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c";
+        q51_1: q40::<1, false, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q51_2: q40::<2, false, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q51_3: q40::<3, false, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
+        q51_4: q40::<4, false, true, true>, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c";
     }
 
     /// The kernels for 1, 2, 3 and 4 activation rows of a packed type, with `vpdpbusd` or
@@ -744,6 +795,8 @@ mod avx512 {
             (GgmlType::Q4_0, false) => [q40_1, q40_2, q40_3, q40_4],
             (GgmlType::Q5_0, true) => [q50_1_vnni, q50_2_vnni, q50_3_vnni, q50_4_vnni],
             (GgmlType::Q5_0, false) => [q50_1, q50_2, q50_3, q50_4],
+            (GgmlType::Q5_1, true) => [q51_1_vnni, q51_2_vnni, q51_3_vnni, q51_4_vnni],
+            (GgmlType::Q5_1, false) => [q51_1, q51_2, q51_3, q51_4],
             (other, _) => panic!("{other} is never interleaved"),
         }
     }

@@ -8,7 +8,7 @@
 //! * `quantize_row` for Q8_0 / Q8_1 / Q8_K: round trip within half a step, `s = d * sum(q)`,
 //!   `bsums` the sums of 16 quants, zero blocks all zero.
 //! * `matmul::matmul` over several batch rows equals `vec_dot` row by row, bit for bit.
-//! * The same for Q4_K, Q5_K, Q6_K, Q4_0 and Q5_0 matrices repacked into interleaved groups (`interleaved`),
+//! * The same for Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 matrices repacked into interleaved groups (`interleaved`),
 //!   against the scalar twin on the original rows, and the repacking's inverse.
 //!
 //! Weights are random valid blocks (random bytes with random finite f16 scales), activations
@@ -467,7 +467,7 @@ fn matmul_equals_per_row_vec_dot() {
     }
 }
 
-/// Q4_K, Q5_K, Q6_K, Q4_0 and Q5_0 matrices repacked into interleaved groups of sixteen rows give, bit for
+/// Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 matrices repacked into interleaved groups of sixteen rows give, bit for
 /// bit, the scalar twin's dot product of every original row with every activation row, for
 /// every batch size the kernels split differently (1–4 rows at a time, then the rest), beside
 /// a matrix of the other type in ggml's layout in one `matmul_many` (as a Q4_K_M layer mixes
@@ -485,13 +485,14 @@ fn interleaved_equals_scalar_twin() {
         (GgmlType::Q6K, GgmlType::Q4K),
         (GgmlType::Q4_0, GgmlType::Q8_0),
         (GgmlType::Q5_0, GgmlType::Q4_0),
+        (GgmlType::Q5_1, GgmlType::Q4_1),
     ] {
         assert!(
             Interleaved::new(ty, 15, QK_K, &vec![0; 15 * ty.row_bytes(QK_K)]).is_none(),
             "rows must fill whole groups"
         );
-        // Q4_0 and Q5_0 pack two blocks (64 columns) at a time.
-        let narrow = if matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0) { 3 * 64 } else { QK_K };
+        // Q4_0, Q5_0 and Q5_1 pack two blocks (64 columns) at a time.
+        let narrow = if matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q5_1) { 3 * 64 } else { QK_K };
         for (rows, cols) in [(16usize, narrow), (48, 3 * QK_K), (32, 7 * QK_K)] {
             let data: Vec<u8> = (0..rows)
                 .flat_map(|_| random_weight_row(&mut rng, ty, cols))
