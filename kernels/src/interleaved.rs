@@ -41,9 +41,14 @@ struct Field {
 const Q4K_FIELDS: [Field; 4] = [
     Field { from: 0, len: 2, size: 2, at: 0 },
     Field { from: 2, len: 2, size: 2, at: 32 },
-    Field { from: 4, len: 12, size: 4, at: 64 },
-    Field { from: 16, len: 128, size: 4, at: 256 },
+    Field { from: 4, len: 12, size: 4, at: Q4K_SCALES_AT },
+    Field { from: 16, len: 128, size: 4, at: Q4K_QS_AT },
 ];
+
+/// Where a Q4_K group block's scales and nibbles start (see [`Q4K_FIELDS`]), and its bytes.
+const Q4K_SCALES_AT: usize = 64;
+const Q4K_QS_AT: usize = 256;
+const Q4K_GROUP_BLOCK: usize = Q4K_QS_AT + 32 * 64;
 
 /// Q5_K (176-byte blocks; group block 2816 bytes): Q4_K's fields, with the 32 bytes of fifth
 /// bits as eight words between the scales and the nibbles (word `c`: the fifth bits of quants
@@ -52,10 +57,15 @@ const Q4K_FIELDS: [Field; 4] = [
 const Q5K_FIELDS: [Field; 5] = [
     Field { from: 0, len: 2, size: 2, at: 0 },
     Field { from: 2, len: 2, size: 2, at: 32 },
-    Field { from: 4, len: 12, size: 4, at: 64 },
-    Field { from: 16, len: 32, size: 4, at: 256 },
-    Field { from: 48, len: 128, size: 4, at: 768 },
+    Field { from: 4, len: 12, size: 4, at: Q4K_SCALES_AT },
+    Field { from: 16, len: 32, size: 4, at: Q5K_QH_AT },
+    Field { from: 48, len: 128, size: 4, at: Q5K_QS_AT },
 ];
+
+/// Where a Q5_K group block's fifth bits and nibbles start (see [`Q5K_FIELDS`]), and its bytes.
+const Q5K_QH_AT: usize = Q4K_QS_AT;
+const Q5K_QS_AT: usize = Q5K_QH_AT + 8 * 64;
+const Q5K_GROUP_BLOCK: usize = Q5K_QS_AT + 32 * 64;
 
 /// Q6_K (210-byte blocks; group block 3392 bytes): the sixteen 8-bit scales one byte each
 /// (scale `j` of the sixteen rows in 16 bytes, widened by one `vpmovsxbd`), `d` (f16) and 32
@@ -97,9 +107,14 @@ const fn q6k_fields() -> [Field; 50] {
 const Q40_FIELDS: [Field; 4] = [
     Field { from: 0, len: 2, size: 2, at: 0 },
     Field { from: 18, len: 2, size: 2, at: 32 },
-    Field { from: 2, len: 16, size: 4, at: 64 },
-    Field { from: 20, len: 16, size: 4, at: 320 },
+    Field { from: 2, len: 16, size: 4, at: Q40_QS_AT },
+    Field { from: 20, len: 16, size: 4, at: Q40_QS_AT + 4 * 64 },
 ];
+
+/// Where a Q4_0 group block's nibbles start (see [`Q40_FIELDS`]: each block's 4 lines), and its
+/// bytes.
+const Q40_QS_AT: usize = 64;
+const Q40_GROUP_BLOCK: usize = Q40_QS_AT + 2 * 4 * 64;
 
 /// Q5_0 (22-byte blocks of 32), two ggml blocks per group block (704 bytes): the 32 rows-and-
 /// blocks' `d` in one line, each block's 32 bits of fifth bits in a line (a 4-byte word per row:
@@ -108,11 +123,17 @@ const Q40_FIELDS: [Field; 4] = [
 const Q50_FIELDS: [Field; 6] = [
     Field { from: 0, len: 2, size: 2, at: 0 },
     Field { from: 22, len: 2, size: 2, at: 32 },
-    Field { from: 2, len: 4, size: 4, at: 64 },
-    Field { from: 24, len: 4, size: 4, at: 128 },
-    Field { from: 6, len: 16, size: 4, at: 192 },
-    Field { from: 28, len: 16, size: 4, at: 448 },
+    Field { from: 2, len: 4, size: 4, at: Q50_QH_AT },
+    Field { from: 24, len: 4, size: 4, at: Q50_QH_AT + 64 },
+    Field { from: 6, len: 16, size: 4, at: Q50_QS_AT },
+    Field { from: 28, len: 16, size: 4, at: Q50_QS_AT + 4 * 64 },
 ];
+
+/// Where a Q5_0 group block's fifth bits and nibbles start (see [`Q50_FIELDS`]: a line of bits
+/// and 4 of nibbles per block), and its bytes.
+const Q50_QH_AT: usize = 64;
+const Q50_QS_AT: usize = Q50_QH_AT + 2 * 64;
+const Q50_GROUP_BLOCK: usize = Q50_QS_AT + 2 * 4 * 64;
 
 /// Q5_1 (24-byte blocks of 32), two ggml blocks per group block (768 bytes): the blocks' `d`,
 /// then their `m` (a line each pair), then Q5_0's fifth bits and nibbles. Fields count from the
@@ -120,13 +141,24 @@ const Q50_FIELDS: [Field; 6] = [
 const Q51_FIELDS: [Field; 8] = [
     Field { from: 0, len: 2, size: 2, at: 0 },
     Field { from: 24, len: 2, size: 2, at: 32 },
-    Field { from: 2, len: 2, size: 2, at: 64 },
-    Field { from: 26, len: 2, size: 2, at: 96 },
-    Field { from: 4, len: 4, size: 4, at: 128 },
-    Field { from: 28, len: 4, size: 4, at: 192 },
-    Field { from: 8, len: 16, size: 4, at: 256 },
-    Field { from: 32, len: 16, size: 4, at: 512 },
+    Field { from: 2, len: 2, size: 2, at: Q51_M_AT },
+    Field { from: 26, len: 2, size: 2, at: Q51_M_AT + 32 },
+    Field { from: 4, len: 4, size: 4, at: Q51_QH_AT },
+    Field { from: 28, len: 4, size: 4, at: Q51_QH_AT + 64 },
+    Field { from: 8, len: 16, size: 4, at: Q51_QS_AT },
+    Field { from: 32, len: 16, size: 4, at: Q51_QS_AT + 4 * 64 },
 ];
+
+/// Where a Q5_1 group block's `m`, fifth bits and nibbles start (see [`Q51_FIELDS`]), and its
+/// bytes.
+const Q51_M_AT: usize = 64;
+const Q51_QH_AT: usize = Q51_M_AT + 64;
+const Q51_QS_AT: usize = Q51_QH_AT + 2 * 64;
+const Q51_GROUP_BLOCK: usize = Q51_QS_AT + 2 * 4 * 64;
+
+// Every group block is its sixteen rows' units, nothing more (Q6_K's 32 bytes of padding aside).
+const _: () = assert!(Q4K_GROUP_BLOCK == 16 * 144 && Q5K_GROUP_BLOCK == 16 * 176 && Q6K_GROUP_BLOCK == 16 * 210 + 32);
+const _: () = assert!(Q40_GROUP_BLOCK == 16 * 36 && Q50_GROUP_BLOCK == 16 * 44 && Q51_GROUP_BLOCK == 16 * 48);
 
 /// The layout of a type: how a row's unit (a run of whole ggml blocks) lies in a group's
 /// block — its fields, the bytes of the group's block, and the unit's columns and bytes.
@@ -139,12 +171,12 @@ struct Layout {
 
 fn layout(ty: GgmlType) -> Option<Layout> {
     let (fields, group_block, unit_cols): (&'static [Field], usize, usize) = match ty {
-        GgmlType::Q4K => (&Q4K_FIELDS, 2304, QK_K),
-        GgmlType::Q5K => (&Q5K_FIELDS, 2816, QK_K),
+        GgmlType::Q4K => (&Q4K_FIELDS, Q4K_GROUP_BLOCK, QK_K),
+        GgmlType::Q5K => (&Q5K_FIELDS, Q5K_GROUP_BLOCK, QK_K),
         GgmlType::Q6K => (&Q6K_FIELDS, Q6K_GROUP_BLOCK, QK_K),
-        GgmlType::Q4_0 => (&Q40_FIELDS, 576, 64),
-        GgmlType::Q5_0 => (&Q50_FIELDS, 704, 64),
-        GgmlType::Q5_1 => (&Q51_FIELDS, 768, 64),
+        GgmlType::Q4_0 => (&Q40_FIELDS, Q40_GROUP_BLOCK, 64),
+        GgmlType::Q5_0 => (&Q50_FIELDS, Q50_GROUP_BLOCK, 64),
+        GgmlType::Q5_1 => (&Q51_FIELDS, Q51_GROUP_BLOCK, 64),
         _ => return None,
     };
     Some(Layout { fields, group_block, unit_cols, unit_bytes: ty.row_bytes(unit_cols) })
@@ -413,15 +445,9 @@ mod avx512 {
         }
     }
 
-    /// Bytes of a Q4_K group block, and where its fields start.
-    const Q4K_BLOCK: usize = 2304;
-    const Q4K_SCALES: usize = 64;
-    const Q4K_QS: usize = 256;
-    /// Bytes of a Q5_K group block, and where its fifth bits and nibbles start (its scales
-    /// are where Q4_K's are).
-    const Q5K_BLOCK: usize = 2816;
-    const Q5K_QH: usize = 256;
-    const Q5K_QS: usize = 768;
+    /// Where the parts of a Q4_K and a Q5_K group block start, and their bytes.
+    use super::{Q4K_GROUP_BLOCK as Q4K_BLOCK, Q4K_QS_AT as Q4K_QS, Q4K_SCALES_AT as Q4K_SCALES};
+    use super::{Q5K_GROUP_BLOCK as Q5K_BLOCK, Q5K_QH_AT as Q5K_QH, Q5K_QS_AT as Q5K_QS};
 
     /// Sixteen Q4_K rows · `T` activation rows; with `FIVE`, sixteen Q5_K rows (each nibble
     /// with its fifth bit).
@@ -609,18 +635,11 @@ mod avx512 {
         }
     }
 
-    /// Bytes of a Q4_0 group block (two ggml blocks of sixteen rows), and where its blocks'
-    /// nibbles start; the same for Q5_0, and where its blocks' fifth bits are.
-    const Q40_BLOCK: usize = 576;
-    const Q40_QS: usize = 64;
-    const Q50_BLOCK: usize = 704;
-    const Q50_QH: usize = 64;
-    const Q50_QS: usize = 192;
-    /// A Q5_1 group block's bytes, and where its `m`, fifth bits and nibbles start.
-    const Q51_BLOCK: usize = 768;
-    const Q51_M: usize = 64;
-    const Q51_QH: usize = 128;
-    const Q51_QS: usize = 256;
+    /// Where the parts of a Q4_0, a Q5_0 and a Q5_1 group block (two ggml blocks of sixteen
+    /// rows) start, and their bytes.
+    use super::{Q40_GROUP_BLOCK as Q40_BLOCK, Q40_QS_AT as Q40_QS};
+    use super::{Q50_GROUP_BLOCK as Q50_BLOCK, Q50_QH_AT as Q50_QH, Q50_QS_AT as Q50_QS};
+    use super::{Q51_GROUP_BLOCK as Q51_BLOCK, Q51_M_AT as Q51_M, Q51_QH_AT as Q51_QH, Q51_QS_AT as Q51_QS};
 
     /// Byte `j` of every 32-bit lane in all four of its bytes, j = 0..3 (a lane's fifth-bit
     /// byte beside each of its quants).
