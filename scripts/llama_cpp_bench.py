@@ -5,15 +5,19 @@ workloads as Duet's system benchmark rows, for the side-by-side table of scripts
 Rows (names match scripts/bench.sh):
   prefill-512       tokens/s of one 512-token prompt, one llama_decode call
   decode-depth-D    batch 1: a D-token prompt prefilled untimed, then greedy decode timed
-  aggregate-N       N sequences, each with a 16-token prompt prefilled untimed, then N
+  aggregate-N       N sequences, each with its own 16-token prompt prefilled untimed, then N
                     tokens per llama_decode call (one per sequence), greedy; all tokens / time
   aggregate-N-depth-D  the same with a D-token prompt per sequence
 
-For the aggregate rows one prompt is prefilled and its KV copied into every other sequence
-(llama_memory_seq_cp): llama.cpp's default cache keeps one stream per sequence, so the copies
-are distinct bytes in distinct buffers and the timed decode reads exactly what N prompts of
-their own would give it, while llama.cpp's CPU prefill of 16 × 4096 tokens (over 37 minutes
-with a Q8_0 cache on the 1B shape) is paid once.
+The sequences differ, as `duet bench`'s sessions (distinct random prompts) do: a mixture of
+experts routes each row by its own hidden state, and N identical rows would all use the same
+experts, reading 8 of OLMoE's 64 per layer where N distinct ones read most of them. Prompts
+of up to OWN_PROMPT_MAX tokens are prefilled per sequence. A longer one is prefilled once and
+its KV copied into every other sequence (llama_memory_seq_cp: llama.cpp's default cache
+keeps one stream per sequence, so the copies are distinct bytes in distinct buffers and the
+timed decode reads what N prompts of their own would give it, while llama.cpp's CPU prefill
+of 16 × 4096 tokens, over 37 minutes with a Q8_0 cache on the 1B shape, is paid once); each
+sequence then starts from its own random token, so the rows differ from the first step.
 
 Prompts are random ordinary token ids (1000..40000) and end-of-generation is ignored, as in
 `duet bench`. llama.cpp's own defaults otherwise (flash attention "auto"); `--kv-type q8_0`
@@ -98,6 +102,10 @@ class Runner:
         return last
 
 
+# Aggregate rows' prompts up to this length are each prefilled (longer ones copied).
+OWN_PROMPT_MAX = 256
+
+
 def prompt(rng, n):
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
@@ -145,10 +153,14 @@ def main():
         multi = Runner(args.model, args.threads, max_seq * per_seq, max_seq, n_batch, args.kv_type)
         for row, n, depth in agg:
             multi.clear()
-            first = multi.prefill(0, prompt(rng, depth), n_batch)
-            for s in range(1, n):
-                multi.copy_sequence(0, s)
-            nxt = [first] * n
+            if depth <= OWN_PROMPT_MAX:
+                nxt = [multi.prefill(s, prompt(rng, depth), n_batch) for s in range(n)]
+            else:
+                multi.prefill(0, prompt(rng, depth), n_batch)
+                for s in range(1, n):
+                    multi.copy_sequence(0, s)
+                # Distinct first tokens, so that the rows differ from the first decode step.
+                nxt = prompt(rng, n)
             pos = depth
             t = time.perf_counter()
             for _ in range(args.decode_tokens):
