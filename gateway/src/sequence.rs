@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use duet_kv::{BlockTable, WorkerId};
+use duet_kv::{BlockTable, WorkerId, GPU_KV_PAGE};
 use duet_model::chat::ChatMessage;
 use duet_proto::pb;
 use tokio::sync::mpsc;
@@ -30,16 +30,17 @@ pub fn attention_demand(table: &BlockTable, pos: usize) -> SeqDemand {
 /// Shares the GPU's KV mirror of `capacity` positions among the decoding sequences: each
 /// may be attended on the GPU over a prefix no longer than its part (`gpu_max`), the parts
 /// filled shortest context first (a context shorter than an even part leaves the rest to the
-/// longer ones), rounded down to whole blocks.
+/// longer ones), rounded down to whole blocks; each part takes whole pages of the mirror
+/// ([`GPU_KV_PAGE`]), so that together they fit it.
 pub fn share_gpu_kv(demands: &mut [SeqDemand], capacity: usize, block_size: usize) {
     let mut order: Vec<usize> = (0..demands.len()).collect();
     order.sort_by_key(|&i| demands[i].n_ctx);
-    let mut left = capacity;
+    let mut left = capacity / GPU_KV_PAGE * GPU_KV_PAGE;
     for (k, &i) in order.iter().enumerate() {
         let d = &mut demands[i];
-        let even = left / (order.len() - k);
+        let even = left / (order.len() - k) / GPU_KV_PAGE * GPU_KV_PAGE;
         d.gpu_max = if d.n_ctx <= even { d.n_ctx } else { even / block_size.max(1) * block_size.max(1) };
-        left -= d.gpu_max;
+        left -= d.gpu_max.next_multiple_of(GPU_KV_PAGE);
     }
 }
 
@@ -212,11 +213,20 @@ mod tests {
     #[test]
     fn the_gpu_mirror_is_shared_shortest_context_first() {
         let on = |n_ctx| SeqDemand { n_ctx, held: vec![(0, 0..n_ctx)], gpu_max: n_ctx };
-        // 1000 positions for contexts of 100, 2000 and 5000: the short one whole, the other
-        // two 450 each, rounded down to blocks of 16.
+        // 1000 positions (62 pages of 16) for contexts of 100, 2000 and 5000: the short one
+        // whole (7 pages), the other two 440 each, rounded down to blocks of 16 and pages
+        // (432: 27 pages), the last taking what is left (448: 28 pages). Counted in positions
+        // (448 each) they took 63 pages.
         let mut d = vec![on(2000), on(100), on(5000)];
         share_gpu_kv(&mut d, 1000, 16);
-        assert_eq!(d.iter().map(|d| d.gpu_max).collect::<Vec<_>>(), [448, 100, 448]);
+        assert_eq!(d.iter().map(|d| d.gpu_max).collect::<Vec<_>>(), [432, 100, 448]);
+        // Whatever the contexts and blocks, the parts fit the mirror's pages.
+        for (ctxs, cap, block) in [(vec![17, 33, 1000, 1000], 500, 1), (vec![1, 2, 3, 4, 5, 6, 7, 8, 9], 64, 1), (vec![8208; 64], 471_200, 64)] {
+            let mut d: Vec<SeqDemand> = ctxs.into_iter().map(on).collect();
+            share_gpu_kv(&mut d, cap, block);
+            let pages: usize = d.iter().map(|d| d.gpu_max.div_ceil(GPU_KV_PAGE)).sum();
+            assert!(pages <= cap / GPU_KV_PAGE, "{pages} pages of {cap} positions");
+        }
         // Room for everything: every context whole.
         let mut d = vec![on(2000), on(100)];
         share_gpu_kv(&mut d, 1 << 20, 16);

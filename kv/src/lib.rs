@@ -16,6 +16,10 @@ pub mod paged;
 pub mod shm;
 
 pub use blocks::{BlockId, BlockTable, KvPool, Placement, TokenSlot, WorkerId};
+
+/// Positions per page of the gpu-worker's KV mirror on the GPU (the CUDA device's): a
+/// sequence's share of the mirror occupies whole pages, so the gateway counts shares in them.
+pub const GPU_KV_PAGE: usize = 16;
 pub use layout::{parse_kv_type, ArenaLayout, KvDtype, KvShape};
 
 /// Everything that can go wrong in KV bookkeeping: a bad arena header or layout, or a

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 /// watch looks every 250 ms).
 const GPU_FAILURE_PAUSE: Duration = Duration::from_secs(2);
 
-use duet_kv::{BlockTable, KvError, Placement, WorkerId};
+use duet_kv::{BlockTable, KvError, Placement, WorkerId, GPU_KV_PAGE};
 use duet_model::chat::ChatMessage;
 use duet_proto::pb;
 
@@ -61,6 +61,9 @@ impl Scheduler {
         let mut failed: Vec<(u64, GatewayError)> = Vec::new();
         // Decode sequences: (index in `steps`, what the planner needs).
         let mut decoding: Vec<(usize, SeqDemand)> = Vec::new();
+        // Positions of the GPU's KV mirror the step's prompt chunks take (their attention
+        // runs there over their whole prefix, which stays after the prefill).
+        let mut prompt_mirror = 0;
         // Decode tokens first (they are what users wait on), then prompt chunks in arrival order.
         let order: Vec<usize> = {
             let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| self.running[i].decoding());
@@ -108,6 +111,8 @@ impl Scheduler {
             let held_tokens = if std::mem::take(&mut seq.restore) && start > 0 { seq.kv_tokens[..start.min(seq.kv_tokens.len())].to_vec() } else { Vec::new() };
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
+            } else {
+                prompt_mirror += (start + n).next_multiple_of(GPU_KV_PAGE);
             }
             let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };
             let sample = fed_sampled || seq.queued + n == seq.pending.len();
@@ -141,7 +146,7 @@ impl Scheduler {
         let tokens: usize = entries.iter().map(|e| e.n).sum();
         let mut demands: Vec<SeqDemand> = decoding.iter().map(|(_, d)| d.clone()).collect();
         if self.cfg.gpu_kv_positions > 0 {
-            share_gpu_kv(&mut demands, self.cfg.gpu_kv_positions, self.cfg.block_size);
+            share_gpu_kv(&mut demands, self.cfg.gpu_kv_positions.saturating_sub(prompt_mirror), self.cfg.block_size);
         }
         // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
         let may_overlap = decoding.len() == steps.len();

@@ -52,6 +52,9 @@ struct FakeState {
     pipelined: u64,
     /// How long each step takes.
     step_time: Duration,
+    /// Per step: pages of the GPU's KV mirror (of `GPU_KV_PAGE` positions) its prompt
+    /// chunks and its decode rows' GPU shares take, and whether it had both.
+    mirror_pages: Vec<(usize, bool)>,
 }
 
 /// A gpu-worker with the fake model and the real step protocol: steps run in `after_step`
@@ -75,6 +78,13 @@ impl FakeGpu {
             st.seqs.remove(id);
             st.last_sampled.remove(id);
         }
+        let on_gpu = |s: &pb::SequenceStep| match s.attention.iter().filter(|a| a.cpu_worker.is_none()).map(|a| a.end as usize).max() {
+            _ if s.attention.is_empty() => s.start_pos as usize + s.tokens.len().max(1),
+            end => end.unwrap_or(0),
+        };
+        let pages = req.sequences.iter().map(|s| on_gpu(s).div_ceil(duet_kv::GPU_KV_PAGE)).sum();
+        let mixed = req.sequences.iter().any(|s| s.tokens.len() > 1) && req.sequences.iter().any(|s| s.tokens.len() <= 1);
+        st.mirror_pages.push((pages, mixed));
         let mut sampled = Vec::new();
         for s in &req.sequences {
             let start = s.start_pos as usize;
@@ -142,6 +152,11 @@ struct Harness {
 }
 
 fn harness(blocks: u32) -> Harness {
+    harness_with(blocks, 0)
+}
+
+/// With a KV mirror of `gpu_kv_positions` on the gpu-worker.
+fn harness_with(blocks: u32, gpu_kv_positions: usize) -> Harness {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let text: Arc<TextModel> = Arc::new(crate::serve::load_text_model(&root.join("testdata/tiny/arch/qwen2_q4_1.gguf"), None).unwrap());
     let cfg = SchedulerConfig {
@@ -159,7 +174,7 @@ fn harness(blocks: u32) -> Harness {
         gpu_device: "fake".into(),
         node_name: "here".into(),
         shared_cores: false,
-        gpu_kv_positions: 0,
+        gpu_kv_positions,
         synthetic_prefill: false,
     };
     let gpu = Arc::new(FakeGpu::default());
@@ -214,6 +229,27 @@ async fn concurrent_requests_complete_with_the_models_tokens_and_free_their_kv()
     assert_eq!(info.cpu_workers[0].kv_blocks_free, 64, "every block back");
     let st = h.gpu.state.lock().unwrap();
     assert!(st.pipelined * 2 > st.steps, "most steps went out while the one before ran: {} of {}", st.pipelined, st.steps);
+}
+
+#[tokio::test]
+async fn every_step_fits_the_gpus_kv_mirror_prompt_chunks_first() {
+    // A mirror of 6 pages (96 positions): one request decodes (a context of 60 to 90, 4 to
+    // 6 pages) while another's 48-token prompt is prefilled, which needs 3 pages; the
+    // decoder's GPU share makes room for it.
+    let h = harness_with(64, 96);
+    h.gpu.state.lock().unwrap().step_time = Duration::from_millis(2);
+    let (long, late): (Vec<u32>, Vec<u32>) = ((40..100).collect(), (50..98).collect());
+    let first = run(&h.backend, request(&long, 30, SessionMode::None));
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        run(&h.backend, request(&late, 4, SessionMode::None)).await
+    };
+    let (a, b) = tokio::join!(first, second);
+    assert_eq!(a.unwrap().ids, expected(&long, 30));
+    assert_eq!(b.unwrap().ids, expected(&late, 4));
+    let st = h.gpu.state.lock().unwrap();
+    assert!(st.mirror_pages.iter().any(|&(_, mixed)| mixed), "a step had a prompt chunk and a decode row");
+    assert!(st.mirror_pages.iter().all(|&(pages, _)| pages <= 6), "steps mirror pages: {:?}", st.mirror_pages);
 }
 
 #[tokio::test]

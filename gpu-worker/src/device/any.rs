@@ -106,6 +106,10 @@ impl Device for AnyDevice {
         }
     }
 
+    fn begin_step(&self, step: &[(u64, usize)], released: &[u64]) {
+        on_device!(self, d => d.begin_step(step, released))
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {
         match self {
             AnyDevice::Cpu(d) => d.start_batch(tokens, positions, logit_rows).map(AnyBatch::Cpu),

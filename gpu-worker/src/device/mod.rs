@@ -384,6 +384,13 @@ pub trait Device: Send + Sync {
         0
     }
 
+    /// A step begins: `step` names its sequences (by the key `KvSource::seq_key` gives) and
+    /// how far the device may attend each (positions `0..end`; 0 where the cpu-workers attend
+    /// it all), `released` those the gateway let go since the last step. A device that
+    /// keeps KV of its own (the CUDA device's mirror) makes room for the step there before
+    /// its first layer, keeps it for the whole step and forgets the released.
+    fn begin_step(&self, _step: &[(u64, usize)], _released: &[u64]) {}
+
     /// Checks a batch — `tokens[i]` at position `positions[i]` — and embeds its tokens;
     /// [`Device::logits`] will give the logits of `logit_rows`.
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch>;

@@ -125,6 +125,11 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         Ok(self.head.place_experts(&part(0..n))? + self.tail.place_experts(&part(n..n_layer))?)
     }
 
+    fn begin_step(&self, step: &[(u64, usize)], released: &[u64]) {
+        self.head.begin_step(step, released);
+        self.tail.begin_step(step, released);
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch> {
         let hb = self.head.start_batch(tokens, positions, logit_rows)?;
         Ok(SplitBatch { on: Side::Head(hb), positions: positions.to_vec(), logit_rows: logit_rows.to_vec() })

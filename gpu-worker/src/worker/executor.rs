@@ -238,6 +238,8 @@ impl<D: Device> Executor<D> {
                 sub.positions.extend(p.start..p.n_ctx());
             }
         }
+        let on_device: Vec<(u64, usize)> = subs.iter().flat_map(|s| &s.plan).map(|p| (p.seq_id, p.device_end())).collect();
+        self.device.begin_step(&on_device, &req.released);
         // The non-empty sub-batches, each started on the device; two interleave their layers.
         let used: Vec<usize> = (0..2).filter(|&k| !subs[k].plan.is_empty()).collect();
         let mut batches = Vec::with_capacity(used.len());

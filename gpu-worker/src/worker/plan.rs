@@ -34,6 +34,15 @@ impl Planned {
     pub fn n_ctx(&self) -> usize {
         self.start + self.n
     }
+
+    /// How far the gpu-worker's device attends the context (positions `0..end`): all of
+    /// it without shares, else to the end of its shares (0 when the cpu-workers have all).
+    pub fn device_end(&self) -> usize {
+        if self.shares.is_empty() {
+            return self.n_ctx();
+        }
+        self.shares.iter().filter(|s| s.cpu_worker.is_none()).map(|s| s.range.end).max().unwrap_or(0)
+    }
 }
 
 /// A duration in nanoseconds (saturating), as the step's statistics report it.

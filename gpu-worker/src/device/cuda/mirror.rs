@@ -285,6 +285,11 @@ impl KvMirror {
         })
     }
 
+    /// A step begins (`Pages::begin_step`).
+    pub fn begin_step(&mut self, step: &[(u64, usize)], released: &[u64]) {
+        self.pages.begin_step(step, released);
+    }
+
     /// Room for the sequences of `items`, positions `0..end` each, before anything of a
     /// layer is computed, none taking room from another; false when the mirror cannot hold
     /// them all.

@@ -3,13 +3,16 @@
 //! positions are mirrored, and how room is made. Room comes first from sequences holding
 //! more than the GPU last attended of them (the balancer gives the GPU a prefix of each
 //! context, and the mirror keeps whole prompts after their prefill), trimmed to that; then
-//! from the least recently used sequences, evicted whole. A call never takes room from a
-//! sequence it used itself.
+//! from the sequences of the running step beyond what the step attends of them; then from
+//! the least recently used sequences not in the step, evicted whole. A call never takes room
+//! from a sequence it used itself, and a step never evicts its own sequences (it once did:
+//! over the mirror's capacity, each layer's items evicted one another and uploaded their
+//! whole contexts again, layer after layer).
 
 use std::collections::HashMap;
 
 /// Positions per page.
-pub const PAGE: usize = 16;
+pub const PAGE: usize = duet_kv::GPU_KV_PAGE;
 
 /// A sequence's pages, per layer how many of its first positions the mirror holds, when it
 /// was last used, and how far the GPU last attended it.
@@ -28,12 +31,51 @@ pub struct Pages {
     seqs: HashMap<u64, Mirrored>,
     /// Ticks once per call.
     clock: u64,
+    /// The running step's sequences and how far the step may attend each (positions
+    /// `0..end`): kept for the whole step, trimmed to no less than that.
+    step: HashMap<u64, usize>,
 }
 
 impl Pages {
     /// `n_pages` pages, each holding [`PAGE`] positions of `layers` layers.
     pub fn new(n_pages: usize, layers: usize) -> Self {
-        Pages { n_pages, layers, free: (0..n_pages as i32).rev().collect(), seqs: HashMap::new(), clock: 0 }
+        Pages { n_pages, layers, free: (0..n_pages as i32).rev().collect(), seqs: HashMap::new(), clock: 0, step: HashMap::new() }
+    }
+
+    /// A step begins: its sequences (`(key, end)`: it may attend positions `0..end` of each)
+    /// get pages for those positions where there is room, taken first from what others hold
+    /// past what they attend (the step's own past its ends: a share the gateway made
+    /// smaller), and keep them until the next step begins; the `released` sequences are gone.
+    /// Uploads are left to the step's calls.
+    pub fn begin_step(&mut self, step: &[(u64, usize)], released: &[u64]) {
+        for key in released {
+            if let Some(m) = self.seqs.remove(key) {
+                self.free.extend(m.pages);
+            }
+        }
+        self.step.clear();
+        for &(key, end) in step {
+            let e = self.step.entry(key).or_default();
+            *e = (*e).max(end);
+        }
+        self.tick();
+        // Only those short of pages reserve: a reservation marks its sequence used, which
+        // would keep what it holds past its end from the others.
+        for &(key, end) in step {
+            if end.div_ceil(PAGE) > self.seqs.get(&key).map_or(0, |m| m.pages.len()) {
+                self.reserve(key, end);
+            }
+        }
+    }
+
+    /// Pages of `m` (sequence `key`) that room may come from in a call at `clock`: none if
+    /// the call used it, those past the step's end if the step runs it, else all.
+    fn spare_pages(&self, key: u64, m: &Mirrored, clock: u64) -> usize {
+        match self.step.get(&key) {
+            _ if m.used >= clock => 0,
+            Some(&end) => m.pages.len().saturating_sub(end.div_ceil(PAGE)),
+            None => m.pages.len(),
+        }
     }
 
     /// Positions the pool holds, all sequences together.
@@ -53,7 +95,7 @@ impl Pages {
         let have = self.seqs.get(&key).map_or(0, |m| m.pages.len());
         let clock = self.clock;
         if need > have {
-            let spare: usize = self.seqs.iter().filter(|&(&k, m)| k != key && m.used < clock).map(|(_, m)| m.pages.len()).sum();
+            let spare: usize = self.seqs.iter().filter(|&(&k, _)| k != key).map(|(&k, m)| self.spare_pages(k, m, clock)).sum();
             if self.free.len() + spare < need - have {
                 return false;
             }
@@ -84,16 +126,29 @@ impl Pages {
         items.iter().all(|&(key, end)| self.reserve(key, end))
     }
 
-    /// Frees some pages of a sequence other than `key` not used in this call: the least
-    /// recently used one holding pages past what the GPU last attended, trimmed to that;
-    /// else the least recently used one, whole.
+    /// Frees some pages of a sequence other than `key` not used in this call, the least
+    /// recently used first: one outside the step holding pages past what the GPU last
+    /// attended, trimmed to that; else one of the step holding pages past the step's end,
+    /// trimmed to that; else one outside the step, whole.
     fn make_room(&mut self, key: u64) {
-        let clock = self.clock;
-        let others = || self.seqs.iter().filter(move |&(&k, m)| k != key && m.used < clock);
-        let trim = others().filter(|(_, m)| m.pages.len() > m.attended.div_ceil(PAGE)).min_by_key(|(_, m)| m.used).map(|(&k, _)| k);
-        let victim = trim.or_else(|| others().min_by_key(|(_, m)| m.used).map(|(&k, _)| k)).expect("reserve counted the room");
+        let (clock, step) = (self.clock, &self.step);
+        // ((rank, last used), key, pages kept) of each sequence room may come from.
+        let (_, victim, keep) = self
+            .seqs
+            .iter()
+            .filter(|&(&k, m)| k != key && m.used < clock)
+            .filter_map(|(&k, m)| {
+                let (rank, keep) = match step.get(&k) {
+                    None if m.pages.len() > m.attended.div_ceil(PAGE) => (0, m.attended.div_ceil(PAGE)),
+                    Some(&end) if m.pages.len() > end.div_ceil(PAGE) => (1, end.div_ceil(PAGE)),
+                    None => (2, 0),
+                    Some(_) => return None,
+                };
+                Some(((rank, m.used), k, keep))
+            })
+            .min_by_key(|&(order, ..)| order)
+            .expect("reserve counted the room");
         let m = self.seqs.get_mut(&victim).expect("found above");
-        let keep = if trim.is_some() { m.attended.div_ceil(PAGE) } else { 0 };
         self.free.extend(m.pages.drain(keep..));
         if keep == 0 {
             self.seqs.remove(&victim);
@@ -213,6 +268,64 @@ mod tests {
         // Sequence 1 alone takes it from 2 (trimmed to what the GPU attended).
         assert!(p.reserve_all(&[(1, 3 * PAGE)]));
         assert_eq!((pages_of(&p, 1), pages_of(&p, 2), p.filled(2, 0)), (3, 1, PAGE));
+    }
+
+    /// One layer's attention call over `items` (`(key, end)`): each reserved in turn (as the
+    /// mirror's launch does) and, where it fits, its layer `layer` filled (uploaded) to its
+    /// end; the positions uploaded.
+    fn attend_layer(p: &mut Pages, layer: usize, items: &[(u64, usize)]) -> usize {
+        p.tick();
+        let mut uploaded = 0;
+        for &(key, end) in items {
+            if p.reserve(key, end) {
+                uploaded += end.saturating_sub(p.filled(key, layer));
+                p.set_filled(key, layer, end);
+                p.attended(key, end);
+            }
+        }
+        uploaded
+    }
+
+    #[test]
+    fn a_step_over_the_mirror_keeps_what_fits_and_evicts_none_of_its_own() {
+        // 10 pages, 2 layers: decoding sequences 1 and 2 hold 4 pages each, all mirrored.
+        let mut p = Pages::new(10, 2);
+        for key in [1, 2] {
+            assert!(hold(&mut p, key, 4 * PAGE, 4 * PAGE));
+            p.set_filled(key, 1, 4 * PAGE);
+        }
+        // A step with them and a prompt chunk of 3 (4 pages, 12 in all): each layer
+        // attends the chunk in one call and the decode rows in another.
+        let (decode, chunk) = ([(1, 4 * PAGE), (2, 4 * PAGE)], [(3, 4 * PAGE)]);
+        p.begin_step(&[decode[0], decode[1], chunk[0]], &[]);
+        let mut uploaded = 0;
+        for layer in 0..2 {
+            uploaded += attend_layer(&mut p, layer, &chunk) + attend_layer(&mut p, layer, &decode);
+        }
+        // The chunk does not fit; nothing is uploaded or evicted. Without the step's
+        // protection the chunk evicted 1 (the least recently used), 1 then evicted 2, 2 the
+        // chunk, and so on, each layer uploading whole contexts again (24 pages' worth here).
+        assert_eq!(uploaded, 0);
+        for layer in 0..2 {
+            assert_eq!((p.filled(1, layer), p.filled(2, layer), p.filled(3, layer)), (4 * PAGE, 4 * PAGE, 0));
+        }
+    }
+
+    #[test]
+    fn a_step_takes_room_from_its_sequences_past_their_share_before_evicting_others() {
+        // 10 pages: sequence 1 holds 6 (all attended), 9 (not in the step) holds 4.
+        let mut p = Pages::new(10, 1);
+        assert!(hold(&mut p, 9, 4 * PAGE, 4 * PAGE));
+        assert!(hold(&mut p, 1, 6 * PAGE, 6 * PAGE));
+        // The step shares the mirror anew: 1 may attend 2 pages' worth, newcomer 2 needs 4.
+        p.begin_step(&[(1, 2 * PAGE), (2, 4 * PAGE)], &[]);
+        assert_eq!(attend_layer(&mut p, 0, &[(1, 2 * PAGE), (2, 4 * PAGE)]), 4 * PAGE);
+        // 1 was trimmed to its share; 9, a session between turns, kept everything.
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 9)), (2, 4, 4));
+        assert_eq!(p.filled(1, 0), 2 * PAGE);
+        // A released sequence's pages are free at once.
+        p.begin_step(&[(2, 4 * PAGE)], &[9]);
+        assert_eq!((pages_of(&p, 9), p.free.len()), (0, 4));
     }
 
     #[test]

@@ -572,6 +572,12 @@ impl Device for CudaDevice {
         placed
     }
 
+    fn begin_step(&self, step: &[(u64, usize)], released: &[u64]) {
+        if let Some(m) = &self.mirror {
+            m.lock().unwrap_or_else(|p| p.into_inner()).begin_step(step, released);
+        }
+    }
+
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<CudaBatch> {
         check_batch(&self.m.config, tokens, positions, logit_rows)?;
         // Events of a batch nobody took them of (the runner's, a failed step's) go.
