@@ -25,7 +25,8 @@
 //!   NeoX pairs, a partial rotation): within 1e-6;
 //! - `kv_to_arena`, the GPU's K/V rows written into a cpu-worker's arena in place: byte for
 //!   byte what the host writes there (f16 and Q8_0 arenas, rounding ties included), nothing
-//!   else touched.
+//!   else touched; `arena_to_mirror`, the mirror's rows read from there: bit for bit what the
+//!   host's widened rows give through `kv_store`.
 //!
 //! What the GPU adds (its `expf`, its scheduling) the GPU twins (`device::cuda::twins`,
 //! `mirror_twins`) check where there is one. Without a C++ compiler the tests say they were
@@ -418,6 +419,69 @@ fn the_kv_rows_the_gpu_writes_in_place_are_the_hosts() {
             assert_eq!(got.len(), total);
             let first_wrong = got.iter().zip(&want).position(|(a, b)| a != b);
             assert!(first_wrong.is_none(), "{dtype} layer {layer}: byte {} differs: {} against the host's {}", first_wrong.unwrap(), got[first_wrong.unwrap()], want[first_wrong.unwrap()]);
+        }
+    }
+}
+
+/// `arena_to_mirror` (`KvMirror::read_in_place`): rows of one layer read from an arena at
+/// their slots (`ArenaLayout::slot_runs`) into a page pool are bit for bit what the host's
+/// upload stores (the runs widened to f32 — an f16 arena's values, a Q8_0 arena's d · q —
+/// then rounded to f16 by `kv_store`), in the first and the last layer, rows in any order and
+/// pages; nothing else in the pool is touched.
+#[test]
+fn the_rows_the_mirror_reads_from_the_arenas_are_what_the_host_uploads() {
+    use duet_kv::{ArenaLayout, BlockId, KvDtype};
+    let Some(exe) = harness() else { return };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+    for (dtype, head_dim) in [(KvDtype::F16, 80), (KvDtype::Q8_0, 64)] {
+        let layout = ArenaLayout { n_layer: 3, n_kv_head: 2, head_dim, block_size: 4, dtype, n_blocks: 3 };
+        let (n_kv_head, hd, row_bytes) = (2usize, head_dim as usize, layout.row_bytes().unwrap());
+        let kv_dim = n_kv_head * hd;
+        // Any bytes: f16 values, or Q8_0 blocks (an f16 scale, 32 quants) within ±8.
+        let total = layout.total_bytes().unwrap();
+        let mut arena: Vec<u8> = (0..total).map(|_| rng.random()).collect();
+        if dtype == KvDtype::Q8_0 {
+            for block in arena.chunks_exact_mut(34) {
+                block[..2].copy_from_slice(&f16::from_f32(rng.random_range(-0.06f32..0.06)).to_le_bytes());
+            }
+        } else {
+            for v in arena.chunks_exact_mut(2) {
+                v.copy_from_slice(&f16::from_f32(rng.random_range(-8.0f32..8.0)).to_le_bytes());
+            }
+        }
+        // Positions (block, slot) of one sequence into pool slots (page * PAGE + offset).
+        let rows = [(2u32, 3usize, 5 * PAGE + 15), (0, 0, 0), (1, 2, 3 * PAGE + 1), (0, 1, 1)];
+        let (layers, n_pages) = (3usize, 6usize);
+        let page_elems = layers * 2 * kv_dim * PAGE;
+        for layer in [0u32, 2] {
+            let mut input = Input::default();
+            input.i32(9).i32(rows.len()).i32(n_kv_head).i32(hd).i32(layers).i32(layer as usize);
+            input.i32(usize::from(dtype == KvDtype::Q8_0)).i32(n_pages).i32(PAGE).i32(total);
+            input.0.extend(&arena);
+            let places: Vec<(usize, usize)> = rows.iter().map(|&(b, s, _)| layout.slot_runs(BlockId(b), s)).collect();
+            places.iter().for_each(|&(o, _)| input.0.extend((o as u64).to_le_bytes()));
+            places.iter().for_each(|&(_, st)| input.0.extend((st as u64).to_le_bytes()));
+            input.i32s(&rows.iter().map(|&(.., slot)| slot as i32).collect::<Vec<_>>());
+            let mut want = vec![0xababu16; n_pages * page_elems];
+            let mut widened = vec![0f32; hd];
+            for &(b, s, slot) in &rows {
+                for h in 0..n_kv_head {
+                    for (is_v, offset) in [(0, layout.k_offset(BlockId(b), layer, h as u32)), (1, layout.v_offset(BlockId(b), layer, h as u32))] {
+                        let src = &arena[offset + s * row_bytes..][..row_bytes];
+                        match dtype {
+                            KvDtype::Q8_0 => duet_kernels::widen_q8_0_scalar(src, &mut widened),
+                            _ => widened.iter_mut().zip(src.chunks_exact(2)).for_each(|(w, b)| *w = f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                        }
+                        let (page, p) = (slot / PAGE, slot % PAGE);
+                        let base = page * page_elems + layer as usize * 2 * kv_dim * PAGE + is_v * kv_dim * PAGE + (h * PAGE + p) * hd;
+                        want[base..base + hd].iter_mut().zip(&widened).for_each(|(d, &x)| *d = f16::from_f32(x).to_bits());
+                    }
+                }
+            }
+            let got: Vec<u16> = run(exe, &input).into_iter().flat_map(|w| [u16::from_le_bytes([w[0], w[1]]), u16::from_le_bytes([w[2], w[3]])]).collect();
+            assert_eq!(got.len(), want.len());
+            let first_wrong = got.iter().zip(&want).position(|(a, b)| a != b);
+            assert!(first_wrong.is_none(), "{dtype} layer {layer}: value {} is {:#06x}, the host's {:#06x}", first_wrong.unwrap(), got[first_wrong.unwrap()], want[first_wrong.unwrap()]);
         }
     }
 }

@@ -277,6 +277,12 @@ pub trait KvSource {
     fn seq_key(&self, _seq: usize) -> Option<u64> {
         None
     }
+    /// Where position `pos` of sequence `seq` lies in an arena the device maps
+    /// ([`Device::map_host`]), as [`KvSink::in_place`] says it of a batch row: a device with a
+    /// KV copy of its own reads what it lacks from there. `None`: not in mapped memory.
+    fn in_place_at(&self, _seq: usize, _pos: usize) -> Option<InPlaceRow> {
+        None
+    }
 }
 
 /// A step's KV seen both ways: where the new rows go and what is attended.

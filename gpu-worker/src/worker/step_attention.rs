@@ -116,6 +116,11 @@ impl KvSource for PlanSlots<'_> {
     fn seq_key(&self, seq: usize) -> Option<u64> {
         self.plan.get(seq).map(|p| p.seq_id)
     }
+
+    fn in_place_at(&self, seq: usize, pos: usize) -> Option<InPlaceRow> {
+        let (w, b) = *self.plan.get(seq)?.blocks.get(pos / self.block_size)?;
+        self.arenas.in_place(w, b, pos % self.block_size)
+    }
 }
 
 impl<D: Device + ?Sized> LayerAttention<D> for StepAttention<'_> {

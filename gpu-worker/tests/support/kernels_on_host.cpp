@@ -22,6 +22,9 @@
 //     after the add, the normed rows, their units, then g and its units; then x and the
 //     normed rows of rms_norm_fused without units.
 //   8 rope on a batch's queries and keys in one launch; out: q, then k.
+//   9 arena_to_mirror: rows of one layer read from an arena (its bytes given) at slots given
+//     as offsets into it, into a page pool whose every value starts as 0xabab, as
+//     `KvMirror::read_in_place` does; out: the pool.
 
 #include "cuda_on_host.h"
 
@@ -155,6 +158,23 @@ static void arena_rows() {
     write_vec(arena);
 }
 
+static void mirror_rows() {
+    int n_rows = read_one<int>(), n_kv_head = read_one<int>(), head_dim = read_one<int>(), layers = read_one<int>(), layer = read_one<int>();
+    int q8 = read_one<int>(), n_pages = read_one<int>(), page_size = read_one<int>();
+    auto arena = read_vec<u8>((size_t)read_one<int>());
+    auto offsets = read_vec<u64>((size_t)n_rows);
+    auto strides = read_vec<u64>((size_t)n_rows);
+    auto slots = read_vec<int>((size_t)n_rows);
+    long long page_elems = (long long)layers * 2 * n_kv_head * head_dim * page_size;
+    std::vector<u16> pool((size_t)n_pages * page_elems, 0xabab);
+    std::vector<u64> rows(offsets.size());
+    for (size_t r = 0; r < rows.size(); r++) rows[r] = (u64)(arena.data() + offsets[r]);
+    launch(dim3{(unsigned)n_rows, (unsigned)n_kv_head, 2}, dim3{32}, [&] {
+        arena_to_mirror(rows.data(), strides.data(), slots.data(), n_kv_head, head_dim, layer, q8, pool.data(), page_elems, page_size);
+    });
+    write_vec(pool);
+}
+
 static void fused() {
     int rows = read_one<int>(), cols = read_one<int>(), add = read_one<int>();
     float eps = read_one<float>();
@@ -240,6 +260,7 @@ int main() {
         case 6: dequant(); break;
         case 7: fused(); break;
         case 8: rope_qk(); break;
+        case 9: mirror_rows(); break;
         default: return 3;
     }
     return 0;

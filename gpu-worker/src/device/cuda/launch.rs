@@ -517,6 +517,32 @@ impl Launcher {
         Ok(())
     }
 
+    /// Rows of `layer` from the arenas the GPU maps into the KV mirror's `pool`: row r read at
+    /// `rows[r]`, its runs `strides[r]` bytes apart ([`crate::device::InPlaceRow`]), f16 or
+    /// (`q8`) Q8_0, stored at `slots[r]` (page · `page_size` + offset) as f16.
+    #[allow(clippy::too_many_arguments)]
+    pub fn arena_to_mirror(
+        &self,
+        rows: &CudaSlice<u64>,
+        strides: &CudaSlice<u64>,
+        slots: &CudaSlice<i32>,
+        (n_kv_head, head_dim, layer, q8): (usize, usize, usize, bool),
+        pool: &mut CudaSlice<u16>,
+        page_elems: usize,
+        page_size: usize,
+    ) -> Result<(), CudaError> {
+        let n = rows.len();
+        debug_assert!(strides.len() == n && slots.len() == n);
+        let (h, d, l, q, pe, ps) = (n_kv_head as i32, head_dim as i32, layer as i32, i32::from(q8), page_elems as i64, page_size as i32);
+        let mut b = self.stream.launch_builder(self.f("arena_to_mirror")?);
+        b.arg(rows).arg(strides).arg(slots).arg(&h).arg(&d).arg(&l).arg(&q).arg(pool).arg(&pe).arg(&ps);
+        let cfg = LaunchConfig { grid_dim: (n as u32, n_kv_head as u32, 2), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: each row's address and stride name its slot in an arena the GPU maps, whose
+        // runs of this layer lie inside the arena; every slot is a page of the pool.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
     /// `y[rows[j]] += w[j] * src[j]` for each row `j` of `src` (rows of `cols`); no two `j`
     /// may name one row of `y`.
     pub fn scatter_add_scaled(&self, src: &CudaSlice<f32>, rows: &CudaSlice<u32>, w: &CudaSlice<f32>, cols: usize, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {

@@ -21,7 +21,7 @@ use super::phases::{Phase, Phases};
 pub use super::mirror_pages::PAGE;
 use super::mirror_pages::Pages;
 use super::CudaError;
-use crate::device::{KvAccessError, KvSink, KvSource, Partial};
+use crate::device::{InPlaceRow, KvAccessError, KvSink, KvSource, Partial};
 use crate::error::Result;
 
 /// Threads per attention block, positions per tile and query heads per block (`ATT_*` in
@@ -213,6 +213,35 @@ impl KvMirror {
         if from >= end {
             return Ok(true);
         }
+        if !self.read_in_place(kern, layer, key, seq, from..end, kv)? {
+            self.upload(kern, layer, key, seq, from..end, kv)?;
+        }
+        self.pages.set_filled(key, layer, end);
+        self.uploaded += (end - from) as u64;
+        Ok(true)
+    }
+
+    /// Positions `range` (reserved) of `layer` read by the GPU from the arenas it maps, where
+    /// `kv` has them all there (one kind of arena); false where it has not.
+    fn read_in_place(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, range: Range<usize>, kv: &dyn KvSource) -> Result<bool> {
+        let Some(places) = range.clone().map(|pos| kv.in_place_at(seq, pos)).collect::<Option<Vec<InPlaceRow>>>() else { return Ok(false) };
+        let q8 = places[0].q8;
+        if places.iter().any(|p| p.q8 != q8) {
+            return Ok(false);
+        }
+        let stream = &kern.stream;
+        let up = |x: Vec<u64>| stream.clone_htod(&x).map_err(CudaError::from);
+        let (rows, strides) = (up(places.iter().map(|p| p.addr).collect())?, up(places.iter().map(|p| p.stride).collect())?);
+        let slots = stream.clone_htod(&range.map(|pos| self.pages.slot(key, pos)).collect::<Vec<i32>>()).map_err(CudaError::from)?;
+        let AttnShape { n_kv_head, head_dim, .. } = self.shape;
+        kern.arena_to_mirror(&rows, &strides, &slots, (n_kv_head, head_dim, layer, q8), &mut self.pool, self.page_elems, PAGE)?;
+        Ok(true)
+    }
+
+    /// Positions `range` (reserved) of `layer` gathered and widened on the host from `kv`'s
+    /// runs, uploaded and stored.
+    fn upload(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, range: Range<usize>, kv: &dyn KvSource) -> Result<()> {
+        let (from, end) = (range.start, range.end);
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         let kv_dim = n_kv_head * head_dim;
         let n = end - from;
@@ -238,9 +267,7 @@ impl KvMirror {
         let slots: Vec<i32> = (from..end).map(|pos| self.pages.slot(key, pos)).collect();
         let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
         self.store_rows(kern, layer, (&k, &v), slots)?;
-        self.pages.set_filled(key, layer, end);
-        self.uploaded += n as u64;
-        Ok(true)
+        Ok(())
     }
 
     /// Attention of `items` on layer `layer` (`q`: the batch's rows on the GPU) over the

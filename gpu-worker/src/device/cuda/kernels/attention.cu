@@ -13,7 +13,8 @@
 // each over its causal prefix): a block takes up to PF_QUERIES query vectors (rows × the
 // query heads of one KV head) and reads each tile of K and V into shared memory once for all
 // of them, where attn_partial would read it once per row. kv_to_arena writes rows' K and V
-// into the cpu-workers' arenas themselves, in host memory the GPU maps.
+// into the cpu-workers' arenas themselves, in host memory the GPU maps; arena_to_mirror reads
+// them from there into the pool (what the mirror lacks of a context it attends).
 
 #define ATT_THREADS 128
 #define ATT_TILE 128
@@ -65,6 +66,31 @@ extern "C" __global__ void kv_to_arena(const float* __restrict__ k, const float*
         u8* block = dst + (i0 / 32) * 34;
         block[2 + lane] = (u8)(i8)(int)rintf(val * id);
         if (lane == 0) *(u16*)block = f32_to_f16(amax / 127.0f);
+    }
+}
+
+// Rows of `layer` from the cpu-workers' arenas (host memory the GPU maps) into the pool, row r
+// read where kv_to_arena writes it (rows[r]: its slot in the first run; its runs strides[r]
+// bytes apart) and stored at slot[r] (page * page_size + offset) as kv_store stores the host's
+// widened rows: an f16 arena's values as they are, a Q8_0 arena's as f16(d · q), d widened to
+// f32 (the host's widen_q8_0 and kv_store's rounding). Grid: (n_rows, n_kv_head, 2: K then V),
+// one warp a block.
+extern "C" __global__ void arena_to_mirror(const u64* __restrict__ rows, const u64* __restrict__ strides, const int* __restrict__ slot,
+                                           int n_kv_head, int head_dim, int layer, int q8, u16* pool, long long page_elems, int page_size) {
+    int r = blockIdx.x, h = blockIdx.y, is_v = blockIdx.z, lane = threadIdx.x;
+    const u8* src = (const u8*)(rows[r] + ((u64)(layer * 2 + is_v) * n_kv_head + h) * strides[r]);
+    int s = slot[r];
+    long long page = s / page_size;
+    int p = s % page_size;
+    long long kv_dim = (long long)n_kv_head * head_dim;
+    u16* dst = pool + page * page_elems + (long long)layer * 2 * kv_dim * page_size + is_v * kv_dim * page_size + ((long long)h * page_size + p) * head_dim;
+    for (int i = lane; i < head_dim; i += WARP) {
+        if (!q8) {
+            dst[i] = ((const u16*)src)[i];
+            continue;
+        }
+        const u8* block = src + (i / 32) * 34;
+        dst[i] = f32_to_f16((float)(i8)block[2 + i % 32] * f16_to_f32(ld_u16(block, 0)));
     }
 }
 
