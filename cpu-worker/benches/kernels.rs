@@ -29,8 +29,13 @@ struct AttnBench {
 
 /// SmolLM2-135M's (9 query heads, 3 KV heads of 64; Llama 3.2 1B's heads are of 64 too) and
 /// Llama 3.1 8B's (32 query heads, 8 KV heads of 128; OLMoE and Qwen use heads of 128).
-const ATTENTION_SHAPES: [AttnBench; 2] =
-    [AttnBench { n_head: 9, n_kv_head: 3, head_dim: 64 }, AttnBench { n_head: 32, n_kv_head: 8, head_dim: 128 }];
+/// SmolLM2's heads, Llama-3.1-8B's, and OLMoE's (one query head per KV head: each K/V row
+/// read feeds one query).
+const ATTENTION_SHAPES: [AttnBench; 3] = [
+    AttnBench { n_head: 9, n_kv_head: 3, head_dim: 64 },
+    AttnBench { n_head: 32, n_kv_head: 8, head_dim: 128 },
+    AttnBench { n_head: 16, n_kv_head: 16, head_dim: 128 },
+];
 const BLOCK: u32 = duet_kv::layout::DEFAULT_BLOCK_SIZE;
 
 struct Args {
