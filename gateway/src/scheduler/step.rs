@@ -111,7 +111,8 @@ impl Scheduler {
             let held_tokens = if std::mem::take(&mut seq.restore) && start > 0 { seq.kv_tokens[..start.min(seq.kv_tokens.len())].to_vec() } else { Vec::new() };
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
-            } else {
+            } else if prompt_mirror + (start + n).next_multiple_of(GPU_KV_PAGE) <= self.cfg.gpu_kv_positions {
+                // (A prompt longer than the mirror is attended on the host: it takes none.)
                 prompt_mirror += (start + n).next_multiple_of(GPU_KV_PAGE);
             }
             let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };

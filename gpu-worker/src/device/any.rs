@@ -106,8 +106,12 @@ impl Device for AnyDevice {
         }
     }
 
-    fn begin_step(&self, step: &[(u64, usize)], released: &[u64]) {
-        on_device!(self, d => d.begin_step(step, released))
+    fn begin_step(&self, step: &[(u64, usize)]) {
+        on_device!(self, d => d.begin_step(step))
+    }
+
+    fn release(&self, keys: &[u64]) {
+        on_device!(self, d => d.release(keys))
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<AnyBatch> {

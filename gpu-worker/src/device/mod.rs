@@ -392,10 +392,13 @@ pub trait Device: Send + Sync {
 
     /// A step begins: `step` names its sequences (by the key `KvSource::seq_key` gives) and
     /// how far the device may attend each (positions `0..end`; 0 where the cpu-workers attend
-    /// it all), `released` those the gateway let go since the last step. A device that
-    /// keeps KV of its own (the CUDA device's mirror) makes room for the step there before
-    /// its first layer, keeps it for the whole step and forgets the released.
-    fn begin_step(&self, _step: &[(u64, usize)], _released: &[u64]) {}
+    /// it all). A device that keeps KV of its own (the CUDA device's mirror) makes room for
+    /// the step there before its first layer and keeps it for the whole step.
+    fn begin_step(&self, _step: &[(u64, usize)]) {}
+
+    /// Sequences gone (the gateway released them, or a failed step lost them): a device
+    /// that keeps KV of its own forgets theirs.
+    fn release(&self, _keys: &[u64]) {}
 
     /// Checks a batch — `tokens[i]` at position `positions[i]` — and embeds its tokens;
     /// [`Device::logits`] will give the logits of `logit_rows`.

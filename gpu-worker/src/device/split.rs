@@ -125,9 +125,14 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         Ok(self.head.place_experts(&part(0..n))? + self.tail.place_experts(&part(n..n_layer))?)
     }
 
-    fn begin_step(&self, step: &[(u64, usize)], released: &[u64]) {
-        self.head.begin_step(step, released);
-        self.tail.begin_step(step, released);
+    fn begin_step(&self, step: &[(u64, usize)]) {
+        self.head.begin_step(step);
+        self.tail.begin_step(step);
+    }
+
+    fn release(&self, keys: &[u64]) {
+        self.head.release(keys);
+        self.tail.release(keys);
     }
 
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch> {

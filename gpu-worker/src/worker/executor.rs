@@ -163,6 +163,7 @@ impl<D: Device> Executor<D> {
         for id in &req.released {
             self.seqs.remove(id);
         }
+        self.device.release(&req.released);
         let result = self.run(req, t0);
         if let Ok(pb::StepResponse { timings: Some(t), .. }) = &result {
             self.plan_hot_experts(&t.expert_routed);
@@ -173,6 +174,7 @@ impl<D: Device> Executor<D> {
             for s in &req.sequences {
                 self.seqs.remove(&s.seq_id);
             }
+            self.device.release(&req.sequences.iter().map(|s| s.seq_id).collect::<Vec<_>>());
         }
         result
     }
@@ -239,7 +241,7 @@ impl<D: Device> Executor<D> {
             }
         }
         let on_device: Vec<(u64, usize)> = subs.iter().flat_map(|s| &s.plan).map(|p| (p.seq_id, p.device_end())).collect();
-        self.device.begin_step(&on_device, &req.released);
+        self.device.begin_step(&on_device);
         // The non-empty sub-batches, each started on the device; two interleave their layers.
         let used: Vec<usize> = (0..2).filter(|&k| !subs[k].plan.is_empty()).collect();
         let mut batches = Vec::with_capacity(used.len());

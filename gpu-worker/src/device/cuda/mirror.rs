@@ -313,8 +313,13 @@ impl KvMirror {
     }
 
     /// A step begins (`Pages::begin_step`).
-    pub fn begin_step(&mut self, step: &[(u64, usize)], released: &[u64]) {
-        self.pages.begin_step(step, released);
+    pub fn begin_step(&mut self, step: &[(u64, usize)]) {
+        self.pages.begin_step(step);
+    }
+
+    /// Sequences gone: their pages are free.
+    pub fn release(&mut self, keys: &[u64]) {
+        self.pages.release(keys);
     }
 
     /// Room for the sequences of `items`, positions `0..end` each, before anything of a

@@ -2,9 +2,10 @@
 //! of the pool's pages hold which sequence's positions, how many of each layer's first
 //! positions are mirrored, and how room is made. Room comes first from sequences holding
 //! more than the GPU last attended of them (the balancer gives the GPU a prefix of each
-//! context, and the mirror keeps whole prompts after their prefill), trimmed to that; then
-//! from the sequences of the running step beyond what the step attends of them; then from
-//! the least recently used sequences not in the step, evicted whole. A call never takes room
+//! context, and the mirror keeps whole prompts after their prefill); then from the
+//! sequences of the running step beyond what the step attends of them; then from the least
+//! recently used sequences not in the step — each time only the pages needed, from the end
+//! of the victim's positions, so that it keeps the longest prefix it can. A call never takes room
 //! from a sequence it used itself, and a step never evicts its own sequences (it once did:
 //! over the mirror's capacity, each layer's items evicted one another and uploaded their
 //! whole contexts again, layer after layer).
@@ -45,14 +46,10 @@ impl Pages {
     /// A step begins: its sequences (`(key, end)`: it may attend positions `0..end` of each)
     /// get pages for those positions where there is room, taken first from what others hold
     /// past what they attend (the step's own past its ends: a share the gateway made
-    /// smaller), and keep them until the next step begins; the `released` sequences are gone.
-    /// Uploads are left to the step's calls.
-    pub fn begin_step(&mut self, step: &[(u64, usize)], released: &[u64]) {
-        for key in released {
-            if let Some(m) = self.seqs.remove(key) {
-                self.free.extend(m.pages);
-            }
-        }
+    /// smaller), and keep them until the next step begins. One that does not fit is attended
+    /// elsewhere this step: what it holds is room for the others. Uploads are left to the
+    /// step's calls.
+    pub fn begin_step(&mut self, step: &[(u64, usize)]) {
         self.step.clear();
         for &(key, end) in step {
             let e = self.step.entry(key).or_default();
@@ -61,9 +58,19 @@ impl Pages {
         self.tick();
         // Only those short of pages reserve: a reservation marks its sequence used, which
         // would keep what it holds past its end from the others.
-        for &(key, end) in step {
-            if end.div_ceil(PAGE) > self.seqs.get(&key).map_or(0, |m| m.pages.len()) {
-                self.reserve(key, end);
+        for &(key, _) in step {
+            let end = self.step[&key];
+            if end.div_ceil(PAGE) > self.seqs.get(&key).map_or(0, |m| m.pages.len()) && !self.reserve(key, end) {
+                self.step.insert(key, 0);
+            }
+        }
+    }
+
+    /// Sequences gone (released, or lost with a failed step): their pages are free.
+    pub fn release(&mut self, keys: &[u64]) {
+        for key in keys {
+            if let Some(m) = self.seqs.remove(key) {
+                self.free.extend(m.pages);
             }
         }
     }
@@ -101,7 +108,7 @@ impl Pages {
             }
         }
         while self.free.len() < need.saturating_sub(have) {
-            self.make_room(key);
+            self.make_room(key, need - have - self.free.len());
         }
         let layers = self.layers;
         let m = self.seqs.entry(key).or_insert_with(|| Mirrored { pages: Vec::new(), filled: vec![0; layers], used: clock, attended: 0 });
@@ -126,11 +133,12 @@ impl Pages {
         items.iter().all(|&(key, end)| self.reserve(key, end))
     }
 
-    /// Frees some pages of a sequence other than `key` not used in this call, the least
-    /// recently used first: one outside the step holding pages past what the GPU last
-    /// attended, trimmed to that; else one of the step holding pages past the step's end,
-    /// trimmed to that; else one outside the step, whole.
-    fn make_room(&mut self, key: u64) {
+    /// Frees up to `want` pages (at least one where it can) of a sequence other than `key`
+    /// not used in this call, from the end of its positions, the least recently used first:
+    /// one outside the step holding pages past what the GPU last attended, down to that; else
+    /// one of the step holding pages past the step's end, down to that; else one outside the
+    /// step, down to nothing.
+    fn make_room(&mut self, key: u64, want: usize) {
         let (clock, step) = (self.clock, &self.step);
         // ((rank, last used), key, pages kept) of each sequence room may come from.
         let (_, victim, keep) = self
@@ -149,11 +157,13 @@ impl Pages {
             .min_by_key(|&(order, ..)| order)
             .expect("reserve counted the room");
         let m = self.seqs.get_mut(&victim).expect("found above");
+        let keep = keep.max(m.pages.len().saturating_sub(want));
         self.free.extend(m.pages.drain(keep..));
         if keep == 0 {
             self.seqs.remove(&victim);
         } else {
             m.filled.iter_mut().for_each(|f| *f = (*f).min(keep * PAGE));
+            m.attended = m.attended.min(keep * PAGE);
         }
     }
 
@@ -161,8 +171,15 @@ impl Pages {
     /// offset), or `None` when it would leave a gap after the mirrored prefix (the GPU attends
     /// a prefix; the rest is uploaded when it is needed) or there is no room. A row before
     /// the prefix's end (a sequence taken back) drops the positions after it.
+    /// A row past what the running step attends of its sequence takes only free pages: no
+    /// attention of the step reads it, and it would be the first thing trimmed.
     pub fn write_slot(&mut self, key: u64, layer: usize, pos: usize) -> Option<i32> {
-        if pos > self.filled(key, layer) || !self.reserve(key, pos + 1) {
+        if pos > self.filled(key, layer) {
+            return None;
+        }
+        let past_step = self.step.get(&key).is_some_and(|&end| pos >= end);
+        let short = (pos + 1).div_ceil(PAGE).saturating_sub(self.seqs.get(&key).map_or(0, |m| m.pages.len()));
+        if (past_step && short > self.free.len()) || !self.reserve(key, pos + 1) {
             return None;
         }
         self.set_filled(key, layer, pos + 1);
@@ -225,18 +242,20 @@ mod tests {
         let mut p = Pages::new(10, 1);
         assert!(hold(&mut p, 1, 6 * PAGE, 2 * PAGE));
         assert!(hold(&mut p, 2, 3 * PAGE, 3 * PAGE));
-        // Sequence 3 needs 4: one is free, 1 is trimmed to 2 pages (its filled prefix with it).
+        // Sequence 3 needs 4: one is free, and 1 gives the three it needs from its end (its
+        // filled prefix with it), not all past what was attended.
         assert!(hold(&mut p, 3, 4 * PAGE, 4 * PAGE));
-        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 3)), (2, 3, 4));
-        assert_eq!(p.filled(1, 0), 2 * PAGE);
-        // Nothing is left to trim: the least recently used (1) goes whole.
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 3)), (3, 3, 4));
+        assert_eq!(p.filled(1, 0), 3 * PAGE);
+        // Sequence 4 needs 2: 1 gives its last unattended page, then, nothing being left to
+        // trim, the least recently used (1 again) gives one more from its end.
         assert!(hold(&mut p, 4, 2 * PAGE, 2 * PAGE));
-        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 4)), (0, 3, 2));
-        assert_eq!(p.filled(1, 0), 0);
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 3), pages_of(&p, 4)), (1, 3, 4, 2));
+        assert_eq!(p.filled(1, 0), PAGE);
         // More than all the others give: refused, and nobody loses anything.
         assert!(!hold(&mut p, 5, 11 * PAGE, 0));
-        assert_eq!((pages_of(&p, 2), pages_of(&p, 3), pages_of(&p, 4)), (3, 4, 2));
-        assert_eq!(p.free.len() + 9, 10);
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 3), pages_of(&p, 4)), (1, 3, 4, 2));
+        assert!(p.free.is_empty());
     }
 
     #[test]
@@ -248,11 +267,11 @@ mod tests {
         assert!(p.reserve(2, 2 * PAGE));
         assert!(!p.reserve(3, PAGE));
         assert_eq!((pages_of(&p, 1), pages_of(&p, 2)), (2, 2));
-        // In the next call, 3 takes the least recently used: both were used in the last
-        // call, so the lower clock (equal) — either way exactly one page's owner loses.
+        // In the next call, 3 takes a page of the least recently used: both were used in the
+        // last call (equal clocks) — either way exactly one page is lost.
         p.tick();
         assert!(p.reserve(3, PAGE));
-        assert_eq!(pages_of(&p, 1) + pages_of(&p, 2), 2);
+        assert_eq!(pages_of(&p, 1) + pages_of(&p, 2), 3);
     }
 
     #[test]
@@ -265,9 +284,9 @@ mod tests {
         // A batch of 1 (growing to 3 pages) and 2: 1's extra page cannot come from 2.
         assert!(!p.reserve_all(&[(1, 3 * PAGE), (2, 4 * PAGE)]));
         assert_eq!((pages_of(&p, 2), p.filled(2, 0)), (4, 4 * PAGE));
-        // Sequence 1 alone takes it from 2 (trimmed to what the GPU attended).
+        // Sequence 1 alone takes it from 2 (the last of what the GPU did not attend).
         assert!(p.reserve_all(&[(1, 3 * PAGE)]));
-        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), p.filled(2, 0)), (3, 1, PAGE));
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 2), p.filled(2, 0)), (3, 3, 3 * PAGE));
     }
 
     /// One layer's attention call over `items` (`(key, end)`): each reserved in turn (as the
@@ -297,14 +316,14 @@ mod tests {
         // A step with them and a prompt chunk of 3 (4 pages, 12 in all): each layer
         // attends the chunk in one call and the decode rows in another.
         let (decode, chunk) = ([(1, 4 * PAGE), (2, 4 * PAGE)], [(3, 4 * PAGE)]);
-        p.begin_step(&[decode[0], decode[1], chunk[0]], &[]);
+        p.begin_step(&[decode[0], decode[1], chunk[0]]);
         let mut uploaded = 0;
         for layer in 0..2 {
             uploaded += attend_layer(&mut p, layer, &chunk) + attend_layer(&mut p, layer, &decode);
         }
         // The chunk does not fit; nothing is uploaded or evicted. Without the step's
         // protection the chunk evicted 1 (the least recently used), 1 then evicted 2, 2 the
-        // chunk, and so on, each layer uploading whole contexts again (24 pages' worth here).
+        // chunk, and so on, each layer uploading again what it lost (16 pages' worth here).
         assert_eq!(uploaded, 0);
         for layer in 0..2 {
             assert_eq!((p.filled(1, layer), p.filled(2, layer), p.filled(3, layer)), (4 * PAGE, 4 * PAGE, 0));
@@ -318,14 +337,39 @@ mod tests {
         assert!(hold(&mut p, 9, 4 * PAGE, 4 * PAGE));
         assert!(hold(&mut p, 1, 6 * PAGE, 6 * PAGE));
         // The step shares the mirror anew: 1 may attend 2 pages' worth, newcomer 2 needs 4.
-        p.begin_step(&[(1, 2 * PAGE), (2, 4 * PAGE)], &[]);
+        p.begin_step(&[(1, 2 * PAGE), (2, 4 * PAGE)]);
         assert_eq!(attend_layer(&mut p, 0, &[(1, 2 * PAGE), (2, 4 * PAGE)]), 4 * PAGE);
         // 1 was trimmed to its share; 9, a session between turns, kept everything.
         assert_eq!((pages_of(&p, 1), pages_of(&p, 2), pages_of(&p, 9)), (2, 4, 4));
         assert_eq!(p.filled(1, 0), 2 * PAGE);
         // A released sequence's pages are free at once.
-        p.begin_step(&[(2, 4 * PAGE)], &[9]);
+        p.release(&[9]);
         assert_eq!((pages_of(&p, 9), p.free.len()), (0, 4));
+    }
+
+    #[test]
+    fn a_step_sequence_that_cannot_fit_gives_its_pages_to_the_others() {
+        // 4 pages: 5 holds 3 of them from earlier steps.
+        let mut p = Pages::new(4, 1);
+        assert!(hold(&mut p, 5, 3 * PAGE, 3 * PAGE));
+        // The step wants 12 pages of 5 (it will be attended on the host) and 2 of 6: 6 takes
+        // the free one and one of 5's last, 5 keeps the rest of its prefix.
+        p.begin_step(&[(5, 12 * PAGE), (6, 2 * PAGE)]);
+        assert_eq!((pages_of(&p, 5), pages_of(&p, 6)), (2, 2));
+        assert_eq!(p.filled(5, 0), 2 * PAGE);
+    }
+
+    #[test]
+    fn a_row_past_the_steps_share_takes_only_free_pages() {
+        // 3 pages: 1 holds 1 (full, all mirrored), 9 (a session between turns) 2.
+        let mut p = Pages::new(3, 1);
+        assert!(hold(&mut p, 9, 2 * PAGE, 2 * PAGE));
+        assert!(hold(&mut p, 1, PAGE, PAGE));
+        // The step attends 1's first page only: its new row would need a page, none is free.
+        p.begin_step(&[(1, PAGE)]);
+        p.tick();
+        assert_eq!(p.write_slot(1, 0, PAGE), None);
+        assert_eq!((pages_of(&p, 1), pages_of(&p, 9)), (1, 2));
     }
 
     #[test]

@@ -234,7 +234,8 @@ fn attention_on_the_mirror_matches_a_float64_reference() {
             check(&k, &mut mirror, &kv, shape, &q, &[it(0, 1, 0..17)], &what);
 
             // A mirror of 1100 positions: sequence 3 alone fits, 2 and 3 together do not
-            // (sequence 2 is evicted, then uploaded again); a 2000-position range fits nowhere.
+            // (sequence 2 gives up the pages 3 needs from its end, then uploads them again); a
+            // 2000-position range fits nowhere.
             let page = KvMirror::page_bytes(layers, shape);
             let mut small = KvMirror::new(&k.stream, 1100usize.div_ceil(PAGE) * page, layers, *shape, 8).unwrap();
             for round in 0..2 {

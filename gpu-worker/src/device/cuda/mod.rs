@@ -572,9 +572,15 @@ impl Device for CudaDevice {
         placed
     }
 
-    fn begin_step(&self, step: &[(u64, usize)], released: &[u64]) {
+    fn begin_step(&self, step: &[(u64, usize)]) {
         if let Some(m) = &self.mirror {
-            m.lock().unwrap_or_else(|p| p.into_inner()).begin_step(step, released);
+            m.lock().unwrap_or_else(|p| p.into_inner()).begin_step(step);
+        }
+    }
+
+    fn release(&self, keys: &[u64]) {
+        if let Some(m) = &self.mirror {
+            m.lock().unwrap_or_else(|p| p.into_inner()).release(keys);
         }
     }
 
