@@ -20,6 +20,8 @@
 //! - CPU attention per position and socket = max(KV bytes / (socket bandwidth · 0.8),
 //!   4 · heads · head_dim · layers FLOPs / (cores · per-core FLOP/s)); a sequence's KV blocks
 //!   alternate between the sockets' arenas (the KV pool fills the emptiest worker first).
+//!   Contexts within one 2048-position chunk take ggml's exact two passes (what keeps Duet's
+//!   logits llama.cpp's), which reach 0.5 of the bandwidth, not 0.8.
 //! - Host link, which the planner's cost model has no term for: per decode token with CPU
 //!   attention, q and the new K/V rows (f16) go to the host and the partial output and its
 //!   log-sum-exp (f32) come back, every layer; the batch's bytes over the link bandwidth,
@@ -95,6 +97,15 @@ pub struct Assumptions {
     pub layer_round_trip_s: f64,
     /// Fraction of a socket's peak bandwidth that attention reaches.
     pub cpu_bandwidth_fraction: f64,
+    /// The same for contexts of at most `exact_attention_max_context` positions, which the
+    /// CPU kernels attend with ggml's exact two passes (`duet_kernels::decode_batch::DECODE_CHUNK`).
+    /// Measured on the H200's 16-core host (2026-11-28, the 1B shape at depth 1 024 under the
+    /// `cpu` policy, docs/cuda-device.md): 0.46 of its 75 GB/s at 64 sessions, 0.51 at 16,
+    /// where 8K and 32K reached 0.78–0.87; on the 2-core VM 0.56–0.64 against 0.74–0.89 for the
+    /// one-pass kernel on the same job (docs/kernels.md).
+    pub cpu_exact_bandwidth_fraction: f64,
+    /// The longest context the exact two passes take.
+    pub exact_attention_max_context: usize,
     /// Per layer and step with cpu-worker attention: post the job, wake, wait, seconds.
     pub layer_sync_s: f64,
     /// KV element size, bytes (f16).
@@ -118,6 +129,8 @@ impl Default for Assumptions {
             layer_overhead_s: 85e-6,
             layer_round_trip_s: 80e-6,
             cpu_bandwidth_fraction: 0.8,
+            cpu_exact_bandwidth_fraction: 0.5,
+            exact_attention_max_context: duet_kernels::decode_batch::DECODE_CHUNK,
             layer_sync_s: 10e-6,
             kv_dtype_bytes: 2.0,
             block_size: duet_kv::layout::DEFAULT_BLOCK_SIZE as usize,
@@ -251,10 +264,11 @@ impl Setup {
         overhead + memory.max(compute) + dequantise
     }
 
-    /// The planner's cost model for a decode batch of `batch` sequences. The roofline of the
-    /// linear layers is not linear in tokens, so the model is exact at this batch: the
-    /// weight streaming is the fixed part and any compute beyond it the per-token part.
-    pub fn cost_model(&self, batch: usize) -> CostModel {
+    /// The planner's cost model for a decode batch of `batch` sequences of `context`
+    /// positions. The roofline of the linear layers is not linear in tokens, so the model is
+    /// exact at this batch: the weight streaming is the fixed part and any compute beyond it
+    /// the per-token part.
+    pub fn cost_model(&self, batch: usize, context: usize) -> CostModel {
         let a = &self.assumptions;
         let m = &self.model;
         let batch = batch.max(1);
@@ -262,7 +276,8 @@ impl Setup {
         let linear_per_token = (self.linear_s(batch) - memory_bound) / batch as f64;
         let kv = self.kv_bytes_per_pos();
         let gpu_attn_per_pos = kv / (self.gpu.bandwidth * a.gpu_bandwidth_fraction).min(self.gpu.sms as f64 * a.gpu_attention_bytes_per_sm);
-        let cpu_bw = self.cpu.socket_bandwidth * a.cpu_bandwidth_fraction;
+        let exact = context <= a.exact_attention_max_context;
+        let cpu_bw = self.cpu.socket_bandwidth * if exact { a.cpu_exact_bandwidth_fraction } else { a.cpu_bandwidth_fraction };
         let cpu_compute = self.cpu.cores as f64 * self.cpu.core_flops;
         let cpu_attn = (kv / cpu_bw).max(m.attn_flops_per_pos() / cpu_compute);
         let link = batch as f64 * m.host_link_bytes_per_token() / self.gpu.pcie;
@@ -307,7 +322,7 @@ impl Setup {
     pub fn evaluate(&self, policy: Policy, batch: usize, context: usize) -> Outcome {
         let bs = self.assumptions.block_size;
         let cap = self.capacity();
-        let cost = self.cost_model(batch);
+        let cost = self.cost_model(batch, context);
         let need = batch * blocks(context, bs);
         let kv_gib = |n_blocks: usize| n_blocks as f64 * bs as f64 * self.kv_bytes_per_pos() / GIB;
         let host_fits = need <= cap.host_kv_blocks;
@@ -514,7 +529,7 @@ mod tests {
         s.assumptions.gpu_bandwidth_fraction = s.assumptions.cpu_bandwidth_fraction;
         s.assumptions.gpu_attention_bytes_per_sm = f64::INFINITY;
         s.gpu.mem_bytes = 1e12; // room to mirror every context
-        let cost = s.cost_model(4);
+        let cost = s.cost_model(4, 4096);
         assert!((cost.gpu_attn_per_pos - cost.cpu_attn_per_pos[0]).abs() < 1e-15, "{cost:?}");
         let lp = s.evaluate(Policy::Lp, 4, 8192);
         assert!((lp.gpu_share - 0.5).abs() < 0.01, "{lp:?}");
@@ -569,7 +584,7 @@ mod tests {
         assert!((s.linear_s(big) - overhead - compute).abs() < 1e-12);
         // The cost model is exact at its batch: a step wholly on the GPU on its local line, one a
         // cpu-worker shares with every layer's round trip more.
-        let c = s.cost_model(big);
+        let c = s.cost_model(big, 4096);
         let (lf, lt) = c.local_linear.unwrap();
         assert!((lf + lt * big as f64 - s.linear_s(big)).abs() < 1e-12);
         assert!((c.linear_fixed + c.linear_per_token * big as f64 - s.linear_s(big) - 32.0 * 80e-6).abs() < 1e-12);
@@ -590,9 +605,19 @@ mod tests {
     }
 
     #[test]
+    fn contexts_within_one_chunk_attend_on_the_cpu_at_the_exact_passes_bandwidth() {
+        let s = setup_of(GpuPreset::H100Sxm, ModelPreset::Llama32_1b, WeightDtype::Int4, 1);
+        let a = &s.assumptions;
+        let (short, long) = (s.cost_model(64, a.exact_attention_max_context), s.cost_model(64, a.exact_attention_max_context + 1));
+        let ratio = short.cpu_attn_per_pos[0] / long.cpu_attn_per_pos[0];
+        assert!((ratio - a.cpu_bandwidth_fraction / a.cpu_exact_bandwidth_fraction).abs() < 1e-9, "{ratio}");
+        assert_eq!(short.gpu_attn_per_pos, long.gpu_attn_per_pos);
+    }
+
+    #[test]
     fn cpu_policy_step_is_linear_plus_the_cpu_side() {
         let s = setup_of(GpuPreset::T4, ModelPreset::Llama2_7b, WeightDtype::Int8, 2);
-        let cost = s.cost_model(4);
+        let cost = s.cost_model(4, 2048);
         let o = s.evaluate(Policy::Cpu, 4, 2048);
         // Two sockets, each half of every sequence.
         let round_trip = s.assumptions.layer_round_trip_s * s.model.n_layer as f64;
@@ -624,7 +649,7 @@ mod tests {
         let per_token = s.model.host_link_bytes_per_token();
         // q 8 KiB + K,V 4 KiB (f16) + output 16 KiB + lse 128 B (f32), 32 layers.
         assert_eq!(per_token, 32.0 * (8192.0 + 4096.0 + 16384.0 + 128.0));
-        let d = s.cost_model(64).cpu_fixed[0] - s.cost_model(1).cpu_fixed[0];
+        let d = s.cost_model(64, 4096).cpu_fixed[0] - s.cost_model(1, 4096).cpu_fixed[0];
         assert!((d - 63.0 * per_token / 12e9).abs() < 1e-12);
     }
 }

@@ -51,7 +51,7 @@ pub struct Report {
 impl Report {
     pub fn new(setup: &Setup, batch: usize, context: usize, ratio: f64) -> Report {
         let batch = batch.max(1);
-        let cost = setup.cost_model(batch);
+        let cost = setup.cost_model(batch, context);
         let local = cost.local_linear.unwrap_or((cost.linear_fixed, cost.linear_per_token));
         let policies: Vec<Outcome> = [Policy::Gpu, Policy::Cpu, Policy::Ratio(ratio), Policy::Lp].iter().map(|p| setup.evaluate(*p, batch, context)).collect();
         let (gpu_b, hybrid_b) = setup.largest_batch(context);
