@@ -60,3 +60,17 @@ pub(crate) fn worker_timing(timings: &mut pb::StepTimings, worker: u32) -> &mut 
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_device_attends_the_whole_context_without_shares_else_to_the_end_of_its_own() {
+        let planned = |shares: Vec<Share>| Planned { seq_id: 1, row0: 0, n: 1, start: 99, blocks: vec![], shares, sample: true };
+        let share = |cpu_worker, range| Share { cpu_worker, range };
+        assert_eq!(planned(vec![]).device_end(), 100);
+        assert_eq!(planned(vec![share(None, 0..64), share(Some(0), 64..100)]).device_end(), 64);
+        assert_eq!(planned(vec![share(Some(0), 0..64), share(Some(1), 64..100)]).device_end(), 0);
+    }
+}
