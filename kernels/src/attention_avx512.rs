@@ -127,7 +127,17 @@ unsafe fn group_kernel<const G: usize, const NV: usize, const TILED: bool>(
     for (g, l) in lse.iter_mut().enumerate() {
         *l = softmax_f16(std::slice::from_raw_parts_mut(scores.add(g * stride), n), max[g]);
     }
-    // The V passes take 64 dimensions of every head at a time: the rows' halves in turn.
+    // A group of one or two heads of 128 takes its rows whole in one V pass, each half of a
+    // head's dimensions a head of 64 of its own (the same sums as a pass per half).
+    if NV == 8 && !TILED && G <= 2 {
+        match G {
+            1 => value_pass::<2, 2>(start, end, n_padded, stride, scores, out, scratch),
+            _ => value_pass::<4, 2>(start, end, n_padded, stride, scores, out, scratch),
+        }
+        return;
+    }
+    // Otherwise the V passes take 64 dimensions of every head at a time: the rows' halves in
+    // turn.
     let mut half = [0f32; MAX_GROUP * 64];
     for h in 0..NV / 4 {
         scratch.rows.v_off = 64 * h;
@@ -135,7 +145,7 @@ unsafe fn group_kernel<const G: usize, const NV: usize, const TILED: bool>(
         if TILED {
             tiled_value_pass::<G>(start, end, stride, scores, half_out, scratch);
         } else {
-            value_pass::<G>(start, end, n_padded, stride, scores, half_out, scratch);
+            value_pass::<G, 1>(start, end, n_padded, stride, scores, half_out, scratch);
         }
         for (o, x) in out.chunks_exact_mut(16 * NV).zip(half_out.chunks_exact(64)) {
             o[64 * h..64 * (h + 1)].copy_from_slice(x);
@@ -585,10 +595,15 @@ unsafe fn softmax_f16(x: &mut [f32], max: f32) -> f32 {
 /// those lanes are visited in order, window after window of [`WINDOW`] positions (whose V
 /// rows are prefetched into L2 while the window before is summed). Each lane sees its
 /// positions in the same order as position by position, so the sums are the same.
+///
+/// `G` sums of 64 dimensions ("heads" here), `H` of them from each V row: with `H` 1, head
+/// `g` weighted by `weights[g]` over the 64 dimensions from the rows' `v_off`; with `H` 2,
+/// a row's two halves are heads `2g` and `2g + 1`, both weighted by `weights[g]` (one head of
+/// 128 each two of 64: the same sums as a pass per half, from one read of the rows).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn value_pass<const G: usize>(
+unsafe fn value_pass<const G: usize, const H: usize>(
     start: usize,
     end: usize,
     n_padded: usize,
@@ -602,19 +617,19 @@ unsafe fn value_pass<const G: usize>(
     let mut sums = [[_mm512_setzero_pd(); 8]; G];
     if simd_end > start && simd_end - start <= 64 {
         // One position per lane at most: the lanes folded straight from the V rows.
-        fold_positions::<G>(start, simd_end, stride, weights, rows, &mut sums);
+        fold_positions::<G, H>(start, simd_end, stride, weights, rows, &mut sums);
     } else if simd_end > start {
         grow(&mut scratch.lanes, G * 64 * 64);
         let lanes = scratch.lanes.as_mut_ptr();
-        sum_lanes::<G, 64>(start, simd_end, stride, weights, rows, lanes);
+        sum_lanes::<G, H, 64>(start, simd_end, stride, weights, rows, lanes);
         fold_lanes::<G>(lanes, &mut sums);
     }
     for p in simd_end..end {
         let i = p - start;
-        let vx = widen_row::<4>(rows.v(i));
+        let vx: [[__m512; 4]; H] = std::array::from_fn(|h| widen_row::<4>(rows.v(i).add(128 * h)));
         for (g, s) in sums.iter_mut().enumerate() {
-            let w = _mm512_set1_ps(*weights.add(g * stride + i));
-            for (j, &vj) in vx.iter().enumerate() {
+            let w = _mm512_set1_ps(*weights.add(g / H * stride + i));
+            for (j, &vj) in vx[g % H].iter().enumerate() {
                 let prod = _mm512_mul_ps(vj, w);
                 s[2 * j] = _mm512_add_pd(s[2 * j], _mm512_cvtps_pd(_mm512_castps512_ps256(prod)));
                 s[2 * j + 1] = _mm512_add_pd(s[2 * j + 1], _mm512_cvtps_pd(_mm512_extractf32x8_ps::<1>(prod)));
@@ -636,7 +651,7 @@ unsafe fn tiled_value_pass<const G: usize>(start: usize, end: usize, stride: usi
     let rows = &scratch.rows;
     grow(&mut scratch.lanes, G * 16 * 64);
     let lanes = scratch.lanes.as_mut_ptr();
-    sum_lanes::<G, 16>(start, end, stride, weights, rows, lanes);
+    sum_lanes::<G, 1, 16>(start, end, stride, weights, rows, lanes);
     for (g, o) in out.chunks_exact_mut(64).enumerate() {
         let l = lanes.add(g * 16 * 64);
         for j in 0..4 {
@@ -664,7 +679,7 @@ fn grow(v: &mut Vec<f32>, len: usize) {
 /// `lanes[..G * LANES * 64]` is written (from zero in the first window, whatever it held).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, lanes: *mut f32) {
+unsafe fn sum_lanes<const G: usize, const H: usize, const LANES: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, lanes: *mut f32) {
     let pairs = LANES / 2;
     let mut w0 = start;
     while w0 < end {
@@ -673,9 +688,11 @@ unsafe fn sum_lanes<const G: usize, const LANES: usize>(start: usize, end: usize
         let per_pair = next.len().div_ceil(pairs);
         for pair in 0..pairs {
             for i in next.clone().skip(pair * per_pair).take(per_pair) {
-                prefetch_row::<_MM_HINT_T1, 4, false>(rows.v(i));
+                for h in 0..H {
+                    prefetch_row::<_MM_HINT_T1, 4, false>(rows.v(i).add(128 * h));
+                }
             }
-            lane_pair::<G, LANES>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
+            lane_pair::<G, H, LANES>(2 * pair, w0, w1, start, stride, weights, rows, lanes);
         }
         w0 = w1;
     }
@@ -702,7 +719,7 @@ unsafe fn widen_row<const NV: usize>(row: *const u8) -> [__m512; NV] {
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn lane_pair<const G: usize, const LANES: usize>(
+unsafe fn lane_pair<const G: usize, const H: usize, const LANES: usize>(
     lane: usize,
     w0: usize,
     w1: usize,
@@ -732,10 +749,10 @@ unsafe fn lane_pair<const G: usize, const LANES: usize>(
                 continue;
             }
             let i = q - start;
-            let vx = widen_row::<4>(rows.v(i));
+            let vx: [[__m512; 4]; H] = std::array::from_fn(|h| widen_row::<4>(rows.v(i).add(128 * h)));
             for (g, acc_g) in acc_l.iter_mut().enumerate() {
-                let w = _mm512_set1_ps(*weights.add(g * stride + i));
-                for (a, &vj) in acc_g.iter_mut().zip(&vx) {
+                let w = _mm512_set1_ps(*weights.add(g / H * stride + i));
+                for (a, &vj) in acc_g.iter_mut().zip(&vx[g % H]) {
                     *a = _mm512_fmadd_ps(vj, w, *a);
                 }
             }
@@ -757,22 +774,25 @@ unsafe fn lane_pair<const G: usize, const LANES: usize>(
 /// otherwise spend more on clearing, storing and reloading 64 lanes than on their rows.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn fold_positions<const G: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, sums: &mut [[__m512d; 8]; G]) {
+unsafe fn fold_positions<const G: usize, const H: usize>(start: usize, end: usize, stride: usize, weights: *const f32, rows: &RowTable, sums: &mut [[__m512d; 8]; G]) {
     let zero = _mm512_setzero_ps();
     for j in 0..4 {
         let mut h = [[zero; 16]; G];
         for i in 0..16 {
-            // The positions of lanes i, i + 16, i + 32 and i + 48 (if in the range).
-            let x: [Option<(usize, __m512)>; 4] = std::array::from_fn(|k| {
-                let lane = i + 16 * k;
-                let off = (lane + 64 - start % 64) % 64;
-                (start + off < end).then(|| (off, _mm512_cvtph_ps(_mm256_loadu_si256((rows.v(off) as *const __m256i).add(j)))))
+            // The positions of lanes i, i + 16, i + 32 and i + 48 (if in the range), each
+            // part of their rows.
+            let x: [[Option<(usize, __m512)>; 4]; H] = std::array::from_fn(|part| {
+                std::array::from_fn(|k| {
+                    let lane = i + 16 * k;
+                    let off = (lane + 64 - start % 64) % 64;
+                    (start + off < end).then(|| (off, _mm512_cvtph_ps(_mm256_loadu_si256((rows.v(off).add(128 * part) as *const __m256i).add(j)))))
+                })
             });
             for (g, hg) in h.iter_mut().enumerate() {
                 // The lane's one accumulation from zero, as `lane_pair` does it (a fused
                 // multiply-add onto +0, so a −0 product becomes +0 there and here alike).
-                let lane = |k: usize| match x[k] {
-                    Some((off, v)) => _mm512_fmadd_ps(v, _mm512_set1_ps(*weights.add(g * stride + off)), zero),
+                let lane = |k: usize| match x[g % H][k] {
+                    Some((off, v)) => _mm512_fmadd_ps(v, _mm512_set1_ps(*weights.add(g / H * stride + off)), zero),
                     None => zero,
                 };
                 // As `fold_lanes`: (l_i + l_{i+32}) + (l_{i+16} + l_{i+48}).
