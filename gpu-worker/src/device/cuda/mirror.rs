@@ -113,6 +113,20 @@ pub struct KvMirror {
     /// Rows (a position of one layer each) uploaded from the host since [`Self::take_uploaded`]:
     /// what the mirror lacked when asked to attend.
     uploaded: u64,
+    /// Rows the GPU is to read from the arenas, gathered over a call's sequences so that
+    /// the call makes one launch for them all ([`KvMirror::flush_reads`]).
+    reads: ArenaReads,
+}
+
+/// Rows of one layer for `arena_to_mirror`: where each lies in an arena the GPU maps, and
+/// its slot in the pool; all from arenas of one kind (`q8`).
+#[derive(Default)]
+struct ArenaReads {
+    rows: Vec<u64>,
+    strides: Vec<u64>,
+    slots: Vec<i32>,
+    layer: usize,
+    q8: bool,
 }
 
 /// A small host table's copy on the GPU, uploaded again only when it changes: a step's
@@ -160,7 +174,16 @@ impl KvMirror {
         let page_elems = page_bytes / 2;
         // SAFETY: a page is read only for the positions written into it (`filled`).
         let pool = unsafe { stream.alloc::<u16>((n_pages * page_elems).max(1)) }?;
-        Ok(KvMirror { pool, page_elems, shape, pages: Pages::new(n_pages, layers), target_blocks: 4 * sm_count.max(1), tables: Tables::default(), uploaded: 0 })
+        Ok(KvMirror {
+            pool,
+            page_elems,
+            shape,
+            pages: Pages::new(n_pages, layers),
+            target_blocks: 4 * sm_count.max(1),
+            tables: Tables::default(),
+            uploaded: 0,
+            reads: ArenaReads::default(),
+        })
     }
 
     /// Rows uploaded from the host since the last call.
@@ -221,21 +244,43 @@ impl KvMirror {
         Ok(true)
     }
 
-    /// Positions `range` (reserved) of `layer` read by the GPU from the arenas it maps, where
-    /// `kv` has them all there (one kind of arena); false where it has not.
+    /// Positions `range` (reserved) of `layer` to be read by the GPU from the arenas it maps,
+    /// where `kv` has them all there (one kind of arena): queued for [`Self::flush_reads`],
+    /// which the call makes before its kernels; false where they are not all there.
     fn read_in_place(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, range: Range<usize>, kv: &dyn KvSource) -> Result<bool> {
         let Some(places) = range.clone().map(|pos| kv.in_place_at(seq, pos)).collect::<Option<Vec<InPlaceRow>>>() else { return Ok(false) };
         let q8 = places[0].q8;
         if places.iter().any(|p| p.q8 != q8) {
             return Ok(false);
         }
+        if self.reads.q8 != q8 || self.reads.layer != layer {
+            self.flush_reads(kern)?;
+            (self.reads.q8, self.reads.layer) = (q8, layer);
+        }
+        let reads = &mut self.reads;
+        reads.rows.extend(places.iter().map(|p| p.addr));
+        reads.strides.extend(places.iter().map(|p| p.stride));
+        reads.slots.extend(range.map(|pos| self.pages.slot(key, pos)));
+        Ok(true)
+    }
+
+    /// The queued reads from the arenas, in one launch (their pages are the call's own until
+    /// it ends: a call never takes room from what it used). A call that fails drops them
+    /// instead ([`Self::calling`]).
+    fn flush_reads(&mut self, kern: &Launcher) -> Result<()> {
+        if self.reads.rows.is_empty() {
+            return Ok(());
+        }
+        let ArenaReads { rows, strides, slots, layer, q8 } = std::mem::take(&mut self.reads);
         let stream = &kern.stream;
-        let up = |x: Vec<u64>| stream.clone_htod(&x).map_err(CudaError::from);
-        let (rows, strides) = (up(places.iter().map(|p| p.addr).collect())?, up(places.iter().map(|p| p.stride).collect())?);
-        let slots = stream.clone_htod(&range.map(|pos| self.pages.slot(key, pos)).collect::<Vec<i32>>()).map_err(CudaError::from)?;
+        let (rows, strides, slots) = (
+            stream.clone_htod(&rows).map_err(CudaError::from)?,
+            stream.clone_htod(&strides).map_err(CudaError::from)?,
+            stream.clone_htod(&slots).map_err(CudaError::from)?,
+        );
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         kern.arena_to_mirror(&rows, &strides, &slots, (n_kv_head, head_dim, layer, q8), &mut self.pool, self.page_elems, PAGE)?;
-        Ok(true)
+        Ok(())
     }
 
     /// Positions `range` (reserved) of `layer` gathered and widened on the host from `kv`'s
@@ -337,18 +382,38 @@ impl KvMirror {
     /// there. False when a sequence does not fit after all.
     pub fn fill_prefixes(&mut self, kern: &Launcher, layer: usize, prefixes: &[(u64, usize, usize)], kv: &dyn KvSource) -> Result<bool> {
         self.pages.tick();
-        for &(key, seq, start) in prefixes {
-            if start > 0 && !self.ensure(kern, layer, key, seq, start, kv)? {
-                return Ok(false);
+        self.calling(|m| {
+            let mut all = true;
+            for &(key, seq, start) in prefixes {
+                if start > 0 && !m.ensure(kern, layer, key, seq, start, kv)? {
+                    all = false;
+                    break;
+                }
             }
+            m.flush_reads(kern)?;
+            Ok(all)
+        })
+    }
+
+    /// Runs a call's body; if it fails, the reads it queued are dropped (the step fails, and
+    /// its sequences are released: nothing may write into pages they no longer hold).
+    fn calling<T>(&mut self, body: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let r = body(self);
+        if r.is_err() {
+            self.reads = ArenaReads::default();
         }
-        Ok(true)
+        r
     }
 
     /// Uploads what the mirror lacks and launches the attention of the items whose sequences
     /// fit; `None` when none does.
     fn launch(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource, timed: bool) -> Result<Option<Attended>> {
         self.pages.tick();
+        self.calling(|m| m.launch_call(kern, layer, q, items, kv, timed))
+    }
+
+    /// [`Self::launch`]'s body.
+    fn launch_call(&mut self, kern: &Launcher, layer: usize, q: &CudaSlice<f32>, items: &[MirrorItem], kv: &dyn KvSource, timed: bool) -> Result<Option<Attended>> {
         let stream = &kern.stream;
         let AttnShape { n_head, n_kv_head, head_dim, softcap } = self.shape;
         let q_dim = n_head * head_dim;
@@ -382,6 +447,7 @@ impl KvMirror {
             meta.extend([it.row as i32, it.range.start as i32, it.range.end as i32, table]);
             placed.push(i);
         }
+        self.flush_reads(kern)?;
         if placed.is_empty() {
             return Ok(None);
         }
