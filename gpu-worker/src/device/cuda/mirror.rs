@@ -127,6 +127,8 @@ struct ArenaReads {
     slots: Vec<i32>,
     layer: usize,
     q8: bool,
+    /// Each sequence queued and the first position queued for it (its `filled` before).
+    seqs: Vec<(u64, usize)>,
 }
 
 /// A small host table's copy on the GPU, uploaded again only when it changes: a step's
@@ -258,6 +260,7 @@ impl KvMirror {
             (self.reads.q8, self.reads.layer) = (q8, layer);
         }
         let reads = &mut self.reads;
+        reads.seqs.push((key, range.start));
         reads.rows.extend(places.iter().map(|p| p.addr));
         reads.strides.extend(places.iter().map(|p| p.stride));
         reads.slots.extend(range.map(|pos| self.pages.slot(key, pos)));
@@ -271,7 +274,7 @@ impl KvMirror {
         if self.reads.rows.is_empty() {
             return Ok(());
         }
-        let ArenaReads { rows, strides, slots, layer, q8 } = std::mem::take(&mut self.reads);
+        let ArenaReads { rows, strides, slots, layer, q8, .. } = std::mem::take(&mut self.reads);
         let stream = &kern.stream;
         let (rows, strides, slots) = (
             stream.clone_htod(&rows).map_err(CudaError::from)?,
@@ -395,14 +398,26 @@ impl KvMirror {
         })
     }
 
-    /// Runs a call's body; if it fails, the reads it queued are dropped (the step fails, and
-    /// its sequences are released: nothing may write into pages they no longer hold).
+    /// Runs a call's body; if it fails, the reads it queued are dropped, and so are any a
+    /// call left queued by panicking (nothing may write into pages whose owners may have
+    /// changed since).
     fn calling<T>(&mut self, body: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        self.drop_reads();
         let r = body(self);
         if r.is_err() {
-            self.reads = ArenaReads::default();
+            self.drop_reads();
         }
         r
+    }
+
+    /// Forgets the queued reads: their sequences' layer is mirrored only up to where they
+    /// began.
+    fn drop_reads(&mut self) {
+        let reads = std::mem::take(&mut self.reads);
+        for (key, from) in reads.seqs {
+            let filled = self.pages.filled(key, reads.layer);
+            self.pages.set_filled(key, reads.layer, filled.min(from));
+        }
     }
 
     /// Uploads what the mirror lacks and launches the attention of the items whose sequences
