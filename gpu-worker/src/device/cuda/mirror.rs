@@ -110,8 +110,9 @@ pub struct KvMirror {
     target_blocks: usize,
     /// The launches' small tables, kept on the GPU from one layer to the next.
     tables: Tables,
-    /// Rows (a position of one layer each) uploaded from the host since [`Self::take_uploaded`]:
-    /// what the mirror lacked when asked to attend.
+    /// Rows (a position of one layer each) brought in since [`Self::take_uploaded`], read by
+    /// the GPU from the arenas or uploaded by the host: what the mirror lacked when asked to
+    /// attend.
     uploaded: u64,
     /// Rows the GPU is to read from the arenas, gathered over a call's sequences so that
     /// the call makes one launch for them all ([`KvMirror::flush_reads`]).
