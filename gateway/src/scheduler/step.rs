@@ -109,11 +109,12 @@ impl Scheduler {
             // Resumed: it runs again (a request that merely waits for step budget is not paused).
             seq.paused_since = None;
             let held_tokens = if std::mem::take(&mut seq.restore) && start > 0 { seq.kv_tokens[..start.min(seq.kv_tokens.len())].to_vec() } else { Vec::new() };
+            let footprint = (start + n).next_multiple_of(GPU_KV_PAGE);
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
-            } else if prompt_mirror + (start + n).next_multiple_of(GPU_KV_PAGE) <= self.cfg.gpu_kv_positions {
+            } else if prompt_mirror + footprint <= self.cfg.gpu_kv_positions {
                 // (A prompt longer than the mirror is attended on the host: it takes none.)
-                prompt_mirror += (start + n).next_multiple_of(GPU_KV_PAGE);
+                prompt_mirror += footprint;
             }
             let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };
             let sample = fed_sampled || seq.queued + n == seq.pending.len();

@@ -78,9 +78,12 @@ impl FakeGpu {
             st.seqs.remove(id);
             st.last_sampled.remove(id);
         }
-        let on_gpu = |s: &pb::SequenceStep| match s.attention.iter().filter(|a| a.cpu_worker.is_none()).map(|a| a.end as usize).max() {
-            _ if s.attention.is_empty() => s.start_pos as usize + s.tokens.len().max(1),
-            end => end.unwrap_or(0),
+        // Positions the GPU attends: the whole context without shares, else to its share's end.
+        let on_gpu = |s: &pb::SequenceStep| {
+            if s.attention.is_empty() {
+                return s.start_pos as usize + s.tokens.len().max(1);
+            }
+            s.attention.iter().filter(|a| a.cpu_worker.is_none()).map(|a| a.end as usize).max().unwrap_or(0)
         };
         let pages = req.sequences.iter().map(|s| on_gpu(s).div_ceil(duet_kv::GPU_KV_PAGE)).sum();
         let mixed = req.sequences.iter().any(|s| s.tokens.len() > 1) && req.sequences.iter().any(|s| s.tokens.len() <= 1);
