@@ -12,7 +12,6 @@ use duet_kv::shm::job::{caught, JobError};
 use duet_model::config::LlamaConfig;
 use duet_model::experts::{ExpertBank, ExpertTensors};
 use duet_model::gguf::GgufFile;
-use rayon::prelude::*;
 
 use crate::CpuWorkerError;
 
@@ -84,18 +83,17 @@ pub fn compute(job: &ExpertJob, bank: &ExpertBank) -> Vec<f32> {
     let mut experts: Vec<u32> = job.items.iter().map(|it| it.expert).collect();
     experts.sort_unstable();
     experts.dedup();
-    let per_expert: Vec<(u32, Vec<usize>, Vec<f32>)> = experts
-        .into_par_iter()
-        .map(|e| {
-            let items: Vec<usize> = job.items.iter().enumerate().filter(|(_, it)| it.expert == e).map(|(i, _)| i).collect();
-            let xs: Vec<f32> = items.iter().flat_map(|&i| job.rows[job.items[i].row as usize * d..][..d].iter().copied()).collect();
-            let out = bank.mlp(job.layer as usize, e as usize, &xs).expect("held experts checked");
-            (e, items, out)
-        })
+    // Per expert: the items routed to it, and their rows.
+    let items: Vec<Vec<usize>> = experts.iter().map(|&e| (0..job.items.len()).filter(|&i| job.items[i].expert == e).collect()).collect();
+    let jobs: Vec<(usize, Vec<f32>)> = experts
+        .iter()
+        .zip(&items)
+        .map(|(&e, its)| (e as usize, its.iter().flat_map(|&i| job.rows[job.items[i].row as usize * d..][..d].iter().copied()).collect()))
         .collect();
+    let outs = bank.mlp_each(job.layer as usize, &jobs).expect("held experts checked");
     let mut out = vec![0f32; job.items.len() * d];
-    for (_, items, o) in per_expert {
-        for (&i, row) in items.iter().zip(o.chunks_exact(d)) {
+    for (its, o) in items.iter().zip(outs) {
+        for (&i, row) in its.iter().zip(o.chunks_exact(d)) {
             out[i * d..(i + 1) * d].copy_from_slice(&scaled(row, job.items[i].weight));
         }
     }

@@ -130,14 +130,14 @@ impl HostExperts {
         }
         // Each held expert once, on the rows routed to it; then each row's parts in choice order.
         let mut parts: Vec<Vec<Vec<f32>>> = routes.iter().map(|r| vec![Vec::new(); r.len()]).collect();
-        for ex in (0..e.n_expert).filter(|&ex| held(ex)) {
-            let rows = routed_to(ex);
-            if rows.is_empty() {
-                continue;
-            }
-            let xs: Vec<f32> = rows.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
-            let out = self.bank.mlp(l, ex, &xs).expect("the bank holds it");
-            for (&(t, k), o) in rows.iter().zip(out.chunks_exact(d)) {
+        let mine: Vec<Vec<(usize, usize)>> = (0..e.n_expert).map(|ex| if held(ex) { routed_to(ex) } else { Vec::new() }).collect();
+        let jobs: Vec<(usize, Vec<f32>)> = (0..e.n_expert)
+            .filter(|&ex| !mine[ex].is_empty())
+            .map(|ex| (ex, mine[ex].iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect()))
+            .collect();
+        let outs = self.bank.mlp_each(l, &jobs).expect("the bank holds them");
+        for ((ex, _), out) in jobs.iter().zip(outs) {
+            for (&(t, k), o) in mine[*ex].iter().zip(out.chunks_exact(d)) {
                 parts[t][k] = mlp::scaled(o, routes[t][k].1);
             }
         }
