@@ -72,6 +72,15 @@ impl Input {
         v.iter().for_each(|x| self.0.extend(x.to_le_bytes()));
         self
     }
+    /// Where each position `(block, slot)` of `slots` lies in an arena of `layout`
+    /// (`ArenaLayout::slot_runs`), as the in-place K/V kernels take it: every run offset,
+    /// then every stride between runs, u64 each.
+    fn slot_runs(&mut self, layout: &duet_kv::ArenaLayout, slots: impl Iterator<Item = (u32, usize)>) -> &mut Self {
+        let places: Vec<(usize, usize)> = slots.map(|(b, s)| layout.slot_runs(duet_kv::BlockId(b), s)).collect();
+        places.iter().for_each(|&(o, _)| self.0.extend((o as u64).to_le_bytes()));
+        places.iter().for_each(|&(_, st)| self.0.extend((st as u64).to_le_bytes()));
+        self
+    }
 }
 
 /// Runs the harness on `input`: its output as 4-byte words.
@@ -399,10 +408,7 @@ fn the_kv_rows_the_gpu_writes_in_place_are_the_hosts() {
             let mut want = vec![0xabu8; total];
             let mut input = Input::default();
             input.i32(5).i32(slots.len()).i32(n_kv_head).i32(head_dim as usize).i32(layer as usize).i32(usize::from(dtype == KvDtype::Q8_0)).i32(total);
-            let places: Vec<(usize, usize)> = slots.iter().map(|&(b, s)| layout.slot_runs(BlockId(b), s)).collect();
-            places.iter().for_each(|&(o, _)| input.0.extend((o as u64).to_le_bytes()));
-            places.iter().for_each(|&(_, st)| input.0.extend((st as u64).to_le_bytes()));
-            input.f32s(&k).f32s(&v);
+            input.slot_runs(&layout, slots.iter().copied()).f32s(&k).f32s(&v);
             for (r, &(b, slot)) in slots.iter().enumerate() {
                 for h in 0..n_kv_head {
                     for (offset, src) in [(layout.k_offset(BlockId(b), layer, h as u32), &k), (layout.v_offset(BlockId(b), layer, h as u32), &v)] {
@@ -458,9 +464,7 @@ fn the_rows_the_mirror_reads_from_the_arenas_are_what_the_host_uploads() {
             input.i32(9).i32(rows.len()).i32(n_kv_head).i32(hd).i32(layers).i32(layer as usize);
             input.i32(usize::from(dtype == KvDtype::Q8_0)).i32(n_pages).i32(PAGE).i32(total);
             input.0.extend(&arena);
-            let places: Vec<(usize, usize)> = rows.iter().map(|&(b, s, _)| layout.slot_runs(BlockId(b), s)).collect();
-            places.iter().for_each(|&(o, _)| input.0.extend((o as u64).to_le_bytes()));
-            places.iter().for_each(|&(_, st)| input.0.extend((st as u64).to_le_bytes()));
+            input.slot_runs(&layout, rows.iter().map(|&(b, s, _)| (b, s)));
             input.i32s(&rows.iter().map(|&(.., slot)| slot as i32).collect::<Vec<_>>());
             let mut want = vec![0xababu16; n_pages * page_elems];
             let mut widened = vec![0f32; hd];
