@@ -150,6 +150,7 @@ pub fn step(t: &pb::StepTimings, predicted_s: f64, error: Option<(f64, f64)>) {
         ("gpu-worker", "linear", t.linear_ns),
         ("gpu-worker", "kv_write", t.kv_write_ns),
         ("gpu-worker", "attention", t.attention_gpu_ns),
+        ("gpu-worker", "kv_upload", t.gpu_kv_upload_ns),
         ("gpu-worker", "merge", t.merge_ns),
         ("gpu-worker", "sample", t.sample_ns),
         ("cpu-workers", "attention_wait", t.attention_wait_ns),

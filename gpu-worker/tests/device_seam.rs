@@ -39,11 +39,19 @@ struct Calls {
     layers_on_device: AtomicUsize,
     /// Of those, the layers whose attention time `take_attention_ns` has not yet given.
     untimed_layers: AtomicUsize,
+    /// The KV upload time `take_kv_upload_ns` has not yet given (ns).
+    upload_ns: AtomicUsize,
 }
 
 /// The attention time the test device reports per layer done wholly on it, as the CUDA
 /// device's events would.
 const ATTENTION_NS_PER_LAYER: u64 = 1_000;
+
+/// The KV upload time the test device reports per decode attention call (1 ns, within any
+/// call's measured time), and on top of it per layer done wholly on it, as the CUDA device's
+/// mirror would for rows it lacked.
+const UPLOAD_NS_PER_CALL: usize = 1;
+const UPLOAD_NS_PER_WHOLE_LAYER: usize = 100;
 
 impl Calls {
     fn snapshot(&self) -> [usize; 9] {
@@ -94,6 +102,7 @@ impl Device for Counting {
     }
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch> {
         bump(&self.calls.start_batch, 1);
+        self.calls.upload_ns.store(0, Ordering::Relaxed);
         self.inner.start_batch(tokens, positions, logit_rows)
     }
     fn hidden(&self, batch: &Self::Batch) -> Result<Vec<f32>> {
@@ -118,6 +127,7 @@ impl Device for Counting {
     fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
         bump(&self.calls.decode_attention, 1);
         bump(&self.calls.decode_items, items.len());
+        bump(&self.calls.upload_ns, UPLOAD_NS_PER_CALL);
         self.inner.decode_attention(layer, qkv, items, kv)
     }
     fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
@@ -134,6 +144,7 @@ impl Device for Counting {
         }
         bump(&self.calls.layers_on_device, 1);
         bump(&self.calls.untimed_layers, 1);
+        bump(&self.calls.upload_ns, UPLOAD_NS_PER_WHOLE_LAYER);
         let qkv = self.qkv(layer, batch)?;
         self.store_kv(layer, &qkv, &mut *kv)?;
         let mut out = vec![0f32; qkv.q.len()];
@@ -155,6 +166,9 @@ impl Device for Counting {
     fn take_attention_ns(&self) -> Result<Option<u64>> {
         let layers = self.calls.untimed_layers.swap(0, Ordering::Relaxed) as u64;
         Ok((layers > 0).then_some(layers * ATTENTION_NS_PER_LAYER))
+    }
+    fn take_kv_upload_ns(&self) -> Result<u64> {
+        Ok(self.calls.upload_ns.swap(0, Ordering::Relaxed) as u64)
     }
     fn greedy_tokens(&self, batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
         if !self.greedy_on_device {
@@ -350,15 +364,20 @@ fn whole_layers_on_the_device_compute_what_the_layer_calls_do() {
     run(1, vec![part(1, 0, &PROMPT, 0..1, 0)]);
     for i in 0..GENERATED - 2 {
         // The device's attention time (its GPU events) is the step's GPU attention, for the
-        // balancer's fit, and not part of the linear layers' time.
+        // balancer's fit, and not part of the linear layers' time; its KV uploads are apart
+        // from both.
         let t = run(2 + i as u64, vec![part(1, PROMPT.len() + i, &[], 0..0, 0)]);
         assert_eq!((t.attention_gpu_ns, t.gpu_attention_positions), (n_layer as u64 * ATTENTION_NS_PER_LAYER, (PROMPT.len() + i + 1) as u64));
-        assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns);
+        assert_eq!(t.gpu_kv_upload_ns, (n_layer * (UPLOAD_NS_PER_WHOLE_LAYER + UPLOAD_NS_PER_CALL)) as u64);
+        assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns - t.gpu_kv_upload_ns);
     }
     assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1));
     let at = PROMPT.len() + GENERATED - 2;
     let shares = [0..3, 3..at + 1].map(|r| pb::AttentionShare { cpu_worker: None, start: r.start as u32, end: r.end as u32 });
-    run(GENERATED as u64, vec![pb::SequenceStep { attention: shares.to_vec(), ..part(1, at, &[], 0..0, 0) }]);
+    let t = run(GENERATED as u64, vec![pb::SequenceStep { attention: shares.to_vec(), ..part(1, at, &[], 0..0, 0) }]);
+    // A split step's attention is timed by the host, uploads included: they come out of it.
+    assert_eq!(t.gpu_kv_upload_ns, (n_layer * UPLOAD_NS_PER_CALL) as u64);
+    assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns - t.gpu_kv_upload_ns);
     assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1), "a split step goes the usual way");
     let got_bits: Vec<(u32, u32)> = got.iter().map(|&(id, lp)| (id, lp.to_bits())).collect();
     assert_eq!(got_bits[..GENERATED - 1], bits(&want)[..GENERATED - 1]);

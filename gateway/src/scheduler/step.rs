@@ -200,7 +200,7 @@ impl Scheduler {
                 if let Some(t) = &resp.timings {
                     self.stats.observe(t, f.decodes.then_some(f.predicted_s));
                     metrics::step(t, f.predicted_s, self.stats.prediction_error());
-                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted_s * 1e6) as u64, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, wait_us = t.attention_wait_ns / 1000, kv_write_us = t.kv_write_ns / 1000, merge_us = t.merge_ns / 1000, sample_us = t.sample_ns / 1000, experts_wait_us = t.experts_wait_ns / 1000, experts_busy_us = t.cpu_workers.iter().map(|w| w.experts_busy_ns).sum::<u64>() / 1000, "step");
+                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted_s * 1e6) as u64, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, kv_upload_us = t.gpu_kv_upload_ns / 1000, wait_us = t.attention_wait_ns / 1000, kv_write_us = t.kv_write_ns / 1000, merge_us = t.merge_ns / 1000, sample_us = t.sample_ns / 1000, experts_wait_us = t.experts_wait_ns / 1000, experts_busy_us = t.cpu_workers.iter().map(|w| w.experts_busy_ns).sum::<u64>() / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
                 for (i, e) in found {

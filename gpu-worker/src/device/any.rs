@@ -90,6 +90,10 @@ impl Device for AnyDevice {
         on_device!(self, d => d.take_attention_ns())
     }
 
+    fn take_kv_upload_ns(&self) -> Result<u64> {
+        on_device!(self, d => d.take_kv_upload_ns())
+    }
+
     fn holds_all_experts(&self) -> bool {
         on_device!(self, d => d.holds_all_experts())
     }

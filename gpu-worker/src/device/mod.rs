@@ -384,6 +384,16 @@ pub trait Device: Send + Sync {
         Ok(None)
     }
 
+    /// Time the device spent since the last call filling its own KV copy with rows it lacked
+    /// (the CUDA device's mirror reading them from the arenas: a sequence it trimmed or
+    /// evicted, a share that grew), in nanoseconds; 0 where there was none. Taken when
+    /// [`Device::take_attention_ns`] is; a batch started drops what was not taken. The
+    /// executor reports it apart ([`pb::StepTimings::gpu_kv_upload_ns`]), so that the
+    /// balancer's per-position attention cost does not take in a cost of its plan changing.
+    fn take_kv_upload_ns(&self) -> Result<u64> {
+        Ok(0)
+    }
+
     /// Positions of KV the device keeps on the GPU for its own attention (the CUDA device's
     /// mirror; 0 where it attends on the host).
     fn gpu_kv_positions(&self) -> usize {

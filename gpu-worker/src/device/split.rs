@@ -108,6 +108,10 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         self.head.take_attention_ns()
     }
 
+    fn take_kv_upload_ns(&self) -> Result<u64> {
+        self.head.take_kv_upload_ns()
+    }
+
     fn holds_all_experts(&self) -> bool {
         self.head.holds_all_experts() && self.tail.holds_all_experts()
     }

@@ -312,9 +312,22 @@ impl<D: Device> Executor<D> {
         // The attention of layers computed wholly on the device, timed on the GPU: the
         // balancer learns the GPU's attention cost from it (else it would count as linear).
         // A failed query loses the figure, not the step.
+        let host_timed_attention = timings.attention_gpu_ns;
         match self.device.take_attention_ns() {
             Ok(ns) => timings.attention_gpu_ns += ns.unwrap_or(0),
             Err(e) => tracing::warn!("the device's attention time: {e}"),
+        }
+        // The rows its KV copy lacked, brought in (the balancer must not read them as a cost
+        // per position: a step after the plan changed uploaded 2M rows in 0.58 s, the next
+        // ones attended the same positions in 18 ms). Layers whose attention the host timed
+        // (split steps) waited for them within that time; the others within the linear
+        // layers' remainder.
+        match self.device.take_kv_upload_ns() {
+            Ok(ns) => {
+                timings.gpu_kv_upload_ns = ns;
+                timings.attention_gpu_ns -= ns.min(host_timed_attention);
+            }
+            Err(e) => tracing::warn!("the device's KV upload time: {e}"),
         }
 
         let t_sample = Instant::now();
@@ -364,7 +377,7 @@ impl<D: Device> Executor<D> {
         timings.total_ns = ns(t0.elapsed());
         timings.linear_ns = timings
             .total_ns
-            .saturating_sub(timings.kv_write_ns + timings.attention_gpu_ns + timings.attention_wait_ns + timings.merge_ns + timings.sample_ns);
+            .saturating_sub(timings.kv_write_ns + timings.attention_gpu_ns + timings.attention_wait_ns + timings.merge_ns + timings.sample_ns + timings.gpu_kv_upload_ns);
         pb::StepResponse { sampled, timings: Some(timings) }
     }
 

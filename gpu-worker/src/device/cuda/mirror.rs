@@ -114,6 +114,10 @@ pub struct KvMirror {
     /// the GPU from the arenas or uploaded by the host: what the mirror lacked when asked to
     /// attend.
     uploaded: u64,
+    /// The time of bringing those rows in since [`Self::take_upload_ns`]: events around each
+    /// read from the arenas, and the host's time uploading the rest.
+    upload_events: Vec<Timed>,
+    upload_host_ns: u64,
     /// Rows the GPU is to read from the arenas, gathered over a call's sequences so that
     /// the call makes one launch for them all ([`KvMirror::flush_reads`]).
     reads: ArenaReads,
@@ -185,6 +189,8 @@ impl KvMirror {
             target_blocks: 4 * sm_count.max(1),
             tables: Tables::default(),
             uploaded: 0,
+            upload_events: Vec::new(),
+            upload_host_ns: 0,
             reads: ArenaReads::default(),
         })
     }
@@ -192,6 +198,23 @@ impl KvMirror {
     /// Rows uploaded from the host since the last call.
     pub fn take_uploaded(&mut self) -> u64 {
         std::mem::take(&mut self.uploaded)
+    }
+
+    /// The time spent bringing rows in (reading them from the arenas on the GPU, uploading
+    /// them from the host) since the last call or [`Self::forget_upload_times`], in
+    /// nanoseconds; called when the GPU has done the work (after a step's last download).
+    pub fn take_upload_ns(&mut self) -> Result<u64, CudaError> {
+        let mut ms = 0f64;
+        for (start, end) in std::mem::take(&mut self.upload_events) {
+            ms += f64::from(start.elapsed_ms(&end)?);
+        }
+        Ok((ms * 1e6) as u64 + std::mem::take(&mut self.upload_host_ns))
+    }
+
+    /// Drops the upload times not taken (a batch nobody took them of).
+    pub fn forget_upload_times(&mut self) {
+        self.upload_events.clear();
+        self.upload_host_ns = 0;
     }
 
     /// Positions the mirror holds, all sequences together.
@@ -277,6 +300,8 @@ impl KvMirror {
         }
         let ArenaReads { rows, strides, slots, layer, q8, .. } = std::mem::take(&mut self.reads);
         let stream = &kern.stream;
+        let event = || stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
+        let start = event()?;
         let (rows, strides, slots) = (
             stream.clone_htod(&rows).map_err(CudaError::from)?,
             stream.clone_htod(&strides).map_err(CudaError::from)?,
@@ -284,12 +309,14 @@ impl KvMirror {
         );
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         kern.arena_to_mirror(&rows, &strides, &slots, (n_kv_head, head_dim, layer, q8), &mut self.pool, self.page_elems, PAGE)?;
+        self.upload_events.push((start, event()?));
         Ok(())
     }
 
     /// Positions `range` (reserved) of `layer` gathered and widened on the host from `kv`'s
     /// runs, uploaded and stored.
     fn upload(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, range: Range<usize>, kv: &dyn KvSource) -> Result<()> {
+        let t = Instant::now();
         let (from, end) = (range.start, range.end);
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         let kv_dim = n_kv_head * head_dim;
@@ -316,6 +343,7 @@ impl KvMirror {
         let slots: Vec<i32> = (from..end).map(|pos| self.pages.slot(key, pos)).collect();
         let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
         self.store_rows(kern, layer, (&k, &v), slots)?;
+        self.upload_host_ns += t.elapsed().as_nanos() as u64;
         Ok(())
     }
 

@@ -588,6 +588,9 @@ impl Device for CudaDevice {
         check_batch(&self.m.config, tokens, positions, logit_rows)?;
         // Events of a batch nobody took them of (the runner's, a failed step's) go.
         self.attention_events.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        if let Some(m) = &self.mirror {
+            m.lock().unwrap_or_else(|p| p.into_inner()).forget_upload_times();
+        }
         let t = Instant::now();
         let n = tokens.len();
         let ids = self.stream().clone_htod(tokens).map_err(CudaError::from)?;
@@ -624,6 +627,13 @@ impl Device for CudaDevice {
             ms += f64::from(start.elapsed_ms(end).map_err(CudaError::from)?);
         }
         Ok(Some((ms * 1e6) as u64))
+    }
+
+    fn take_kv_upload_ns(&self) -> Result<u64> {
+        match &self.mirror {
+            Some(m) => Ok(m.lock().unwrap_or_else(|p| p.into_inner()).take_upload_ns()?),
+            None => Ok(0),
+        }
     }
 
     fn gpu_kv_positions(&self) -> usize {
