@@ -13,7 +13,7 @@
 //!   quantisation streams fewer bytes but multiplies in fp16; above 8 rows (the CUDA device's
 //!   `MV_PASS_ROWS`) a quantised weight is dequantised to f16 for cuBLAS on every step: its
 //!   bytes read, and 2 bytes a parameter written and read again, at the same bandwidth.
-//! - GPU attention per KV position = KV bytes per position / min(bandwidth · 0.8, 5.6 GB/s per
+//! - GPU attention per KV position = KV bytes per position / min(bandwidth · 0.8, 7 GB/s per
 //!   multiprocessor): Duet's decode-attention kernel on the mirror as an H200 measured it; the GPU only
 //!   attends KV in its own memory (the `gpu` policy's whole KV, or the mirrored prefix of
 //!   `ratio`/`lp`); reading host memory over PCIe would be 10–50x slower and is never chosen.
@@ -59,11 +59,15 @@ pub struct Assumptions {
     pub gpu_bandwidth_fraction: f64,
     /// K/V bytes a second one multiprocessor reads in Duet's decode attention on the KV
     /// mirror (`attn_partial`), up to `gpu_bandwidth_fraction` of the GPU's bandwidth.
-    /// Measured on an H200 (132 multiprocessors; 2026-11-28, the Llama-3.2-1B shape served
-    /// under a 16 GB cap, docs/cuda-device.md): 20.6 ms a step for 57 sessions at depth 8 192
-    /// (15.3 GB of K/V: 740 GB/s), 7.6 ms for 16 at 8 192 and 3.25 ms for 64 at 1 024 — 12–16 %
-    /// of its 4.8 TB/s. 80 % of the bandwidth was assumed before, which put the attention of
-    /// GPU-only steps at a fifth of its measured time. The kernel, not the memory, sets this
+    /// Measured on an H200 (132 multiprocessors; 2026-11-28 evening, GPU-only steps served
+    /// under a 16 GB cap, docs/cuda-device.md, "fourth run"): the Llama-3.2-1B shape's 57
+    /// sessions at depth 8 192 read 15.3 GB of K/V in 13.1 ms (1.17 TB/s), 16 sessions 4.3 GB
+    /// in 5.2 ms (0.83 TB/s); the Llama-3.1-8B shape's 10 at 8 192 10.8 GB in 11.9 ms
+    /// (0.91 TB/s), 2 at 32 768 8.6 GB in 6.2 ms (1.40 TB/s). 7 GB/s a multiprocessor (0.92
+    /// TB/s) puts those steps and the ones of 16–64 rows at depth 1 024 within −12..+19 %. An
+    /// earlier run's 5.6 (20.6 ms for the 57 sessions) had the mirror evicting the step's own
+    /// sequences; 80 % of the bandwidth, assumed first, put the attention of GPU-only steps at
+    /// a fifth of its measured time. The kernel, not the memory, sets this
     /// (each thread reads its own K row), so it scales with the multiprocessors: a GPU with less
     /// bandwidth for each (a T4: 8 GB/s, against the H200's 36) loses less of it.
     pub gpu_attention_bytes_per_sm: f64,
@@ -118,7 +122,7 @@ impl Default for Assumptions {
     fn default() -> Self {
         Assumptions {
             gpu_bandwidth_fraction: 0.8,
-            gpu_attention_bytes_per_sm: 5.6e9,
+            gpu_attention_bytes_per_sm: 7e9,
             gpu_flops_fraction: 0.6,
             matvec_max_rows: 8,
             gpu_memory_utilization: 0.9,
