@@ -13,6 +13,8 @@
 #          1B and 8B shapes under the 16 GB cap (the CUDA issue's table; the depths made up by
 #          --synthetic-prefill, so that 64 x 32K opens in seconds): table-1b, table-8b and
 #          table-8b-32k, one call each (a step stops at 540 s);
+#   prefill  the table's prefill column: real prompts of 1K, 8K and 32K, 1, 16 and 64 sessions
+#          (prefill-1b, prefill-8b, prefill-8b-32k; one call each);
 #   session  what one session's 15 minutes of device time fit (tests, then the 1B and 8B
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
@@ -189,8 +191,8 @@ run_speed() { # DEVICE MODEL [GPU_LAYERS]
 }
 
 # The served system: 1, 16 and 64 streams (or CONCURRENCY) at context 1K (or each of the
-# comma-separated CONTEXTS, one server for all), policies cpu, gpu and lp, 64 tokens each
-# (or BENCH_TOKENS).
+# comma-separated CONTEXTS, one server for all), policies cpu, gpu and lp (or POLICIES), 64
+# tokens each (or BENCH_TOKENS).
 serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
   # The step log (linear layers, attention, waits per step), the device's phases every 64
   # steps and the KV mirror's uploads (each step that made some) show where a step's time goes.
@@ -211,7 +213,7 @@ serve_bench() { # MODEL KV_BYTES [CONTEXTS] [CONCURRENCY] [GATEWAY FLAGS]
   grep -o 'kv_tokens=[0-9]* gpu_kv_tokens=[0-9]*' "$logs/$STEP-server.log" | head -1
   [ -n "$gpu_kv" ] || echo "no serving line with gpu_kv_tokens in the server's log: no GPU-only fit runs"
   for ctx in $(echo "${3:-1024}" | tr , ' '); do
-    "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "$levels" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies cpu,gpu,lp || rc=$?
+    "$kit/duet" bench --addr 127.0.0.1:18091 --concurrency "$levels" --context "$ctx" --max-tokens "${BENCH_TOKENS:-64}" --policies "${POLICIES:-cpu,gpu,lp}" || rc=$?
     # With GPU_FIT=1: the most sessions of this depth the mirror holds (GPU-only), each
     # rounded up to blocks, under gpu and lp: GPU-only at its largest against the hybrid.
     fit=$(( ${gpu_kv:-0} / (ctx + ${BENCH_TOKENS:-64} + 32) ))
@@ -249,6 +251,8 @@ expand() {
     bench) echo speed-1b speed-8b speed-8b-split serve-bench-1b serve-bench-8b ;;
     # The CUDA issue's table: decode at depth (made-up prompts' K/V); one call each.
     table) echo table-1b table-8b table-8b-32k ;;
+    # The table's prefill column: real prompts at each depth, the time to open the sessions.
+    prefill) echo prefill-1b prefill-8b prefill-8b-32k ;;
     # What a session lent 15 minutes of device time runs in its first call (~4.5 minutes on an
     # H200): every test, the 1B shape's speed and serving, and 16 x 8K of the 8B shape over
     # the mirror; then `table-1b` in a call of its own.
@@ -289,6 +293,13 @@ for s in $(for g in $steps; do expand "$g"; done); do
     table-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-1b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" "$(kv_fit 66)" 1024,8192,32768 1,16,64 --synthetic-prefill ;;
     table-8b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 1024,8192 1,16,64 --synthetic-prefill ;;
     table-8b-32k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step table-8b-32k env BENCH_TOKENS=16 GPU_FIT=1 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 32768 1,16 --synthetic-prefill ;;
+    # Prefill tok/s at depth (the table's decode is timed over made-up K/V): every prompt
+    # computed, 1, 16 and 64 sessions of 1K, 8K and 32K (the 8B shape's 32K: 1 and 16, its
+    # 64 x 32K exceeding the arena), 4 tokens each under lp only; the bench's "opened N
+    # sessions of C tokens in S s" lines are the prefill rates. One call each.
+    prefill-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-1b env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" "$(kv_fit 66)" 1024,8192,32768 1,16,64 ;;
+    prefill-8b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-8b env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 1024,8192 1,16,64 ;;
+    prefill-8b-32k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-8b-32k env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 32768 1,16 ;;
     # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host
     # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.
     speed-moe) step speed-moe run_speed cuda "$(model olmoe-1b-7b q4_k_m)" ;;
@@ -318,7 +329,7 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # 16 GB cap (~80K): gpu alone against the cpu-workers' and lp's split.
     # ~200 s of prefill before its decode: its own longer limit.
     serve-8b-16x8k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-420} step serve-8b-16x8k serve_bench "$(model llama-3.1-8b q4_k_m)" 24G 8192 16 ;;
-    *) echo "unknown step $s (groups: tests, bench)" >&2; exit 2 ;;
+    *) echo "unknown step $s (groups: tests, bench, table, prefill, session)" >&2; exit 2 ;;
   esac
 done
 
