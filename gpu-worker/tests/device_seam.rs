@@ -14,7 +14,7 @@ use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 use duet_model::testutil::model_path;
 use duet_gpu_worker::device::cpu::CpuDevice;
-use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
+use duet_gpu_worker::device::{DecodeItem, Device, KvSink, KvSource, KvStore, KvUploadTime, Partial, PrefillItem, Qkv, RemoteExperts};
 use duet_gpu_worker::error::Result;
 use duet_gpu_worker::runner::{Runner, GenerateRequest};
 use duet_gpu_worker::sampler::{argmax, SamplingParams};
@@ -39,19 +39,20 @@ struct Calls {
     layers_on_device: AtomicUsize,
     /// Of those, the layers whose attention time `take_attention_ns` has not yet given.
     untimed_layers: AtomicUsize,
-    /// The KV upload time `take_kv_upload_ns` has not yet given (ns).
-    upload_ns: AtomicUsize,
+    /// The KV upload time the device reports, as the CUDA device's mirror would for rows it
+    /// lacked: per layer done wholly on it, and per attention call the executor makes (ns).
+    upload_per_whole_layer: AtomicUsize,
+    upload_per_attention_call: AtomicUsize,
+    /// What `take_kv_upload_time` has not yet given: in whole layers, in attention calls.
+    uploaded_in_whole_layers: AtomicUsize,
+    uploaded_in_attention_calls: AtomicUsize,
+    /// A whole layer is running (its attention calls are not the executor's).
+    in_whole_layer: std::sync::atomic::AtomicBool,
 }
 
 /// The attention time the test device reports per layer done wholly on it, as the CUDA
 /// device's events would.
 const ATTENTION_NS_PER_LAYER: u64 = 1_000;
-
-/// The KV upload time the test device reports per decode attention call (1 ns, within any
-/// call's measured time), and on top of it per layer done wholly on it, as the CUDA device's
-/// mirror would for rows it lacked.
-const UPLOAD_NS_PER_CALL: usize = 1;
-const UPLOAD_NS_PER_WHOLE_LAYER: usize = 100;
 
 impl Calls {
     fn snapshot(&self) -> [usize; 9] {
@@ -80,9 +81,10 @@ struct Counting {
     inner: CpuDevice,
     calls: Arc<Calls>,
     greedy_on_device: bool,
-    /// Takes whole layers ([`Device::layer_on_device`]), as the CUDA device does, by making
-    /// the same calls itself.
-    whole_layers: bool,
+    /// Takes this many first layers whole ([`Device::layer_on_device`]; `usize::MAX`: all),
+    /// as the CUDA device does (with `--gpu-layers`, the GPU's), by making the same calls
+    /// itself.
+    whole_layers: usize,
 }
 
 impl Device for Counting {
@@ -102,7 +104,8 @@ impl Device for Counting {
     }
     fn start_batch(&self, tokens: &[u32], positions: &[usize], logit_rows: &[usize]) -> Result<Self::Batch> {
         bump(&self.calls.start_batch, 1);
-        self.calls.upload_ns.store(0, Ordering::Relaxed);
+        self.calls.uploaded_in_whole_layers.store(0, Ordering::Relaxed);
+        self.calls.uploaded_in_attention_calls.store(0, Ordering::Relaxed);
         self.inner.start_batch(tokens, positions, logit_rows)
     }
     fn hidden(&self, batch: &Self::Batch) -> Result<Vec<f32>> {
@@ -127,7 +130,9 @@ impl Device for Counting {
     fn decode_attention(&self, layer: usize, qkv: &Qkv, items: &[DecodeItem], kv: &dyn KvSource) -> Result<Vec<Partial>> {
         bump(&self.calls.decode_attention, 1);
         bump(&self.calls.decode_items, items.len());
-        bump(&self.calls.upload_ns, UPLOAD_NS_PER_CALL);
+        if !self.calls.in_whole_layer.load(Ordering::Relaxed) {
+            bump(&self.calls.uploaded_in_attention_calls, self.calls.upload_per_attention_call.load(Ordering::Relaxed));
+        }
         self.inner.decode_attention(layer, qkv, items, kv)
     }
     fn finish_layer(&self, layer: usize, batch: &mut Self::Batch, attn: &[f32], remote: &mut dyn RemoteExperts) -> Result<()> {
@@ -139,12 +144,39 @@ impl Device for Counting {
         self.inner.logits(batch)
     }
     fn layer_on_device(&self, layer: usize, batch: &mut Self::Batch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
-        if !self.whole_layers {
+        if layer >= self.whole_layers {
             return Ok(false);
         }
         bump(&self.calls.layers_on_device, 1);
         bump(&self.calls.untimed_layers, 1);
-        bump(&self.calls.upload_ns, UPLOAD_NS_PER_WHOLE_LAYER);
+        bump(&self.calls.uploaded_in_whole_layers, self.calls.upload_per_whole_layer.load(Ordering::Relaxed));
+        self.calls.in_whole_layer.store(true, Ordering::Relaxed);
+        let done = self.whole_layer(layer, batch, items, kv, remote);
+        self.calls.in_whole_layer.store(false, Ordering::Relaxed);
+        done
+    }
+    fn take_attention_ns(&self) -> Result<Option<u64>> {
+        let layers = self.calls.untimed_layers.swap(0, Ordering::Relaxed) as u64;
+        Ok((layers > 0).then_some(layers * ATTENTION_NS_PER_LAYER))
+    }
+    fn take_kv_upload_time(&self) -> Result<KvUploadTime> {
+        let in_calls = self.calls.uploaded_in_attention_calls.swap(0, Ordering::Relaxed) as u64;
+        let whole = self.calls.uploaded_in_whole_layers.swap(0, Ordering::Relaxed) as u64;
+        Ok(KvUploadTime { total_ns: whole + in_calls, in_attention_calls_ns: in_calls })
+    }
+    fn greedy_tokens(&self, batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
+        if !self.greedy_on_device {
+            return Ok(None);
+        }
+        bump(&self.calls.greedy_tokens, 1);
+        let n_vocab = self.inner.config().n_vocab;
+        Ok(Some(self.inner.logits(batch)?.chunks_exact(n_vocab).map(argmax).collect()))
+    }
+}
+
+impl Counting {
+    /// A layer wholly on the device: the layer calls in turn.
+    fn whole_layer(&self, layer: usize, batch: &mut <CpuDevice as Device>::Batch, items: &[PrefillItem], kv: &mut dyn KvStore, remote: &mut dyn RemoteExperts) -> Result<bool> {
         let qkv = self.qkv(layer, batch)?;
         self.store_kv(layer, &qkv, &mut *kv)?;
         let mut out = vec![0f32; qkv.q.len()];
@@ -163,25 +195,10 @@ impl Device for Counting {
         self.finish_layer(layer, batch, &out, remote)?;
         Ok(true)
     }
-    fn take_attention_ns(&self) -> Result<Option<u64>> {
-        let layers = self.calls.untimed_layers.swap(0, Ordering::Relaxed) as u64;
-        Ok((layers > 0).then_some(layers * ATTENTION_NS_PER_LAYER))
-    }
-    fn take_kv_upload_ns(&self) -> Result<u64> {
-        Ok(self.calls.upload_ns.swap(0, Ordering::Relaxed) as u64)
-    }
-    fn greedy_tokens(&self, batch: &Self::Batch) -> Result<Option<Vec<u32>>> {
-        if !self.greedy_on_device {
-            return Ok(None);
-        }
-        bump(&self.calls.greedy_tokens, 1);
-        let n_vocab = self.inner.config().n_vocab;
-        Ok(Some(self.inner.logits(batch)?.chunks_exact(n_vocab).map(argmax).collect()))
-    }
 }
 
 fn counting(calls: &Arc<Calls>) -> impl FnOnce(Arc<GgufFile>) -> Result<Counting> + '_ {
-    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false, whole_layers: false })
+    move |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false, whole_layers: 0 })
 }
 
 const PROMPT: [u32; 5] = [504, 3575, 282, 4649, 314];
@@ -293,7 +310,7 @@ fn greedy_steps_take_the_tokens_the_device_finds() {
     let want: Vec<u32> = reference().iter().map(|r| r.0).collect();
     let calls = Arc::new(Calls::default());
     let file = Arc::new(GgufFile::open(model_path()).unwrap());
-    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: true, whole_layers: false };
+    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: true, whole_layers: 0 };
     let (mut ex, _segments) = support::executor_with_arena(device, "seam-greedy");
     let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap().sampled;
     // Two greedy sequences asking for no log-probabilities: their tokens come from the device
@@ -320,7 +337,7 @@ fn greedy_steps_take_the_tokens_the_device_finds() {
 fn the_runners_plain_greedy_generation_takes_the_tokens_the_device_finds() {
     let want: Vec<u32> = reference().iter().map(|r| r.0).collect();
     let calls = Arc::new(Calls::default());
-    let greedy = |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: true, whole_layers: false });
+    let greedy = |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: true, whole_layers: 0 });
     let engine = Runner::load_with(&model_path(), greedy).unwrap();
     // No log-probabilities asked for: every token from the device, no logits handed over.
     let req = GenerateRequest { prompt_ids: PROMPT.to_vec(), max_tokens: GENERATED, sampling: SamplingParams::default(), top_n: 0 };
@@ -341,7 +358,7 @@ fn whole_layers_on_the_device_compute_what_the_layer_calls_do() {
     let bits = |s: &[(u32, f64)]| s.iter().map(|&(id, lp)| (id, (lp as f32).to_bits())).collect::<Vec<_>>();
     // The runner: every layer of the prefill and of each decode token wholly on the device.
     let calls = Arc::new(Calls::default());
-    let whole = |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false, whole_layers: true });
+    let whole = |file| Ok(Counting { inner: CpuDevice::load(file, true)?, calls: calls.clone(), greedy_on_device: false, whole_layers: usize::MAX });
     let engine = Runner::load_with(&model_path(), whole).unwrap();
     let n_layer = engine.device.config().n_layer;
     assert_eq!(bits(&generate(&engine)), bits(&want));
@@ -350,7 +367,7 @@ fn whole_layers_on_the_device_compute_what_the_layer_calls_do() {
     // shares (split attention on the device) does not, and neither does an overlapped one.
     let calls = Arc::new(Calls::default());
     let file = Arc::new(GgufFile::open(model_path()).unwrap());
-    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: false, whole_layers: true };
+    let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls: calls.clone(), greedy_on_device: false, whole_layers: usize::MAX };
     let (mut ex, _segments) = support::executor_with_arena(device, "seam-whole");
     let mut got: Vec<(u32, f32)> = Vec::new();
     let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| {
@@ -364,22 +381,71 @@ fn whole_layers_on_the_device_compute_what_the_layer_calls_do() {
     run(1, vec![part(1, 0, &PROMPT, 0..1, 0)]);
     for i in 0..GENERATED - 2 {
         // The device's attention time (its GPU events) is the step's GPU attention, for the
-        // balancer's fit, and not part of the linear layers' time; its KV uploads are apart
-        // from both.
+        // balancer's fit, and not part of the linear layers' time.
         let t = run(2 + i as u64, vec![part(1, PROMPT.len() + i, &[], 0..0, 0)]);
         assert_eq!((t.attention_gpu_ns, t.gpu_attention_positions), (n_layer as u64 * ATTENTION_NS_PER_LAYER, (PROMPT.len() + i + 1) as u64));
-        assert_eq!(t.gpu_kv_upload_ns, (n_layer * (UPLOAD_NS_PER_WHOLE_LAYER + UPLOAD_NS_PER_CALL)) as u64);
-        assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns - t.gpu_kv_upload_ns);
+        assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns);
     }
     assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1));
     let at = PROMPT.len() + GENERATED - 2;
     let shares = [0..3, 3..at + 1].map(|r| pb::AttentionShare { cpu_worker: None, start: r.start as u32, end: r.end as u32 });
-    let t = run(GENERATED as u64, vec![pb::SequenceStep { attention: shares.to_vec(), ..part(1, at, &[], 0..0, 0) }]);
-    // A split step's attention is timed by the host, uploads included: they come out of it.
-    assert_eq!(t.gpu_kv_upload_ns, (n_layer * UPLOAD_NS_PER_CALL) as u64);
-    assert_eq!(t.linear_ns, t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns - t.gpu_kv_upload_ns);
+    run(GENERATED as u64, vec![pb::SequenceStep { attention: shares.to_vec(), ..part(1, at, &[], 0..0, 0) }]);
     assert_eq!(calls.layers_on_device.load(Ordering::Relaxed), n_layer * (GENERATED - 1), "a split step goes the usual way");
     let got_bits: Vec<(u32, u32)> = got.iter().map(|&(id, lp)| (id, lp.to_bits())).collect();
     assert_eq!(got_bits[..GENERATED - 1], bits(&want)[..GENERATED - 1]);
     assert_eq!(got[GENERATED - 1].0, want[GENERATED - 1].0);
+}
+
+#[test]
+fn the_kv_mirrors_upload_time_comes_out_of_where_it_was_timed() {
+    let n_steps = 4;
+    // steps(WHOLE, PER_WHOLE_LAYER, PER_CALL): a prompt, then decode steps of one sequence on a
+    // device that takes its first WHOLE layers whole and reports those upload times (ns).
+    let steps = |whole: usize, per_whole_layer: usize, per_call: usize, shares: bool| {
+        let calls = Arc::new(Calls::default());
+        calls.upload_per_whole_layer.store(per_whole_layer, Ordering::Relaxed);
+        calls.upload_per_attention_call.store(per_call, Ordering::Relaxed);
+        let file = Arc::new(GgufFile::open(model_path()).unwrap());
+        let device = Counting { inner: CpuDevice::load(file, true).unwrap(), calls, greedy_on_device: false, whole_layers: whole };
+        let n_layer = device.config().n_layer;
+        let (mut ex, _segments) = support::executor_with_arena(device, &format!("seam-up-{whole}-{per_call}"));
+        let mut run = |step: u64, sequences: Vec<pb::SequenceStep>| ex.step(&pb::StepRequest { step, sequences, released: Vec::new(), after_step: step - 1 }).unwrap().timings.unwrap();
+        run(1, vec![part(1, 0, &PROMPT, 0..1, 0)]);
+        let timings: Vec<pb::StepTimings> = (0..n_steps)
+            .map(|i| {
+                let at = PROMPT.len() + i;
+                let attention = if shares { [0..2, 2..at + 1].map(|r| pb::AttentionShare { cpu_worker: None, start: r.start as u32, end: r.end as u32 }).to_vec() } else { Vec::new() };
+                run(2 + i as u64, vec![pb::SequenceStep { attention, ..part(1, at, &[], 0..0, 0) }])
+            })
+            .collect();
+        (n_layer, timings)
+    };
+    let untimed = |t: &pb::StepTimings| t.total_ns - t.kv_write_ns - t.attention_gpu_ns - t.attention_wait_ns - t.merge_ns - t.sample_ns - t.gpu_kv_upload_ns;
+
+    // Layers wholly on the device: their uploads come out of the linear layers' remainder,
+    // never out of the attention its events timed.
+    let (n_layer, ts) = steps(usize::MAX, 1_000, 0, false);
+    for t in &ts {
+        assert_eq!((t.attention_gpu_ns, t.gpu_kv_upload_ns), (n_layer as u64 * ATTENTION_NS_PER_LAYER, n_layer as u64 * 1_000));
+        assert_eq!(t.linear_ns, untimed(t));
+    }
+    // The first half of the layers whole (the GPU's, `--gpu-layers`), the rest through the
+    // executor's attention calls: the whole layers' uploads (here longer than any step) must
+    // not come out of the host-timed attention of the others, which stays above the events'.
+    let (n_layer, ts) = steps(n_layer / 2, 1_000_000_000, 0, false);
+    for t in &ts {
+        assert!(t.attention_gpu_ns > (n_layer / 2) as u64 * ATTENTION_NS_PER_LAYER, "{t:?}");
+        assert_eq!(t.gpu_kv_upload_ns, (n_layer / 2) as u64 * 1_000_000_000);
+    }
+    // A split step: every layer through the executor's attention calls, which it times on
+    // the host, uploads included: they come out of it, and never take it below zero.
+    let (n_layer, ts) = steps(usize::MAX, 0, 1_000_000_000, true);
+    for t in &ts {
+        assert_eq!((t.attention_gpu_ns, t.gpu_kv_upload_ns), (0, n_layer as u64 * 1_000_000_000), "{t:?}");
+    }
+    let (_, ts) = steps(usize::MAX, 0, 1, true);
+    for t in &ts {
+        assert!(t.attention_gpu_ns > 0 && t.gpu_kv_upload_ns == n_layer as u64, "{t:?}");
+        assert_eq!(t.linear_ns, untimed(t));
+    }
 }

@@ -340,7 +340,8 @@ impl StepStats {
         for w in &t.cpu_workers {
             if let Some(fit) = self.cpu_attention.get_mut(w.worker as usize) {
                 if w.positions > 0 {
-                    let latency = if handover { w.busy_ns.max(t.attention_gpu_ns + t.attention_wait_ns) } else { w.busy_ns };
+                    // (The gpu-worker's own share as it ran, its KV mirror's uploads included.)
+                    let latency = if handover { w.busy_ns.max(t.attention_gpu_ns + t.gpu_kv_upload_ns + t.attention_wait_ns) } else { w.busy_ns };
                     fit.add(w.positions as f64, s(latency));
                 }
             }

@@ -9,7 +9,7 @@ use duet_proto::pb;
 use super::cpu::{CpuBatch, CpuDevice};
 use super::cuda::{CudaBatch, CudaDevice};
 use super::split::{SplitBatch, SplitDevice};
-use super::{DecodeItem, Device, HostMapping, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{DecodeItem, Device, HostMapping, KvSink, KvUploadTime, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 /// The CPU or the CUDA device, or the first layers on either and the rest on the CPU.
@@ -90,8 +90,8 @@ impl Device for AnyDevice {
         on_device!(self, d => d.take_attention_ns())
     }
 
-    fn take_kv_upload_ns(&self) -> Result<u64> {
-        on_device!(self, d => d.take_kv_upload_ns())
+    fn take_kv_upload_time(&self) -> Result<KvUploadTime> {
+        on_device!(self, d => d.take_kv_upload_time())
     }
 
     fn holds_all_experts(&self) -> bool {

@@ -290,6 +290,19 @@ pub trait KvStore: KvSink + KvSource {}
 
 impl<T: KvSink + KvSource> KvStore for T {}
 
+/// The time a device spent bringing rows into its own KV copy ([`Device::take_kv_upload_time`]),
+/// in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvUploadTime {
+    /// All of it.
+    pub total_ns: u64,
+    /// The part spent inside [`Device::decode_attention`] and [`Device::prefill_attention`]
+    /// calls, which the executor times on the host as the device's attention; the rest came
+    /// in layers the device computed wholly ([`Device::layer_on_device`]), where it falls in
+    /// the linear layers' remainder.
+    pub in_attention_calls_ns: u64,
+}
+
 pub use crate::error::KvAccessError;
 pub use duet_kv::shm::expert_job::ExpertItem;
 
@@ -385,13 +398,14 @@ pub trait Device: Send + Sync {
     }
 
     /// Time the device spent since the last call filling its own KV copy with rows it lacked
-    /// (the CUDA device's mirror reading them from the arenas: a sequence it trimmed or
-    /// evicted, a share that grew), in nanoseconds; 0 where there was none. Taken when
-    /// [`Device::take_attention_ns`] is; a batch started drops what was not taken. The
-    /// executor reports it apart ([`pb::StepTimings::gpu_kv_upload_ns`]), so that the
-    /// balancer's per-position attention cost does not take in a cost of its plan changing.
-    fn take_kv_upload_ns(&self) -> Result<u64> {
-        Ok(0)
+    /// (the CUDA device's mirror: a sequence it trimmed or evicted, a share that grew; read
+    /// by the GPU from the arenas it maps, timed by events, or uploaded by the host, timed by
+    /// the host); zero where there was none. Taken when [`Device::take_attention_ns`] is; a
+    /// batch started drops what was not taken. The executor reports it apart
+    /// ([`pb::StepTimings::gpu_kv_upload_ns`]), so that the balancer's per-position attention
+    /// cost does not take it in.
+    fn take_kv_upload_time(&self) -> Result<KvUploadTime> {
+        Ok(KvUploadTime::default())
     }
 
     /// Positions of KV the device keeps on the GPU for its own attention (the CUDA device's

@@ -14,7 +14,7 @@ use duet_model::config::LlamaConfig;
 use duet_proto::pb;
 
 use super::expert_usage::RoutedTokens;
-use super::{DecodeItem, Device, HostMapping, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{DecodeItem, Device, HostMapping, KvSink, KvUploadTime, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{GpuWorkerError, Result};
 
 /// Layers `0..N` on `head`, `N..` on `tail`.
@@ -108,8 +108,8 @@ impl<H: Device, T: Device> Device for SplitDevice<H, T> {
         self.head.take_attention_ns()
     }
 
-    fn take_kv_upload_ns(&self) -> Result<u64> {
-        self.head.take_kv_upload_ns()
+    fn take_kv_upload_time(&self) -> Result<KvUploadTime> {
+        self.head.take_kv_upload_time()
     }
 
     fn holds_all_experts(&self) -> bool {

@@ -319,13 +319,13 @@ impl<D: Device> Executor<D> {
         }
         // The rows its KV copy lacked, brought in (the balancer must not read them as a cost
         // per position: a step after the plan changed uploaded 2M rows in 0.58 s, the next
-        // ones attended the same positions in 18 ms). Layers whose attention the host timed
-        // (split steps) waited for them within that time; the others within the linear
+        // ones attended the same positions in 18 ms). Those of its attention calls are in the
+        // attention the host timed; the rest (layers wholly on the device) in the linear
         // layers' remainder.
-        match self.device.take_kv_upload_ns() {
-            Ok(ns) => {
-                timings.gpu_kv_upload_ns = ns;
-                timings.attention_gpu_ns -= ns.min(host_timed_attention);
+        match self.device.take_kv_upload_time() {
+            Ok(up) => {
+                timings.gpu_kv_upload_ns = up.total_ns;
+                timings.attention_gpu_ns -= up.in_attention_calls_ns.min(host_timed_attention);
             }
             Err(e) => tracing::warn!("the device's KV upload time: {e}"),
         }

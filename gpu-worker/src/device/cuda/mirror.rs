@@ -21,7 +21,7 @@ use super::phases::{Phase, Phases};
 pub use super::mirror_pages::PAGE;
 use super::mirror_pages::Pages;
 use super::CudaError;
-use crate::device::{InPlaceRow, KvAccessError, KvSink, KvSource, Partial};
+use crate::device::{InPlaceRow, KvAccessError, KvSink, KvSource, KvUploadTime, Partial};
 use crate::error::Result;
 
 /// Threads per attention block, positions per tile and query heads per block (`ATT_*` in
@@ -114,13 +114,33 @@ pub struct KvMirror {
     /// the GPU from the arenas or uploaded by the host: what the mirror lacked when asked to
     /// attend.
     uploaded: u64,
-    /// The time of bringing those rows in since [`Self::take_upload_ns`]: events around each
-    /// read from the arenas, and the host's time uploading the rest.
-    upload_events: Vec<Timed>,
-    upload_host_ns: u64,
+    /// The time of bringing those rows in since [`Self::take_upload_time`], in calls of
+    /// [`Self::attend`] (index 1: the caller times them on the host) and in the others (0).
+    upload_times: [UploadTimes; 2],
+    /// Whether an [`Self::attend`] call is running.
+    in_attend: bool,
     /// Rows the GPU is to read from the arenas, gathered over a call's sequences so that
     /// the call makes one launch for them all ([`KvMirror::flush_reads`]).
     reads: ArenaReads,
+}
+
+/// The time of bringing rows in: events around each read from the arenas, and the host's
+/// wall time uploading the rest (arenas the GPU does not map; in a layer wholly on the GPU
+/// that time may overlap the GPU's work).
+#[derive(Default)]
+struct UploadTimes {
+    events: Vec<Timed>,
+    host_ns: u64,
+}
+
+impl UploadTimes {
+    fn take_ns(&mut self) -> Result<u64, CudaError> {
+        let mut ms = 0f64;
+        for (start, end) in std::mem::take(&mut self.events) {
+            ms += f64::from(start.elapsed_ms(&end)?);
+        }
+        Ok((ms * 1e6) as u64 + std::mem::take(&mut self.host_ns))
+    }
 }
 
 /// Rows of one layer for `arena_to_mirror`: where each lies in an arena the GPU maps, and
@@ -189,8 +209,8 @@ impl KvMirror {
             target_blocks: 4 * sm_count.max(1),
             tables: Tables::default(),
             uploaded: 0,
-            upload_events: Vec::new(),
-            upload_host_ns: 0,
+            upload_times: Default::default(),
+            in_attend: false,
             reads: ArenaReads::default(),
         })
     }
@@ -201,20 +221,16 @@ impl KvMirror {
     }
 
     /// The time spent bringing rows in (reading them from the arenas on the GPU, uploading
-    /// them from the host) since the last call or [`Self::forget_upload_times`], in
-    /// nanoseconds; called when the GPU has done the work (after a step's last download).
-    pub fn take_upload_ns(&mut self) -> Result<u64, CudaError> {
-        let mut ms = 0f64;
-        for (start, end) in std::mem::take(&mut self.upload_events) {
-            ms += f64::from(start.elapsed_ms(&end)?);
-        }
-        Ok((ms * 1e6) as u64 + std::mem::take(&mut self.upload_host_ns))
+    /// them from the host) since the last call or [`Self::forget_upload_times`]; called when
+    /// the GPU has done the work (after a step's last download).
+    pub fn take_upload_time(&mut self) -> Result<KvUploadTime, CudaError> {
+        let in_attention_calls_ns = self.upload_times[1].take_ns()?;
+        Ok(KvUploadTime { total_ns: self.upload_times[0].take_ns()? + in_attention_calls_ns, in_attention_calls_ns })
     }
 
     /// Drops the upload times not taken (a batch nobody took them of).
     pub fn forget_upload_times(&mut self) {
-        self.upload_events.clear();
-        self.upload_host_ns = 0;
+        self.upload_times = Default::default();
     }
 
     /// Positions the mirror holds, all sequences together.
@@ -309,7 +325,7 @@ impl KvMirror {
         );
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         kern.arena_to_mirror(&rows, &strides, &slots, (n_kv_head, head_dim, layer, q8), &mut self.pool, self.page_elems, PAGE)?;
-        self.upload_events.push((start, event()?));
+        self.upload_times[usize::from(self.in_attend)].events.push((start, event()?));
         Ok(())
     }
 
@@ -343,7 +359,7 @@ impl KvMirror {
         let slots: Vec<i32> = (from..end).map(|pos| self.pages.slot(key, pos)).collect();
         let (k, v) = (kern.stream.clone_htod(&k).map_err(CudaError::from)?, kern.stream.clone_htod(&v).map_err(CudaError::from)?);
         self.store_rows(kern, layer, (&k, &v), slots)?;
-        self.upload_host_ns += t.elapsed().as_nanos() as u64;
+        self.upload_times[usize::from(self.in_attend)].host_ns += t.elapsed().as_nanos() as u64;
         Ok(())
     }
 
@@ -355,7 +371,10 @@ impl KvMirror {
         let q_dim = self.shape.n_head * self.shape.head_dim;
         let n_head = self.shape.n_head;
         let mut results = vec![None; items.len()];
-        let Some(Attended { out, lse, placed, .. }) = self.launch(kern, layer, q, items, kv, false)? else { return Ok(results) };
+        self.in_attend = true;
+        let launched = self.launch(kern, layer, q, items, kv, false);
+        self.in_attend = false;
+        let Some(Attended { out, lse, placed, .. }) = launched? else { return Ok(results) };
         let stream = &kern.stream;
         let t = phases.add(Phase::AttendPrepare, t);
         let out = stream.clone_dtoh(&out).map_err(CudaError::from)?;

@@ -55,7 +55,7 @@ use duet_kernels::attention::windowed;
 use super::model::{check_batch, check_hidden, Ffn, ModelTensors};
 use super::expert_usage::RoutedTokens;
 use super::host_experts::HostExperts;
-use super::{host_attention, Device, DeviceCopy, DecodeItem, KvSink, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
+use super::{host_attention, Device, DeviceCopy, DecodeItem, KvSink, KvUploadTime, KvSource, KvStore, Partial, PrefillItem, Qkv, RemoteExperts};
 use crate::error::{Result, GpuWorkerError};
 
 pub use crate::error::CudaError;
@@ -629,10 +629,10 @@ impl Device for CudaDevice {
         Ok(Some((ms * 1e6) as u64))
     }
 
-    fn take_kv_upload_ns(&self) -> Result<u64> {
+    fn take_kv_upload_time(&self) -> Result<KvUploadTime> {
         match &self.mirror {
-            Some(m) => Ok(m.lock().unwrap_or_else(|p| p.into_inner()).take_upload_ns()?),
-            None => Ok(0),
+            Some(m) => Ok(m.lock().unwrap_or_else(|p| p.into_inner()).take_upload_time()?),
+            None => Ok(KvUploadTime::default()),
         }
     }
 
