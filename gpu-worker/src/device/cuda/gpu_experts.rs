@@ -133,16 +133,27 @@ impl GpuExperts {
     /// the expert's SiLU-gated MLP, the outputs scattered back.
     pub fn add_outputs(&self, k: &Launcher, l: usize, xn: &CudaSlice<f32>, routed: &[RoutedRows], y: &mut CudaSlice<f32>) -> Result<()> {
         let (d, ff) = (self.tensors.n_embd, self.tensors.n_ff);
-        for r in routed {
+        // Every expert's rows and weights in one copy each (a copy costs more than the
+        // kernels of an expert's one or two rows), each expert's its span of them.
+        let (mut rows, mut weights, mut spans) = (Vec::new(), Vec::new(), Vec::new());
+        for r in routed.iter().filter(|r| !r.rows.is_empty()) {
             let Some(ex) = self.held.get(l).and_then(|h| h.get(r.expert)).and_then(Option::as_ref) else {
                 return Err(GpuWorkerError::InvalidRequest(format!("expert {} of layer {l} is not on the GPU", r.expert)));
             };
-            let rows: Vec<u32> = r.rows.iter().map(|&(t, _)| t as u32).collect();
-            let weights: Vec<f32> = r.rows.iter().map(|&(_, w)| w).collect();
-            let (rows, weights) = (k.stream.clone_htod(&rows).map_err(CudaError::from)?, k.stream.clone_htod(&weights).map_err(CudaError::from)?);
-            let xs = k.gather_rows_at(xn, &rows, d)?;
-            let out = k.silu_mlp(&ex.gate, &ex.up, &ex.down, &mut Acts::new(&xs, rows.len(), d), ff)?;
-            k.scatter_add_scaled(&out, &rows, &weights, d, y)?;
+            let from = rows.len();
+            rows.extend(r.rows.iter().map(|&(t, _)| t as u32));
+            weights.extend(r.rows.iter().map(|&(_, w)| w));
+            spans.push((ex, from..rows.len()));
+        }
+        if spans.is_empty() {
+            return Ok(());
+        }
+        let (rows, weights) = (k.stream.clone_htod(&rows).map_err(CudaError::from)?, k.stream.clone_htod(&weights).map_err(CudaError::from)?);
+        for (ex, span) in spans {
+            let (at, w) = (rows.slice(span.clone()), weights.slice(span.clone()));
+            let xs = k.gather_rows_at(xn, &at, d)?;
+            let out = k.silu_mlp(&ex.gate, &ex.up, &ex.down, &mut Acts::new(&xs, span.len(), d), ff)?;
+            k.scatter_add_scaled(&out, &at, &w, d, y)?;
         }
         Ok(())
     }

@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use duet_kernels::quant::GgmlType;
 
 use super::kernels::{quant_suffix, Kernels};
@@ -484,11 +484,11 @@ impl Launcher {
     pub fn gather_rows(&self, x: &CudaSlice<f32>, rows: &[usize], cols: usize) -> Result<CudaSlice<f32>, CudaError> {
         let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.stream.clone_htod(&idx)?;
-        self.gather_rows_at(x, &idx, cols)
+        self.gather_rows_at(x, &idx.as_view(), cols)
     }
 
     /// The rows `idx` (on the GPU) of `x`, rows of `cols`.
-    pub fn gather_rows_at(&self, x: &CudaSlice<f32>, idx: &CudaSlice<u32>, cols: usize) -> Result<CudaSlice<f32>, CudaError> {
+    pub fn gather_rows_at(&self, x: &CudaSlice<f32>, idx: &CudaView<'_, u32>, cols: usize) -> Result<CudaSlice<f32>, CudaError> {
         let mut out = self.alloc(idx.len() * cols)?;
         let (n, c) = (idx.len() as i32, cols as i32);
         let mut b = self.stream.launch_builder(self.f("gather_rows")?);
@@ -545,7 +545,7 @@ impl Launcher {
 
     /// `y[rows[j]] += w[j] * src[j]` for each row `j` of `src` (rows of `cols`); no two `j`
     /// may name one row of `y`.
-    pub fn scatter_add_scaled(&self, src: &CudaSlice<f32>, rows: &CudaSlice<u32>, w: &CudaSlice<f32>, cols: usize, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+    pub fn scatter_add_scaled(&self, src: &CudaSlice<f32>, rows: &CudaView<'_, u32>, w: &CudaView<'_, f32>, cols: usize, y: &mut CudaSlice<f32>) -> Result<(), CudaError> {
         let (n, c) = (rows.len() as i32, cols as i32);
         let mut b = self.stream.launch_builder(self.f("scatter_add_scaled")?);
         b.arg(src).arg(rows).arg(w).arg(&n).arg(&c).arg(y);
