@@ -25,7 +25,8 @@
 # and serve-1b-8k-f32-prefill (prefill attention without the tensor cores), each against
 # serve-1b-8k, serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
 # serve-moe-shape (the OLMoE shape, experts on the host), serve-moe-gpu-experts (its
-# experts on the GPU, --device-experts 64), and each step of the groups.
+# experts on the GPU, --device-experts 64), speed-moe-host-experts (a prompt's experts on
+# the host, not streamed to the GPU), and each step of the groups.
 #
 #     bash scripts/gpu-check-run.sh [tests] [bench] [table] [STEP...]   (tests and bench when none is named)
 #
@@ -303,6 +304,9 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host
     # (in the runner's process; served, on the cpu-worker), the router and the rest on the GPU.
     speed-moe) step speed-moe run_speed cuda "$(model olmoe-1b-7b q4_k_m)" ;;
+    # The same with a prompt's experts computed on the host, as before streamed experts
+    # (DUET_CUDA_STREAMED_EXPERT_ROWS=0): against speed-moe's prefill.
+    speed-moe-host-experts) step speed-moe-host-experts env DUET_CUDA_STREAMED_EXPERT_ROWS=0 bash -c 'run_speed "$@"' _ cuda "$(model olmoe-1b-7b q4_k_m)" ;;
     serve-moe-shape) step serve-moe-shape serve_bench "$(model olmoe-1b-7b q4_k_m)" 4G 1024 1,16 "--experts-on cpu-workers" ;;
     # The same with every expert a layer's router uses held on the GPU (hot experts, planned
     # every 64 steps from the router's counts): GPU-only experts against the cpu-worker's.

@@ -332,6 +332,36 @@ fn hot_experts_on_the_gpu_match_the_experts_on_the_host() {
     }
 }
 
+/// Streamed experts (`cuda::set_streamed_expert_rows`): a batch of enough rows has the GPU
+/// compute every routed expert, uploading each for the layer. Each tiny mixture, its experts
+/// held by the host (the default) or left to the cpu-workers (none here: every one streamed),
+/// with every batch streaming, against the same device computing them on the host.
+#[test]
+fn streamed_experts_match_the_experts_on_the_host() {
+    if let Err(why) = duet_gpu_worker::device::cuda::probe(0) {
+        return skip(&format!("no usable GPU: {why}"));
+    }
+    kv_budget();
+    for name in ["mixtral_q8_0", "olmoe_q8_0", "qwen3moe_q8_0"] {
+        let path = duet_model::testutil::workspace_root().join(format!("testdata/tiny/arch/{name}.gguf"));
+        let local = Runner::load_on(&path, DeviceChoice::Cuda).unwrap();
+        let remote = Runner::load_with(&path, |file| duet_gpu_worker::device::open(DeviceChoice::Cuda, file, false)).unwrap();
+        let c = local.device.config().clone();
+        let tokens = prompt(&c);
+        let logits = |r: &dyn Fn(&mut KvCache) -> Vec<f32>| r(&mut KvCache::new(&c, PROMPT + 32));
+        let before = duet_gpu_worker::device::cuda::set_streamed_expert_rows(0);
+        let on_host = logits(&|kv| local.forward(&tokens, kv, Logits::From(0)).unwrap());
+        duet_gpu_worker::device::cuda::set_streamed_expert_rows(1);
+        let streamed = logits(&|kv| local.forward(&tokens, kv, Logits::From(0)).unwrap());
+        let streamed_remote = logits(&|kv| remote.forward(&tokens, kv, Logits::From(0)).unwrap());
+        duet_gpu_worker::device::cuda::set_streamed_expert_rows(before);
+        let sd = spread(&on_host);
+        let (vs_host, vs_host_remote) = (rms_diff(&streamed, &on_host) / sd, rms_diff(&streamed_remote, &on_host) / sd);
+        println!("{name}: streamed experts vs the host's {vs_host:.2e} (experts held by the host), {vs_host_remote:.2e} (left to the cpu-workers), of sd {sd:.3}");
+        assert!(vs_host <= 0.05 && vs_host_remote <= 0.05, "{name}: streamed experts {vs_host:.3e} / {vs_host_remote:.3e} from the host's");
+    }
+}
+
 /// Greedy tokens judged by [`logits_and_greedy_tokens_match`]: a random model's top-2 gaps are
 /// small (on the 1B shape most fall within the CUDA device's decode rounding), so it takes
 /// many to compare a few.

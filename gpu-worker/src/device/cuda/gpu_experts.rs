@@ -1,11 +1,17 @@
-//! Hot experts on the GPU (`--device-experts K` with `--experts-on cpu-workers`), as
-//! KTransformers keeps a mixture's most-used experts there: the experts the plan names
-//! (`worker::hot_experts`) are uploaded from the file, each as its own gate, up and down
-//! matrices, and computed on the GPU on the rows routed to them, while the cpu-workers
+//! Routed experts on the GPU. Hot experts (`--device-experts K` with `--experts-on
+//! cpu-workers`), as KTransformers keeps a mixture's most-used experts there: the experts the
+//! plan names (`worker::hot_experts`) are uploaded from the file, each as its own gate, up and
+//! down matrices, and computed on the GPU on the rows routed to them, while the cpu-workers
 //! serve the rest. The room they take is reserved before the KV mirror is sized
-//! ([`set_expert_slots`]), so a plan of up to K experts a layer always fits.
+//! ([`set_expert_slots`]), so a plan of up to K experts a layer always fits. And streamed
+//! experts: a batch of many rows (a prompt's chunk) has the GPU compute every expert its
+//! rows use, each uploaded for the layer and let go after, as llama.cpp offloads a large
+//! batch's experts: a layer's experts cross the host link in less time than the host's
+//! cores take to compute them for that many rows ([`set_streamed_expert_rows`]).
 
 use std::sync::Arc;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use duet_model::config::FfnAct;
@@ -27,6 +33,21 @@ pub fn set_expert_slots(k: usize) -> bool {
     EXPERT_SLOTS.set(k).is_ok()
 }
 
+/// The default of [`set_streamed_expert_rows`]. A layer of the OLMoE shape's 64 experts is
+/// 226 MB of Q4_K_M, ~10–20 ms over PCIe; its experts take the host ~0.1 ms a row (on the
+/// H200's 16 host cores a 2 048-row chunk spent 3.8 s in the cpu-worker's experts, 16 layers).
+const STREAMED_EXPERT_ROWS: usize = 256;
+
+/// Rows from which a batch streams its experts ([`set_streamed_expert_rows`]).
+static STREAMED_ROWS: AtomicUsize = AtomicUsize::new(STREAMED_EXPERT_ROWS);
+
+/// Sets how many rows a batch needs for the GPU to compute every expert its rows use,
+/// uploading the ones it does not hold for the layer (0: never); returns the setting before.
+/// The default is 256 rows, or `DUET_CUDA_STREAMED_EXPERT_ROWS` where set when a device loads.
+pub fn set_streamed_expert_rows(rows: usize) -> usize {
+    STREAMED_ROWS.swap(rows, Ordering::Relaxed)
+}
+
 /// One expert's matrices on the GPU.
 struct GpuExpert {
     gate: GpuWeight,
@@ -41,17 +62,21 @@ pub struct GpuExperts {
     held: Vec<Vec<Option<GpuExpert>>>,
     /// Bytes reserved at load (the slots of every layer the device holds).
     reserved: usize,
+    /// The host holds the experts (no hot experts: nothing to take from the cpu-workers).
+    local: bool,
 }
 
 impl GpuExperts {
-    /// Room for the slots [`set_expert_slots`] set (none without) in each of the device's
-    /// first `layers` layers, nothing uploaded yet; `None` for a model without experts,
-    /// experts the host holds (`local`: there is nothing for the GPU to take from the
-    /// cpu-workers), or experts of a type the GPU has no kernels for (mixtures often store
-    /// their experts in types the dense layers do not use): no room is then taken from the
-    /// KV mirror for experts that could never be placed.
+    /// Room for the slots [`set_expert_slots`] set (none without, nor where the host holds
+    /// the experts, `local`) in each of the device's first `layers` layers, nothing uploaded
+    /// yet; `None` for a model without experts, or experts of a type the GPU has no kernels
+    /// for (mixtures often store their experts in types the dense layers do not use): no
+    /// room is then taken from the KV mirror for experts that could never be placed.
     pub fn new(file: Arc<GgufFile>, tensors: Option<ExpertTensors>, local: bool, layers: usize) -> Option<Self> {
-        let tensors = tensors.filter(|_| !local)?;
+        if let Some(rows) = std::env::var("DUET_CUDA_STREAMED_EXPERT_ROWS").ok().and_then(|v| v.parse().ok()) {
+            set_streamed_expert_rows(rows);
+        }
+        let tensors = tensors?;
         if let Some(s) = tensors.layers.iter().take(layers).flatten().find(|s| !GpuWeight::takes(s.ty)) {
             if EXPERT_SLOTS.get().is_some_and(|&k| k > 0) {
                 tracing::warn!(tensor = %s.name, ty = %s.ty, "no hot experts on the GPU: it has no kernels for this type; the cpu-workers serve every expert");
@@ -60,7 +85,7 @@ impl GpuExperts {
         }
         let reserved = room(Some(&tensors), local, layers);
         let held = (0..layers).map(|_| (0..tensors.n_expert).map(|_| None).collect()).collect();
-        Some(GpuExperts { file, tensors, held, reserved })
+        Some(GpuExperts { file, tensors, held, reserved, local })
     }
 
     /// GPU memory kept for the experts.
@@ -74,6 +99,12 @@ impl GpuExperts {
         self.held.iter().all(|l| l.iter().all(Option::is_some))
     }
 
+    /// Whether a batch of `rows` rows streams its experts ([`set_streamed_expert_rows`]).
+    pub fn streams(&self, rows: usize) -> bool {
+        let from = STREAMED_ROWS.load(Ordering::Relaxed);
+        from > 0 && rows >= from
+    }
+
     /// Whether expert `e` of layer `l` is on the GPU.
     pub fn holds(&self, l: usize, e: usize) -> bool {
         self.held.get(l).and_then(|h| h.get(e)).is_some_and(Option::is_some)
@@ -84,6 +115,9 @@ impl GpuExperts {
     /// that come and freeing those that go; how many came or went. A plan over the reserved
     /// room, or of an architecture whose experts are not SiLU-gated, is refused whole.
     pub fn place(&mut self, stream: &Arc<CudaStream>, act: FfnAct, held: &[Vec<usize>]) -> Result<usize> {
+        if self.local {
+            return Err(GpuWorkerError::InvalidRequest("placing routed experts on the GPU needs a mixture with its experts on the cpu-workers".into()));
+        }
         let (n_layer, n_expert) = (self.tensors.layers.len(), self.tensors.n_expert);
         if held.len() != n_layer || held.iter().flatten().any(|&e| e >= n_expert) {
             return Err(GpuWorkerError::InvalidRequest(format!("an expert placement names {} layers of {n_layer}, or an expert past {n_expert}", held.len())));
@@ -128,28 +162,38 @@ impl GpuExperts {
         Ok(GpuExpert { gate: up(0)?, up: up(1)?, down: up(2)? })
     }
 
-    /// Adds to `y` (the layer's rows) each GPU expert's output on the rows routed to it,
-    /// times the router's weight: the rows gathered from `xn` (the layer's normed rows),
-    /// the expert's SiLU-gated MLP, the outputs scattered back.
-    pub fn add_outputs(&self, k: &Launcher, l: usize, xn: &CudaSlice<f32>, routed: &[RoutedRows], y: &mut CudaSlice<f32>) -> Result<()> {
+    /// Adds to `y` (the layer's rows) each routed expert's output on the rows routed to it,
+    /// times the router's weight: the rows gathered from `xn` (the layer's normed rows), the
+    /// expert's SiLU-gated MLP, the outputs scattered back. An expert the GPU does not hold is
+    /// uploaded for the call where `stream` says so (and let go after), else refused.
+    pub fn add_outputs(&self, k: &Launcher, l: usize, xn: &CudaSlice<f32>, routed: &[RoutedRows], y: &mut CudaSlice<f32>, stream: bool) -> Result<()> {
         let (d, ff) = (self.tensors.n_embd, self.tensors.n_ff);
         // Every expert's rows and weights in one copy each (a copy costs more than the
         // kernels of an expert's one or two rows), each expert's its span of them.
         let (mut rows, mut weights, mut spans) = (Vec::new(), Vec::new(), Vec::new());
         for r in routed.iter().filter(|r| !r.rows.is_empty()) {
-            let Some(ex) = self.held.get(l).and_then(|h| h.get(r.expert)).and_then(Option::as_ref) else {
+            if !stream && !self.holds(l, r.expert) {
                 return Err(GpuWorkerError::InvalidRequest(format!("expert {} of layer {l} is not on the GPU", r.expert)));
-            };
+            }
             let from = rows.len();
             rows.extend(r.rows.iter().map(|&(t, _)| t as u32));
             weights.extend(r.rows.iter().map(|&(_, w)| w));
-            spans.push((ex, from..rows.len()));
+            spans.push((r.expert, from..rows.len()));
         }
         if spans.is_empty() {
             return Ok(());
         }
         let (rows, weights) = (k.stream.clone_htod(&rows).map_err(CudaError::from)?, k.stream.clone_htod(&weights).map_err(CudaError::from)?);
-        for (ex, span) in spans {
+        for (e, span) in spans {
+            let streamed;
+            let ex = match self.held.get(l).and_then(|h| h.get(e)).and_then(Option::as_ref) {
+                Some(ex) => ex,
+                None => {
+                    // Freed when it goes out of scope: after its kernels, in stream order.
+                    streamed = self.upload(&k.stream, l, e)?;
+                    &streamed
+                }
+            };
             let (at, w) = (rows.slice(span.clone()), weights.slice(span.clone()));
             let xs = k.gather_rows_at(xn, &at, d)?;
             let out = k.silu_mlp(&ex.gate, &ex.up, &ex.down, &mut Acts::new(&xs, span.len(), d), ff)?;

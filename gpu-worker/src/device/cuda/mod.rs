@@ -38,13 +38,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use duet_model::config::LlamaConfig;
+use duet_model::config::{FfnAct, LlamaConfig};
 use duet_model::gguf::GgufFile;
 use duet_proto::pb;
 
 pub use kernels::{compile as compile_kernel_file, nvrtc_version, KernelFile, FILES as KERNEL_FILES};
 pub use budget::{set_kv_budget, set_memory_budget, usable_bytes, WORKSPACE_BYTES};
-pub use gpu_experts::{room as expert_room, set_expert_slots};
+pub use gpu_experts::{room as expert_room, set_expert_slots, set_streamed_expert_rows};
 pub use probe::{probe, Gpu};
 
 use self::gpu_experts::GpuExperts;
@@ -380,14 +380,17 @@ impl CudaDevice {
                 // The router on the GPU; the normed rows and its logits cross to the host,
                 // which routes them and runs the experts held there or on the cpu-workers, and
                 // the mixture's rows come back; the hot experts the GPU holds (`--device-experts`)
-                // then add their outputs here, on the rows routed to them.
+                // then add their outputs here, on the rows routed to them. A batch of many rows
+                // (a prompt's chunk) has the GPU compute every expert, uploading those it does
+                // not hold (`gpu_experts::set_streamed_expert_rows`).
                 let logits = self.download(&self.k.linear(router, &mut acts)?)?;
                 let experts = self.experts.as_ref().expect("a mixture loads its host experts");
-                let on_gpu = |e: usize| self.gpu_experts.as_ref().is_some_and(|g| g.holds(l, e));
+                let streamed = c.ffn_act == FfnAct::Silu && self.gpu_experts.as_ref().is_some_and(|g| g.streams(b.n));
+                let on_gpu = |e: usize| streamed || self.gpu_experts.as_ref().is_some_and(|g| g.holds(l, e));
                 let (y, routed) = experts.moe(l, logits, &self.download(&xn)?, remote, &on_gpu)?;
                 let mut y = self.stream().clone_htod(&y).map_err(CudaError::from)?;
                 if let Some(g) = self.gpu_experts.as_ref().filter(|_| !routed.is_empty()) {
-                    g.add_outputs(&self.k, l, &xn, &routed, &mut y)?;
+                    g.add_outputs(&self.k, l, &xn, &routed, &mut y, streamed)?;
                 }
                 y
             }
