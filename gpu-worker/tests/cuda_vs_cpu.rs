@@ -335,9 +335,17 @@ fn hot_experts_on_the_gpu_match_the_experts_on_the_host() {
 /// Streamed experts (`cuda::set_streamed_expert_rows`): a batch of enough rows has the GPU
 /// compute every routed expert, uploading each for the layer. Each tiny mixture, its experts
 /// held by the host (the default) or left to the cpu-workers (none here: every one streamed),
-/// with every batch streaming, against the same device computing them on the host.
+/// with every batch streaming, against the same device computing them on the host. The
+/// setting is the process's: the GPU check runs this binary one test at a time.
 #[test]
 fn streamed_experts_match_the_experts_on_the_host() {
+    /// Puts the setting back however the test ends.
+    struct Restore(usize);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            duet_gpu_worker::device::cuda::set_streamed_expert_rows(self.0);
+        }
+    }
     if let Err(why) = duet_gpu_worker::device::cuda::probe(0) {
         return skip(&format!("no usable GPU: {why}"));
     }
@@ -349,15 +357,19 @@ fn streamed_experts_match_the_experts_on_the_host() {
         let c = local.device.config().clone();
         let tokens = prompt(&c);
         let logits = |r: &dyn Fn(&mut KvCache) -> Vec<f32>| r(&mut KvCache::new(&c, PROMPT + 32));
-        let before = duet_gpu_worker::device::cuda::set_streamed_expert_rows(0);
+        let _restore = Restore(duet_gpu_worker::device::cuda::set_streamed_expert_rows(0));
         let on_host = logits(&|kv| local.forward(&tokens, kv, Logits::From(0)).unwrap());
         duet_gpu_worker::device::cuda::set_streamed_expert_rows(1);
         let streamed = logits(&|kv| local.forward(&tokens, kv, Logits::From(0)).unwrap());
+        // Without cpu-workers the runner has no one to send expert jobs to: only streaming
+        // computes this one's experts.
         let streamed_remote = logits(&|kv| remote.forward(&tokens, kv, Logits::From(0)).unwrap());
-        duet_gpu_worker::device::cuda::set_streamed_expert_rows(before);
         let sd = spread(&on_host);
         let (vs_host, vs_host_remote) = (rms_diff(&streamed, &on_host) / sd, rms_diff(&streamed_remote, &on_host) / sd);
         println!("{name}: streamed experts vs the host's {vs_host:.2e} (experts held by the host), {vs_host_remote:.2e} (left to the cpu-workers), of sd {sd:.3}");
+        // Not bit for bit: the GPU's products and its per-expert sums round otherwise, which
+        // shows that the experts ran there.
+        assert!(vs_host > 0.0, "{name}: the streamed run gave the host experts' logits bit for bit: nothing streamed");
         assert!(vs_host <= 0.05 && vs_host_remote <= 0.05, "{name}: streamed experts {vs_host:.3e} / {vs_host_remote:.3e} from the host's");
     }
 }

@@ -34,9 +34,15 @@ pub fn set_expert_slots(k: usize) -> bool {
 }
 
 /// The default of [`set_streamed_expert_rows`]. A layer of the OLMoE shape's 64 experts is
-/// 226 MB of Q4_K_M, ~10–20 ms over PCIe; its experts take the host ~0.1 ms a row (on the
-/// H200's 16 host cores a 2 048-row chunk spent 3.8 s in the cpu-worker's experts, 16 layers).
+/// 226 MB of Q4_K_M: at PCIe's ~10 GB/s from pageable memory (each expert's copy waits for
+/// the kernels before it; not yet measured) ~25 ms; its experts take the host ~0.1 ms a row
+/// (on the H200's 16 host cores a 2 048-row chunk spent 3.8 s in the cpu-worker's experts,
+/// 16 layers).
 const STREAMED_EXPERT_ROWS: usize = 256;
+
+/// The largest expert (its three matrices) a batch streams: one at a time, it must fit the
+/// memory kept for activations beside the batch's own (`budget::ACTIVATION_RESERVE`, 768 MiB).
+const STREAMED_EXPERT_MAX_BYTES: usize = 192 << 20;
 
 /// Rows from which a batch streams its experts ([`set_streamed_expert_rows`]).
 static STREAMED_ROWS: AtomicUsize = AtomicUsize::new(STREAMED_EXPERT_ROWS);
@@ -73,13 +79,18 @@ impl GpuExperts {
     /// for (mixtures often store their experts in types the dense layers do not use): no
     /// room is then taken from the KV mirror for experts that could never be placed.
     pub fn new(file: Arc<GgufFile>, tensors: Option<ExpertTensors>, local: bool, layers: usize) -> Option<Self> {
-        if let Some(rows) = std::env::var("DUET_CUDA_STREAMED_EXPERT_ROWS").ok().and_then(|v| v.parse().ok()) {
-            set_streamed_expert_rows(rows);
+        if let Ok(v) = std::env::var("DUET_CUDA_STREAMED_EXPERT_ROWS") {
+            match v.parse() {
+                Ok(rows) => {
+                    set_streamed_expert_rows(rows);
+                }
+                Err(_) => tracing::warn!(value = %v, "DUET_CUDA_STREAMED_EXPERT_ROWS is not a number of rows; ignored"),
+            }
         }
         let tensors = tensors?;
         if let Some(s) = tensors.layers.iter().take(layers).flatten().find(|s| !GpuWeight::takes(s.ty)) {
             if EXPERT_SLOTS.get().is_some_and(|&k| k > 0) {
-                tracing::warn!(tensor = %s.name, ty = %s.ty, "no hot experts on the GPU: it has no kernels for this type; the cpu-workers serve every expert");
+                tracing::warn!(tensor = %s.name, ty = %s.ty, "no routed experts on the GPU: it has no kernels for this type; the host or the cpu-workers compute every expert");
             }
             return None;
         }
@@ -99,10 +110,11 @@ impl GpuExperts {
         self.held.iter().all(|l| l.iter().all(Option::is_some))
     }
 
-    /// Whether a batch of `rows` rows streams its experts ([`set_streamed_expert_rows`]).
-    pub fn streams(&self, rows: usize) -> bool {
+    /// Whether a batch of `rows` rows streams its experts ([`set_streamed_expert_rows`]), in
+    /// layer `l`: not where an expert is too large to upload beside the batch.
+    pub fn streams(&self, l: usize, rows: usize) -> bool {
         let from = STREAMED_ROWS.load(Ordering::Relaxed);
-        from > 0 && rows >= from
+        from > 0 && rows >= from && l < self.tensors.layers.len() && expert_bytes(&self.tensors, l) <= STREAMED_EXPERT_MAX_BYTES
     }
 
     /// Whether expert `e` of layer `l` is on the GPU.

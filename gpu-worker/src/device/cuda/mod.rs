@@ -8,7 +8,8 @@
 //! Q6_K, F16, BF16, F32). Beyond the plain Llama block: Q/K/V biases (Qwen 2), Q/K norms
 //! (Qwen 3, OLMoE), NeoX RoPE, and mixtures of experts as KTransformers runs them — the router
 //! on the GPU, the routed experts on the host (`HostExperts`: in this process, or the
-//! cpu-workers' expert jobs), the hot ones on the GPU with `--device-experts` (`gpu_experts`).
+//! cpu-workers' expert jobs), the hot ones on the GPU with `--device-experts`, and every one a
+//! batch of many rows uses streamed to the GPU (`gpu_experts`).
 //!
 //! Built with cudarc's dynamic loading: nothing CUDA is needed to build, and [`probe`]
 //! finds out, without panicking, whether this machine can run it. Kernels are CUDA C
@@ -120,7 +121,8 @@ pub struct CudaDevice {
     /// A mixture's routed experts held on the host (all, or none when the cpu-workers serve
     /// them).
     experts: Option<HostExperts>,
-    /// With the cpu-workers serving a mixture's experts: the hot ones the GPU computes.
+    /// A mixture's experts on the GPU: the hot ones it holds (with the cpu-workers serving
+    /// the experts), and the ones a batch of many rows streams there.
     gpu_experts: Option<GpuExperts>,
     weight_bytes: usize,
     /// The KV mirror and the GPU's attention on it; `None`: attention on the host.
@@ -145,7 +147,7 @@ impl CudaDevice {
     /// or with `first_layers` those of the first layers and the embedding (the rest of the
     /// model then runs on the CPU device, `super::split`). A mixture's routed experts stay
     /// on the host: the device maps and computes them there with `local_experts`, else the
-    /// cpu-workers serve them.
+    /// cpu-workers serve them (a batch of many rows streams them to the GPU).
     pub fn load(gpu: Gpu, file: Arc<GgufFile>, first_layers: Option<usize>, local_experts: bool) -> Result<Self> {
         let m = ModelTensors::load(&file)?;
         let n_layer = m.config.n_layer;
@@ -385,7 +387,7 @@ impl CudaDevice {
                 // not hold (`gpu_experts::set_streamed_expert_rows`).
                 let logits = self.download(&self.k.linear(router, &mut acts)?)?;
                 let experts = self.experts.as_ref().expect("a mixture loads its host experts");
-                let streamed = c.ffn_act == FfnAct::Silu && self.gpu_experts.as_ref().is_some_and(|g| g.streams(b.n));
+                let streamed = c.ffn_act == FfnAct::Silu && self.gpu_experts.as_ref().is_some_and(|g| g.streams(l, b.n));
                 let on_gpu = |e: usize| streamed || self.gpu_experts.as_ref().is_some_and(|g| g.holds(l, e));
                 let (y, routed) = experts.moe(l, logits, &self.download(&xn)?, remote, &on_gpu)?;
                 let mut y = self.stream().clone_htod(&y).map_err(CudaError::from)?;
