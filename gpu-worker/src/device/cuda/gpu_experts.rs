@@ -9,9 +9,8 @@
 //! batch's experts: a layer's experts cross the host link in less time than the host's
 //! cores take to compute them for that many rows ([`set_streamed_expert_rows`]).
 
-use std::sync::Arc;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use duet_model::config::FfnAct;

@@ -90,6 +90,20 @@ struct Attended {
 /// Events around a launch's kernels: its time on the GPU.
 pub type Timed = (CudaEvent, CudaEvent);
 
+/// An event recorded on `stream` now (one end of a [`Timed`]).
+fn event(stream: &Arc<CudaStream>) -> Result<CudaEvent, CudaError> {
+    stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from)
+}
+
+/// The GPU time of `timed` together, in nanoseconds; each is waited for.
+pub fn elapsed_ns(timed: &[Timed]) -> Result<u64, CudaError> {
+    let mut ms = 0f64;
+    for (start, end) in timed {
+        ms += f64::from(start.elapsed_ms(end)?);
+    }
+    Ok((ms * 1e6) as u64)
+}
+
 /// One row's attention on the GPU: the row of `q`, the positions attended and the sequence.
 #[derive(Debug, Clone)]
 pub struct MirrorItem {
@@ -135,11 +149,7 @@ struct UploadTimes {
 
 impl UploadTimes {
     fn take_ns(&mut self) -> Result<u64, CudaError> {
-        let mut ms = 0f64;
-        for (start, end) in std::mem::take(&mut self.events) {
-            ms += f64::from(start.elapsed_ms(&end)?);
-        }
-        Ok((ms * 1e6) as u64 + std::mem::take(&mut self.host_ns))
+        Ok(elapsed_ns(&std::mem::take(&mut self.events))? + std::mem::take(&mut self.host_ns))
     }
 }
 
@@ -316,8 +326,7 @@ impl KvMirror {
         }
         let ArenaReads { rows, strides, slots, layer, q8, .. } = std::mem::take(&mut self.reads);
         let stream = &kern.stream;
-        let event = || stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
-        let start = event()?;
+        let start = event(stream)?;
         let (rows, strides, slots) = (
             stream.clone_htod(&rows).map_err(CudaError::from)?,
             stream.clone_htod(&strides).map_err(CudaError::from)?,
@@ -325,7 +334,7 @@ impl KvMirror {
         );
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
         kern.arena_to_mirror(&rows, &strides, &slots, (n_kv_head, head_dim, layer, q8), &mut self.pool, self.page_elems, PAGE)?;
-        self.upload_times[usize::from(self.in_attend)].events.push((start, event()?));
+        self.upload_times[usize::from(self.in_attend)].events.push((start, event(stream)?));
         Ok(())
     }
 
@@ -526,7 +535,6 @@ impl KvMirror {
         let pd = tables.pages.get(stream, pages)?;
         // The tables above are uploaded (host to device) before the first kernel, so the
         // events time the kernels only.
-        let event = |s: &Arc<CudaStream>| s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(CudaError::from);
         let start = if timed { Some(event(stream)?) } else { None };
         if !tiles.is_empty() {
             let n_tiles = tiles.len() / 3;

@@ -627,11 +627,7 @@ impl Device for CudaDevice {
         if events.is_empty() {
             return Ok(None);
         }
-        let mut ms = 0f64;
-        for (start, end) in &events {
-            ms += f64::from(start.elapsed_ms(end).map_err(CudaError::from)?);
-        }
-        Ok(Some((ms * 1e6) as u64))
+        Ok(Some(mirror::elapsed_ns(&events)?))
     }
 
     fn take_kv_upload_time(&self) -> Result<KvUploadTime> {
