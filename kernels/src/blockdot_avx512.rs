@@ -1,5 +1,5 @@
-//! AVX-512 dot products of one weight row with one activation row for the block types without
-//! an AVX2 kernel of ggml's lane order — the k-quants Q4_K, Q5_K, Q6_K (with Q8_K activations;
+//! AVX-512 dot products of one weight row with one activation row for the block types whose
+//! AVX2 kernels (`blockdot_avx2`, or none) are slower — the k-quants Q4_K, Q5_K, Q6_K (with Q8_K activations;
 //! most published GGUF models), Q5_0, Q5_1, and F32 / F16 / BF16 (ggml's x86 lane orders) — bit-identical to
 //! the scalar twins in `dot.rs`:
 //! each block's integer sums are computed with vector byte products (VNNI's `vpdpbusd` where
@@ -10,6 +10,7 @@
 
 use std::arch::x86_64::*;
 
+use super::blockdot_avx2::{k4_block, prefetch_block};
 use super::matvec_avx512::dot_u8i8;
 use super::quant::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
@@ -58,58 +59,6 @@ unsafe fn k_blocks_sum<B: ByteBlock>(w: &[u8], a: &[u8], block: impl Fn(&B, &Blo
             block(x, y)
         })
         .sum()
-}
-
-/// Prefetches the weight block `LINEAR_AHEAD` bytes past `x` (every line it touches): a
-/// matrix's rows are read one after another, one stream, as the quantised kernels read them.
-#[inline(always)]
-unsafe fn prefetch_block<T>(x: &T) {
-    let p = (x as *const T).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD);
-    for off in (0..std::mem::size_of::<T>()).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
-    }
-    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(std::mem::size_of::<T>() - 1).cast());
-}
-
-/// One Q4_K/Q5_K block's value as the scalar twin computes it: its 6-bit scales and mins
-/// decoded, `sum_sc` (the scaled integer dot products, from the eight scales, byte `j` of its
-/// argument) and the mins against the activation block sums, then the twin's float epilogue.
-#[inline(always)]
-unsafe fn k4_block(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], y: &BlockQ8K, sum_sc: impl FnOnce(u64) -> i32) -> f32 {
-    let (sc, mins) = k4_scales_mins(scales);
-    let sum_m = k4_sum_m(mins, y);
-    let sum_sc = sum_sc(sc);
-    y.scale() * (f16_bytes(d) * sum_sc as f32) - y.scale() * f16_bytes(dmin) * sum_m as f32
-}
-
-/// `Σ_j m_j · (bsum_{2j} + bsum_{2j+1})`, the mins (byte `j` of `mins`) against the activation
-/// block's sums of 16, in one `pmaddwd` (each min twice, next to its two sums) and a
-/// horizontal add — exact integers, as the twin's loop (a scalar loop here was a third of the
-/// block's instructions).
-#[inline(always)]
-unsafe fn k4_sum_m(mins: u64, y: &BlockQ8K) -> i32 {
-    let sums = _mm256_loadu_si256(y.bsums.as_ptr().cast());
-    let m = _mm_cvtsi64_si128(mins as i64);
-    let prod = _mm256_madd_epi16(sums, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)));
-    let t = _mm_add_epi32(_mm256_castsi256_si128(prod), _mm256_extracti128_si256::<1>(prod));
-    let t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-    _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32::<0b01>(t)))
-}
-
-/// The eight 6-bit scales and the eight mins of a Q4_K/Q5_K block (sub-block `j` in byte `j`),
-/// unpacked in registers as ggml's x86 kernels do (the values of `scale_min_k4`). Built one
-/// byte at a time in memory and reloaded as a whole, they stalled every block on a failed
-/// store-to-load forward.
-#[inline(always)]
-pub(super) fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
-    const LOW6: u32 = 0x3f3f_3f3f;
-    const LOW4: u32 = 0x0f0f_0f0f;
-    const LOW2: u32 = 0x0303_0303;
-    let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
-    let (u0, u1, u2) = (word(0), word(1), word(2));
-    let scales_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
-    let mins_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
-    (((scales_hi as u64) << 32) | (u0 & LOW6) as u64, ((mins_hi as u64) << 32) | (u1 & LOW6) as u64)
 }
 
 /// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q5_K block: Q4_K's nibbles with a fifth bit,

@@ -10,6 +10,8 @@ pub mod dot;
 pub mod ggml_exact;
 pub mod heap;
 #[cfg(target_arch = "x86_64")]
+pub mod blockdot_avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod blockdot_avx512;
 pub mod matmul;
 pub mod mlp;
@@ -204,6 +206,11 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
                 GgmlType::Q4_0 => return simd_x86::dot_q4_0_q8_0(w, a),
                 GgmlType::Q4_1 => return simd_x86::dot_q4_1_q8_1(w, a),
                 GgmlType::Q8_0 => return simd_x86::dot_q8_0_q8_0(w, a),
+                GgmlType::Q4K => return blockdot_avx2::dot_q4k_q8k(w, a),
+                GgmlType::Q5K => return blockdot_avx2::dot_q5k_q8k(w, a),
+                GgmlType::Q6K => return blockdot_avx2::dot_q6k_q8k(w, a),
+                GgmlType::Q5_0 => return blockdot_avx2::dot_q5_0_q8_0(w, a),
+                GgmlType::Q5_1 => return blockdot_avx2::dot_q5_1_q8_1(w, a),
                 _ => {}
             }
         }

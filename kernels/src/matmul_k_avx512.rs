@@ -15,7 +15,7 @@
 
 use std::arch::x86_64::*;
 
-use super::blockdot_avx512::k4_scales_mins;
+use super::blockdot_avx2::k4_scales_mins;
 use super::matmul_avx512::TILE;
 use super::matvec_avx512::dot_u8i8;
 use super::quant::{BlockQ8K, ByteBlock};

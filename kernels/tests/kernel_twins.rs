@@ -682,6 +682,60 @@ fn avx512_block_kernels_equal_scalar_twins_bit_for_bit() {
     }
 }
 
+/// The AVX2 block kernels (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: what a CPU without AVX-512 runs)
+/// against the scalar twins, bit for bit, on any CPU with AVX2 (an AVX-512 one too, whose
+/// dispatch takes its own kernels): the integer sums are exact and the float epilogue is the same.
+#[test]
+fn avx2_block_kernels_equal_scalar_twins_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use duet_kernels::blockdot_avx2 as k;
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            println!("SKIPPED: this CPU has no AVX2; the AVX2 block kernels are not run");
+            return;
+        }
+        type Dot = unsafe fn(&[u8], &[u8]) -> f32;
+        let kernels: [(GgmlType, Dot); 5] = [
+            (GgmlType::Q4K, k::dot_q4k_q8k),
+            (GgmlType::Q5K, k::dot_q5k_q8k),
+            (GgmlType::Q6K, k::dot_q6k_q8k),
+            (GgmlType::Q5_0, k::dot_q5_0_q8_0),
+            (GgmlType::Q5_1, k::dot_q5_1_q8_1),
+        ];
+        let mut rng = StdRng::seed_from_u64(0x5eed_0016);
+        for (ty, f) in kernels {
+            for n in sizes(ty).into_iter().chain([ty.block_size() * 17]) {
+                for _ in 0..ROWS_PER_SIZE {
+                    let w = random_weight_row(&mut rng, ty, n);
+                    let a = quantized(vec_dot_type(ty), &random_acts(&mut rng, n));
+                    let twin = vec_dot_scalar(ty, n, &w, &a);
+                    // SAFETY: AVX2, FMA and F16C detected above; whole blocks of the same count.
+                    let v = unsafe { f(&w, &a) };
+                    assert_eq!(v.to_bits(), twin.to_bits(), "{ty} n={n}: {v} vs scalar {twin}");
+                }
+            }
+            // Every quant at its extremes, every activation at ±127: saturation and signs.
+            let n = ty.block_size() * 3;
+            for (wq, aq) in [(0x00u8, 127i8), (0xFF, 127), (0x00, -127), (0xFF, -127), (0x80, -127), (0x7F, 127), (0x0F, -127)] {
+                let mut w = random_weight_row(&mut rng, ty, n);
+                let f16_fields = ty.f16_field_offsets();
+                for b in w.chunks_exact_mut(ty.block_bytes()) {
+                    for (i, byte) in b.iter_mut().enumerate() {
+                        if !f16_fields.iter().any(|&o| (o..o + 2).contains(&i)) {
+                            *byte = wq;
+                        }
+                    }
+                }
+                let a = quantized(vec_dot_type(ty), &vec![aq as f32; n]);
+                let twin = vec_dot_scalar(ty, n, &w, &a);
+                // SAFETY: as above.
+                let v = unsafe { f(&w, &a) };
+                assert_eq!(v.to_bits(), twin.to_bits(), "{ty} weight bytes {wq:#04x}, activations {aq}: {v} vs scalar {twin}");
+            }
+        }
+    }
+}
+
 /// RoPE with hardware FMA (when the CPU has it) against the same multiply-adds done by
 /// `f32::mul_add` here (a correctly rounded fused multiply-add either way): bit for bit.
 #[test]

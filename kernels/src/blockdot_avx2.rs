@@ -1,0 +1,270 @@
+//! AVX2 dot products of one weight row with one activation row for the k-quants Q4_K, Q5_K,
+//! Q6_K (with Q8_K activations: most published GGUF models) and Q5_0, Q5_1, for CPUs without
+//! AVX-512 (which otherwise ran the scalar twins: the OLMoE shape decoded at a third of
+//! llama.cpp's rate on such a machine). Bit-identical to the scalar twins in `dot.rs`: each
+//! block's integer sums come from `maddubs`/`madd` byte products — integers, exact in any
+//! order (a pair of products stays below `i16::MAX`: quants ≤ 63, activations ≥ −128) — and
+//! the float epilogue of each block and the sum over blocks are the scalar code's own.
+//!
+//! The k-quant helpers the AVX-512 kernels share (the scales' unpacking, the mins against the
+//! activation sums, the epilogue, the prefetch) use only AVX2 and live here.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use super::quant::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
+
+#[inline(always)]
+fn f16_bytes(b: [u8; 2]) -> f32 {
+    half::f16::from_le_bytes(b).to_f32()
+}
+
+/// Prefetches the weight block `LINEAR_AHEAD` bytes past `x` (every line it touches): a
+/// matrix's rows are read one after another, one stream, as the quantised kernels read them.
+#[inline(always)]
+pub(super) unsafe fn prefetch_block<T>(x: &T) {
+    let p = (x as *const T).cast::<u8>().wrapping_add(super::matvec_avx512::LINEAR_AHEAD);
+    for off in (0..std::mem::size_of::<T>()).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
+    }
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(std::mem::size_of::<T>() - 1).cast());
+}
+
+/// One Q4_K/Q5_K block's value as the scalar twin computes it: its 6-bit scales and mins
+/// decoded, `sum_sc` (the scaled integer dot products, from the eight scales, byte `j` of its
+/// argument) and the mins against the activation block sums, then the twin's float epilogue.
+#[inline(always)]
+pub(super) unsafe fn k4_block(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], y: &BlockQ8K, sum_sc: impl FnOnce(u64) -> i32) -> f32 {
+    let (sc, mins) = k4_scales_mins(scales);
+    let sum_m = k4_sum_m(mins, y);
+    k4_epilogue(d, dmin, y, sum_sc(sc), sum_m)
+}
+
+/// The scalar twin's float epilogue of a Q4_K/Q5_K block from its two integer sums.
+#[inline(always)]
+fn k4_epilogue(d: [u8; 2], dmin: [u8; 2], y: &BlockQ8K, sum_sc: i32, sum_m: i32) -> f32 {
+    y.scale() * (f16_bytes(d) * sum_sc as f32) - y.scale() * f16_bytes(dmin) * sum_m as f32
+}
+
+/// `Σ_j m_j · (bsum_{2j} + bsum_{2j+1})`, the mins (byte `j` of `mins`) against the activation
+/// block's sums of 16, in one `pmaddwd` (each min twice, next to its two sums) and a
+/// horizontal add — exact integers, as the twin's loop (a scalar loop here was a third of the
+/// block's instructions).
+#[inline(always)]
+pub(super) unsafe fn k4_sum_m(mins: u64, y: &BlockQ8K) -> i32 {
+    let sums = _mm256_loadu_si256(y.bsums.as_ptr().cast());
+    let m = _mm_cvtsi64_si128(mins as i64);
+    let prod = _mm256_madd_epi16(sums, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)));
+    hsum_epi32(prod)
+}
+
+/// The eight lanes of `v` added (exact integers).
+#[inline(always)]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32::<0b01>(t)))
+}
+
+/// The eight 6-bit scales and the eight mins of a Q4_K/Q5_K block (sub-block `j` in byte `j`),
+/// unpacked in registers as ggml's x86 kernels do (the values of `scale_min_k4`). Built one
+/// byte at a time in memory and reloaded as a whole, they stalled every block on a failed
+/// store-to-load forward.
+#[inline(always)]
+pub(super) fn k4_scales_mins(q: &[u8; 12]) -> (u64, u64) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (u0, u1, u2) = (word(0), word(1), word(2));
+    let scales_hi = (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4);
+    let mins_hi = ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4);
+    (((scales_hi as u64) << 32) | (u0 & LOW6) as u64, ((mins_hi as u64) << 32) | (u1 & LOW6) as u64)
+}
+
+/// `Σ_l u[l]·s[l]` over 32 unsigned bytes `u` (each below 64) and signed bytes `s`, summed in
+/// pairs (16 × i16) and then `scale` times each pair sum (8 × i32): every value exact.
+#[inline(always)]
+unsafe fn scaled_products(u: __m256i, s: __m256i, scale: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale)
+}
+
+/// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K block (the scalar twin's `sum_sc`), or of a
+/// Q5_K block when `qh` carries its fifth bits (bit `j` of `qh[l]` for sub-block `j`).
+#[inline(always)]
+unsafe fn k4_sum_sc<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, y: &BlockQ8K, sc: u64) -> i32 {
+    let mask = _mm256_set1_epi8(0x0F);
+    let high = match qh {
+        Some(h) => _mm256_loadu_si256(h.as_ptr().cast()),
+        None => _mm256_setzero_si256(),
+    };
+    let mut acc = _mm256_setzero_si256();
+    for i in 0..4 {
+        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * i).cast());
+        let mut lo = _mm256_and_si256(raw, mask);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+        if Q5 {
+            lo = _mm256_or_si256(lo, fifth_bits(high, 2 * i));
+            hi = _mm256_or_si256(hi, fifth_bits(high, 2 * i + 1));
+        }
+        let y_lo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * i).cast());
+        let y_hi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * i + 32).cast());
+        let s_lo = _mm256_set1_epi16(((sc >> (16 * i)) & 0xFF) as i16);
+        let s_hi = _mm256_set1_epi16(((sc >> (16 * i + 8)) & 0xFF) as i16);
+        acc = _mm256_add_epi32(acc, scaled_products(lo, y_lo, s_lo));
+        acc = _mm256_add_epi32(acc, scaled_products(hi, y_hi, s_hi));
+    }
+    hsum_epi32(acc)
+}
+
+/// Bit `bit` of each byte of `qh` as 16 (a Q5_K quant's fifth bit), else 0.
+#[inline(always)]
+unsafe fn fifth_bits(qh: __m256i, bit: usize) -> __m256i {
+    let b = _mm256_set1_epi8((1u8 << bit) as i8);
+    _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b), b), _mm256_set1_epi8(0x10))
+}
+
+// The bodies below are plain loops of `#[inline(always)]` helpers, no closures: a closure
+// LLVM does not inline runs without the kernel's target features (see `blockdot_avx512`).
+// Their sums start where the twins' `.sum()` does.
+
+#[inline(always)]
+unsafe fn dot_q4k_body(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ4K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    let mut total: f32 = std::iter::empty::<f32>().sum();
+    for (x, y) in xs.iter().zip(ys) {
+        prefetch_block(x);
+        let (sc, mins) = k4_scales_mins(&x.scales);
+        total += k4_epilogue(x.d, x.dmin, y, k4_sum_sc::<false>(&x.qs, None, y, sc), k4_sum_m(mins, y));
+    }
+    total
+}
+
+#[inline(always)]
+unsafe fn dot_q5k_body(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ5K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    let mut total: f32 = std::iter::empty::<f32>().sum();
+    for (x, y) in xs.iter().zip(ys) {
+        prefetch_block(x);
+        let (sc, mins) = k4_scales_mins(&x.scales);
+        total += k4_epilogue(x.d, x.dmin, y, k4_sum_sc::<true>(&x.qs, Some(&x.qh), y, sc), k4_sum_m(mins, y));
+    }
+    total
+}
+
+/// `Σ_j scales_j · Σ_l q_j[l] · y_j[l]` of one Q6_K block (the scalar twin's `sumi`), with
+/// the quants offset to 0..63 for the unsigned byte product and the offset taken back through
+/// the activation block sums.
+#[inline(always)]
+unsafe fn q6k_sumi(x: &BlockQ6K, y: &BlockQ8K) -> i32 {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let scv = _mm_loadu_si128(x.scales.as_ptr().cast());
+    let mut acc = _mm256_setzero_si256();
+    for n in 0..2 {
+        let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n).cast());
+        let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n + 32).cast());
+        let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * n).cast());
+        // Positions 128n + 0..32, 32..64, 64..96, 96..128 (`q6k_values`' order).
+        let a = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(0x03))));
+        let b = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C))));
+        let c = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+        let d = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
+            _mm256_srli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0xC0u8 as i8))),
+        );
+        let g = 8 * n as i8;
+        let yp = y.qs.as_ptr().add(128 * n).cast::<__m256i>();
+        acc = _mm256_add_epi32(acc, scaled_products(a, _mm256_loadu_si256(yp), scale_pair(scv, g)));
+        acc = _mm256_add_epi32(acc, scaled_products(b, _mm256_loadu_si256(yp.add(1)), scale_pair(scv, g + 2)));
+        acc = _mm256_add_epi32(acc, scaled_products(c, _mm256_loadu_si256(yp.add(2)), scale_pair(scv, g + 4)));
+        acc = _mm256_add_epi32(acc, scaled_products(d, _mm256_loadu_si256(yp.add(3)), scale_pair(scv, g + 6)));
+    }
+    // Σ_j scales_j · bsum_j: the 16 sums against the 16 scales widened, in one `pmaddwd`.
+    let offset = hsum_epi32(_mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr().cast()), _mm256_cvtepi8_epi16(scv)));
+    hsum_epi32(acc) - 32 * offset
+}
+
+/// Scale `g` of `scales` (16 signed bytes) in the low eight i16 lanes, scale `g + 1` in the
+/// high eight: the scales of the two groups of 16 one 32-byte product covers.
+#[inline(always)]
+unsafe fn scale_pair(scales: __m128i, g: i8) -> __m256i {
+    let idx = _mm_setr_epi8(g, g, g, g, g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1);
+    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, idx))
+}
+
+#[inline(always)]
+unsafe fn dot_q6k_body(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ6K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+    let mut total: f32 = std::iter::empty::<f32>().sum();
+    for (x, y) in xs.iter().zip(ys) {
+        prefetch_block(x);
+        total += f16_bytes(x.d) * y.scale() * q6k_sumi(x, y) as f32;
+    }
+    total
+}
+
+/// The 32 five-bit quants of a Q5_0/Q5_1 block (0..31, `q5_values`' order: low nibbles, then
+/// high nibbles, bit `k` of `qh` on quant `k`).
+#[inline(always)]
+unsafe fn q5_bytes(qh: [u8; 4], qs: &[u8; 16]) -> __m256i {
+    let raw = _mm_loadu_si128(qs.as_ptr().cast());
+    let nib = _mm256_and_si256(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(raw), _mm_srli_epi16::<4>(raw)), _mm256_set1_epi8(0x0F));
+    // Byte k gets byte k / 8 of qh, then its bit k % 8 tested.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(u32::from_le_bytes(qh) as i32),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+    );
+    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+    _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+}
+
+/// `Σ u·s` of 32 unsigned bytes `u` (each below 64) and signed bytes `s`.
+#[inline(always)]
+unsafe fn sum_u8i8(u: __m256i, s: __m256i) -> i32 {
+    hsum_epi32(scaled_products(u, s, _mm256_set1_epi16(1)))
+}
+
+#[inline(always)]
+unsafe fn dot_q5_0_body(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ5_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
+    let ones = _mm256_set1_epi8(1);
+    let mut total: f32 = std::iter::empty::<f32>().sum();
+    for (x, y) in xs.iter().zip(ys) {
+        let yv = _mm256_loadu_si256(y.qs.as_ptr().cast());
+        let sumi = sum_u8i8(q5_bytes(x.qh, &x.qs), yv) - 16 * sum_u8i8(ones, yv);
+        total += sumi as f32 * (f16_bytes(x.d) * f16_bytes(y.d));
+    }
+    total
+}
+
+#[inline(always)]
+unsafe fn dot_q5_1_body(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (BlockQ5_1::slice(w).unwrap(), BlockQ8_1::slice(a).unwrap());
+    let mut total: f32 = std::iter::empty::<f32>().sum();
+    for (x, y) in xs.iter().zip(ys) {
+        let sumi = sum_u8i8(q5_bytes(x.qh, &x.qs), _mm256_loadu_si256(y.qs.as_ptr().cast()));
+        total += (f16_bytes(x.d) * f16_bytes(y.d)) * sumi as f32 + f16_bytes(x.m) * f16_bytes(y.s);
+    }
+    total
+}
+
+macro_rules! block_fn {
+    ($name:ident, $body:ident, $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C; `w` and `a` whole blocks of the same count.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(w: &[u8], a: &[u8]) -> f32 {
+            $body(w, a)
+        }
+    };
+}
+
+block_fn!(dot_q4k_q8k, dot_q4k_body, "Q4_K · Q8_K.");
+block_fn!(dot_q5k_q8k, dot_q5k_body, "Q5_K · Q8_K.");
+block_fn!(dot_q6k_q8k, dot_q6k_body, "Q6_K · Q8_K.");
+block_fn!(dot_q5_0_q8_0, dot_q5_0_body, "Q5_0 · Q8_0.");
+block_fn!(dot_q5_1_q8_1, dot_q5_1_body, "Q5_1 · Q8_1.");
