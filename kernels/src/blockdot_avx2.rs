@@ -15,9 +15,10 @@ use std::arch::x86_64::*;
 
 use super::quant::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
+/// The kernels' f16 scales (`simd_x86::f16c_to_f32`: no call, no false dependency).
 #[inline(always)]
-fn f16_bytes(b: [u8; 2]) -> f32 {
-    half::f16::from_le_bytes(b).to_f32()
+unsafe fn f16_bytes(b: [u8; 2]) -> f32 {
+    super::simd_x86::f16c_to_f32(b)
 }
 
 /// Prefetches the weight block `LINEAR_AHEAD` bytes past `x` (every line it touches): a
@@ -43,7 +44,7 @@ pub(super) unsafe fn k4_block(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], y: &
 
 /// The scalar twin's float epilogue of a Q4_K/Q5_K block from its two integer sums.
 #[inline(always)]
-fn k4_epilogue(d: [u8; 2], dmin: [u8; 2], y: &BlockQ8K, sum_sc: i32, sum_m: i32) -> f32 {
+unsafe fn k4_epilogue(d: [u8; 2], dmin: [u8; 2], y: &BlockQ8K, sum_sc: i32, sum_m: i32) -> f32 {
     y.scale() * (f16_bytes(d) * sum_sc as f32) - y.scale() * f16_bytes(dmin) * sum_m as f32
 }
 
@@ -99,6 +100,8 @@ unsafe fn k4_sum_sc<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, y: &B
         Some(h) => _mm256_loadu_si256(h.as_ptr().cast()),
         None => _mm256_setzero_si256(),
     };
+    // The eight scales as i16 in both halves; sub-block j's broadcast by a byte shuffle.
+    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
     let mut acc = _mm256_setzero_si256();
     for i in 0..4 {
         let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * i).cast());
@@ -110,8 +113,8 @@ unsafe fn k4_sum_sc<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, y: &B
         }
         let y_lo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * i).cast());
         let y_hi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * i + 32).cast());
-        let s_lo = _mm256_set1_epi16(((sc >> (16 * i)) & 0xFF) as i16);
-        let s_hi = _mm256_set1_epi16(((sc >> (16 * i + 8)) & 0xFF) as i16);
+        let s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * 2 * i as i16));
+        let s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * (2 * i as i16 + 1)));
         acc = _mm256_add_epi32(acc, scaled_products(lo, y_lo, s_lo));
         acc = _mm256_add_epi32(acc, scaled_products(hi, y_hi, s_hi));
     }

@@ -19,9 +19,10 @@ unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
+/// The kernels' f16 scales (`simd_x86::f16c_to_f32`: no call, no false dependency).
 #[inline(always)]
-fn f16_bytes(b: [u8; 2]) -> f32 {
-    half::f16::from_le_bytes(b).to_f32()
+unsafe fn f16_bytes(b: [u8; 2]) -> f32 {
+    super::simd_x86::f16c_to_f32(b)
 }
 
 /// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K block (the scalar twin's `sum_sc`).

@@ -299,7 +299,7 @@ unsafe fn bcast4(p: *const u8) -> __m512i {
 
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((p as *const u16).read_unaligned() as i32)))
+    super::simd_x86::f16c_to_f32((p as *const [u8; 2]).read_unaligned())
 }
 
 /// The signature of the tile kernels below (weight rows, row bytes, acts, tile, one result
