@@ -161,31 +161,27 @@ unsafe fn dot_q5k_body(w: &[u8], a: &[u8]) -> f32 {
 /// the activation block sums.
 #[inline(always)]
 unsafe fn q6k_sumi(x: &BlockQ6K, y: &BlockQ8K) -> i32 {
-    let m4 = _mm256_set1_epi8(0x0F);
     let scv = _mm_loadu_si128(x.scales.as_ptr().cast());
     let mut acc = _mm256_setzero_si256();
     for n in 0..2 {
         let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n).cast());
         let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n + 32).cast());
         let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * n).cast());
-        // Positions 128n + 0..32, 32..64, 64..96, 96..128 (`q6k_values`' order).
-        let a = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(0x03))));
-        let b = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C))));
-        let c = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
-        let d = _mm256_or_si256(
-            _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4),
-            _mm256_srli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0xC0u8 as i8))),
-        );
-        let g = 8 * n as i8;
         let yp = y.qs.as_ptr().add(128 * n).cast::<__m256i>();
-        acc = _mm256_add_epi32(acc, scaled_products(a, _mm256_loadu_si256(yp), scale_pair(scv, g)));
-        acc = _mm256_add_epi32(acc, scaled_products(b, _mm256_loadu_si256(yp.add(1)), scale_pair(scv, g + 2)));
-        acc = _mm256_add_epi32(acc, scaled_products(c, _mm256_loadu_si256(yp.add(2)), scale_pair(scv, g + 4)));
-        acc = _mm256_add_epi32(acc, scaled_products(d, _mm256_loadu_si256(yp.add(3)), scale_pair(scv, g + 6)));
+        for k in 0..4 {
+            let s = scale_pair(scv, (8 * n + 2 * k) as i8);
+            acc = _mm256_add_epi32(acc, scaled_products(q6_quarter(ql0, ql1, qh, k), _mm256_loadu_si256(yp.add(k)), s));
+        }
     }
-    // Σ_j scales_j · bsum_j: the 16 sums against the 16 scales widened, in one `pmaddwd`.
-    let offset = hsum_epi32(_mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr().cast()), _mm256_cvtepi8_epi16(scv)));
+    let offset = hsum_epi32(scaled_bsums(y, _mm256_cvtepi8_epi16(scv)));
     hsum_epi32(acc) - 32 * offset
+}
+
+/// `Σ_j scales_j · bsum_j` of a Q6_K block's 16 scales (`wide`, as i16) and an activation
+/// block's 16 sums, in one `pmaddwd` (eight lanes to add).
+#[inline(always)]
+unsafe fn scaled_bsums(y: &BlockQ8K, wide: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr().cast()), wide)
 }
 
 /// Scale `g` of `scales` (16 signed bytes) in the low eight i16 lanes, scale `g + 1` in the
@@ -253,6 +249,131 @@ unsafe fn dot_q5_1_body(w: &[u8], a: &[u8]) -> f32 {
     total
 }
 
+/// The four lanes' sums of four vectors of eight i32 lanes each (exact integers).
+#[inline(always)]
+unsafe fn hsum4_epi32(v: [__m256i; 4]) -> [i32; 4] {
+    let t = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+    [_mm_extract_epi32::<0>(s), _mm_extract_epi32::<1>(s), _mm_extract_epi32::<2>(s), _mm_extract_epi32::<3>(s)]
+}
+
+/// [`k4_sum_sc`] of one weight block against four activation blocks, the block unpacked once.
+#[inline(always)]
+unsafe fn k4_sum_sc_x4<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, ys: [&BlockQ8K; 4], sc: u64) -> [i32; 4] {
+    let mask = _mm256_set1_epi8(0x0F);
+    let high = match qh {
+        Some(h) => _mm256_loadu_si256(h.as_ptr().cast()),
+        None => _mm256_setzero_si256(),
+    };
+    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+    let mut acc = [_mm256_setzero_si256(); 4];
+    for i in 0..4 {
+        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * i).cast());
+        let mut lo = _mm256_and_si256(raw, mask);
+        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+        if Q5 {
+            lo = _mm256_or_si256(lo, fifth_bits(high, 2 * i));
+            hi = _mm256_or_si256(hi, fifth_bits(high, 2 * i + 1));
+        }
+        let s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * 2 * i as i16));
+        let s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * (2 * i as i16 + 1)));
+        for r in 0..4 {
+            let y = ys[r].qs.as_ptr().add(64 * i).cast::<__m256i>();
+            acc[r] = _mm256_add_epi32(acc[r], scaled_products(lo, _mm256_loadu_si256(y), s_lo));
+            acc[r] = _mm256_add_epi32(acc[r], scaled_products(hi, _mm256_loadu_si256(y.add(1)), s_hi));
+        }
+    }
+    hsum4_epi32(acc)
+}
+
+/// One Q4_K/Q5_K weight block against four activation blocks, each value added to its row's total.
+#[inline(always)]
+unsafe fn k4_block_x4<const Q5: bool>(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, ys: [&BlockQ8K; 4], totals: &mut [f32; 4]) {
+    let (sc, mins) = k4_scales_mins(scales);
+    let sums = k4_sum_sc_x4::<Q5>(qs, qh, ys, sc);
+    for r in 0..4 {
+        totals[r] += k4_epilogue(d, dmin, ys[r], sums[r], k4_sum_m(mins, ys[r]));
+    }
+}
+
+/// The four activation rows' Q8_K blocks, and the totals' start (the twins' `.sum()`'s).
+#[inline(always)]
+fn q8k_rows(a: [&[u8]; 4]) -> ([&[BlockQ8K]; 4], [f32; 4]) {
+    let start: f32 = std::iter::empty::<f32>().sum();
+    (a.map(|a| BlockQ8K::slice(a).unwrap()), [start; 4])
+}
+
+#[inline(always)]
+unsafe fn dot_q4k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let (ys, mut totals) = q8k_rows(a);
+    for (b, x) in BlockQ4K::slice(w).unwrap().iter().enumerate() {
+        prefetch_block(x);
+        k4_block_x4::<false>(x.d, x.dmin, &x.scales, &x.qs, None, [&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]], &mut totals);
+    }
+    totals
+}
+
+#[inline(always)]
+unsafe fn dot_q5k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let (ys, mut totals) = q8k_rows(a);
+    for (b, x) in BlockQ5K::slice(w).unwrap().iter().enumerate() {
+        prefetch_block(x);
+        k4_block_x4::<true>(x.d, x.dmin, &x.scales, &x.qs, Some(&x.qh), [&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]], &mut totals);
+    }
+    totals
+}
+
+/// Quants 32k..32k + 32 (0..63) of half `(ql0, ql1, qh)` of a Q6_K block (`q6k_values`' order).
+#[inline(always)]
+unsafe fn q6_quarter(ql0: __m256i, ql1: __m256i, qh: __m256i, k: usize) -> __m256i {
+    let m4 = _mm256_set1_epi8(0x0F);
+    match k {
+        0 => _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)))),
+        1 => _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)))),
+        2 => _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30))),
+        _ => _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), _mm256_srli_epi16::<2>(_mm256_and_si256(qh, _mm256_set1_epi8(0xC0u8 as i8)))),
+    }
+}
+
+/// [`q6k_sumi`] of one weight block against four activation blocks, the block unpacked once
+/// (a quarter of a half at a time, so that the four rows' sums stay in registers).
+#[inline(always)]
+unsafe fn q6k_sumi_x4(x: &BlockQ6K, ys: [&BlockQ8K; 4]) -> [i32; 4] {
+    let scv = _mm_loadu_si128(x.scales.as_ptr().cast());
+    let mut acc = [_mm256_setzero_si256(); 4];
+    for n in 0..2 {
+        let ql0 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n).cast());
+        let ql1 = _mm256_loadu_si256(x.ql.as_ptr().add(64 * n + 32).cast());
+        let qh = _mm256_loadu_si256(x.qh.as_ptr().add(32 * n).cast());
+        for k in 0..4 {
+            let q = q6_quarter(ql0, ql1, qh, k);
+            let s = scale_pair(scv, (8 * n + 2 * k) as i8);
+            for r in 0..4 {
+                let y = _mm256_loadu_si256(ys[r].qs.as_ptr().add(128 * n + 32 * k).cast());
+                acc[r] = _mm256_add_epi32(acc[r], scaled_products(q, y, s));
+            }
+        }
+    }
+    let wide = _mm256_cvtepi8_epi16(scv);
+    let offsets = hsum4_epi32([scaled_bsums(ys[0], wide), scaled_bsums(ys[1], wide), scaled_bsums(ys[2], wide), scaled_bsums(ys[3], wide)]);
+    let sums = hsum4_epi32(acc);
+    [sums[0] - 32 * offsets[0], sums[1] - 32 * offsets[1], sums[2] - 32 * offsets[2], sums[3] - 32 * offsets[3]]
+}
+
+#[inline(always)]
+unsafe fn dot_q6k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+    let (ys, mut totals) = q8k_rows(a);
+    for (b, x) in BlockQ6K::slice(w).unwrap().iter().enumerate() {
+        prefetch_block(x);
+        let sums = q6k_sumi_x4(x, [&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]]);
+        let d = f16_bytes(x.d);
+        for r in 0..4 {
+            totals[r] += d * ys[r][b].scale() * sums[r] as f32;
+        }
+    }
+    totals
+}
+
 macro_rules! block_fn {
     ($name:ident, $body:ident, $doc:literal) => {
         #[doc = $doc]
@@ -271,3 +392,21 @@ block_fn!(dot_q5k_q8k, dot_q5k_body, "Q5_K · Q8_K.");
 block_fn!(dot_q6k_q8k, dot_q6k_body, "Q6_K · Q8_K.");
 block_fn!(dot_q5_0_q8_0, dot_q5_0_body, "Q5_0 · Q8_0.");
 block_fn!(dot_q5_1_q8_1, dot_q5_1_body, "Q5_1 · Q8_1.");
+
+macro_rules! block_fn_x4 {
+    ($name:ident, $body:ident, $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C; `w` and every row of `a` whole blocks of the
+        /// same count.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $name(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+            $body(w, a)
+        }
+    };
+}
+
+block_fn_x4!(dot_q4k_q8k_x4, dot_q4k_x4_body, "Q4_K · Q8_K of one weight row against four activation rows (each as [`dot_q4k_q8k`]).");
+block_fn_x4!(dot_q5k_q8k_x4, dot_q5k_x4_body, "Q5_K · Q8_K of one weight row against four activation rows (each as [`dot_q5k_q8k`]).");
+block_fn_x4!(dot_q6k_q8k_x4, dot_q6k_x4_body, "Q6_K · Q8_K of one weight row against four activation rows (each as [`dot_q6k_q8k`]).");

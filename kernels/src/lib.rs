@@ -229,6 +229,10 @@ pub fn vec_dot_x4(ty: GgmlType, n: usize, w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
             match ty {
                 GgmlType::Q4_1 => return simd_x86::dot_q4_1_q8_1_x4(w, a),
                 GgmlType::Q8_0 => return simd_x86::dot_q8_0_q8_0_x4(w, a),
+                // AVX-512 machines take their own single-row kernels (and tiles for batches).
+                GgmlType::Q4K if isa() == Isa::Avx2 => return blockdot_avx2::dot_q4k_q8k_x4(w, a),
+                GgmlType::Q5K if isa() == Isa::Avx2 => return blockdot_avx2::dot_q5k_q8k_x4(w, a),
+                GgmlType::Q6K if isa() == Isa::Avx2 => return blockdot_avx2::dot_q6k_q8k_x4(w, a),
                 _ => {}
             }
         }

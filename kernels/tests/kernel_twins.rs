@@ -695,6 +695,7 @@ fn avx2_block_kernels_equal_scalar_twins_bit_for_bit() {
             return;
         }
         type Dot = unsafe fn(&[u8], &[u8]) -> f32;
+        type DotX4 = unsafe fn(&[u8], [&[u8]; 4]) -> [f32; 4];
         let kernels: [(GgmlType, Dot); 5] = [
             (GgmlType::Q4K, k::dot_q4k_q8k),
             (GgmlType::Q5K, k::dot_q5k_q8k),
@@ -712,6 +713,24 @@ fn avx2_block_kernels_equal_scalar_twins_bit_for_bit() {
                     // SAFETY: AVX2, FMA and F16C detected above; whole blocks of the same count.
                     let v = unsafe { f(&w, &a) };
                     assert_eq!(v.to_bits(), twin.to_bits(), "{ty} n={n}: {v} vs scalar {twin}");
+                }
+                // The four-activation-row kernels of the k-quants: each row as the twin.
+                let four: Option<DotX4> = match ty {
+                    GgmlType::Q4K => Some(k::dot_q4k_q8k_x4),
+                    GgmlType::Q5K => Some(k::dot_q5k_q8k_x4),
+                    GgmlType::Q6K => Some(k::dot_q6k_q8k_x4),
+                    _ => None,
+                };
+                if let Some(four) = four {
+                    let w = random_weight_row(&mut rng, ty, n);
+                    let acts: Vec<Vec<u8>> = (0..4).map(|_| quantized(vec_dot_type(ty), &random_acts(&mut rng, n))).collect();
+                    let rows = [acts[0].as_slice(), &acts[1], &acts[2], &acts[3]];
+                    // SAFETY: as above.
+                    let got = unsafe { four(&w, rows) };
+                    for (r, a) in rows.iter().enumerate() {
+                        let twin = vec_dot_scalar(ty, n, &w, a);
+                        assert_eq!(got[r].to_bits(), twin.to_bits(), "{ty} n={n} four rows, row {r}: {} vs scalar {twin}", got[r]);
+                    }
                 }
             }
             // Every quant at its extremes, every activation at ±127: saturation and signs.
