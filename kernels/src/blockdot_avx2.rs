@@ -1,5 +1,6 @@
 //! AVX2 dot products of one weight row with one activation row for the k-quants Q4_K, Q5_K,
-//! Q6_K (with Q8_K activations: most published GGUF models) and Q5_0, Q5_1, for CPUs without
+//! Q6_K (with Q8_K activations: most published GGUF models), Q5_0, Q5_1 and the floats F32,
+//! F16, BF16 (ggml's AVX-512 lane orders, as the twins), for CPUs without
 //! AVX-512 (which otherwise ran the scalar twins: the OLMoE shape decoded at a third of
 //! llama.cpp's rate on such a machine). Bit-identical to the scalar twins in `dot.rs`: each
 //! block's integer sums come from `maddubs`/`madd` byte products — integers, exact in any
@@ -374,6 +375,105 @@ unsafe fn dot_q6k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     totals
 }
 
+/// `ggml_exact::reduce16` of 16 lanes held as two registers (lanes 0–7, 8–15): halves added
+/// pairwise down to one, the same additions (addition commutes exactly).
+#[inline(always)]
+unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
+    let t8 = _mm256_add_ps(lo, hi);
+    let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+    let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
+}
+
+/// Eight f32 (`F32`) or f16 values at `p`, as f32.
+#[inline(always)]
+unsafe fn load8<const F32: bool>(p: *const u8) -> __m256 {
+    if F32 {
+        _mm256_loadu_ps(p.cast())
+    } else {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+}
+
+/// `ggml_exact`'s `fma_lanes64` of the first `np` (a multiple of 64) elements of two F32
+/// (`F32`) or F16 rows: fused multiply-adds into 64 lanes (eight registers), reduced by
+/// `reduce64`'s tree (0 if `np` is 0).
+#[inline(always)]
+unsafe fn fma_lanes64<const F32: bool>(w: *const u8, a: *const u8, np: usize) -> f32 {
+    let elem = if F32 { 4 } else { 2 };
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for i in (0..np).step_by(64) {
+        for line in (0..64 * elem).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(w.add(i * elem + line).wrapping_add(super::matvec_avx512::LINEAR_AHEAD).cast());
+        }
+        for (j, acc_j) in acc.iter_mut().enumerate() {
+            let at = (i + 8 * j) * elem;
+            *acc_j = _mm256_fmadd_ps(load8::<F32>(w.add(at)), load8::<F32>(a.add(at)), *acc_j);
+        }
+    }
+    if np == 0 {
+        return 0.0;
+    }
+    // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]), lanes 0–15.
+    let h_lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    let h_hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    reduce16(h_lo, h_hi)
+}
+
+/// F16 · F16 as `ggml_exact::dot_f16`: [`fma_lanes64`], then the rest added in f64.
+#[inline(always)]
+unsafe fn dot_f16_body(w: &[u8], a: &[u8]) -> f32 {
+    let n = w.len().min(a.len()) / 2;
+    let mut sum = fma_lanes64::<false>(w.as_ptr(), a.as_ptr(), n & !63) as f64;
+    for i in n & !63..n {
+        sum += (f16_bytes([w[2 * i], w[2 * i + 1]]) * f16_bytes([a[2 * i], a[2 * i + 1]])) as f64;
+    }
+    sum as f32
+}
+
+/// F32 · F32 as `ggml_exact::dot_f32`: [`fma_lanes64`], then the rest added in f32.
+#[inline(always)]
+unsafe fn dot_f32_body(w: &[u8], a: &[u8]) -> f32 {
+    let n = w.len().min(a.len()) / 4;
+    let mut sum = fma_lanes64::<true>(w.as_ptr(), a.as_ptr(), n & !63);
+    let (wp, ap) = (w.as_ptr() as *const f32, a.as_ptr() as *const f32);
+    for i in n & !63..n {
+        sum += wp.add(i).read_unaligned() * ap.add(i).read_unaligned();
+    }
+    sum
+}
+
+/// Eight bf16 values at `p` widened to f32 (a shift: bf16 is f32's upper half).
+#[inline(always)]
+unsafe fn widen_bf16(p: *const u8) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+}
+
+/// BF16 · BF16 as the scalar twin (ggml's AVX-512F order): two 16-lane sums (here two
+/// registers each) over steps of 32 elements, multiplied then added, each reduced by
+/// `reduce16` into an f64 sum, the rest added in f64.
+#[inline(always)]
+unsafe fn dot_bf16_body(w: &[u8], a: &[u8]) -> f32 {
+    let n = w.len().min(a.len()) / 2;
+    let n32 = n & !31;
+    let (wp, ap) = (w.as_ptr(), a.as_ptr());
+    let mut c = [_mm256_setzero_ps(); 4];
+    for i in (0..n32).step_by(32) {
+        _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * i + super::matvec_avx512::LINEAR_AHEAD).cast());
+        for (j, c_j) in c.iter_mut().enumerate() {
+            let at = 2 * (i + 8 * j);
+            *c_j = _mm256_add_ps(_mm256_mul_ps(widen_bf16(wp.add(at)), widen_bf16(ap.add(at))), *c_j);
+        }
+    }
+    let mut sum = reduce16(c[0], c[1]) as f64;
+    sum += reduce16(c[2], c[3]) as f64;
+    let bf = |b: &[u8], i: usize| f32::from_bits((u16::from_le_bytes([b[2 * i], b[2 * i + 1]]) as u32) << 16);
+    for i in n32..n {
+        sum += (bf(w, i) * bf(a, i)) as f64;
+    }
+    sum as f32
+}
+
 macro_rules! block_fn {
     ($name:ident, $body:ident, $doc:literal) => {
         #[doc = $doc]
@@ -392,6 +492,9 @@ block_fn!(dot_q5k_q8k, dot_q5k_body, "Q5_K · Q8_K.");
 block_fn!(dot_q6k_q8k, dot_q6k_body, "Q6_K · Q8_K.");
 block_fn!(dot_q5_0_q8_0, dot_q5_0_body, "Q5_0 · Q8_0.");
 block_fn!(dot_q5_1_q8_1, dot_q5_1_body, "Q5_1 · Q8_1.");
+block_fn!(dot_f32_f32, dot_f32_body, "F32 · F32.");
+block_fn!(dot_f16_f16, dot_f16_body, "F16 · F16.");
+block_fn!(dot_bf16_bf16, dot_bf16_body, "BF16 · BF16.");
 
 macro_rules! block_fn_x4 {
     ($name:ident, $body:ident, $doc:literal) => {

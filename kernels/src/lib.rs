@@ -211,6 +211,9 @@ pub fn vec_dot(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
                 GgmlType::Q6K => return blockdot_avx2::dot_q6k_q8k(w, a),
                 GgmlType::Q5_0 => return blockdot_avx2::dot_q5_0_q8_0(w, a),
                 GgmlType::Q5_1 => return blockdot_avx2::dot_q5_1_q8_1(w, a),
+                GgmlType::F32 => return blockdot_avx2::dot_f32_f32(w, a),
+                GgmlType::F16 => return blockdot_avx2::dot_f16_f16(w, a),
+                GgmlType::BF16 => return blockdot_avx2::dot_bf16_bf16(w, a),
                 _ => {}
             }
         }
