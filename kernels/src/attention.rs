@@ -226,20 +226,20 @@ pub fn decode_attention_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        return unsafe { attend_online_fma(q, k, v, n, scores, out, Head64::of(hd, true)) };
+        return unsafe { attend_online_fma(q, k, v, n, scores, out, HeadDot::of(hd, true)) };
     }
     attend_online(q, k, v, n, scores, out, None)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out: &mut [f32], head64: Option<Head64>) -> f32 {
-    attend_online(q, k, v, n, scores, out, head64)
+unsafe fn attend_online_fma(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out: &mut [f32], head: Option<HeadDot>) -> f32 {
+    attend_online(q, k, v, n, scores, out, head)
 }
 
-/// Safety: `head64`'s function (tinyBLAS's dot product here) as in [`attend`].
+/// Safety: `head`'s function (tinyBLAS's dot product here) as in [`attend`].
 #[inline(always)]
-fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out: &mut [f32], head64: Option<Head64>) -> f32 {
+fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out: &mut [f32], head: Option<HeadDot>) -> f32 {
     let hd = out.len();
     let mut q16 = vec![0f32; hd];
     round_to_f16(&q[..hd], &mut q16);
@@ -251,7 +251,7 @@ fn attend_online(q: &[f32], k: &[f32], v: &[f32], n: usize, scores: Scores, out:
         for (i, si) in s.iter_mut().enumerate().take(len) {
             // tinyBLAS's order (llama.cpp's for prompt batches): one fused multiply-add chain
             // per lane, which the AVX-512 kernel computes with fewer instructions than ggml's.
-            *si = scores.of(score(&q16, &k[(b + i) * hd..(b + i + 1) * hd], true, head64));
+            *si = scores.of(score(&q16, &k[(b + i) * hd..(b + i + 1) * hd], true, head));
         }
         let block_max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         if block_max > max {
@@ -311,32 +311,52 @@ pub(crate) struct Job<'a> {
     pub(crate) tiled: bool,
 }
 
-/// The register dot product of a head of 64 on AVX2 (bit-identical to `dot_f16`, or to
-/// `dot_tiled` in tinyBLAS's order), chosen once per call rather than per position.
+/// The register dot product of a head of 64 or 128 on AVX2 (bit-identical to `dot_f16`, or
+/// to `dot_tiled` in tinyBLAS's order), chosen once per call rather than per position.
 #[derive(Clone, Copy)]
-struct Head64 {
-    dot: unsafe fn(&[f32; 64], &[f32; 64]) -> f32,
+struct HeadDot {
+    dot: unsafe fn(&[f32], &[f32]) -> f32,
 }
 
-impl Head64 {
+impl HeadDot {
     /// The register dot product in `ggml_vec_dot_f16`'s order, or tinyBLAS's if `tiled`, for
-    /// heads of 64. Only for callers that checked AVX2, FMA and F16C.
+    /// heads of 64 and 128. Only for callers that checked AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    fn of(hd: usize, tiled: bool) -> Option<Head64> {
-        let dot = if tiled { super::simd_x86::dot_tiled_64 } else { super::simd_x86::dot_f16_64 };
-        (hd == 64).then_some(Head64 { dot })
+    fn of(hd: usize, tiled: bool) -> Option<HeadDot> {
+        let dot: unsafe fn(&[f32], &[f32]) -> f32 = match (hd, tiled) {
+            (64, false) => head_dot::<64, false>,
+            (64, true) => head_dot::<64, true>,
+            (128, false) => head_dot::<128, false>,
+            (128, true) => head_dot::<128, true>,
+            _ => return None,
+        };
+        Some(HeadDot { dot })
+    }
+}
+
+/// [`HeadDot`]'s functions: `x` and `y` of `N` values each (the head's width, checked by
+/// `HeadDot::of`'s caller's slices; others fall back to the plain dot products in `score`).
+/// Safety: AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn head_dot<const N: usize, const TILED: bool>(x: &[f32], y: &[f32]) -> f32 {
+    match (<&[f32; N]>::try_from(x), <&[f32; N]>::try_from(y)) {
+        (Ok(x), Ok(y)) if TILED => super::simd_x86::dot_tiled_lanes(x, y),
+        (Ok(x), Ok(y)) => super::simd_x86::dot_f16_lanes(x, y),
+        _ if TILED && x.len().is_multiple_of(16) => dot_tiled(x, y),
+        _ => dot_f16(x, y),
     }
 }
 
 /// One Q·K product: in tinyBLAS's order if `tiled` (which needs the length to be a multiple of
 /// 16; otherwise llama.cpp falls back to `ggml_vec_dot_f16`), else in `ggml_vec_dot_f16`'s;
-/// in registers where `head64` (made by [`Head64::of`] with the same `tiled`) is given.
+/// in registers where `head` (made by [`HeadDot::of`] with the same `tiled`) is given.
 /// Safety: as [`attend`].
 #[inline(always)]
-fn score(q16: &[f32], key: &[f32], tiled: bool, head64: Option<Head64>) -> f32 {
-    if let (Some(h), Ok(q64), Ok(k64)) = (head64, <&[f32; 64]>::try_from(q16), <&[f32; 64]>::try_from(key)) {
+fn score(q16: &[f32], key: &[f32], tiled: bool, head: Option<HeadDot>) -> f32 {
+    if let Some(h) = head {
         // SAFETY: see `attend`.
-        unsafe { (h.dot)(q64, k64) }
+        unsafe { (h.dot)(q16, key) }
     } else if tiled && q16.len().is_multiple_of(16) {
         dot_tiled(q16, key)
     } else {
@@ -350,20 +370,20 @@ pub(crate) fn run(job: &Job<'_>, out: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        return unsafe { attend_fma(job, out, Head64::of(job.hd, job.tiled)) };
+        return unsafe { attend_fma(job, out, HeadDot::of(job.hd, job.tiled)) };
     }
     attend(job, out, None)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
-    attend(job, out, head64)
+unsafe fn attend_fma(job: &Job<'_>, out: &mut [f32], head: Option<HeadDot>) -> f32 {
+    attend(job, out, head)
 }
 
-/// Safety: `head64`'s functions need AVX2, FMA and F16C (given only when detected).
+/// Safety: `head`'s functions need AVX2, FMA and F16C (given only when detected).
 #[inline(always)]
-fn attend(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
+fn attend(job: &Job<'_>, out: &mut [f32], head: Option<HeadDot>) -> f32 {
     let Job { q, k, v, start, end, n_padded, hd, scores, tiled } = *job;
     let n = end.saturating_sub(start);
     // Plain loops, no closures: closures would not inherit the caller's FMA target feature.
@@ -372,7 +392,7 @@ fn attend(job: &Job<'_>, out: &mut [f32], head64: Option<Head64>) -> f32 {
     // w[i] is position start + i.
     let mut w = vec![0f32; n];
     for (i, s) in w.iter_mut().enumerate() {
-        *s = scores.of(score(&q16, &k[i * hd..(i + 1) * hd], tiled, head64));
+        *s = scores.of(score(&q16, &k[i * hd..(i + 1) * hd], tiled, head));
     }
     let lse = softmax_in_place(&mut w);
     let probs = w.clone();

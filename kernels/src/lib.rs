@@ -106,24 +106,27 @@ fn detect_isa() -> Isa {
     Isa::Scalar
 }
 
-/// `ggml_exact::dot_f16` of two 64-element rows (a head of 64), in registers where AVX2 is
-/// present; bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
-pub fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
+/// `ggml_exact::dot_f16` of two `N`-element rows (a head of 64 or 128; `N` a multiple of 64),
+/// in registers where AVX2 is present; bit-identical to it. (Decode attention calls the AVX2
+/// kernel directly.)
+pub fn dot_f16_head<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
+    const { assert!(N % 64 == 0, "heads of whole 64-lane chunks") };
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected.
-        return unsafe { simd_x86::dot_f16_64(x, y) };
+        return unsafe { simd_x86::dot_f16_lanes(x, y) };
     }
     ggml_exact::dot_f16(x, y)
 }
 
-/// `ggml_exact::dot_tiled` of two 64-element rows, in registers where AVX2 is present;
-/// bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
-pub fn dot_tiled_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
+/// `ggml_exact::dot_tiled` of two `N`-element rows (`N` a multiple of 16), in registers where
+/// AVX2 is present; bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
+pub fn dot_tiled_head<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
+    const { assert!(N % 16 == 0, "heads of whole 16-lane chunks") };
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected.
-        return unsafe { simd_x86::dot_tiled_64(x, y) };
+        return unsafe { simd_x86::dot_tiled_lanes(x, y) };
     }
     ggml_exact::dot_tiled(x, y)
 }

@@ -200,38 +200,42 @@ pub unsafe fn widen_q8_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
-/// `ggml_exact::dot_f16` for exactly 64 elements, in registers: the 64 fused products (into
-/// zero, as ggml's accumulators start), then `reduce64`'s tree — the same operations in the
-/// same order, so the same bits.
+/// `ggml_exact::dot_f16` for exactly `N` elements (a multiple of 64: heads of 64 and 128), in
+/// registers: the fused products into 64 lanes (from zero, as ggml's accumulators start), then
+/// `reduce64`'s tree — the same operations in the same order, so the same bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_f16_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
-    let z = _mm256_setzero_ps();
-    // SAFETY: both arrays hold 64 f32, read as eight 8-lane vectors each.
-    let p = |i: usize| _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(8 * i)), _mm256_loadu_ps(y.as_ptr().add(8 * i)), z);
-    let (a0, a1, a2, a3, a4, a5, a6, a7) = (p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7));
+pub unsafe fn dot_f16_lanes<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for c in (0..N).step_by(64) {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: both arrays hold N f32, N a multiple of 64.
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(c + 8 * i)), _mm256_loadu_ps(y.as_ptr().add(c + 8 * i)), *a);
+        }
+    }
     // reduce64: h[i] = (acc[i] + acc[i + 32]) + (acc[i + 16] + acc[i + 48]), i < 16.
-    let h_lo = _mm256_add_ps(_mm256_add_ps(a0, a4), _mm256_add_ps(a2, a6));
-    let h_hi = _mm256_add_ps(_mm256_add_ps(a1, a5), _mm256_add_ps(a3, a7));
-    // reduce16: t8[i] = h[i + 8] + h[i]; t4[i] = t8[i + 4] + t8[i]; (t4[0] + t4[2]) + (t4[1] + t4[3]).
-    let t8 = _mm256_add_ps(h_hi, h_lo);
-    let t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
-    let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
+    let h_lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    let h_hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    reduce16(h_lo, h_hi)
 }
 
-/// `ggml_exact::dot_tiled` (tinyBLAS's order) for exactly 64 elements: sixteen lanes of fused
-/// multiply-adds over the four 16-element chunks in order, then `reduce16`'s tree — the same
-/// operations in the same order, so the same bits.
+/// `ggml_exact::dot_tiled` (tinyBLAS's order) for exactly `N` elements (a multiple of 16):
+/// sixteen lanes of fused multiply-adds over the 16-element chunks in order, then
+/// `reduce16`'s tree — the same operations in the same order, so the same bits.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_tiled_64(x: &[f32; 64], y: &[f32; 64]) -> f32 {
-    // SAFETY: both arrays hold 64 f32, read as eight 8-lane vectors each.
-    let ld = |v: &[f32; 64], i: usize| _mm256_loadu_ps(v.as_ptr().add(8 * i));
+pub unsafe fn dot_tiled_lanes<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
     let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for c in 0..4 {
-        lo = _mm256_fmadd_ps(ld(x, 2 * c), ld(y, 2 * c), lo);
-        hi = _mm256_fmadd_ps(ld(x, 2 * c + 1), ld(y, 2 * c + 1), hi);
+    for c in (0..N).step_by(16) {
+        // SAFETY: both arrays hold N f32, N a multiple of 16.
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(c)), _mm256_loadu_ps(y.as_ptr().add(c)), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(c + 8)), _mm256_loadu_ps(y.as_ptr().add(c + 8)), hi);
     }
-    // reduce16: t8[i] = h[i + 8] + h[i]; t4[i] = t8[i + 4] + t8[i]; (t4[0] + t4[2]) + (t4[1] + t4[3]).
+    reduce16(lo, hi)
+}
+
+/// `ggml_exact::reduce16` of 16 lanes held as two registers (lanes 0–7, 8–15):
+/// t8[i] = h[i + 8] + h[i]; t4[i] = t8[i + 4] + t8[i]; (t4[0] + t4[2]) + (t4[1] + t4[3]).
+#[inline(always)]
+unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
     let t8 = _mm256_add_ps(hi, lo);
     let t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
     let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));

@@ -599,18 +599,31 @@ fn four_weight_row_kernels_equal_four_single_rows() {
     }
 }
 
-/// The KV helpers used by decode attention: `dot_f16_64` is bit-identical to
-/// `ggml_exact::dot_f16` (the same products and reduction tree), `dot_tiled_64` to
-/// `ggml_exact::dot_tiled`, `widen_f16` to the scalar
+/// The KV helpers used by decode attention: `dot_f16_head` (heads of 64 and 128) is
+/// bit-identical to `ggml_exact::dot_f16` (the same products and reduction tree),
+/// `dot_tiled_head` to `ggml_exact::dot_tiled`, `widen_f16` to the scalar
 /// widening — on random values, exact zeros of both signs, and magnitudes far apart.
 #[test]
 fn attention_kv_helpers_equal_their_scalar_twins_bit_for_bit() {
-    use duet_kernels::ggml_exact::{dot_f16, dot_tiled};
     let mut rng = StdRng::seed_from_u64(64);
+    head_dots_equal_their_twins::<64>(&mut rng);
+    head_dots_equal_their_twins::<128>(&mut rng);
+    for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
+        let src: Vec<f16> = (0..n).map(|_| random_f16(&mut rng)).collect();
+        let (mut fast, mut twin) = (vec![0f32; n], vec![0f32; n]);
+        kernels::widen_f16(&src, &mut fast);
+        kernels::widen_f16_scalar(&src, &mut twin);
+        assert!(fast.iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "widen_f16 at n = {n}");
+    }
+    assert_avx2_used_when_available();
+}
+
+fn head_dots_equal_their_twins<const N: usize>(rng: &mut StdRng) {
+    use duet_kernels::ggml_exact::{dot_f16, dot_tiled};
     for case in 0..2000 {
-        let mut x = [0f32; 64];
-        let mut y = [0f32; 64];
-        for i in 0..64 {
+        let mut x = [0f32; N];
+        let mut y = [0f32; N];
+        for i in 0..N {
             let scale = 10f32.powi(rng.random_range(-6..6));
             x[i] = f16::from_f32(rng.random_range(-1.0f32..1.0) * scale.min(60000.0)).to_f32();
             y[i] = rng.random_range(-1.0f32..1.0) * scale;
@@ -621,19 +634,11 @@ fn attention_kv_helpers_equal_their_scalar_twins_bit_for_bit() {
                 _ => {}
             }
         }
-        let (fast, twin) = (kernels::dot_f16_64(&x, &y), dot_f16(&x, &y));
-        assert_eq!(fast.to_bits(), twin.to_bits(), "case {case}: {fast} vs {twin}");
-        let (fast, twin) = (kernels::dot_tiled_64(&x, &y), dot_tiled(&x, &y));
-        assert_eq!(fast.to_bits(), twin.to_bits(), "case {case}, tinyBLAS order: {fast} vs {twin}");
+        let (fast, twin) = (kernels::dot_f16_head(&x, &y), dot_f16(&x, &y));
+        assert_eq!(fast.to_bits(), twin.to_bits(), "head of {N}, case {case}: {fast} vs {twin}");
+        let (fast, twin) = (kernels::dot_tiled_head(&x, &y), dot_tiled(&x, &y));
+        assert_eq!(fast.to_bits(), twin.to_bits(), "head of {N}, case {case}, tinyBLAS order: {fast} vs {twin}");
     }
-    for n in [0, 1, 7, 8, 9, 63, 64, 65, 1000] {
-        let src: Vec<f16> = (0..n).map(|_| random_f16(&mut rng)).collect();
-        let (mut fast, mut twin) = (vec![0f32; n], vec![0f32; n]);
-        kernels::widen_f16(&src, &mut fast);
-        kernels::widen_f16_scalar(&src, &mut twin);
-        assert!(fast.iter().zip(&twin).all(|(a, b)| a.to_bits() == b.to_bits()), "widen_f16 at n = {n}");
-    }
-    assert_avx2_used_when_available();
 }
 
 /// The AVX-512 block kernels of the types without a ggml-order AVX2 kernel (Q4_K, Q5_K, Q6_K,
