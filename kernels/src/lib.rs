@@ -110,7 +110,7 @@ fn detect_isa() -> Isa {
 /// in registers where AVX2 is present; bit-identical to it. (Decode attention calls the AVX2
 /// kernel directly.)
 pub fn dot_f16_head<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
-    const { assert!(N % 64 == 0, "heads of whole 64-lane chunks") };
+    const { assert!(N.is_multiple_of(64), "heads of whole 64-lane chunks") };
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected.
@@ -122,7 +122,7 @@ pub fn dot_f16_head<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
 /// `ggml_exact::dot_tiled` of two `N`-element rows (`N` a multiple of 16), in registers where
 /// AVX2 is present; bit-identical to it. (Decode attention calls the AVX2 kernel directly.)
 pub fn dot_tiled_head<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
-    const { assert!(N % 16 == 0, "heads of whole 16-lane chunks") };
+    const { assert!(N.is_multiple_of(16), "heads of whole 16-lane chunks") };
     #[cfg(target_arch = "x86_64")]
     if isa() >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C were detected.
