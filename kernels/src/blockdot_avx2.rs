@@ -14,13 +14,10 @@
 
 use std::arch::x86_64::*;
 
+// The kernels' f16 scales: no call, no false dependency.
+use super::simd_x86::{f16c_to_f32 as f16_bytes, reduce16, reduce64};
 use super::quant::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
-/// The kernels' f16 scales (`simd_x86::f16c_to_f32`: no call, no false dependency).
-#[inline(always)]
-unsafe fn f16_bytes(b: [u8; 2]) -> f32 {
-    super::simd_x86::f16c_to_f32(b)
-}
 
 /// Prefetches the weight block `LINEAR_AHEAD` bytes past `x` (every line it touches): a
 /// matrix's rows are read one after another, one stream, as the quantised kernels read them.
@@ -92,32 +89,90 @@ unsafe fn scaled_products(u: __m256i, s: __m256i, scale: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale)
 }
 
-/// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K block (the scalar twin's `sum_sc`), or of a
-/// Q5_K block when `qh` carries its fifth bits (bit `j` of `qh[l]` for sub-block `j`).
+/// A Q4_K or Q5_K block: the fields the kernels read (a Q5_K block's fifth bits in `qh`).
+trait K4Block: ByteBlock {
+    fn d(&self) -> [u8; 2];
+    fn dmin(&self) -> [u8; 2];
+    fn scales(&self) -> &[u8; 12];
+    fn qs(&self) -> &[u8; 128];
+    fn qh(&self) -> Option<&[u8; 32]>;
+}
+
+impl K4Block for BlockQ4K {
+    #[inline(always)]
+    fn d(&self) -> [u8; 2] {
+        self.d
+    }
+    #[inline(always)]
+    fn dmin(&self) -> [u8; 2] {
+        self.dmin
+    }
+    #[inline(always)]
+    fn scales(&self) -> &[u8; 12] {
+        &self.scales
+    }
+    #[inline(always)]
+    fn qs(&self) -> &[u8; 128] {
+        &self.qs
+    }
+    #[inline(always)]
+    fn qh(&self) -> Option<&[u8; 32]> {
+        None
+    }
+}
+
+impl K4Block for BlockQ5K {
+    #[inline(always)]
+    fn d(&self) -> [u8; 2] {
+        self.d
+    }
+    #[inline(always)]
+    fn dmin(&self) -> [u8; 2] {
+        self.dmin
+    }
+    #[inline(always)]
+    fn scales(&self) -> &[u8; 12] {
+        &self.scales
+    }
+    #[inline(always)]
+    fn qs(&self) -> &[u8; 128] {
+        &self.qs
+    }
+    #[inline(always)]
+    fn qh(&self) -> Option<&[u8; 32]> {
+        Some(&self.qh)
+    }
+}
+
+/// Sub-blocks `2i` and `2i + 1` of a Q4_K/Q5_K block as unsigned bytes (with their fifth bits
+/// where `x` has them), and their scales (`sc`'s bytes `2i`, `2i + 1`) as i16 in every lane.
 #[inline(always)]
-unsafe fn k4_sum_sc<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, y: &BlockQ8K, sc: u64) -> i32 {
+unsafe fn k4_sub_blocks<B: K4Block>(x: &B, sc: u64, i: usize) -> (__m256i, __m256i, __m256i, __m256i) {
     let mask = _mm256_set1_epi8(0x0F);
-    let high = match qh {
-        Some(h) => _mm256_loadu_si256(h.as_ptr().cast()),
-        None => _mm256_setzero_si256(),
-    };
+    let raw = _mm256_loadu_si256(x.qs().as_ptr().add(32 * i).cast());
+    let mut lo = _mm256_and_si256(raw, mask);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+    if let Some(qh) = x.qh() {
+        let high = _mm256_loadu_si256(qh.as_ptr().cast());
+        lo = _mm256_or_si256(lo, fifth_bits(high, 2 * i));
+        hi = _mm256_or_si256(hi, fifth_bits(high, 2 * i + 1));
+    }
     // The eight scales as i16 in both halves; sub-block j's broadcast by a byte shuffle.
     let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+    let s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * 2 * i as i16));
+    let s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * (2 * i as i16 + 1)));
+    (lo, hi, s_lo, s_hi)
+}
+
+/// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K/Q5_K block (the scalar twin's `sum_sc`).
+#[inline(always)]
+unsafe fn k4_sum_sc<B: K4Block>(x: &B, y: &BlockQ8K, sc: u64) -> i32 {
     let mut acc = _mm256_setzero_si256();
     for i in 0..4 {
-        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * i).cast());
-        let mut lo = _mm256_and_si256(raw, mask);
-        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-        if Q5 {
-            lo = _mm256_or_si256(lo, fifth_bits(high, 2 * i));
-            hi = _mm256_or_si256(hi, fifth_bits(high, 2 * i + 1));
-        }
-        let y_lo = _mm256_loadu_si256(y.qs.as_ptr().add(64 * i).cast());
-        let y_hi = _mm256_loadu_si256(y.qs.as_ptr().add(64 * i + 32).cast());
-        let s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * 2 * i as i16));
-        let s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * (2 * i as i16 + 1)));
-        acc = _mm256_add_epi32(acc, scaled_products(lo, y_lo, s_lo));
-        acc = _mm256_add_epi32(acc, scaled_products(hi, y_hi, s_hi));
+        let (lo, hi, s_lo, s_hi) = k4_sub_blocks(x, sc, i);
+        let yp = y.qs.as_ptr().add(64 * i).cast::<__m256i>();
+        acc = _mm256_add_epi32(acc, scaled_products(lo, _mm256_loadu_si256(yp), s_lo));
+        acc = _mm256_add_epi32(acc, scaled_products(hi, _mm256_loadu_si256(yp.add(1)), s_hi));
     }
     hsum_epi32(acc)
 }
@@ -133,26 +188,15 @@ unsafe fn fifth_bits(qh: __m256i, bit: usize) -> __m256i {
 // LLVM does not inline runs without the kernel's target features (see `blockdot_avx512`).
 // Their sums start where the twins' `.sum()` does.
 
+/// Q4_K or Q5_K · Q8_K.
 #[inline(always)]
-unsafe fn dot_q4k_body(w: &[u8], a: &[u8]) -> f32 {
-    let (xs, ys) = (BlockQ4K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
+unsafe fn dot_k4_body<B: K4Block>(w: &[u8], a: &[u8]) -> f32 {
+    let (xs, ys) = (B::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
     let mut total: f32 = std::iter::empty::<f32>().sum();
     for (x, y) in xs.iter().zip(ys) {
         prefetch_block(x);
-        let (sc, mins) = k4_scales_mins(&x.scales);
-        total += k4_epilogue(x.d, x.dmin, y, k4_sum_sc::<false>(&x.qs, None, y, sc), k4_sum_m(mins, y));
-    }
-    total
-}
-
-#[inline(always)]
-unsafe fn dot_q5k_body(w: &[u8], a: &[u8]) -> f32 {
-    let (xs, ys) = (BlockQ5K::slice(w).unwrap(), BlockQ8K::slice(a).unwrap());
-    let mut total: f32 = std::iter::empty::<f32>().sum();
-    for (x, y) in xs.iter().zip(ys) {
-        prefetch_block(x);
-        let (sc, mins) = k4_scales_mins(&x.scales);
-        total += k4_epilogue(x.d, x.dmin, y, k4_sum_sc::<true>(&x.qs, Some(&x.qh), y, sc), k4_sum_m(mins, y));
+        let (sc, mins) = k4_scales_mins(x.scales());
+        total += k4_epilogue(x.d(), x.dmin(), y, k4_sum_sc(x, y, sc), k4_sum_m(mins, y));
     }
     total
 }
@@ -260,24 +304,10 @@ unsafe fn hsum4_epi32(v: [__m256i; 4]) -> [i32; 4] {
 
 /// [`k4_sum_sc`] of one weight block against four activation blocks, the block unpacked once.
 #[inline(always)]
-unsafe fn k4_sum_sc_x4<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, ys: [&BlockQ8K; 4], sc: u64) -> [i32; 4] {
-    let mask = _mm256_set1_epi8(0x0F);
-    let high = match qh {
-        Some(h) => _mm256_loadu_si256(h.as_ptr().cast()),
-        None => _mm256_setzero_si256(),
-    };
-    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+unsafe fn k4_sum_sc_x4<B: K4Block>(x: &B, ys: [&BlockQ8K; 4], sc: u64) -> [i32; 4] {
     let mut acc = [_mm256_setzero_si256(); 4];
     for i in 0..4 {
-        let raw = _mm256_loadu_si256(qs.as_ptr().add(32 * i).cast());
-        let mut lo = _mm256_and_si256(raw, mask);
-        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-        if Q5 {
-            lo = _mm256_or_si256(lo, fifth_bits(high, 2 * i));
-            hi = _mm256_or_si256(hi, fifth_bits(high, 2 * i + 1));
-        }
-        let s_lo = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * 2 * i as i16));
-        let s_hi = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(0x0100 + 0x0202 * (2 * i as i16 + 1)));
+        let (lo, hi, s_lo, s_hi) = k4_sub_blocks(x, sc, i);
         for r in 0..4 {
             let y = ys[r].qs.as_ptr().add(64 * i).cast::<__m256i>();
             acc[r] = _mm256_add_epi32(acc[r], scaled_products(lo, _mm256_loadu_si256(y), s_lo));
@@ -287,16 +317,6 @@ unsafe fn k4_sum_sc_x4<const Q5: bool>(qs: &[u8; 128], qh: Option<&[u8; 32]>, ys
     hsum4_epi32(acc)
 }
 
-/// One Q4_K/Q5_K weight block against four activation blocks, each value added to its row's total.
-#[inline(always)]
-unsafe fn k4_block_x4<const Q5: bool>(d: [u8; 2], dmin: [u8; 2], scales: &[u8; 12], qs: &[u8; 128], qh: Option<&[u8; 32]>, ys: [&BlockQ8K; 4], totals: &mut [f32; 4]) {
-    let (sc, mins) = k4_scales_mins(scales);
-    let sums = k4_sum_sc_x4::<Q5>(qs, qh, ys, sc);
-    for r in 0..4 {
-        totals[r] += k4_epilogue(d, dmin, ys[r], sums[r], k4_sum_m(mins, ys[r]));
-    }
-}
-
 /// The four activation rows' Q8_K blocks, and the totals' start (the twins' `.sum()`'s).
 #[inline(always)]
 fn q8k_rows(a: [&[u8]; 4]) -> ([&[BlockQ8K]; 4], [f32; 4]) {
@@ -304,22 +324,18 @@ fn q8k_rows(a: [&[u8]; 4]) -> ([&[BlockQ8K]; 4], [f32; 4]) {
     (a.map(|a| BlockQ8K::slice(a).unwrap()), [start; 4])
 }
 
+/// Q4_K or Q5_K · Q8_K of one weight row against four activation rows.
 #[inline(always)]
-unsafe fn dot_q4k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
+unsafe fn dot_k4_x4_body<B: K4Block>(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     let (ys, mut totals) = q8k_rows(a);
-    for (b, x) in BlockQ4K::slice(w).unwrap().iter().enumerate() {
+    for (b, x) in B::slice(w).unwrap().iter().enumerate() {
         prefetch_block(x);
-        k4_block_x4::<false>(x.d, x.dmin, &x.scales, &x.qs, None, [&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]], &mut totals);
-    }
-    totals
-}
-
-#[inline(always)]
-unsafe fn dot_q5k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
-    let (ys, mut totals) = q8k_rows(a);
-    for (b, x) in BlockQ5K::slice(w).unwrap().iter().enumerate() {
-        prefetch_block(x);
-        k4_block_x4::<true>(x.d, x.dmin, &x.scales, &x.qs, Some(&x.qh), [&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]], &mut totals);
+        let y = [&ys[0][b], &ys[1][b], &ys[2][b], &ys[3][b]];
+        let (sc, mins) = k4_scales_mins(x.scales());
+        let sums = k4_sum_sc_x4(x, y, sc);
+        for r in 0..4 {
+            totals[r] += k4_epilogue(x.d(), x.dmin(), y[r], sums[r], k4_sum_m(mins, y[r]));
+        }
     }
     totals
 }
@@ -375,16 +391,6 @@ unsafe fn dot_q6k_x4_body(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     totals
 }
 
-/// `ggml_exact::reduce16` of 16 lanes held as two registers (lanes 0–7, 8–15): halves added
-/// pairwise down to one, the same additions (addition commutes exactly).
-#[inline(always)]
-unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
-    let t8 = _mm256_add_ps(lo, hi);
-    let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
-    let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)))
-}
-
 /// Eight f32 (`F32`) or f16 values at `p`, as f32.
 #[inline(always)]
 unsafe fn load8<const F32: bool>(p: *const u8) -> __m256 {
@@ -414,10 +420,7 @@ unsafe fn fma_lanes64<const F32: bool>(w: *const u8, a: *const u8, np: usize) ->
     if np == 0 {
         return 0.0;
     }
-    // reduce64: h[l] = (acc[l] + acc[l + 32]) + (acc[l + 16] + acc[l + 48]), lanes 0–15.
-    let h_lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
-    let h_hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
-    reduce16(h_lo, h_hi)
+    reduce64(&acc)
 }
 
 /// F16 · F16 as `ggml_exact::dot_f16`: [`fma_lanes64`], then the rest added in f64.
@@ -475,7 +478,7 @@ unsafe fn dot_bf16_body(w: &[u8], a: &[u8]) -> f32 {
 }
 
 macro_rules! block_fn {
-    ($name:ident, $body:ident, $doc:literal) => {
+    ($name:ident, $body:expr, $doc:literal) => {
         #[doc = $doc]
         ///
         /// # Safety
@@ -487,8 +490,8 @@ macro_rules! block_fn {
     };
 }
 
-block_fn!(dot_q4k_q8k, dot_q4k_body, "Q4_K · Q8_K.");
-block_fn!(dot_q5k_q8k, dot_q5k_body, "Q5_K · Q8_K.");
+block_fn!(dot_q4k_q8k, dot_k4_body::<BlockQ4K>, "Q4_K · Q8_K.");
+block_fn!(dot_q5k_q8k, dot_k4_body::<BlockQ5K>, "Q5_K · Q8_K.");
 block_fn!(dot_q6k_q8k, dot_q6k_body, "Q6_K · Q8_K.");
 block_fn!(dot_q5_0_q8_0, dot_q5_0_body, "Q5_0 · Q8_0.");
 block_fn!(dot_q5_1_q8_1, dot_q5_1_body, "Q5_1 · Q8_1.");
@@ -497,7 +500,7 @@ block_fn!(dot_f16_f16, dot_f16_body, "F16 · F16.");
 block_fn!(dot_bf16_bf16, dot_bf16_body, "BF16 · BF16.");
 
 macro_rules! block_fn_x4 {
-    ($name:ident, $body:ident, $doc:literal) => {
+    ($name:ident, $body:expr, $doc:literal) => {
         #[doc = $doc]
         ///
         /// # Safety
@@ -510,6 +513,6 @@ macro_rules! block_fn_x4 {
     };
 }
 
-block_fn_x4!(dot_q4k_q8k_x4, dot_q4k_x4_body, "Q4_K · Q8_K of one weight row against four activation rows (each as [`dot_q4k_q8k`]).");
-block_fn_x4!(dot_q5k_q8k_x4, dot_q5k_x4_body, "Q5_K · Q8_K of one weight row against four activation rows (each as [`dot_q5k_q8k`]).");
+block_fn_x4!(dot_q4k_q8k_x4, dot_k4_x4_body::<BlockQ4K>, "Q4_K · Q8_K of one weight row against four activation rows (each as [`dot_q4k_q8k`]).");
+block_fn_x4!(dot_q5k_q8k_x4, dot_k4_x4_body::<BlockQ5K>, "Q5_K · Q8_K of one weight row against four activation rows (each as [`dot_q5k_q8k`]).");
 block_fn_x4!(dot_q6k_q8k_x4, dot_q6k_x4_body, "Q6_K · Q8_K of one weight row against four activation rows (each as [`dot_q6k_q8k`]).");

@@ -12,6 +12,8 @@ use std::arch::x86_64::*;
 
 use super::blockdot_avx2::{k4_block, prefetch_block};
 use super::matvec_avx512::dot_u8i8;
+// The kernels' f16 scales: no call, no false dependency.
+use super::simd_x86::f16c_to_f32 as f16_bytes;
 use super::quant::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
 #[inline(always)]
@@ -19,11 +21,6 @@ unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
-/// The kernels' f16 scales (`simd_x86::f16c_to_f32`: no call, no false dependency).
-#[inline(always)]
-unsafe fn f16_bytes(b: [u8; 2]) -> f32 {
-    super::simd_x86::f16c_to_f32(b)
-}
 
 /// `Σ_j sc_j · Σ_l q_j[l] · y_j[l]` of one Q4_K block (the scalar twin's `sum_sc`).
 #[inline(always)]

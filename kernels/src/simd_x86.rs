@@ -34,11 +34,6 @@ pub(crate) unsafe fn f16c_to_f32(b: [u8; 2]) -> f32 {
 }
 
 #[inline(always)]
-unsafe fn f16_bytes(b: [u8; 2]) -> f32 {
-    f16c_to_f32(b)
-}
-
-#[inline(always)]
 unsafe fn hsum_ps(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps(v, 1);
@@ -78,7 +73,7 @@ pub unsafe fn dot_q4_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let (x, y) = (BlockQ4_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
     let mut acc = _mm256_setzero_ps();
     for (x, y) in x.iter().zip(y) {
-        let d = _mm256_set1_ps(f16_bytes(x.d) * f16_bytes(y.d));
+        let d = _mm256_set1_ps(f16c_to_f32(x.d) * f16c_to_f32(y.d));
         let qx = _mm256_sub_epi8(nibbles_to_bytes(&x.qs), _mm256_set1_epi8(8));
         let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
         acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs(qx, qy), acc);
@@ -94,8 +89,8 @@ pub unsafe fn dot_q4_1_q8_1(w: &[u8], a: &[u8]) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut summs = 0f32;
     for (x, y) in x.iter().zip(y) {
-        summs += f16_bytes(x.m) * f16_bytes(y.s);
-        let d = _mm256_set1_ps(f16_bytes(x.d) * f16_bytes(y.d));
+        summs += f16c_to_f32(x.m) * f16c_to_f32(y.s);
+        let d = _mm256_set1_ps(f16c_to_f32(x.d) * f16c_to_f32(y.d));
         let qx = nibbles_to_bytes(&x.qs);
         let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
         acc = _mm256_fmadd_ps(d, mul_sum_us8_pairs(qx, qy), acc);
@@ -110,7 +105,7 @@ pub unsafe fn dot_q8_0_q8_0(w: &[u8], a: &[u8]) -> f32 {
     let (x, y) = (BlockQ8_0::slice(w).unwrap(), BlockQ8_0::slice(a).unwrap());
     let mut acc = _mm256_setzero_ps();
     for (x, y) in x.iter().zip(y) {
-        let d = _mm256_set1_ps(f16_bytes(x.d) * f16_bytes(y.d));
+        let d = _mm256_set1_ps(f16c_to_f32(x.d) * f16c_to_f32(y.d));
         let qx = _mm256_loadu_si256(x.qs.as_ptr().cast());
         let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
         acc = _mm256_fmadd_ps(d, mul_sum_i8_pairs(qx, qy), acc);
@@ -130,12 +125,12 @@ pub unsafe fn dot_q4_1_q8_1_x4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     let mut acc = [_mm256_setzero_ps(); 4];
     let mut summs = [0f32; 4];
     for (b, x) in x.iter().enumerate() {
-        let (dx, mx) = (f16_bytes(x.d), f16_bytes(x.m));
+        let (dx, mx) = (f16c_to_f32(x.d), f16c_to_f32(x.m));
         let qx = nibbles_to_bytes(&x.qs);
         for r in 0..4 {
             let y = &y[r][b];
-            summs[r] += mx * f16_bytes(y.s);
-            let d = _mm256_set1_ps(dx * f16_bytes(y.d));
+            summs[r] += mx * f16c_to_f32(y.s);
+            let d = _mm256_set1_ps(dx * f16c_to_f32(y.d));
             let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
             acc[r] = _mm256_fmadd_ps(d, mul_sum_us8_pairs(qx, qy), acc[r]);
         }
@@ -153,12 +148,12 @@ pub unsafe fn dot_q8_0_q8_0_x4(w: &[u8], a: [&[u8]; 4]) -> [f32; 4] {
     let y = [0, 1, 2, 3].map(|r| BlockQ8_0::slice(a[r]).unwrap());
     let mut acc = [_mm256_setzero_ps(); 4];
     for (b, x) in x.iter().enumerate() {
-        let dx = f16_bytes(x.d);
+        let dx = f16c_to_f32(x.d);
         let qx = _mm256_loadu_si256(x.qs.as_ptr().cast());
         let ax = _mm256_sign_epi8(qx, qx);
         for r in 0..4 {
             let y = &y[r][b];
-            let d = _mm256_set1_ps(dx * f16_bytes(y.d));
+            let d = _mm256_set1_ps(dx * f16c_to_f32(y.d));
             let qy = _mm256_loadu_si256(y.qs.as_ptr().cast());
             acc[r] = _mm256_fmadd_ps(d, mul_sum_us8_pairs(ax, _mm256_sign_epi8(qy, qx)), acc[r]);
         }
@@ -212,10 +207,7 @@ pub unsafe fn dot_f16_lanes<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32 {
             *a = _mm256_fmadd_ps(_mm256_loadu_ps(x.as_ptr().add(c + 8 * i)), _mm256_loadu_ps(y.as_ptr().add(c + 8 * i)), *a);
         }
     }
-    // reduce64: h[i] = (acc[i] + acc[i + 32]) + (acc[i + 16] + acc[i + 48]), i < 16.
-    let h_lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
-    let h_hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
-    reduce16(h_lo, h_hi)
+    reduce64(&acc)
 }
 
 /// `ggml_exact::dot_tiled` (tinyBLAS's order) for exactly `N` elements (a multiple of 16):
@@ -232,10 +224,19 @@ pub unsafe fn dot_tiled_lanes<const N: usize>(x: &[f32; N], y: &[f32; N]) -> f32
     reduce16(lo, hi)
 }
 
+/// `ggml_exact::reduce64` of 64 lanes held as eight registers (lanes 8j..8j + 8 in `acc[j]`):
+/// h[i] = (acc[i] + acc[i + 32]) + (acc[i + 16] + acc[i + 48]) for i < 16, then [`reduce16`].
+#[inline(always)]
+pub(crate) unsafe fn reduce64(acc: &[__m256; 8]) -> f32 {
+    let h_lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+    let h_hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+    reduce16(h_lo, h_hi)
+}
+
 /// `ggml_exact::reduce16` of 16 lanes held as two registers (lanes 0–7, 8–15):
 /// t8[i] = h[i + 8] + h[i]; t4[i] = t8[i + 4] + t8[i]; (t4[0] + t4[2]) + (t4[1] + t4[3]).
 #[inline(always)]
-unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
+pub(crate) unsafe fn reduce16(lo: __m256, hi: __m256) -> f32 {
     let t8 = _mm256_add_ps(hi, lo);
     let t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
     let u = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
