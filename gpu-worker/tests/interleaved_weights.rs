@@ -45,7 +45,7 @@ fn repacked_weights_give_the_same_logits_bit_for_bit() {
     assert_eq!(plain.device.repacked_matrices(), 0);
     if !duet_kernels::interleaved::available() {
         assert_eq!(packed.device.repacked_matrices(), 0, "no kernels, no repacking");
-        return eprintln!("skipped: the interleaved kernels need AVX-512; nothing was repacked");
+        return eprintln!("skipped: the interleaved kernels need AVX2 or AVX-512; nothing was repacked");
     }
     // 3 layers × 7 matrices + the LM head; the untied embedding is only looked up.
     assert_eq!(packed.device.repacked_matrices(), 22);

@@ -475,7 +475,7 @@ fn matmul_equals_per_row_vec_dot() {
 #[test]
 fn interleaved_equals_scalar_twin() {
     if !interleaved::available() {
-        eprintln!("skipped: the interleaved kernels need AVX-512");
+        eprintln!("skipped: the interleaved kernels need AVX2 or AVX-512");
         return;
     }
     let mut rng = StdRng::seed_from_u64(0x5eed_0016);
@@ -532,6 +532,68 @@ fn interleaved_equals_scalar_twin() {
                             want.to_bits(),
                             "{beside} beside it: out[{t}][{r}]"
                         );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The interleaved kernels of each instruction set this CPU has (AVX2 on an AVX-512 machine
+/// too, which `matmul_many` would not choose there), called directly on every group: bit for
+/// bit the scalar twin for 1–4 activation rows at a time, on random rows and on rows whose
+/// quant bytes are all at an extreme against activations at ±127 (where the AVX2 kernels'
+/// 16-bit sums of byte products are largest).
+#[test]
+fn interleaved_kernels_of_each_isa_equal_scalar_twin() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isas: Vec<Isa> = [Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|&i| match i {
+                Isa::Avx512 => kernels::isa() == Isa::Avx512,
+                _ => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c"),
+            })
+            .collect();
+        if isas.is_empty() {
+            println!("SKIPPED: this CPU has neither AVX2 nor AVX-512; the interleaved kernels are not run");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(0x5eed_0017);
+        for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q5_1] {
+            let (rows, cols) = (32, 5 * QK_K);
+            let f16_fields = ty.f16_field_offsets();
+            let extremes = [None, Some((0xFFu8, 127i8)), Some((0xFF, -127)), Some((0x00, -127)), Some((0x7F, 127)), Some((0x80, -127))];
+            for extreme in extremes {
+                let mut data: Vec<u8> = (0..rows).flat_map(|_| random_weight_row(&mut rng, ty, cols)).collect();
+                let x: Vec<f32> = match extreme {
+                    Some((wq, aq)) => {
+                        for b in data.chunks_exact_mut(ty.block_bytes()) {
+                            for (i, byte) in b.iter_mut().enumerate() {
+                                if !f16_fields.iter().any(|&o| (o..o + 2).contains(&i)) {
+                                    *byte = wq;
+                                }
+                            }
+                        }
+                        vec![aq as f32; 5 * cols]
+                    }
+                    None => random_acts(&mut rng, 5 * cols),
+                };
+                let packed = Interleaved::new(ty, rows, cols, &data).expect("whole groups");
+                let plain = QMatrix::new(ty, rows, cols, &data);
+                let acts = QuantizedActs::new(ty, &x, cols);
+                let group_acts = interleaved::GroupActs::new(acts.ty, (0..acts.n_rows).map(|t| acts.row(t)).collect());
+                for &isa in &isas {
+                    let mut out = vec![f32::NAN; rows * acts.n_rows];
+                    // SAFETY: `out` holds a row of `rows` floats per activation row; the
+                    // instruction set was detected above.
+                    unsafe { interleaved::matmul_groups_with(isa, &packed, 0..rows / interleaved::GROUP_ROWS, &group_acts, out.as_mut_ptr(), rows) };
+                    for t in 0..acts.n_rows {
+                        for r in 0..rows {
+                            let want = vec_dot_scalar(ty, cols, plain.row(r), acts.row(t));
+                            let got = out[t * rows + r];
+                            assert_eq!(got.to_bits(), want.to_bits(), "{isa:?} {ty} {extreme:?}: out[{t}][{r}] = {got:e}, twin {want:e}");
+                        }
                     }
                 }
             }

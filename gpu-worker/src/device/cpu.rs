@@ -329,7 +329,7 @@ impl Device for CpuDevice {
 fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> HashMap<String, Interleaved> {
     let mut out = HashMap::new();
     if !interleaved::available() {
-        tracing::info!("weights not repacked: the interleaved kernels need AVX-512");
+        tracing::info!("weights not repacked: the interleaved kernels need AVX2 or AVX-512");
         return out;
     }
     let started = Instant::now();
