@@ -7,9 +7,10 @@
 //! activation, pairs added into 16 bits). The 16-bit sums of a few lines are added before
 //! `madd` widens them, and that `madd` multiplies by the sub-block's scale at the same time (the
 //! scale in both 16-bit halves of the row's lane), so a line costs two instructions per
-//! activation row. How many lines fit 16 bits: a pair of products is at most 2 · 31 · 128 =
-//! 7936 for quants of five bits (four lines: 31 744), 2 · 63 · 128 = 16 128 for Q6_K's six
-//! (two lines: 32 256), below `i16::MAX`; the activations are ≥ −128.
+//! activation row. How many lines fit 16 bits: a pair of products is at most 2 · 15 · 128 =
+//! 3840 for quants of four bits (Q4_K: all eight lines of a sub-block pair, 30 720), 2 · 31 ·
+//! 128 = 7936 for five (four lines: 31 744), 2 · 63 · 128 = 16 128 for Q6_K's six (two lines:
+//! 32 256), below `i16::MAX`; the activations are ≥ −128.
 //!
 //! Each block's two halves are computed one after the other, the second from L1: in two passes
 //! over a group, the second (from L2) left the DRAM idle, and one row from DRAM streamed at 77 %
@@ -113,11 +114,12 @@ unsafe fn q4k<const T: usize, const FIVE: bool>(packed: &[u8], nb: usize, acts: 
                 let sc_odd = _mm256_shuffle_epi8(scales, scale_idx[2 * (pair % 2) + 1]);
                 // Q5_K: sub-blocks 2·pair and 2·pair + 1 take these bits of their quants' bytes.
                 let (bit_lo, bit_hi) = (_mm256_set1_epi8(1 << (2 * pair)), _mm256_set1_epi8((1u8 << (2 * pair + 1)) as i8));
-                // Four lines at a time in 16 bits (see the module's note).
-                for quad in 0..2 {
+                // As many lines at a time in 16 bits as fit (see the module's note).
+                let lines = if FIVE { 4 } else { 8 };
+                for run in 0..8 / lines {
                     let mut lo = [_mm256_setzero_si256(); T];
                     let mut hi = [_mm256_setzero_si256(); T];
-                    for c in 4 * quad..4 * quad + 4 {
+                    for c in lines * run..lines * (run + 1) {
                         let line = p.add(qs_at + 64 * (8 * pair + c));
                         if half == 0 {
                             prefetch_line(line);
@@ -327,12 +329,17 @@ unsafe fn q40<const T: usize, const FIVE: bool, const MIN: bool>(
                     }
                     for t in 0..T {
                         lo[t] = add_products(lo[t], ql, word(qs[t].add(4 * i)));
-                        hi[t] = add_products(hi[t], qh, word(qs[t].add(16 + 4 * i)));
+                        // Q4_0: all eight lines' products fit one 16-bit sum.
+                        let acc = if FIVE { &mut hi[t] } else { &mut lo[t] };
+                        *acc = add_products(*acc, qh, word(qs[t].add(16 + 4 * i)));
                     }
                 }
                 let dx = half_f16(p.add(32 * k), half);
                 for t in 0..T {
-                    let sumi = _mm256_add_epi32(_mm256_madd_epi16(lo[t], ones), _mm256_madd_epi16(hi[t], ones));
+                    let mut sumi = _mm256_madd_epi16(lo[t], ones);
+                    if FIVE {
+                        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(hi[t], ones));
+                    }
                     let sumi = _mm256_add_epi32(sumi, _mm256_set1_epi32(-offset * e[t].sum));
                     // The twin: sumi · (dx · dy) (Q5_1: plus mx · sy), then added to the total.
                     let mut v = _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(dx, _mm256_set1_ps(e[t].d)));
