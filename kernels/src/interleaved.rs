@@ -1,9 +1,9 @@
 //! Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 weights repacked at load into groups of sixteen
-//! interleaved rows, and the AVX-512 products of such a matrix with one to four Q8_K (Q8_0 for
-//! Q4_0 and Q5_0, Q8_1 for Q5_1) activation rows
-//! at a time: each of
-//! a register's sixteen 32-bit lanes is one weight row, so a block's integer sums, its float
-//! epilogue and the sum over blocks all run sixteen rows wide with no horizontal reduction.
+//! interleaved rows, and the products of such a matrix with one to four Q8_K (Q8_0 for Q4_0
+//! and Q5_0, Q8_1 for Q5_1) activation rows at a time (`avx512`; `avx2`, eight rows a
+//! register): each of a register's 32-bit lanes is one weight row, so a block's integer sums,
+//! its float epilogue and the sum over blocks all run a register's rows wide with no
+//! horizontal reduction.
 //! The results are bit-identical to the scalar twin `dot::vec_dot_scalar` on the original
 //! rows (the same integers, and the same float operations in the same order, lane by lane).
 //!
