@@ -3,6 +3,8 @@
 
 pub mod attention;
 #[cfg(target_arch = "x86_64")]
+pub mod attention_avx2;
+#[cfg(target_arch = "x86_64")]
 pub mod attention_avx512;
 pub mod causal;
 pub mod decode_batch;

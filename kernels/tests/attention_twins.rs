@@ -146,6 +146,60 @@ fn avx512_online_group_attention_equals_twin_bit_for_bit() {
     }
 }
 
+/// The one-pass AVX2 group kernel (CPUs without AVX-512; run directly, so AVX-512 machines
+/// test it too) against `decode_attention_online` per query head: f16 and Q8_0 rows, every
+/// group size, blocks whole and partial, runs of uneven length, sharp and flat softmaxes, and
+/// scores rising along the range (the running maximum raised in most blocks).
+#[test]
+fn avx2_online_group_attention_equals_twin_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use duet_kernels::attention::{attn_scale, decode_attention_online, Q8_0_BLOCK_BYTES};
+        use duet_kernels::attention_avx2::{attend_group_online, OnlineScratch};
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            println!("SKIPPED: this CPU has no AVX2; the one-pass AVX2 attention kernel is not run");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(2049);
+        let mut scratch = OnlineScratch::default();
+        for hd in HEAD_DIMS {
+            for (case, &n) in [1usize, 5, 8, 9, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
+                for group in 1..=8 {
+                    let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
+                    let rising = (case + group) % 3 == 0;
+                    let k: Vec<f16> = (0..n * hd)
+                        .map(|i| {
+                            let x = rng.random_range(-1.0f32..1.0);
+                            f16::from_f32(if rising { x.abs() * (1.0 + (i / hd) as f32 / 64.0) } else { x })
+                        })
+                        .collect();
+                    let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+                    let q: Vec<f32> = (0..group * hd).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
+                    let scale = attn_scale(hd);
+                    let what = format!("heads of {hd}, n {n} group {group} (rising {rising})");
+                    let runs = uneven_runs(&k, &v, n, hd, &mut rng);
+                    let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
+                    // SAFETY: AVX2, FMA and F16C were detected (checked above).
+                    unsafe { attend_group_online(&runs, n, scale, &q, &mut out, &mut lse, &mut scratch) };
+                    let (kw, vw) = (widened(&k), widened(&v));
+                    assert_heads_equal(&out, &lse, &what, |g, twin| decode_attention_online(&q[g * hd..(g + 1) * hd], &kw, &vw, n, scale, twin));
+                    // The same rows as Q8_0 blocks, in one run.
+                    let (_, kq) = random_q8_0(&mut rng, n, hd, gain);
+                    let (_, vq) = random_q8_0(&mut rng, n, hd, 1.0);
+                    assert_eq!(kq.len(), n * hd / 32 * Q8_0_BLOCK_BYTES);
+                    let (mut kw, mut vw) = (vec![0f32; n * hd], vec![0f32; n * hd]);
+                    kernels::widen_q8_0_scalar(&kq, &mut kw);
+                    kernels::widen_q8_0_scalar(&vq, &mut vw);
+                    let runs = [KvRun { k: KvRows::Q8_0(&kq), v: KvRows::Q8_0(&vq) }];
+                    // SAFETY: as above.
+                    unsafe { attend_group_online(&runs, n, scale, &q, &mut out, &mut lse, &mut scratch) };
+                    assert_heads_equal(&out, &lse, &format!("q8_0 {what}"), |g, twin| decode_attention_online(&q[g * hd..(g + 1) * hd], &kw, &vw, n, scale, twin));
+                }
+            }
+        }
+    }
+}
+
 /// The one-pass arithmetic computes the same attention as llama.cpp's two passes, to float
 /// rounding: `decode_attention_online` against `decode_attention_range` (output within 2e-6
 /// of the largest |V|-weighted value, log-sum-exp within 1e-5), on flat, sharp and rising
