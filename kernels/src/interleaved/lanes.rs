@@ -9,7 +9,6 @@ use crate::quant::BlockQ8K;
 /// How far ahead of the block being read its group's stream is prefetched.
 const AHEAD: usize = crate::matvec_avx512::LINEAR_AHEAD;
 
-
 /// A `vpshufb` index picking, in every 32-bit lane, the lane's own bytes `spec` names
 /// (one per output byte, 0–3; 0x80: zero). `vpshufb` indexes within 128-bit quarters, so
 /// lane `i` of a quarter adds `4i`. Built at compile time: built at run time, the tables
