@@ -21,26 +21,19 @@
 
 use std::arch::x86_64::*;
 
+pub use super::attention_rows::{supports_head_dim, MAX_GROUP};
 use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
+use super::attention_rows::{checked_group, RowTable};
 use super::ggml_exact::{expf, reduce16};
-
-/// Largest query group the kernel is built for (GQA ratios in use are 1 to 8).
-pub const MAX_GROUP: usize = 8;
-
-/// Whether the kernel takes heads of `head_dim`.
-pub fn supports_head_dim(head_dim: usize) -> bool {
-    head_dim == 64 || head_dim == 128
-}
 
 /// Reusable buffers of the kernel: the rows of the call, and the group's accumulators.
 #[derive(Debug, Default)]
 pub struct OnlineScratch {
-    k: Vec<*const u8>,
-    v: Vec<*const u8>,
+    rows: RowTable,
     acc: Vec<f32>,
 }
 
-// SAFETY: the row pointers point into the K/V slices of one call; they are rewritten before
+// SAFETY: the row table points into the K/V slices of one call; it is rewritten before
 // every use and never read after the call returns.
 unsafe impl Send for OnlineScratch {}
 
@@ -52,42 +45,23 @@ unsafe impl Send for OnlineScratch {}
 /// The CPU must support AVX2, FMA and F16C. Panics (safely) if the slices disagree, the heads
 /// are not of 64 or 128, the group is larger than [`MAX_GROUP`], or the runs mix types.
 pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut OnlineScratch) {
-    let group = lse.len();
-    assert!((1..=MAX_GROUP).contains(&group), "query group of {group}");
-    let hd = q.len() / group;
-    assert!(supports_head_dim(hd) && q.len() == group * hd && out.len() == q.len(), "query group slice sizes");
-    assert_eq!(runs.iter().map(|r| r.k.len()).sum::<usize>(), n * hd, "K rows cover the range");
-    assert!(runs.iter().all(|r| r.v.len() == r.k.len()), "V rows match K rows");
-    assert!(n > 0, "empty attention range");
+    let (group, hd) = checked_group(runs, n, q, out, lse);
     let q8 = matches!(runs[0].k, KvRows::Q8_0(_));
-    let row_bytes = if q8 { hd / 32 * Q8_0_BLOCK_BYTES } else { 2 * hd };
-    scratch.k.clear();
-    scratch.v.clear();
-    for run in runs {
-        for (rows, table) in [(run.k, &mut scratch.k), (run.v, &mut scratch.v)] {
-            let bytes: &[u8] = match (rows, q8) {
-                // SAFETY: f16 is two plain bytes.
-                (KvRows::F16(x), false) => unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), 2 * x.len()) },
-                (KvRows::Q8_0(b), true) => b,
-                _ => panic!("K/V rows of mixed types"),
-            };
-            table.extend(bytes.chunks_exact(row_bytes).map(|r| r.as_ptr()));
-        }
-    }
+    scratch.rows.fill(runs, hd, q8);
     scratch.acc.clear();
     scratch.acc.resize(group * hd, 0.0);
-    let rows = Rows { k: &scratch.k, v: &scratch.v };
+    let rows = &scratch.rows;
     macro_rules! by_group {
         ($nv:literal, $q8:literal) => {
             match group {
-                1 => kernel::<1, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                2 => kernel::<2, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                3 => kernel::<3, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                4 => kernel::<4, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                5 => kernel::<5, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                6 => kernel::<6, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                7 => kernel::<7, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
-                _ => kernel::<8, $nv, $q8>(&rows, n, scale, q, out, lse, &mut scratch.acc),
+                1 => kernel::<1, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                2 => kernel::<2, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                3 => kernel::<3, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                4 => kernel::<4, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                5 => kernel::<5, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                6 => kernel::<6, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                7 => kernel::<7, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
+                _ => kernel::<8, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
             }
         };
     }
@@ -97,12 +71,6 @@ pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &
         (_, false) => by_group!(16, false),
         (_, true) => by_group!(16, true),
     }
-}
-
-/// The K and V row of every position.
-struct Rows<'a> {
-    k: &'a [*const u8],
-    v: &'a [*const u8],
 }
 
 /// Rows are prefetched this many positions ahead.
@@ -140,7 +108,7 @@ unsafe fn prefetch_row<const NV: usize, const Q8: bool>(row: *const u8) {
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &Rows<'_>, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], acc: &mut [f32]) {
+unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], acc: &mut [f32]) {
     let hd = 8 * NV;
     // Q rounded to f16 (ggml converts it for the product), widened.
     let mut qv = [[_mm256_setzero_ps(); NV]; G];
@@ -167,10 +135,10 @@ unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &Rows<'_
             for i in 0..8.min(b + len - from) {
                 let p = from + i;
                 if p + AHEAD < n {
-                    prefetch_row::<NV, Q8>(*rows.k.get_unchecked(p + AHEAD));
-                    prefetch_row::<NV, Q8>(*rows.v.get_unchecked(p + AHEAD));
+                    prefetch_row::<NV, Q8>(rows.k(p + AHEAD));
+                    prefetch_row::<NV, Q8>(rows.v(p + AHEAD));
                 }
-                let k = *rows.k.get_unchecked(p);
+                let k = rows.k(p);
                 let mut lo = [_mm256_setzero_ps(); G];
                 let mut hi = [_mm256_setzero_ps(); G];
                 // tinyBLAS: lane l of 16 chains k·q over the 16-value chunks.
@@ -233,7 +201,7 @@ unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &Rows<'_
                 }
             }
             for i in 0..len {
-                let row = *rows.v.get_unchecked(b + i);
+                let row = rows.v(b + i);
                 let w: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(p[g][i]));
                 for c in 0..w_vecs {
                     let v = load8::<Q8>(row, chunk * w_vecs + c);

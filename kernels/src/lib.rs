@@ -6,6 +6,8 @@ pub mod attention;
 pub mod attention_avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod attention_avx512;
+#[cfg(target_arch = "x86_64")]
+mod attention_rows;
 pub mod causal;
 pub mod decode_batch;
 pub mod dot;

@@ -85,7 +85,7 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
         for (case, &(n_ctx, start, end)) in cases.iter().enumerate() {
             for group in 1..=8 {
                 let n = end - start;
-                let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
+                let gain = if (case + group).is_multiple_of(2) { 1.0 } else { 8.0 };
                 let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
                 let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
                 let q: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
@@ -101,6 +101,34 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
                 });
             }
         }
+    }
+}
+
+/// Inputs of a one-pass group kernel test: K and V rows of `n` positions (heads of `hd`) and
+/// the group's queries; by `case` and `group`, a sharp softmax (`gain` 8) or a flat one, or
+/// keys growing with the position (`rising`: later blocks score higher, so the running maximum
+/// is raised in most blocks).
+struct OnlineCase {
+    k: Vec<f16>,
+    v: Vec<f16>,
+    q: Vec<f32>,
+    gain: f32,
+    rising: bool,
+}
+
+impl OnlineCase {
+    fn new(rng: &mut StdRng, hd: usize, n: usize, case: usize, group: usize) -> Self {
+        let gain = if (case + group).is_multiple_of(2) { 1.0 } else { 8.0 };
+        let rising = (case + group).is_multiple_of(3);
+        let k: Vec<f16> = (0..n * hd)
+            .map(|i| {
+                let x = rng.random_range(-1.0f32..1.0);
+                f16::from_f32(if rising { x.abs() * (1.0 + (i / hd) as f32 / 64.0) } else { x })
+            })
+            .collect();
+        let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+        let q: Vec<f32> = (0..group * hd).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
+        OnlineCase { k, v, q, gain, rising }
     }
 }
 
@@ -121,17 +149,7 @@ fn avx512_online_group_attention_equals_twin_bit_for_bit() {
     for hd in HEAD_DIMS {
         for (case, &n) in [1usize, 5, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
             for group in 1..=8 {
-                let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
-                let rising = (case + group) % 3 == 0;
-                let k: Vec<f16> = (0..n * hd)
-                    .map(|i| {
-                        let x = rng.random_range(-1.0f32..1.0);
-                        // Keys growing with the position: later blocks score higher.
-                        f16::from_f32(if rising { x.abs() * (1.0 + (i / hd) as f32 / 64.0) } else { x })
-                    })
-                    .collect();
-                let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-                let q: Vec<f32> = (0..group * hd).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
+                let OnlineCase { k, v, q, gain: _, rising } = OnlineCase::new(&mut rng, hd, n, case, group);
                 let runs = uneven_runs(&k, &v, n, hd, &mut rng);
                 let scale = attn_scale(hd);
                 let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
@@ -165,16 +183,7 @@ fn avx2_online_group_attention_equals_twin_bit_for_bit() {
         for hd in HEAD_DIMS {
             for (case, &n) in [1usize, 5, 8, 9, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
                 for group in 1..=8 {
-                    let gain = if (case + group) % 2 == 0 { 1.0 } else { 8.0 };
-                    let rising = (case + group) % 3 == 0;
-                    let k: Vec<f16> = (0..n * hd)
-                        .map(|i| {
-                            let x = rng.random_range(-1.0f32..1.0);
-                            f16::from_f32(if rising { x.abs() * (1.0 + (i / hd) as f32 / 64.0) } else { x })
-                        })
-                        .collect();
-                    let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-                    let q: Vec<f32> = (0..group * hd).map(|_| if rising { rng.random_range(0.0f32..1.0) } else { rng.random_range(-1.0f32..1.0) * gain }).collect();
+                    let OnlineCase { k, v, q, gain, rising } = OnlineCase::new(&mut rng, hd, n, case, group);
                     let scale = attn_scale(hd);
                     let what = format!("heads of {hd}, n {n} group {group} (rising {rising})");
                     let runs = uneven_runs(&k, &v, n, hd, &mut rng);
