@@ -1,11 +1,12 @@
-//! AVX2 one-pass decode attention of one KV head's whole query group, straight from f16 or Q8_0
-//! K/V rows of 64 or 128 dimensions, for CPUs without AVX-512: bit for bit
+//! AVX2 decode attention of one KV head's whole query group, straight from f16 or Q8_0 K/V rows
+//! of 64 or 128 dimensions, for CPUs without AVX-512. The one-pass kernel here is bit for bit
 //! [`decode_attention_online`](super::attention::decode_attention_online) run once per query
 //! head (the arithmetic of a Q8_0 cache, and of each chunk of a context longer than one
-//! `DECODE_CHUNK`). Before it, such CPUs widened every row into a buffer and ran the twin head
-//! by head, reading each K and V row once per query head (15–25 % of the read bandwidth).
+//! `DECODE_CHUNK`); the two-pass one in `two_pass` is the decode arithmetic of an f16 context
+//! within one chunk. Before them, such CPUs widened every row into a buffer and ran the twin
+//! head by head, reading each K and V row once per query head (15–25 % of the read bandwidth).
 //!
-//! Per block of 16 positions, as the twin:
+//! The one-pass kernel, per block of 16 positions, as the twin:
 //! * each K row is loaded and widened once for every head of the group; a head's Q·K keeps
 //!   tinyBLAS's sixteen fused multiply-add lanes as two registers of eight, whose `reduce16`
 //!   starts with their sum (its first step), and the rest of the tree is done for eight
@@ -26,16 +27,22 @@ use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
 use super::attention_rows::{checked_group, RowTable};
 use super::ggml_exact::{expf, reduce16};
 
-/// Reusable buffers of the kernel: the rows of the call, and the group's accumulators.
+mod two_pass;
+pub use two_pass::attend_group;
+
+/// Reusable buffers of the kernels: the rows of the call; the one-pass kernel's accumulators;
+/// the two-pass kernel's scores and V lanes.
 #[derive(Debug, Default)]
-pub struct OnlineScratch {
+pub struct Avx2Scratch {
     rows: RowTable,
     acc: Vec<f32>,
+    scores: Vec<f32>,
+    lanes: Vec<f32>,
 }
 
 // SAFETY: the row table points into the K/V slices of one call; it is rewritten before
 // every use and never read after the call returns.
-unsafe impl Send for OnlineScratch {}
+unsafe impl Send for Avx2Scratch {}
 
 /// The group's one-pass attention over the `n` positions of `runs` (rows in position order,
 /// all f16 or all Q8_0); `q`/`out` are `[group][head_dim]` (heads of 64 or 128), `lse` one per
@@ -44,7 +51,7 @@ unsafe impl Send for OnlineScratch {}
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C. Panics (safely) if the slices disagree, the heads
 /// are not of 64 or 128, the group is larger than [`MAX_GROUP`], or the runs mix types.
-pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut OnlineScratch) {
+pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], scratch: &mut Avx2Scratch) {
     let (group, hd) = checked_group(runs, n, q, out, lse);
     let q8 = matches!(runs[0].k, KvRows::Q8_0(_));
     scratch.rows.fill(runs, hd, q8);
@@ -110,14 +117,7 @@ unsafe fn prefetch_row<const NV: usize, const Q8: bool>(row: *const u8) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &RowTable, n: usize, scale: f32, q: &[f32], out: &mut [f32], lse: &mut [f32], acc: &mut [f32]) {
     let hd = 8 * NV;
-    // Q rounded to f16 (ggml converts it for the product), widened.
-    let mut qv = [[_mm256_setzero_ps(); NV]; G];
-    for (g, qg) in qv.iter_mut().enumerate() {
-        for (j, v) in qg.iter_mut().enumerate() {
-            let x = _mm256_loadu_ps(q.as_ptr().add(g * hd + 8 * j));
-            *v = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
-        }
-    }
+    let qv = rounded_q::<G, NV>(q);
     let vscale = _mm256_set1_ps(scale);
     let mut max = [f32::NEG_INFINITY; G];
     let mut sum = [0f32; G];
@@ -224,6 +224,19 @@ unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &RowTabl
         }
         lse[g] = (max[g] as f64 + (sum[g] as f64).ln()) as f32;
     }
+}
+
+/// The group's queries (`[G][8 * NV]`) rounded to f16 (ggml converts Q for the product), widened.
+#[inline(always)]
+unsafe fn rounded_q<const G: usize, const NV: usize>(q: &[f32]) -> [[__m256; NV]; G] {
+    let mut qv = [[_mm256_setzero_ps(); NV]; G];
+    for (g, qg) in qv.iter_mut().enumerate() {
+        for (j, v) in qg.iter_mut().enumerate() {
+            let x = _mm256_loadu_ps(q.as_ptr().add(g * 8 * NV + 8 * j));
+            *v = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+        }
+    }
+    qv
 }
 
 /// The rest of `reduce16` for eight positions, from each one's first step (`t[i]`, eight

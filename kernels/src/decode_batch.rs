@@ -238,7 +238,7 @@ pub struct GroupScratch {
     #[cfg(target_arch = "x86_64")]
     fast: super::attention_avx512::FastScratch,
     #[cfg(target_arch = "x86_64")]
-    online: super::attention_avx2::OnlineScratch,
+    avx2: super::attention_avx2::Avx2Scratch,
 }
 
 /// Decode attention of one KV head's query group over positions `range`, whose K/V rows are
@@ -251,8 +251,8 @@ pub struct GroupScratch {
 ///
 /// Q8_0 rows (`--kv-type q8_0`) always take [`decode_attention_online`]'s arithmetic over
 /// their dequantised values. With AVX-512 and heads of 64 or 128 the group runs as one kernel
-/// straight from the rows (`attention_avx512`), with AVX2 the one-pass arithmetic does
-/// (`attention_avx2`); otherwise the rows are widened once and each head runs the twin. Panics if the slices disagree.
+/// straight from the rows (`attention_avx512`), and with AVX2 too (`attention_avx2`);
+/// otherwise the rows are widened once and each head runs the twin. Panics if the slices disagree.
 #[allow(clippy::too_many_arguments)] // the rows, the range and the group's three slices
 pub fn decode_group(
     runs: &[KvRun<'_>],
@@ -287,9 +287,15 @@ pub fn decode_group(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if online && isa() == Isa::Avx2 && super::attention_avx2::supports_head_dim(hd) && n > 0 && group <= super::attention_avx2::MAX_GROUP && scores.softcap.is_none() {
-        // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
-        unsafe { super::attention_avx2::attend_group_online(runs, n, scores.scale, q, out, lse, &mut scratch.online) };
+    if isa() == Isa::Avx2 && super::attention_avx2::supports_head_dim(hd) && n > 0 && group <= super::attention_avx2::MAX_GROUP && scores.softcap.is_none() {
+        // SAFETY: AVX2, FMA and F16C were detected by `isa()`; not `online`, the rows are f16.
+        unsafe {
+            if online {
+                super::attention_avx2::attend_group_online(runs, n, scores.scale, q, out, lse, &mut scratch.avx2);
+            } else {
+                super::attention_avx2::attend_group(runs, range.start, range.end, n_padded, scores.scale, q, out, lse, &mut scratch.avx2);
+            }
+        }
         return;
     }
     scratch.k.resize(n * hd, 0.0);

@@ -1,5 +1,5 @@
-//! Decode and prefill attention kernels against their twins, bit for bit: the AVX-512 group
-//! kernels (two-pass, ggml's arithmetic; one-pass, online softmax) against the per-head
+//! Decode and prefill attention kernels against their twins, bit for bit: the AVX-512 and AVX2
+//! group kernels (two-pass, ggml's arithmetic; one-pass, online softmax) against the per-head
 //! widened twins, the dispatched prefill path against the widened one, and the one-pass
 //! arithmetic against the two-pass one and f64 attention; Q8_0 rows (`--kv-type q8_0`) through
 //! every entry against the one-pass twin over their dequantised values. Inputs are random, the
@@ -52,6 +52,26 @@ fn assert_heads_equal(out: &[f32], lse: &[f32], what: &str, mut twin: impl FnMut
     }
 }
 
+/// Contexts and ranges of the two-pass kernels' tests, `(n_ctx, start, end)`: ranges that
+/// start and end inside 64-position lane chunks, shorter than one chunk, in the f64 tail
+/// only, and past 2048 positions.
+const TWO_PASS_CASES: &[(usize, usize, usize)] = &[
+    (1, 0, 1),
+    (17, 0, 17),
+    (64, 0, 64),
+    (65, 0, 65),
+    (200, 37, 200),
+    (200, 0, 130),
+    (1000, 999, 1000),
+    (1000, 960, 1000),
+    (300, 250, 300),
+    (130, 100, 130),
+    (1024, 0, 1024),
+    (3000, 0, 3000),
+    (5000, 1, 5000),
+    (5000, 2100, 4993),
+];
+
 /// The AVX-512 group kernel against `decode_attention_range` run per query head on widened
 /// rows (itself bit-identical to the scalar twins): every group size it is built for,
 /// ranges that start and end inside 64-position lane chunks, ranges in the f64 tail only,
@@ -66,23 +86,8 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
     }
     let mut rng = StdRng::seed_from_u64(512);
     let mut scratch = FastScratch::default();
-    let cases: &[(usize, usize, usize)] = &[
-        (1, 0, 1),
-        (17, 0, 17),
-        (64, 0, 64),
-        (65, 0, 65),
-        (200, 37, 200),
-        (200, 0, 130),
-        (1000, 999, 1000),
-        (1000, 960, 1000),
-        (300, 250, 300),
-        (130, 100, 130),
-        (3000, 0, 3000),
-        (5000, 1, 5000),
-        (5000, 2100, 4993),
-    ];
     for hd in HEAD_DIMS {
-        for (case, &(n_ctx, start, end)) in cases.iter().enumerate() {
+        for (case, &(n_ctx, start, end)) in TWO_PASS_CASES.iter().enumerate() {
             for group in 1..=8 {
                 let n = end - start;
                 let gain = if (case + group).is_multiple_of(2) { 1.0 } else { 8.0 };
@@ -99,6 +104,45 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
                 assert_heads_equal(&out, &lse, &format!("heads of {hd}, n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
                     decode_attention_range(&q[g * hd..(g + 1) * hd], &kw, &vw, start..end, n_padded, scale, twin)
                 });
+            }
+        }
+    }
+}
+
+/// The two-pass AVX2 group kernel (CPUs without AVX-512; run directly, so AVX-512 machines
+/// test it too) against `decode_attention_range` per query head, as the AVX-512 one: every
+/// group size, the ranges of `TWO_PASS_CASES`, runs of uneven length, sharp and flat softmaxes.
+#[test]
+fn avx2_group_attention_equals_per_head_twin_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use duet_kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
+        use duet_kernels::attention_avx2::{attend_group, Avx2Scratch};
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            println!("SKIPPED: this CPU has no AVX2; the two-pass AVX2 attention kernel is not run");
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(513);
+        let mut scratch = Avx2Scratch::default();
+        for hd in HEAD_DIMS {
+            for (case, &(n_ctx, start, end)) in TWO_PASS_CASES.iter().enumerate() {
+                for group in 1..=8 {
+                    let n = end - start;
+                    let gain = if (case + group).is_multiple_of(2) { 1.0 } else { 8.0 };
+                    let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+                    let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
+                    let q: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
+                    let runs = uneven_runs(&k, &v, n, hd, &mut rng);
+                    let n_padded = padded_len(n_ctx, KV_PADDING);
+                    let scale = attn_scale(hd);
+                    let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
+                    // SAFETY: AVX2, FMA and F16C were detected (checked above).
+                    unsafe { attend_group(&runs, start, end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch) };
+                    let (kw, vw) = (widened(&k), widened(&v));
+                    assert_heads_equal(&out, &lse, &format!("heads of {hd}, n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
+                        decode_attention_range(&q[g * hd..(g + 1) * hd], &kw, &vw, start..end, n_padded, scale, twin)
+                    });
+                }
             }
         }
     }
@@ -173,13 +217,13 @@ fn avx2_online_group_attention_equals_twin_bit_for_bit() {
     #[cfg(target_arch = "x86_64")]
     {
         use duet_kernels::attention::{attn_scale, decode_attention_online, Q8_0_BLOCK_BYTES};
-        use duet_kernels::attention_avx2::{attend_group_online, OnlineScratch};
+        use duet_kernels::attention_avx2::{attend_group_online, Avx2Scratch};
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
             println!("SKIPPED: this CPU has no AVX2; the one-pass AVX2 attention kernel is not run");
             return;
         }
         let mut rng = StdRng::seed_from_u64(2049);
-        let mut scratch = OnlineScratch::default();
+        let mut scratch = Avx2Scratch::default();
         for hd in HEAD_DIMS {
             for (case, &n) in [1usize, 5, 8, 9, 16, 17, 31, 64, 100, 333, 2048].iter().enumerate() {
                 for group in 1..=8 {
