@@ -1,6 +1,6 @@
 //! Causal attention of a sequence's new rows over its cache: every query token sees the
 //! positions up to its own (within its sliding window, if any). Prefill rows run the scalar
-//! twins' arithmetic per head (the AVX-512 group kernels for heads of 64 and 128; over a Q8_0
+//! twins' arithmetic per head (the AVX-512 or AVX2 group kernels for heads of 64 and 128; over a Q8_0
 //! cache each token's one-pass attention over its prefix); a single decode token goes through
 //! the decode fan-out ([`decode_batch`]).
 
@@ -36,40 +36,48 @@ pub fn causal_attention_windowed(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape,
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa() == Isa::Avx512
-        && super::attention_avx512::supports_head_dim(hd)
-        && group <= super::attention_avx512::MAX_GROUP
+    if isa() >= Isa::Avx2
+        && super::attention_rows::supports_head_dim(hd)
+        && group <= super::attention_rows::MAX_GROUP
         && scores.softcap.is_none()
         && kv.iter().all(|h| h.k.f16().is_some() == h.v.f16().is_some())
     {
         // Prefill: per token and KV head, the query group over the token's causal prefix in
         // one pass over the rows: f16 rows with tinyBLAS's arithmetic, Q8_0 rows with the
         // one-pass online softmax (see `KvRows`).
-        let q8 = quantised(kv);
-        out.par_chunks_mut(group * hd).enumerate().for_each_init(super::attention_avx512::FastScratch::default, |scratch, (i, o)| {
-            let (t, h) = (i / n_kv_head, i % n_kv_head);
-            let len = pos0 + t + 1;
-            let first = window_start(len - 1, window);
-            let run = KvRun { k: kv[h].k.slice(first * hd..len * hd), v: kv[h].v.slice(first * hd..len * hd) };
-            let mut lse = [0f32; super::attention_avx512::MAX_GROUP];
-            let q = &q[i * group * hd..(i + 1) * group * hd];
-            // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
-            unsafe {
-                if q8 {
-                    super::attention_avx512::attend_group_online(&[run], len - first, scores.scale, q, o, &mut lse[..group], scratch)
-                } else {
-                    super::attention_avx512::attend_group(&[run], first, len, n_padded, scores.scale, true, q, o, &mut lse[..group], scratch)
+        let (q8, scale) = (quantised(kv), scores.scale);
+        let groups = PrefillGroups { q, kv, n_kv_head, group, hd, pos0, window };
+        if isa() == Isa::Avx512 {
+            groups.run(out, |run, first, len, q, o, lse, scratch: &mut super::attention_avx512::FastScratch| {
+                // SAFETY: AVX-512 F/BW/VL/DQ (with AVX2, FMA, F16C) were detected by `isa()`.
+                unsafe {
+                    if q8 {
+                        super::attention_avx512::attend_group_online(&[run], len - first, scale, q, o, lse, scratch)
+                    } else {
+                        super::attention_avx512::attend_group(&[run], first, len, n_padded, scale, true, q, o, lse, scratch)
+                    }
                 }
-            };
-        });
+            });
+        } else {
+            groups.run(out, |run, first, len, q, o, lse, scratch: &mut super::attention_avx2::Avx2Scratch| {
+                // SAFETY: AVX2, FMA and F16C were detected by `isa()`.
+                unsafe {
+                    if q8 {
+                        super::attention_avx2::attend_group_online(&[run], len - first, scale, q, o, lse, scratch)
+                    } else {
+                        super::attention_avx2::attend_group(&[run], first, len, n_padded, scale, true, q, o, lse, scratch)
+                    }
+                }
+            });
+        }
         return;
     }
     causal_attention_widened_windowed(q, kv, shape, pos0, window, out);
 }
 
 /// [`causal_attention`] on K/V widened to f32 once for all query tokens, one query head and
-/// token at a time: the path of machines without AVX-512 (and of heads other than 64 and 128,
-/// and of prompts over a Q8_0 cache), and the twin the AVX-512 kernels are tested against.
+/// token at a time: the path of machines without AVX2 (and of heads other than 64 and 128,
+/// and of soft-capped scores), and the twin the group kernels are tested against.
 pub fn causal_attention_widened(q: &[f32], kv: &[KvHead<'_>], shape: AttnShape, pos0: usize, out: &mut [f32]) {
     causal_attention_widened_windowed(q, kv, shape, pos0, None, out)
 }
@@ -100,6 +108,37 @@ pub fn causal_attention_widened_windowed(q: &[f32], kv: &[KvHead<'_>], shape: At
         let job = Job { q: q_row, k: &k[first * hd..], v: &v[first * hd..], start: first, end, n_padded, hd, scores, tiled: n_tok >= 2 };
         run(&job, o);
     });
+}
+
+/// A prompt's (token, KV head) query groups, each over the token's causal prefix (within its
+/// window), for a group kernel.
+#[cfg(target_arch = "x86_64")]
+struct PrefillGroups<'a> {
+    q: &'a [f32],
+    kv: &'a [KvHead<'a>],
+    n_kv_head: usize,
+    group: usize,
+    hd: usize,
+    pos0: usize,
+    window: Option<usize>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl PrefillGroups<'_> {
+    /// Every group in parallel into its slice of `out`: `attend(rows, first, len, q, out, lse,
+    /// scratch)` over the rows of positions `first..len`.
+    #[allow(clippy::type_complexity)]
+    fn run<S: Default + Send>(&self, out: &mut [f32], attend: impl Fn(KvRun<'_>, usize, usize, &[f32], &mut [f32], &mut [f32], &mut S) + Sync) {
+        let PrefillGroups { q, kv, n_kv_head, group, hd, pos0, window } = *self;
+        out.par_chunks_mut(group * hd).enumerate().for_each_init(S::default, |scratch, (i, o)| {
+            let (t, h) = (i / n_kv_head, i % n_kv_head);
+            let len = pos0 + t + 1;
+            let first = window_start(len - 1, window);
+            let run = KvRun { k: kv[h].k.slice(first * hd..len * hd), v: kv[h].v.slice(first * hd..len * hd) };
+            let mut lse = [0f32; super::attention_rows::MAX_GROUP];
+            attend(run, first, len, &q[i * group * hd..(i + 1) * group * hd], o, &mut lse[..group], scratch);
+        });
+    }
 }
 
 /// Whether the cache holds Q8_0 rows (attended with the one-pass arithmetic, token by token).

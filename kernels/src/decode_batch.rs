@@ -293,7 +293,7 @@ pub fn decode_group(
             if online {
                 super::attention_avx2::attend_group_online(runs, n, scores.scale, q, out, lse, &mut scratch.avx2);
             } else {
-                super::attention_avx2::attend_group(runs, range.start, range.end, n_padded, scores.scale, q, out, lse, &mut scratch.avx2);
+                super::attention_avx2::attend_group(runs, range.start, range.end, n_padded, scores.scale, false, q, out, lse, &mut scratch.avx2);
             }
         }
         return;

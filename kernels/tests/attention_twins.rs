@@ -137,7 +137,7 @@ fn avx2_group_attention_equals_per_head_twin_bit_for_bit() {
                     let scale = attn_scale(hd);
                     let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
                     // SAFETY: AVX2, FMA and F16C were detected (checked above).
-                    unsafe { attend_group(&runs, start, end, n_padded, scale, &q, &mut out, &mut lse, &mut scratch) };
+                    unsafe { attend_group(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
                     let (kw, vw) = (widened(&k), widened(&v));
                     assert_heads_equal(&out, &lse, &format!("heads of {hd}, n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
                         decode_attention_range(&q[g * hd..(g + 1) * hd], &kw, &vw, start..end, n_padded, scale, twin)
@@ -289,15 +289,15 @@ fn online_decode_attention_matches_two_pass_attention() {
 }
 
 /// Prefill attention (several query tokens, causal, after `pos0` cached positions) on the
-/// dispatched path — the AVX-512 group kernel with tinyBLAS's arithmetic where the CPU has
-/// it — against the widened one-head-at-a-time path, bit for bit: first prompts and second
+/// dispatched path — the AVX-512 or AVX2 group kernel with tinyBLAS's arithmetic where the
+/// CPU has one — against the widened one-head-at-a-time path, bit for bit: first prompts and second
 /// turns, group sizes 1 to 8, prompts crossing the kernel's 2048-position windows.
 #[test]
 fn prefill_attention_equals_widened_twin_bit_for_bit() {
     use duet_kernels::attention::{AttnShape, KvHead};
     use duet_kernels::causal::{causal_attention, causal_attention_widened};
-    if kernels::isa() < Isa::Avx512 {
-        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; prefill runs the widened path itself");
+    if kernels::isa() < Isa::Avx2 {
+        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX2; prefill runs the widened path itself");
     }
     let mut rng = StdRng::seed_from_u64(1024);
     let cases = [(64, 3, 3, 0, 2), (64, 3, 3, 0, 37), (64, 3, 3, 300, 17), (64, 1, 2, 5, 9), (64, 4, 2, 0, 64), (64, 8, 1, 2040, 20), (64, 2, 1, 0, 2100)];

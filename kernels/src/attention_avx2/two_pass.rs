@@ -1,20 +1,23 @@
-//! AVX2 two-pass decode attention of one KV head's query group straight from f16 K/V rows:
-//! bit for bit [`decode_attention_range`](crate::attention::decode_attention_range) run once
-//! per query head (ggml's decode arithmetic, which a context within one `DECODE_CHUNK` takes).
-//! Before it, CPUs without AVX-512 widened every row into a buffer and ran the twin head by
-//! head (4–40 % of the read bandwidth at 1024 positions).
+//! AVX2 two-pass attention of one KV head's query group straight from f16 K/V rows: bit for
+//! bit [`decode_attention_range`](crate::attention::decode_attention_range) run once per query
+//! head (ggml's decode arithmetic, which a context within one `DECODE_CHUNK` takes), or with
+//! `tiled` the arithmetic llama.cpp gives a prompt's tokens (tinyBLAS's). Before it, CPUs
+//! without AVX-512 widened every row into a buffer and ran the twin head by head (4–40 % of
+//! the read bandwidth at 1024 positions).
 //!
 //! * Q·K: each K row is widened once for every head of the group; a head's product keeps
 //!   `ggml_vec_dot_f16`'s 64 lanes as eight registers and `reduce64`'s tree down to eight
-//!   lanes, and the rest of the tree runs for eight positions at once (`finish8`, the same
-//!   pairings as the twin's).
+//!   lanes (tinyBLAS: its 16 lanes as two registers, and `reduce16`'s first step), and the
+//!   rest of the tree runs for eight positions at once (`finish8`, the same pairings as the
+//!   twin's).
 //! * The softmax: ggml's `exp` eight lanes at a time, each 16 positions' sum by `reduce16`'s
 //!   tree into an f64 sum, the weights scaled and rounded to f16 eight at a time.
 //! * V·weights: position `p` into ggml's lane `p % 64` of every dimension, as the twin. Each
 //!   V row is widened once for the group; the lanes live in a buffer (`G × 64 × head_dim`
 //!   floats, in L1/L2), the first 64 positions writing theirs from zero so that the buffer
 //!   needs no clearing; then `reduce64`'s tree across the lanes, eight dimensions at a time,
-//!   and the positions past the last multiple of 64 of the padded length in f64.
+//!   and the positions past the last multiple of 64 of the padded length in f64. tinyBLAS:
+//!   every position into 16 lanes (`p % 16`), reduced by `reduce16`'s tree.
 
 use std::arch::x86_64::*;
 
@@ -25,7 +28,7 @@ use crate::attention_rows::{checked_group, RowTable};
 /// The group's attention over positions `start..end`, given as f16 `runs` in position order
 /// (their rows add up to `end - start`); `q`/`out` are `[group][head_dim]` (heads of 64 or
 /// 128), `lse` one per head; `n_padded` and `scale` as in `decode_attention_range` (no soft
-/// cap).
+/// cap); `tiled` as in `attention_avx512::attend_group`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C. Panics (safely) if the slices disagree, the heads
@@ -37,6 +40,7 @@ pub unsafe fn attend_group(
     end: usize,
     n_padded: usize,
     scale: f32,
+    tiled: bool,
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
@@ -46,31 +50,32 @@ pub unsafe fn attend_group(
     scratch.rows.fill(runs, hd, false);
     let Avx2Scratch { rows, scores, lanes, .. } = scratch;
     macro_rules! by_group {
-        ($nv:literal) => {
+        ($nv:literal, $t:literal) => {
             match group {
-                1 => kernel::<1, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                2 => kernel::<2, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                3 => kernel::<3, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                4 => kernel::<4, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                5 => kernel::<5, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                6 => kernel::<6, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                7 => kernel::<7, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                _ => kernel::<8, $nv>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                1 => kernel::<1, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                2 => kernel::<2, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                3 => kernel::<3, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                4 => kernel::<4, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                5 => kernel::<5, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                6 => kernel::<6, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                7 => kernel::<7, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
+                _ => kernel::<8, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
             }
         };
     }
-    if hd == 64 {
-        by_group!(8)
-    } else {
-        by_group!(16)
+    match (hd, tiled) {
+        (64, false) => by_group!(8, false),
+        (64, true) => by_group!(8, true),
+        (_, false) => by_group!(16, false),
+        (_, true) => by_group!(16, true),
     }
 }
 
-/// [`attend_group`] for `G` heads of `8 * NV` dimensions.
+/// [`attend_group`] for `G` heads of `8 * NV` dimensions, `TILED` as its `tiled`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn kernel<const G: usize, const NV: usize>(
+unsafe fn kernel<const G: usize, const NV: usize, const TILED: bool>(
     rows: &RowTable,
     start: usize,
     end: usize,
@@ -90,18 +95,18 @@ unsafe fn kernel<const G: usize, const NV: usize>(
     }
     let s = scores.as_mut_ptr();
     let qv = rounded_q::<G, NV>(q);
-    let max = scores_pass::<G, NV>(rows, n, stride, scale, &qv, s);
+    let max = scores_pass::<G, NV, TILED>(rows, n, stride, scale, &qv, s);
     for (g, l) in lse.iter_mut().enumerate() {
         *l = softmax_weights(s.add(g * stride), n, max[g]);
     }
-    value_pass::<G, NV>(rows, start, end, n_padded, stride, s, out, lanes);
+    value_pass::<G, NV, TILED>(rows, start, end, n_padded, stride, s, out, lanes);
 }
 
 /// The scaled Q·K score of every head at each of the `n` positions, into `s[g * stride + i]`
 /// (whole groups of eight: the slots past `n` get zeros); returns each head's largest score.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_pass<const G: usize, const NV: usize>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m256; NV]; G], s: *mut f32) -> [f32; G] {
+unsafe fn scores_pass<const G: usize, const NV: usize, const TILED: bool>(rows: &RowTable, n: usize, stride: usize, scale: f32, qv: &[[__m256; NV]; G], s: *mut f32) -> [f32; G] {
     let zero = _mm256_setzero_ps();
     let vscale = _mm256_set1_ps(scale);
     let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
@@ -117,6 +122,17 @@ unsafe fn scores_pass<const G: usize, const NV: usize>(rows: &RowTable, n: usize
             let k = rows.k(p);
             let kx: [__m256; NV] = std::array::from_fn(|j| load8::<false>(k, j));
             for (t, q) in t8.iter_mut().zip(qv) {
+                if TILED {
+                    // tinyBLAS: lane l of 16 chains q·k over the 16-value chunks, then
+                    // reduce16's first step (lanes l + 8 and l).
+                    let (mut lo, mut hi) = (zero, zero);
+                    for c in 0..NV / 2 {
+                        lo = _mm256_fmadd_ps(q[2 * c], kx[2 * c], lo);
+                        hi = _mm256_fmadd_ps(q[2 * c + 1], kx[2 * c + 1], hi);
+                    }
+                    t[i] = _mm256_add_ps(hi, lo);
+                    continue;
+                }
                 // ggml_vec_dot_f16's 64 lanes (register j holds lanes 8j..8j + 8): from +0,
                 // one fused multiply-add per 64 values.
                 let y: [__m256; 8] = std::array::from_fn(|j| {
@@ -189,11 +205,12 @@ unsafe fn expf8_at(s: *const f32, max: __m256) -> __m256 {
 
 /// V · weights (`w[g * stride + i]` for position `start + i`): positions below the last
 /// multiple of 64 of the padded length into ggml's 64 lanes (`p % 64`), reduced by
-/// `reduce64`'s tree, then the rest in f64; the sums into `out` as f32.
+/// `reduce64`'s tree, then the rest in f64; the sums into `out` as f32. `TILED`: every
+/// position into 16 lanes (`p % 16`), reduced by `reduce16`'s (f32, exact through f64).
 #[allow(clippy::too_many_arguments)]
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn value_pass<const G: usize, const NV: usize>(
+unsafe fn value_pass<const G: usize, const NV: usize, const TILED: bool>(
     rows: &RowTable,
     start: usize,
     end: usize,
@@ -205,30 +222,31 @@ unsafe fn value_pass<const G: usize, const NV: usize>(
 ) {
     let hd = 8 * NV;
     let n = end - start;
-    let simd_end = (n_padded & !63).min(end).max(start);
+    let n_lanes = if TILED { 16 } else { 64 };
+    let simd_end = if TILED { end } else { (n_padded & !63).min(end).max(start) };
     let zero = _mm256_setzero_pd();
     // Per head, dimensions 4j..4j + 4 in sums[g][j].
     let mut sums = [[zero; 32]; G];
     if simd_end > start {
-        if lanes.len() < G * 64 * hd {
-            lanes.resize(G * 64 * hd, 0.0);
+        if lanes.len() < G * n_lanes * hd {
+            lanes.resize(G * n_lanes * hd, 0.0);
         }
         let l = lanes.as_mut_ptr();
         let lanes_end = simd_end - start;
-        // The first 64 positions start their lanes from zero (a fused multiply-add onto +0, as
-        // the twin's lanes take them); lanes no position reaches are cleared.
-        let first = lanes_end.min(64);
-        accumulate::<G, NV, true>(rows, start, 0..first, n, stride, w, l);
-        accumulate::<G, NV, false>(rows, start, first..lanes_end, n, stride, w, l);
-        for p in start + first..start + 64 {
+        // The first positions of each lane start it from zero (a fused multiply-add onto +0,
+        // as the twin's lanes take them); lanes no position reaches are cleared.
+        let first = lanes_end.min(n_lanes);
+        accumulate::<G, NV, TILED, true>(rows, start, 0..first, n, stride, w, l);
+        accumulate::<G, NV, TILED, false>(rows, start, first..lanes_end, n, stride, w, l);
+        for p in start + first..start + n_lanes {
             for g in 0..G {
-                std::ptr::write_bytes(l.add((g * 64 + p % 64) * hd), 0, hd);
+                std::ptr::write_bytes(l.add((g * n_lanes + p % n_lanes) * hd), 0, hd);
             }
         }
         for (g, sg) in sums.iter_mut().enumerate() {
             for j in 0..NV {
-                let at = |lane: usize| _mm256_loadu_ps(l.add((g * 64 + lane) * hd + 8 * j));
-                let h: [__m256; 16] = std::array::from_fn(|i| _mm256_add_ps(_mm256_add_ps(at(i), at(i + 32)), _mm256_add_ps(at(i + 16), at(i + 48))));
+                let at = |lane: usize| _mm256_loadu_ps(l.add((g * n_lanes + lane) * hd + 8 * j));
+                let h: [__m256; 16] = std::array::from_fn(|i| if TILED { at(i) } else { _mm256_add_ps(_mm256_add_ps(at(i), at(i + 32)), _mm256_add_ps(at(i + 16), at(i + 48))) });
                 let t8: [__m256; 8] = std::array::from_fn(|i| _mm256_add_ps(h[i + 8], h[i]));
                 let t4: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(t8[i + 4], t8[i]));
                 let r = _mm256_add_ps(_mm256_add_ps(t4[0], t4[2]), _mm256_add_ps(t4[1], t4[3]));
@@ -255,22 +273,23 @@ unsafe fn value_pass<const G: usize, const NV: usize>(
     }
 }
 
-/// Positions `start + i` for `i` in `range` into their lanes (`(start + i) % 64`) of every
-/// head: `lane = fma(v, w, lane)`, or with `FIRST` `fma(v, w, +0)` stored over the lane.
+/// Positions `start + i` for `i` in `range` into their lanes (`(start + i) % 64`, `TILED`
+/// `% 16`) of every head: `lane = fma(v, w, lane)`, or with `FIRST` `fma(v, w, +0)` stored
+/// over the lane.
 #[inline(always)]
-unsafe fn accumulate<const G: usize, const NV: usize, const FIRST: bool>(rows: &RowTable, start: usize, range: std::ops::Range<usize>, n: usize, stride: usize, w: *const f32, l: *mut f32) {
-    let hd = 8 * NV;
+unsafe fn accumulate<const G: usize, const NV: usize, const TILED: bool, const FIRST: bool>(rows: &RowTable, start: usize, range: std::ops::Range<usize>, n: usize, stride: usize, w: *const f32, l: *mut f32) {
+    let (hd, n_lanes) = (8 * NV, if TILED { 16 } else { 64 });
     for i in range {
         if i + AHEAD < n {
             prefetch_row::<NV, false>(rows.v(i + AHEAD));
         }
-        let lane = (start + i) % 64;
+        let lane = (start + i) % n_lanes;
         let row = rows.v(i);
         let wg: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(*w.add(g * stride + i)));
         for j in 0..NV {
             let v = load8::<false>(row, j);
             for (g, &wv) in wg.iter().enumerate() {
-                let at = l.add((g * 64 + lane) * hd + 8 * j);
+                let at = l.add((g * n_lanes + lane) * hd + 8 * j);
                 let acc = if FIRST { _mm256_setzero_ps() } else { _mm256_loadu_ps(at) };
                 _mm256_storeu_ps(at, _mm256_fmadd_ps(v, wv, acc));
             }
