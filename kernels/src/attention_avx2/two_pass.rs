@@ -237,7 +237,12 @@ unsafe fn value_pass<const G: usize, const NV: usize, const TILED: bool>(
         // as the twin's lanes take them); lanes no position reaches are cleared.
         let first = lanes_end.min(n_lanes);
         accumulate::<G, NV, TILED, true>(rows, start, 0..first, n, stride, w, l);
-        accumulate::<G, NV, TILED, false>(rows, start, first..lanes_end, n, stride, w, l);
+        let mut at = first;
+        while at + STEPS * n_lanes <= lanes_end {
+            accumulate_window::<G, NV, TILED>(rows, start, at, n, stride, w, l);
+            at += STEPS * n_lanes;
+        }
+        accumulate::<G, NV, TILED, false>(rows, start, at..lanes_end, n, stride, w, l);
         for p in start + first..start + n_lanes {
             for g in 0..G {
                 std::ptr::write_bytes(l.add((g * n_lanes + p % n_lanes) * hd), 0, hd);
@@ -269,6 +274,41 @@ unsafe fn value_pass<const G: usize, const NV: usize, const TILED: bool>(
     for (o, sg) in out.chunks_exact_mut(hd).zip(&sums) {
         for j in 0..NV {
             _mm256_storeu_ps(o.as_mut_ptr().add(8 * j), _mm256_set_m128(_mm256_cvtpd_ps(sg[2 * j + 1]), _mm256_cvtpd_ps(sg[2 * j])));
+        }
+    }
+}
+
+/// Positions a lane takes in a row in [`accumulate_window`].
+const STEPS: usize = 4;
+
+/// Positions `start + i` for `i` in `base..base + STEPS * lanes` into their lanes, as
+/// [`accumulate`] but a lane's `STEPS` positions of the window one after another (the same
+/// order within each lane), so that its accumulators are loaded and stored once for them:
+/// a position-by-position pass is bound by the lanes' loads and stores. The window after this
+/// one is prefetched.
+#[inline(always)]
+unsafe fn accumulate_window<const G: usize, const NV: usize, const TILED: bool>(rows: &RowTable, start: usize, base: usize, n: usize, stride: usize, w: *const f32, l: *mut f32) {
+    let (hd, n_lanes) = (8 * NV, if TILED { 16 } else { 64 });
+    for o in 0..n_lanes {
+        let i0 = base + o;
+        let lane = (start + i0) % n_lanes;
+        let row: [*const u8; STEPS] = std::array::from_fn(|k| rows.v(i0 + k * n_lanes));
+        for k in 0..STEPS {
+            let ahead = i0 + (k + STEPS) * n_lanes;
+            if ahead < n {
+                prefetch_row::<NV, false>(rows.v(ahead));
+            }
+        }
+        for j in 0..NV {
+            let v: [__m256; STEPS] = std::array::from_fn(|k| load8::<false>(row[k], j));
+            for g in 0..G {
+                let at = l.add((g * n_lanes + lane) * hd + 8 * j);
+                let mut acc = _mm256_loadu_ps(at);
+                for (k, &vk) in v.iter().enumerate() {
+                    acc = _mm256_fmadd_ps(vk, _mm256_set1_ps(*w.add(g * stride + i0 + k * n_lanes)), acc);
+                }
+                _mm256_storeu_ps(at, acc);
+            }
         }
     }
 }
