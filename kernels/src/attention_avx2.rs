@@ -1,9 +1,9 @@
-//! AVX2 decode attention of one KV head's whole query group, straight from f16 or Q8_0 K/V rows
-//! of 64 or 128 dimensions, for CPUs without AVX-512. The one-pass kernel here is bit for bit
+//! AVX2 attention of one KV head's whole query group, straight from f16 or Q8_0 K/V rows of 64
+//! or 128 dimensions, for CPUs without AVX-512. The one-pass kernel here is bit for bit
 //! [`decode_attention_online`](super::attention::decode_attention_online) run once per query
 //! head (the arithmetic of a Q8_0 cache, and of each chunk of a context longer than one
-//! `DECODE_CHUNK`); the two-pass one in `two_pass` is the decode arithmetic of an f16 context
-//! within one chunk. Before them, such CPUs widened every row into a buffer and ran the twin
+//! `DECODE_CHUNK`); the two-pass one in `two_pass` is the arithmetic of an f16 context within
+//! one chunk, a decode token's or (tiled) a prompt token's. Before them, such CPUs widened every row into a buffer and ran the twin
 //! head by head, reading each K and V row once per query head (15–25 % of the read bandwidth).
 //!
 //! The one-pass kernel, per block of 16 positions, as the twin:

@@ -288,7 +288,8 @@ pub fn decode_group(
     }
     #[cfg(target_arch = "x86_64")]
     if isa() == Isa::Avx2 && super::attention_avx2::supports_head_dim(hd) && n > 0 && group <= super::attention_avx2::MAX_GROUP && scores.softcap.is_none() {
-        // SAFETY: AVX2, FMA and F16C were detected by `isa()`; not `online`, the rows are f16.
+        // SAFETY: AVX2, FMA and F16C were detected by `isa()` (and without `online` the rows
+        // are f16, as the two-pass kernel needs).
         unsafe {
             if online {
                 super::attention_avx2::attend_group_online(runs, n, scores.scale, q, out, lse, &mut scratch.avx2);

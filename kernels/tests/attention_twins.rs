@@ -72,20 +72,14 @@ const TWO_PASS_CASES: &[(usize, usize, usize)] = &[
     (5000, 2100, 4993),
 ];
 
-/// The AVX-512 group kernel against `decode_attention_range` run per query head on widened
-/// rows (itself bit-identical to the scalar twins): every group size it is built for,
-/// ranges that start and end inside 64-position lane chunks, ranges in the f64 tail only,
-/// several V windows (contexts past 2048), runs of uneven length, sharp and flat softmaxes.
-#[test]
-fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
+/// A two-pass group kernel, `kernel(runs, start, end, n_padded, scale, q, out, lse)`, against
+/// `decode_attention_range` run per query head on widened rows (itself bit-identical to the
+/// scalar twins), bit for bit: heads of 64 and 128, every group size it is built for, the
+/// ranges of `TWO_PASS_CASES`, runs of uneven length, sharp and flat softmaxes.
+#[allow(clippy::type_complexity)]
+fn check_two_pass_kernel(seed: u64, mut kernel: impl FnMut(&[KvRun<'_>], usize, usize, usize, f32, &[f32], &mut [f32], &mut [f32])) {
     use duet_kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
-    use duet_kernels::attention_avx512::{attend_group, FastScratch};
-    if kernels::isa() < Isa::Avx512 {
-        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the AVX-512 attention kernel is not run");
-        return;
-    }
-    let mut rng = StdRng::seed_from_u64(512);
-    let mut scratch = FastScratch::default();
+    let mut rng = StdRng::seed_from_u64(seed);
     for hd in HEAD_DIMS {
         for (case, &(n_ctx, start, end)) in TWO_PASS_CASES.iter().enumerate() {
             for group in 1..=8 {
@@ -98,8 +92,7 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
                 let n_padded = padded_len(n_ctx, KV_PADDING);
                 let scale = attn_scale(hd);
                 let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
-                // SAFETY: AVX-512 was detected (checked above).
-                unsafe { attend_group(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
+                kernel(&runs, start, end, n_padded, scale, &q, &mut out, &mut lse);
                 let (kw, vw) = (widened(&k), widened(&v));
                 assert_heads_equal(&out, &lse, &format!("heads of {hd}, n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
                     decode_attention_range(&q[g * hd..(g + 1) * hd], &kw, &vw, start..end, n_padded, scale, twin)
@@ -109,42 +102,37 @@ fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
     }
 }
 
+/// The AVX-512 two-pass group kernel against the per-head twin (`check_two_pass_kernel`).
+#[test]
+fn avx512_group_attention_equals_per_head_twin_bit_for_bit() {
+    use duet_kernels::attention_avx512::{attend_group, FastScratch};
+    if kernels::isa() < Isa::Avx512 {
+        println!("SKIPPED: this CPU (or DUET_ISA) has no AVX-512; the AVX-512 attention kernel is not run");
+        return;
+    }
+    let mut scratch = FastScratch::default();
+    check_two_pass_kernel(512, |runs, start, end, n_padded, scale, q, out, lse| {
+        // SAFETY: AVX-512 was detected (checked above).
+        unsafe { attend_group(runs, start, end, n_padded, scale, false, q, out, lse, &mut scratch) }
+    });
+}
+
 /// The two-pass AVX2 group kernel (CPUs without AVX-512; run directly, so AVX-512 machines
-/// test it too) against `decode_attention_range` per query head, as the AVX-512 one: every
-/// group size, the ranges of `TWO_PASS_CASES`, runs of uneven length, sharp and flat softmaxes.
+/// test it too) against the per-head twin (`check_two_pass_kernel`).
 #[test]
 fn avx2_group_attention_equals_per_head_twin_bit_for_bit() {
     #[cfg(target_arch = "x86_64")]
     {
-        use duet_kernels::attention::{attn_scale, decode_attention_range, padded_len, KV_PADDING};
         use duet_kernels::attention_avx2::{attend_group, Avx2Scratch};
         if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
             println!("SKIPPED: this CPU has no AVX2; the two-pass AVX2 attention kernel is not run");
             return;
         }
-        let mut rng = StdRng::seed_from_u64(513);
         let mut scratch = Avx2Scratch::default();
-        for hd in HEAD_DIMS {
-            for (case, &(n_ctx, start, end)) in TWO_PASS_CASES.iter().enumerate() {
-                for group in 1..=8 {
-                    let n = end - start;
-                    let gain = if (case + group).is_multiple_of(2) { 1.0 } else { 8.0 };
-                    let k: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-                    let v: Vec<f16> = (0..n * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect();
-                    let q: Vec<f32> = (0..group * hd).map(|_| rng.random_range(-1.0f32..1.0) * gain).collect();
-                    let runs = uneven_runs(&k, &v, n, hd, &mut rng);
-                    let n_padded = padded_len(n_ctx, KV_PADDING);
-                    let scale = attn_scale(hd);
-                    let (mut out, mut lse) = (vec![0f32; group * hd], vec![0f32; group]);
-                    // SAFETY: AVX2, FMA and F16C were detected (checked above).
-                    unsafe { attend_group(&runs, start, end, n_padded, scale, false, &q, &mut out, &mut lse, &mut scratch) };
-                    let (kw, vw) = (widened(&k), widened(&v));
-                    assert_heads_equal(&out, &lse, &format!("heads of {hd}, n_ctx {n_ctx} range {start}..{end} group {group}"), |g, twin| {
-                        decode_attention_range(&q[g * hd..(g + 1) * hd], &kw, &vw, start..end, n_padded, scale, twin)
-                    });
-                }
-            }
-        }
+        check_two_pass_kernel(513, |runs, start, end, n_padded, scale, q, out, lse| {
+            // SAFETY: AVX2, FMA and F16C were detected (checked above).
+            unsafe { attend_group(runs, start, end, n_padded, scale, false, q, out, lse, &mut scratch) }
+        });
     }
 }
 
