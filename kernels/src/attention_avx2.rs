@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 
 pub use super::attention_rows::{supports_head_dim, MAX_GROUP};
 use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
-use super::attention_rows::{checked_group, RowTable};
+use super::attention_rows::{by_group, checked_group, RowTable};
 use super::ggml_exact::{expf, reduce16};
 
 mod two_pass;
@@ -58,25 +58,16 @@ pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &
     scratch.acc.clear();
     scratch.acc.resize(group * hd, 0.0);
     let rows = &scratch.rows;
-    macro_rules! by_group {
+    macro_rules! by_shape {
         ($nv:literal, $q8:literal) => {
-            match group {
-                1 => kernel::<1, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                2 => kernel::<2, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                3 => kernel::<3, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                4 => kernel::<4, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                5 => kernel::<5, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                6 => kernel::<6, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                7 => kernel::<7, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-                _ => kernel::<8, $nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc),
-            }
+            by_group!(group, kernel::<$nv, $q8>(rows, n, scale, q, out, lse, &mut scratch.acc))
         };
     }
     match (hd, q8) {
-        (64, false) => by_group!(8, false),
-        (64, true) => by_group!(8, true),
-        (_, false) => by_group!(16, false),
-        (_, true) => by_group!(16, true),
+        (64, false) => by_shape!(8, false),
+        (64, true) => by_shape!(8, true),
+        (_, false) => by_shape!(16, false),
+        (_, true) => by_shape!(16, true),
     }
 }
 

@@ -23,7 +23,7 @@ use std::arch::x86_64::*;
 
 pub use super::attention_rows::{supports_head_dim, MAX_GROUP};
 use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
-use super::attention_rows::{checked_group, RowTable};
+use super::attention_rows::{by_group, checked_group, RowTable};
 
 mod values;
 use values::{tiled_value_pass, value_pass};
@@ -65,25 +65,16 @@ pub unsafe fn attend_group(
     scratch: &mut FastScratch,
 ) {
     let (group, hd) = checked_group(runs, end - start, q, out, lse);
-    macro_rules! by_group {
+    macro_rules! by_shape {
         ($nv:literal, $t:literal) => {
-            match group {
-                1 => group_kernel::<1, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                2 => group_kernel::<2, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                3 => group_kernel::<3, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                4 => group_kernel::<4, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                5 => group_kernel::<5, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                6 => group_kernel::<6, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                7 => group_kernel::<7, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-                _ => group_kernel::<8, $nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch),
-            }
+            by_group!(group, group_kernel::<$nv, $t>(runs, start, end, n_padded, scale, q, out, lse, scratch))
         };
     }
     match (hd, tiled) {
-        (64, true) => by_group!(4, true),
-        (64, false) => by_group!(4, false),
-        (_, true) => by_group!(8, true),
-        (_, false) => by_group!(8, false),
+        (64, true) => by_shape!(4, true),
+        (64, false) => by_shape!(4, false),
+        (_, true) => by_shape!(8, true),
+        (_, false) => by_shape!(8, false),
     }
 }
 
@@ -169,25 +160,16 @@ pub unsafe fn attend_group_online(runs: &[KvRun<'_>], n: usize, scale: f32, q: &
     let q8 = matches!(runs[0].k, KvRows::Q8_0(_));
     scratch.rows.fill(runs, hd, q8);
     let rows = &scratch.rows;
-    macro_rules! by_group {
+    macro_rules! by_shape {
         ($nv:literal, $q8:literal) => {
-            match group {
-                1 => online_kernel::<1, $nv, $q8>(rows, n, scale, q, out, lse),
-                2 => online_kernel::<2, $nv, $q8>(rows, n, scale, q, out, lse),
-                3 => online_kernel::<3, $nv, $q8>(rows, n, scale, q, out, lse),
-                4 => online_kernel::<4, $nv, $q8>(rows, n, scale, q, out, lse),
-                5 => online_kernel::<5, $nv, $q8>(rows, n, scale, q, out, lse),
-                6 => online_kernel::<6, $nv, $q8>(rows, n, scale, q, out, lse),
-                7 => online_kernel::<7, $nv, $q8>(rows, n, scale, q, out, lse),
-                _ => online_kernel::<8, $nv, $q8>(rows, n, scale, q, out, lse),
-            }
+            by_group!(group, online_kernel::<$nv, $q8>(rows, n, scale, q, out, lse))
         };
     }
     match (hd, q8) {
-        (64, false) => by_group!(4, false),
-        (64, true) => by_group!(4, true),
-        (_, false) => by_group!(8, false),
-        (_, true) => by_group!(8, true),
+        (64, false) => by_shape!(4, false),
+        (64, true) => by_shape!(4, true),
+        (_, false) => by_shape!(8, false),
+        (_, true) => by_shape!(8, true),
     }
 }
 

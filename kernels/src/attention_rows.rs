@@ -1,5 +1,6 @@
 //! What the AVX-512 and AVX2 group attention kernels share: their limits, the checks of their
-//! arguments, and the table of each position's K and V row they read through.
+//! arguments, the dispatch of a group's size to a kernel built for it, and the table of each
+//! position's K and V row they read through.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -7,6 +8,24 @@ use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
 
 /// Largest query group the kernels are built for (GQA ratios in use are 1 to 8).
 pub const MAX_GROUP: usize = 8;
+
+/// `$kernel::<G, $consts…>($args…)` with `G` the query group's size `$group` as a constant
+/// (1 to [`MAX_GROUP`]; `checked_group` refuses larger groups before this is reached).
+macro_rules! by_group {
+    ($group:expr, $kernel:ident::<$($c:tt),*>($($arg:expr),* $(,)?)) => {
+        match $group {
+            1 => $kernel::<1, $($c),*>($($arg),*),
+            2 => $kernel::<2, $($c),*>($($arg),*),
+            3 => $kernel::<3, $($c),*>($($arg),*),
+            4 => $kernel::<4, $($c),*>($($arg),*),
+            5 => $kernel::<5, $($c),*>($($arg),*),
+            6 => $kernel::<6, $($c),*>($($arg),*),
+            7 => $kernel::<7, $($c),*>($($arg),*),
+            _ => $kernel::<8, $($c),*>($($arg),*),
+        }
+    };
+}
+pub(crate) use by_group;
 
 /// Whether the kernels take heads of `head_dim`.
 pub fn supports_head_dim(head_dim: usize) -> bool {

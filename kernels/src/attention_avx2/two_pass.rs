@@ -23,7 +23,7 @@ use std::arch::x86_64::*;
 
 use super::{finish8, load8, prefetch_row, rounded_q, Avx2Scratch, AHEAD};
 use crate::attention::KvRun;
-use crate::attention_rows::{checked_group, RowTable};
+use crate::attention_rows::{by_group, checked_group, RowTable};
 
 /// The group's attention over positions `start..end`, given as f16 `runs` in position order
 /// (their rows add up to `end - start`); `q`/`out` are `[group][head_dim]` (heads of 64 or
@@ -49,25 +49,16 @@ pub unsafe fn attend_group(
     let (group, hd) = checked_group(runs, end.saturating_sub(start), q, out, lse);
     scratch.rows.fill(runs, hd, false);
     let Avx2Scratch { rows, scores, lanes, .. } = scratch;
-    macro_rules! by_group {
+    macro_rules! by_shape {
         ($nv:literal, $t:literal) => {
-            match group {
-                1 => kernel::<1, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                2 => kernel::<2, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                3 => kernel::<3, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                4 => kernel::<4, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                5 => kernel::<5, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                6 => kernel::<6, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                7 => kernel::<7, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-                _ => kernel::<8, $nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes),
-            }
+            by_group!(group, kernel::<$nv, $t>(rows, start, end, n_padded, scale, q, out, lse, scores, lanes))
         };
     }
     match (hd, tiled) {
-        (64, false) => by_group!(8, false),
-        (64, true) => by_group!(8, true),
-        (_, false) => by_group!(16, false),
-        (_, true) => by_group!(16, true),
+        (64, false) => by_shape!(8, false),
+        (64, true) => by_shape!(8, true),
+        (_, false) => by_shape!(16, false),
+        (_, true) => by_shape!(16, true),
     }
 }
 
