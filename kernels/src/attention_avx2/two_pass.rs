@@ -15,9 +15,11 @@
 //! * V·weights: position `p` into ggml's lane `p % 64` of every dimension, as the twin. Each
 //!   V row is widened once for the group; the lanes live in a buffer (`G × 64 × head_dim`
 //!   floats, in L1/L2), the first 64 positions writing theirs from zero so that the buffer
-//!   needs no clearing; then `reduce64`'s tree across the lanes, eight dimensions at a time,
-//!   and the positions past the last multiple of 64 of the padded length in f64. tinyBLAS:
-//!   every position into 16 lanes (`p % 16`), reduced by `reduce16`'s tree.
+//!   needs no clearing, then each lane taking its four positions of a window of 256 one after
+//!   another (its accumulators loaded and stored once for them; `accumulate_window`); then
+//!   `reduce64`'s tree across the lanes, eight dimensions at a time, and the positions past
+//!   the last multiple of 64 of the padded length in f64. tinyBLAS: every position into 16
+//!   lanes (`p % 16`, windows of 64), reduced by `reduce16`'s tree.
 
 use std::arch::x86_64::*;
 
