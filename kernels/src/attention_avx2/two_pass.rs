@@ -26,6 +26,16 @@ use std::arch::x86_64::*;
 use super::{finish8, load8, prefetch_row, rounded_q, Avx2Scratch, AHEAD};
 use crate::attention::KvRun;
 use crate::attention_rows::{by_group, checked_group, RowTable};
+use crate::ggml_exact::reduce16;
+
+/// The position lanes of the V pass: ggml's 64, or tinyBLAS's 16 when `tiled`.
+const fn lane_count(tiled: bool) -> usize {
+    if tiled {
+        16
+    } else {
+        64
+    }
+}
 
 /// The group's attention over positions `start..end`, given as f16 `runs` in position order
 /// (their rows add up to `end - start`); `q`/`out` are `[group][head_dim]` (heads of 64 or
@@ -175,12 +185,7 @@ unsafe fn softmax_weights(s: *mut f32, n: usize, max: f32) -> f32 {
         });
         _mm256_storeu_ps(s.add(c), e[0]);
         _mm256_storeu_ps(s.add(c + 8), e[1]);
-        // reduce16: t8 = hi + lo, t4 = t8's halves added, then (t4[0] + t4[2]) + (t4[1] + t4[3]).
-        let t8 = _mm256_add_ps(e[1], e[0]);
-        let t4 = _mm_add_ps(_mm256_extractf128_ps::<1>(t8), _mm256_castps256_ps128(t8));
-        let mut t = [0f32; 4];
-        _mm_storeu_ps(t.as_mut_ptr(), t4);
-        sum += ((t[0] + t[2]) + (t[1] + t[3])) as f64;
+        sum += reduce16(&*s.add(c).cast::<[f32; 16]>()) as f64;
     }
     let inv = _mm256_set1_ps((1.0 / sum) as f32);
     for c in (0..n).step_by(8) {
@@ -215,7 +220,7 @@ unsafe fn value_pass<const G: usize, const NV: usize, const TILED: bool>(
 ) {
     let hd = 8 * NV;
     let n = end - start;
-    let n_lanes = if TILED { 16 } else { 64 };
+    let n_lanes = lane_count(TILED);
     let simd_end = if TILED { end } else { (n_padded & !63).min(end).max(start) };
     let zero = _mm256_setzero_pd();
     // Per head, dimensions 4j..4j + 4 in sums[g][j].
@@ -281,7 +286,7 @@ const STEPS: usize = 4;
 /// one is prefetched.
 #[inline(always)]
 unsafe fn accumulate_window<const G: usize, const NV: usize, const TILED: bool>(rows: &RowTable, start: usize, base: usize, n: usize, stride: usize, w: *const f32, l: *mut f32) {
-    let (hd, n_lanes) = (8 * NV, if TILED { 16 } else { 64 });
+    let (hd, n_lanes) = (8 * NV, lane_count(TILED));
     for o in 0..n_lanes {
         let i0 = base + o;
         let lane = (start + i0) % n_lanes;
@@ -311,7 +316,7 @@ unsafe fn accumulate_window<const G: usize, const NV: usize, const TILED: bool>(
 /// over the lane.
 #[inline(always)]
 unsafe fn accumulate<const G: usize, const NV: usize, const TILED: bool, const FIRST: bool>(rows: &RowTable, start: usize, range: std::ops::Range<usize>, n: usize, stride: usize, w: *const f32, l: *mut f32) {
-    let (hd, n_lanes) = (8 * NV, if TILED { 16 } else { 64 });
+    let (hd, n_lanes) = (8 * NV, lane_count(TILED));
     for i in range {
         if i + AHEAD < n {
             prefetch_row::<NV, false>(rows.v(i + AHEAD));
