@@ -21,7 +21,7 @@
 
 use std::arch::x86_64::*;
 
-use super::lanes::{bsum_pairs, lane_bytes, prefetch_line, prefetch_lines, BYTE_PAIR_OF_LANE, BYTE_SPREAD};
+use super::lanes::{lane_bytes, prefetch_line, prefetch_lines, BYTE_PAIR_OF_LANE, BYTE_SPREAD};
 use super::{ActBlock, GgmlType, GroupKernel};
 use crate::quant::{BlockQ8K, BlockQ8_0, BlockQ8_1, ByteBlock};
 
@@ -83,94 +83,140 @@ unsafe fn q4k<const T: usize, const FIVE: bool>(packed: &[u8], nb: usize, acts: 
     let (block, qs_at) = if FIVE { (Q5K_BLOCK, Q5K_QS) } else { (Q4K_BLOCK, Q4K_QS) };
     debug_assert!(packed.len() == nb * block && acts.len() == T);
     let ys: [&[BlockQ8K]; T] = std::array::from_fn(|t| BlockQ8K::slice(acts[t]).expect("whole Q8_K blocks"));
-    let low4 = _mm256_set1_epi8(0x0F);
-    let (low6, low2) = (_mm256_set1_epi8(0x3F), _mm256_set1_epi8(0x03));
-    let scale_idx: [__m256i; 4] = std::array::from_fn(|j| table(&BYTE_TWICE_OF_LANE[j]));
-    let min_idx = [table(&BYTE_PAIR_OF_LANE[0]), table(&BYTE_PAIR_OF_LANE[1])];
     // The scalar twin's `.sum()` over blocks starts from −0.0.
     let mut total = [[_mm256_set1_ps(-0.0); T]; 2];
     for b in 0..nb {
         let p = packed.as_ptr().add(b * block);
-        for half in 0..2 {
-            if half == 0 {
-                prefetch_lines(p, qs_at);
-            }
-            // The eight rows' 6-bit scales and mins, byte j of a lane for sub-block j mod 4.
-            let u0 = half_line(p.add(Q4K_SCALES), half);
-            let u1 = half_line(p.add(Q4K_SCALES + 64), half);
-            let u2 = half_line(p.add(Q4K_SCALES + 128), half);
-            let sc_lo = _mm256_and_si256(u0, low6);
-            let mn_lo = _mm256_and_si256(u1, low6);
-            let sc_hi = _mm256_or_si256(_mm256_and_si256(u2, low4), _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u0), low2)));
-            let mn_hi = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi32::<4>(u2), low4),
-                _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u1), low2)),
-            );
-            let y: [&BlockQ8K; T] = std::array::from_fn(|t| &ys[t][b]);
-            let mut sum_sc = [_mm256_setzero_si256(); T];
-            for pair in 0..4 {
-                let scales = if pair < 2 { sc_lo } else { sc_hi };
-                let sc_even = _mm256_shuffle_epi8(scales, scale_idx[2 * (pair % 2)]);
-                let sc_odd = _mm256_shuffle_epi8(scales, scale_idx[2 * (pair % 2) + 1]);
-                // Q5_K: sub-blocks 2·pair and 2·pair + 1 take these bits of their quants' bytes.
-                let (bit_lo, bit_hi) = (_mm256_set1_epi8(1 << (2 * pair)), _mm256_set1_epi8((1u8 << (2 * pair + 1)) as i8));
-                // As many lines at a time in 16 bits as fit (see the module's note).
-                let lines = if FIVE { 4 } else { 8 };
-                for run in 0..8 / lines {
-                    let mut lo = [_mm256_setzero_si256(); T];
-                    let mut hi = [_mm256_setzero_si256(); T];
-                    for c in lines * run..lines * (run + 1) {
-                        let line = p.add(qs_at + 64 * (8 * pair + c));
-                        if half == 0 {
-                            prefetch_line(line);
-                        }
-                        let raw = half_line(line, half);
-                        let mut ql = _mm256_and_si256(raw, low4);
-                        let mut qh = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low4);
-                        if FIVE {
-                            let bits = half_line(p.add(Q5K_QH + 64 * c), half);
-                            ql = add_fifth_bit(ql, bits, bit_lo);
-                            qh = add_fifth_bit(qh, bits, bit_hi);
-                        }
-                        for t in 0..T {
-                            let q = y[t].qs.as_ptr().add(64 * pair + 4 * c);
-                            lo[t] = add_products(lo[t], ql, word(q));
-                            hi[t] = add_products(hi[t], qh, word(q.add(32)));
-                        }
-                    }
-                    for t in 0..T {
-                        let s = _mm256_add_epi32(_mm256_madd_epi16(lo[t], sc_even), _mm256_madd_epi16(hi[t], sc_odd));
-                        sum_sc[t] = _mm256_add_epi32(sum_sc[t], s);
-                    }
-                }
-            }
-            let d = half_f16(p, half);
-            let dmin = half_f16(p.add(32), half);
-            // Mins of sub-blocks (2k, 2k + 1) as 16-bit halves of each lane, k = 0..3.
-            let mins = [
-                _mm256_shuffle_epi8(mn_lo, min_idx[0]),
-                _mm256_shuffle_epi8(mn_lo, min_idx[1]),
-                _mm256_shuffle_epi8(mn_hi, min_idx[0]),
-                _mm256_shuffle_epi8(mn_hi, min_idx[1]),
-            ];
-            for t in 0..T {
-                let pairs = bsum_pairs(y[t]);
-                let mut sum_m = _mm256_setzero_si256();
-                for k in 0..4 {
-                    sum_m = _mm256_add_epi32(sum_m, _mm256_madd_epi16(mins[k], _mm256_set1_epi32(pairs[k])));
-                }
-                // The twin: ys · (d · sum_sc) − ys · dmin · sum_m, then added to the total.
-                let ys = _mm256_set1_ps(y[t].scale());
-                let a = _mm256_mul_ps(ys, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sum_sc[t])));
-                let m = _mm256_mul_ps(_mm256_mul_ps(ys, dmin), _mm256_cvtepi32_ps(sum_m));
-                total[half][t] = _mm256_add_ps(total[half][t], _mm256_sub_ps(a, m));
-            }
-        }
+        prefetch_lines(p, qs_at);
+        let y: [&BlockQ8K; T] = std::array::from_fn(|t| &ys[t][b]);
+        q4k_half::<T, FIVE, 0>(p, &y, &mut total[0]);
+        q4k_half::<T, FIVE, 1>(p, &y, &mut total[1]);
     }
     for (half, total) in total.iter().enumerate() {
         for (t, v) in total.iter().enumerate() {
             _mm256_storeu_ps(out.add(t * stride + 8 * half), *v);
         }
+    }
+}
+
+/// One half (eight rows) of a Q4_K (`FIVE`: Q5_K) group block at `p` against the `T`
+/// activation blocks `y`, added to `total`. The first half prefetches the group's stream
+/// (the second reads the same lines from L1). `HALF` is a constant and each sub-block
+/// pair's lines are written out four at a time, so that the line loop has no branches and
+/// keeps the activation rows' pointers in registers: as a loop over a run-time half, the
+/// kernel ran at half the rate of its unrolled line loop.
+#[inline(always)]
+unsafe fn q4k_half<const T: usize, const FIVE: bool, const HALF: usize>(p: *const u8, y: &[&BlockQ8K; T], total: &mut [__m256; T]) {
+    let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
+    let low4 = _mm256_set1_epi8(0x0F);
+    let (low6, low2) = (_mm256_set1_epi8(0x3F), _mm256_set1_epi8(0x03));
+    // The eight rows' 6-bit scales and mins, byte j of a lane for sub-block j mod 4.
+    let u0 = half_line(p.add(Q4K_SCALES), HALF);
+    let u1 = half_line(p.add(Q4K_SCALES + 64), HALF);
+    let u2 = half_line(p.add(Q4K_SCALES + 128), HALF);
+    let sc_lo = _mm256_and_si256(u0, low6);
+    let mn_lo = _mm256_and_si256(u1, low6);
+    let sc_hi = _mm256_or_si256(_mm256_and_si256(u2, low4), _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u0), low2)));
+    let mn_hi = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi32::<4>(u2), low4),
+        _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srli_epi32::<6>(u1), low2)),
+    );
+    let mut sum_sc = [_mm256_setzero_si256(); T];
+    for pair in 0..4 {
+        let scales = if pair < 2 { sc_lo } else { sc_hi };
+        let sc_even = _mm256_shuffle_epi8(scales, table(&BYTE_TWICE_OF_LANE[2 * (pair % 2)]));
+        let sc_odd = _mm256_shuffle_epi8(scales, table(&BYTE_TWICE_OF_LANE[2 * (pair % 2) + 1]));
+        // Q5_K: sub-blocks 2·pair and 2·pair + 1 take these bits of their quants' bytes.
+        let (bit_lo, bit_hi) = (_mm256_set1_epi8(1 << (2 * pair)), _mm256_set1_epi8((1u8 << (2 * pair + 1)) as i8));
+        let q: [*const u8; T] = std::array::from_fn(|t| y[t].qs.as_ptr().add(64 * pair));
+        let lines = p.add(qs_at + 64 * 8 * pair);
+        // As many lines at a time in 16 bits as fit (see the module's note).
+        let run_lines = if FIVE { 4 } else { 8 };
+        for run in 0..8 / run_lines {
+            let mut lo = [_mm256_setzero_si256(); T];
+            let mut hi = [_mm256_setzero_si256(); T];
+            for c in (run_lines * run..run_lines * (run + 1)).step_by(4) {
+                for c in c..c + 4 {
+                    q4k_line::<T, FIVE, HALF>(p, lines.add(64 * c), c, &q, bit_lo, bit_hi, &mut lo, &mut hi);
+                }
+            }
+            for t in 0..T {
+                let s = _mm256_add_epi32(_mm256_madd_epi16(lo[t], sc_even), _mm256_madd_epi16(hi[t], sc_odd));
+                sum_sc[t] = _mm256_add_epi32(sum_sc[t], s);
+            }
+        }
+    }
+    let d = half_f16(p, HALF);
+    let dmin = half_f16(p.add(32), HALF);
+    // Mins of sub-blocks (2k, 2k + 1) as 16-bit halves of each lane, k = 0..3.
+    let mins = [
+        _mm256_shuffle_epi8(mn_lo, table(&BYTE_PAIR_OF_LANE[0])),
+        _mm256_shuffle_epi8(mn_lo, table(&BYTE_PAIR_OF_LANE[1])),
+        _mm256_shuffle_epi8(mn_hi, table(&BYTE_PAIR_OF_LANE[0])),
+        _mm256_shuffle_epi8(mn_hi, table(&BYTE_PAIR_OF_LANE[1])),
+    ];
+    for t in 0..T {
+        let pairs = bsum_pair_words(y[t]);
+        let mut sum_m = _mm256_setzero_si256();
+        for k in 0..4 {
+            sum_m = _mm256_add_epi32(sum_m, _mm256_madd_epi16(mins[k], pairs[k]));
+        }
+        // The twin: ys · (d · sum_sc) − ys · dmin · sum_m, then added to the total.
+        let ys = _mm256_set1_ps(y[t].scale());
+        let a = _mm256_mul_ps(ys, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sum_sc[t])));
+        let m = _mm256_mul_ps(_mm256_mul_ps(ys, dmin), _mm256_cvtepi32_ps(sum_m));
+        total[t] = _mm256_add_ps(total[t], _mm256_sub_ps(a, m));
+    }
+}
+
+/// [`bsum_pairs`] of `y` as four vectors, word `k` in every lane of the `k`th: the sums of
+/// pairs of `bsums` by `madd`, packed to 16 bits (each at most 32 · 128 in magnitude, so the
+/// saturating pack keeps it), all in registers; the scalar `bsum_pairs` and its broadcasts
+/// were some fifty instructions per activation row and half block.
+#[inline(always)]
+unsafe fn bsum_pair_words(y: &BlockQ8K) -> [__m256i; 4] {
+    let sums = _mm256_madd_epi16(_mm256_loadu_si256(y.bsums.as_ptr().cast()), _mm256_set1_epi16(1));
+    let packed = _mm_packs_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256::<1>(sums));
+    let both = _mm256_broadcastsi128_si256(packed);
+    [
+        _mm256_shuffle_epi32::<0x00>(both),
+        _mm256_shuffle_epi32::<0x55>(both),
+        _mm256_shuffle_epi32::<0xAA>(both),
+        _mm256_shuffle_epi32::<0xFF>(both),
+    ]
+}
+
+/// Line `c` of a sub-block pair (at `line`, in the group block at `p`) against the activation
+/// quants `q` (the pair's 64 of each row) into the rows' 16-bit sums `lo` and `hi`. A function,
+/// not a closure: closures do not inherit the kernel's target features, so their intrinsics
+/// were calls.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn q4k_line<const T: usize, const FIVE: bool, const HALF: usize>(
+    p: *const u8,
+    line: *const u8,
+    c: usize,
+    q: &[*const u8; T],
+    bit_lo: __m256i,
+    bit_hi: __m256i,
+    lo: &mut [__m256i; T],
+    hi: &mut [__m256i; T],
+) {
+    let low4 = _mm256_set1_epi8(0x0F);
+    if HALF == 0 {
+        prefetch_line(line);
+    }
+    let raw = half_line(line, HALF);
+    let mut ql = _mm256_and_si256(raw, low4);
+    let mut qh = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low4);
+    if FIVE {
+        let bits = half_line(p.add(Q5K_QH + 64 * c), HALF);
+        ql = add_fifth_bit(ql, bits, bit_lo);
+        qh = add_fifth_bit(qh, bits, bit_hi);
+    }
+    for t in 0..T {
+        lo[t] = add_products(lo[t], ql, word(q[t].add(4 * c)));
+        hi[t] = add_products(hi[t], qh, word(q[t].add(32 + 4 * c)));
     }
 }
 
