@@ -102,9 +102,9 @@ unsafe fn q4k<const T: usize, const FIVE: bool>(packed: &[u8], nb: usize, acts: 
 /// One half (eight rows) of a Q4_K (`FIVE`: Q5_K) group block at `p` against the `T`
 /// activation blocks `y`, added to `total`. The first half prefetches the group's stream
 /// (the second reads the same lines from L1). `HALF` is a constant and each sub-block
-/// pair's lines are written out four at a time, so that the line loop has no branches and
-/// keeps the activation rows' pointers in registers: as a loop over a run-time half, the
-/// kernel ran at half the rate of its unrolled line loop.
+/// pair's lines go in runs of four (a loop the compiler unrolls), so that the line loop has
+/// no branches and keeps the activation rows' pointers in registers: compiled as a loop over
+/// a run-time half, the kernel ran at half the rate of its line loop written out by hand.
 #[inline(always)]
 unsafe fn q4k_half<const T: usize, const FIVE: bool, const HALF: usize>(p: *const u8, y: &[&BlockQ8K; T], total: &mut [__m256; T]) {
     let qs_at = if FIVE { Q5K_QS } else { Q4K_QS };
@@ -135,8 +135,8 @@ unsafe fn q4k_half<const T: usize, const FIVE: bool, const HALF: usize>(p: *cons
         for run in 0..8 / run_lines {
             let mut lo = [_mm256_setzero_si256(); T];
             let mut hi = [_mm256_setzero_si256(); T];
-            for c in (run_lines * run..run_lines * (run + 1)).step_by(4) {
-                for c in c..c + 4 {
+            for first in (run_lines * run..run_lines * (run + 1)).step_by(4) {
+                for c in first..first + 4 {
                     q4k_line::<T, FIVE, HALF>(p, lines.add(64 * c), c, &q, bit_lo, bit_hi, &mut lo, &mut hi);
                 }
             }
