@@ -169,7 +169,7 @@ unsafe fn q4k_half<const T: usize, const FIVE: bool, const HALF: usize>(p: *cons
     }
 }
 
-/// [`bsum_pairs`] of `y` as four vectors, word `k` in every lane of the `k`th: the sums of
+/// [`super::lanes::bsum_pairs`] of `y` as four vectors, word `k` in every lane of the `k`th: the sums of
 /// pairs of `bsums` by `madd`, packed to 16 bits (each at most 32 · 128 in magnitude, so the
 /// saturating pack keeps it), all in registers; the scalar `bsum_pairs` and its broadcasts
 /// were some fifty instructions per activation row and half block.
