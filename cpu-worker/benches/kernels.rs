@@ -170,6 +170,28 @@ fn attention(shape: AttnBench, dtype: KvDtype, batch: usize, context: usize, rng
     bytes as f64 / t.as_secs_f64() / 1e9
 }
 
+/// G multiply-adds/s of one layer's causal attention of `n_tok` prompt tokens after `pos0`
+/// cached positions (f16 K/V, the dispatched kernels), the best of 3 runs.
+fn prompt_attention(shape: AttnBench, pos0: usize, n_tok: usize, rng: &mut rand::rngs::StdRng) -> f64 {
+    use duet_kernels::attention::{AttnShape, KvHead, KvRows};
+    let AttnBench { n_head, n_kv_head, head_dim } = shape;
+    let (n_head, n_kv, hd) = (n_head as usize, n_kv_head as usize, head_dim as usize);
+    let n_ctx = pos0 + n_tok;
+    let rows: Vec<(Vec<f16>, Vec<f16>)> = (0..n_kv)
+        .map(|_| {
+            let mut row = || (0..n_ctx * hd).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0))).collect::<Vec<f16>>();
+            (row(), row())
+        })
+        .collect();
+    let kv: Vec<KvHead<'_>> = rows.iter().map(|(k, v)| KvHead { k: KvRows::F16(k), v: KvRows::F16(v) }).collect();
+    let attn = AttnShape { n_head, n_kv_head: n_kv, head_dim: hd, softcap: None };
+    let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    let mut out = vec![0f32; q.len()];
+    let t = best(3, || duet_kernels::causal::causal_attention(&q, &kv, attn, pos0, &mut out));
+    let positions: usize = (0..n_tok).map(|t| pos0 + t + 1).sum();
+    (2 * positions * n_head * hd) as f64 / t.as_secs_f64() / 1e9
+}
+
 /// GB/s of weights streamed by one matrix-vector product with `cols` columns and as many
 /// rows as make `mib` MiB (256: well past the last-level cache; 8: held in L3, the kernel's
 /// compute ceiling, which must stay well above the DRAM's read bandwidth).
@@ -481,6 +503,14 @@ fn main() {
                     ));
                 }
             }
+        }
+    }
+    // A prompt chunk's attention over its cached prefix (prefill at depth), per KV head each
+    // query group over every token's causal prefix: multiply-adds of Q·K and of V·weights.
+    for (shape, model) in [(ATTENTION_SHAPES[0], "SmolLM2"), (AttnBench { n_head: 32, n_kv_head: 8, head_dim: 64 }, "Llama-3.2-1B"), (ATTENTION_SHAPES[1], "Llama-3.1-8B")] {
+        let what = format!("prompt attention, f16 KV, {}/{} heads of {} ({model})", shape.n_head, shape.n_kv_head, shape.head_dim);
+        if wanted(&what) {
+            macs.push((what, "512 tokens after 1536 cached".into(), prompt_attention(shape, 1536, 512, &mut rng)));
         }
     }
     // Merging a split decode step's partial attention results (the gpu-worker's share and a

@@ -25,7 +25,8 @@ use std::arch::x86_64::*;
 pub use super::attention_rows::{supports_head_dim, MAX_GROUP};
 use super::attention::{KvRows, KvRun, Q8_0_BLOCK_BYTES};
 use super::attention_rows::{by_group, checked_group, RowTable};
-use super::ggml_exact::{expf, reduce16};
+use super::ggml_exact::expf;
+use super::simd_x86::reduce16;
 
 mod two_pass;
 pub use two_pass::attend_group;
@@ -174,7 +175,7 @@ unsafe fn kernel<const G: usize, const NV: usize, const Q8: bool>(rows: &RowTabl
                 _mm256_storeu_ps(p[g].as_mut_ptr().add(8 * h), e);
             }
             p[g][len..].fill(0.0);
-            sum[g] += reduce16(&p[g]);
+            sum[g] += reduce16(_mm256_loadu_ps(p[g].as_ptr()), _mm256_loadu_ps(p[g].as_ptr().add(8)));
         }
         // The block's V rows into every head's accumulators, `W` vectors of dimensions at a
         // time (as many as keep the group's accumulators and weights in registers).
@@ -260,8 +261,14 @@ pub(crate) unsafe fn expf8(x: __m256) -> __m256 {
         u,
         _mm256_fmadd_ps(c(0x3f7f_fff6), b, _mm256_set1_ps(1.0)),
     );
-    // j · 2^n in f64 (exact), rounded to f32 once; n is integral and, where used, |n| ≤ 192.
     let ni = _mm256_cvtps_epi32(n);
+    // Where every lane's n is in −125..=127 (a softmax's weights down to e^−86), j · 2^n is
+    // a normal f32: the product with 2^n is exact, as the twin's f64 product rounded once.
+    let in_range = _mm256_and_si256(_mm256_cmpgt_epi32(ni, _mm256_set1_epi32(-126)), _mm256_cmpgt_epi32(_mm256_set1_epi32(128), ni));
+    if _mm256_movemask_ps(_mm256_castsi256_ps(in_range)) == 0xFF {
+        return _mm256_mul_ps(j, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(ni, _mm256_set1_epi32(127)))));
+    }
+    // Else j · 2^n in f64 (exact), rounded to f32 once; n is integral and, where used, |n| ≤ 192.
     let pow2 = |i: __m128i| _mm256_castsi256_pd(_mm256_slli_epi64::<52>(_mm256_add_epi64(_mm256_cvtepi32_epi64(i), _mm256_set1_epi64x(1023))));
     let lo = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(j)), pow2(_mm256_castsi256_si128(ni)));
     let hi = _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(j)), pow2(_mm256_extracti128_si256::<1>(ni)));

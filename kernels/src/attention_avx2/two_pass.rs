@@ -11,7 +11,7 @@
 //!   rest of the tree runs for eight positions at once (`finish8`, the same pairings as the
 //!   twin's).
 //! * The softmax: ggml's `exp` eight lanes at a time, each 16 positions' sum by `reduce16`'s
-//!   tree into an f64 sum, the weights scaled and rounded to f16 eight at a time.
+//!   tree (in registers) into an f64 sum, the weights scaled and rounded to f16 eight at a time.
 //! * V·weights: position `p` into ggml's lane `p % 64` of every dimension, as the twin. Each
 //!   V row is widened once for the group; the lanes live in a buffer (`G × 64 × head_dim`
 //!   floats, in L1/L2), the first 64 positions writing theirs from zero so that the buffer
@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 use super::{finish8, load8, prefetch_row, rounded_q, Avx2Scratch, AHEAD};
 use crate::attention::KvRun;
 use crate::attention_rows::{by_group, checked_group, RowTable};
-use crate::ggml_exact::reduce16;
+use crate::simd_x86::reduce16;
 
 /// The position lanes of the V pass: ggml's 64, or tinyBLAS's 16 when `tiled`.
 const fn lane_count(tiled: bool) -> usize {
@@ -185,7 +185,7 @@ unsafe fn softmax_weights(s: *mut f32, n: usize, max: f32) -> f32 {
         });
         _mm256_storeu_ps(s.add(c), e[0]);
         _mm256_storeu_ps(s.add(c + 8), e[1]);
-        sum += reduce16(&*s.add(c).cast::<[f32; 16]>()) as f64;
+        sum += reduce16(e[0], e[1]) as f64;
     }
     let inv = _mm256_set1_ps((1.0 / sum) as f32);
     for c in (0..n).step_by(8) {
