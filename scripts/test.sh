@@ -60,9 +60,9 @@ python3 scripts/check_module_cycles.py
 cargo build --workspace --locked --bins
 cargo test --workspace --locked "$@"
 echo "== the kernel twins again without VNNI (the maddubs + madd kernels of CPUs that lack it)"
-DUET_NO_VNNI=1 cargo test --locked -p duet-kernels --test kernel_twins "$@"
+DUET_NO_VNNI=1 cargo test --locked -p duet-kernels --test kernel_twins --test isa_kernel_twins "$@"
 echo "== the kernel and attention twins again as a CPU without AVX-512 runs them (DUET_ISA=avx2: its dispatch, on any machine)"
-DUET_ISA=avx2 cargo test --locked -p duet-kernels --test kernel_twins --test attention_twins "$@"
+DUET_ISA=avx2 cargo test --locked -p duet-kernels --test kernel_twins --test isa_kernel_twins --test attention_twins "$@"
 echo "== Python tests (tests/python)"
 python3 -m pytest -v tests/python
 echo "== deployment (systemd units, install script): tests/deploy.sh"
