@@ -241,6 +241,8 @@ impl KvMirror {
     /// Drops the upload times not taken (a batch nobody took them of).
     pub fn forget_upload_times(&mut self) {
         self.upload_times = Default::default();
+        // Set only around `launch`; a panic there must not leave later uploads in its bucket.
+        self.in_attend = false;
     }
 
     /// Positions the mirror holds, all sequences together.
@@ -341,6 +343,13 @@ impl KvMirror {
     /// Positions `range` (reserved) of `layer` gathered and widened on the host from `kv`'s
     /// runs, uploaded and stored.
     fn upload(&mut self, kern: &Launcher, layer: usize, key: u64, seq: usize, range: Range<usize>, kv: &dyn KvSource) -> Result<()> {
+        // Outside an attention call (a whole layer on the GPU filling a prefix) the stream may
+        // still run the step's queued layers, and the pageable copies below wait for them
+        // first: drained before the clock starts, so that the wait is not timed as the upload
+        // (whose time comes out of the step's linear layers).
+        if !self.in_attend {
+            kern.stream.synchronize().map_err(CudaError::from)?;
+        }
         let t = Instant::now();
         let (from, end) = (range.start, range.end);
         let AttnShape { n_kv_head, head_dim, .. } = self.shape;
