@@ -1,6 +1,6 @@
-//! Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 weights repacked at load into groups of sixteen
-//! interleaved rows, and the products of such a matrix with one to four Q8_K (Q8_0 for Q4_0
-//! and Q5_0, Q8_1 for Q5_1) activation rows at a time (`avx512`; `avx2`, eight rows a
+//! Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 (and with AVX2, Q4_1) weights repacked at load into
+//! groups of sixteen interleaved rows, and the products of such a matrix with one to four Q8_K
+//! (Q8_0 for Q4_0 and Q5_0, Q8_1 for Q4_1 and Q5_1) activation rows at a time (`avx512`; `avx2`, eight rows a
 //! register): each of a register's 32-bit lanes is one weight row, so a block's integer sums,
 //! its float epilogue and the sum over blocks all run a register's rows wide with no
 //! horizontal reduction.
@@ -149,6 +149,24 @@ const Q51_FIELDS: [Field; 8] = [
     Field { from: 32, len: 16, size: 4, at: Q51_QS_AT + 4 * 64 },
 ];
 
+/// Q4_1 (20-byte blocks of 32), two ggml blocks per group block (640 bytes): the blocks' `d`,
+/// then their `m` (a line each pair), then each block's 16 bytes of nibbles as 4 lines, as
+/// Q4_0's. Fields count from the start of the row's two consecutive blocks (40 bytes). AVX2
+/// only: AVX-512 multiplies Q4_1 in ggml's layout on its paired tiles (`matmul_avx512`).
+const Q41_FIELDS: [Field; 6] = [
+    Field { from: 0, len: 2, size: 2, at: 0 },
+    Field { from: 20, len: 2, size: 2, at: 32 },
+    Field { from: 2, len: 2, size: 2, at: Q41_M_AT },
+    Field { from: 22, len: 2, size: 2, at: Q41_M_AT + 32 },
+    Field { from: 4, len: 16, size: 4, at: Q41_QS_AT },
+    Field { from: 24, len: 16, size: 4, at: Q41_QS_AT + 4 * 64 },
+];
+
+/// Where a Q4_1 group block's `m` and nibbles start (see [`Q41_FIELDS`]), and its bytes.
+const Q41_M_AT: usize = 64;
+const Q41_QS_AT: usize = Q41_M_AT + 64;
+const Q41_GROUP_BLOCK: usize = Q41_QS_AT + 2 * 4 * 64;
+
 /// Where a Q5_1 group block's `m`, fifth bits and nibbles start (see [`Q51_FIELDS`]), and its
 /// bytes.
 const Q51_M_AT: usize = 64;
@@ -158,7 +176,7 @@ const Q51_GROUP_BLOCK: usize = Q51_QS_AT + 2 * 4 * 64;
 
 // Every group block is its sixteen rows' units, nothing more (Q6_K's 32 bytes of padding aside).
 const _: () = assert!(Q4K_GROUP_BLOCK == 16 * 144 && Q5K_GROUP_BLOCK == 16 * 176 && Q6K_GROUP_BLOCK == 16 * 210 + 32);
-const _: () = assert!(Q40_GROUP_BLOCK == 16 * 36 && Q50_GROUP_BLOCK == 16 * 44 && Q51_GROUP_BLOCK == 16 * 48);
+const _: () = assert!(Q40_GROUP_BLOCK == 16 * 36 && Q41_GROUP_BLOCK == 16 * 40 && Q50_GROUP_BLOCK == 16 * 44 && Q51_GROUP_BLOCK == 16 * 48);
 
 /// The layout of a type: how a row's unit (a run of whole ggml blocks) lies in a group's
 /// block — its fields, the bytes of the group's block, and the unit's columns and bytes.
@@ -175,6 +193,7 @@ fn layout(ty: GgmlType) -> Option<Layout> {
         GgmlType::Q5K => (&Q5K_FIELDS, Q5K_GROUP_BLOCK, QK_K),
         GgmlType::Q6K => (&Q6K_FIELDS, Q6K_GROUP_BLOCK, QK_K),
         GgmlType::Q4_0 => (&Q40_FIELDS, Q40_GROUP_BLOCK, 64),
+        GgmlType::Q4_1 => (&Q41_FIELDS, Q41_GROUP_BLOCK, 64),
         GgmlType::Q5_0 => (&Q50_FIELDS, Q50_GROUP_BLOCK, 64),
         GgmlType::Q5_1 => (&Q51_FIELDS, Q51_GROUP_BLOCK, 64),
         _ => return None,
@@ -182,12 +201,13 @@ fn layout(ty: GgmlType) -> Option<Layout> {
     Some(Layout { fields, group_block, unit_cols, unit_bytes: ty.row_bytes(unit_cols) })
 }
 
-/// Whether matrices of type `ty` are repacked (the types with interleaved kernels).
+/// Whether matrices of type `ty` are repacked on this machine (the types its interleaved
+/// kernels take; where it has none, [`available`] says so).
 pub fn packs(ty: GgmlType) -> bool {
-    layout(ty).is_some()
+    layout(ty).is_some() && !(ty == GgmlType::Q4_1 && super::isa() == super::Isa::Avx512)
 }
 
-/// A Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 or Q5_1 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
+/// A Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 or Q5_1 matrix repacked into groups of [`GROUP_ROWS`] interleaved rows.
 pub struct Interleaved {
     ty: GgmlType,
     rows: usize,
@@ -256,7 +276,7 @@ impl Interleaved {
     }
 
     /// Row `r`'s unit `b` as ggml lays it out (the inverse of the packing; for tests): a
-    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0, Q5_0 or Q5_1 ([`Self::unit_cols`] columns).
+    /// block of Q4_K, Q5_K or Q6_K, two blocks of Q4_0, Q4_1, Q5_0 or Q5_1 ([`Self::unit_cols`] columns).
     pub fn block(&self, r: usize, b: usize) -> Vec<u8> {
         let Layout { fields, group_block, unit_bytes, .. } = layout(self.ty).expect("a packed type");
         let p = &self.group(r / GROUP_ROWS)[b * group_block..(b + 1) * group_block];
@@ -286,7 +306,7 @@ pub fn available() -> bool {
 }
 
 /// A kernel for one group against 1–4 activation rows (with their blocks' `ActBlock`s for
-/// Q4_0, Q5_0 and Q5_1).
+/// Q4_0, Q4_1, Q5_0 and Q5_1).
 type GroupKernel = unsafe fn(&[u8], usize, &[&[u8]], &[&[ActBlock]], *mut f32, usize);
 
 /// A product's activation rows as the interleaved kernels take them, made once per product
@@ -335,7 +355,7 @@ impl<'a> GroupActs<'a> {
 }
 
 /// `out[t * out_stride + r] = row r · acts[t]` for the rows of groups `groups` of `w` and
-/// every activation row (Q8_K, or Q8_0 for Q4_0 and Q5_0, Q8_1 for Q5_1; `w.cols()` columns), four activation rows at
+/// every activation row (Q8_K, or Q8_0 for Q4_0 and Q5_0, Q8_1 for Q4_1 and Q5_1; `w.cols()` columns), four activation rows at
 /// a time, with the kernels of this machine's [`super::isa`]. Panics if the kernels are not
 /// [`available`] or the sizes disagree (caller bugs).
 ///
@@ -369,7 +389,7 @@ pub unsafe fn matmul_groups_with(isa: super::Isa, w: &Interleaved, groups: std::
             let chunk_act_blocks = act_blocks.get(4 * c..4 * c + chunk.len()).unwrap_or(&[]);
             // SAFETY: the kernel's CPU features were detected; `packed` is `nb` group blocks
             // of `w.ty`, every activation row `nb` units of its type (asserted), with its
-            // blocks' `ActBlock`s for Q4_0, Q5_0 and Q5_1; the caller's `out` holds a row of `out_stride` floats per
+            // blocks' `ActBlock`s for Q4_0, Q4_1, Q5_0 and Q5_1; the caller's `out` holds a row of `out_stride` floats per
             // activation row, of which this writes group `g`'s.
             unsafe { kernel[chunk.len() - 1](packed, nb, chunk, chunk_act_blocks, out.add(4 * c * out_stride + g * GROUP_ROWS), out_stride) }
         }

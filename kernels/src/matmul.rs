@@ -117,7 +117,7 @@ pub fn matmul_many(ws: &[QMatrix<'_>], x: &QuantizedActs, outs: &mut [&mut [f32]
     // others' path is chosen by their types.
     let packed: Vec<Option<&Interleaved>> = ws
         .iter()
-        .map(|w| w.interleaved.filter(|_| super::interleaved::available()))
+        .map(|w| w.interleaved.filter(|p| super::interleaved::available() && super::interleaved::packs(p.ty())))
         .collect();
     let rows_layout = || {
         ws.iter()

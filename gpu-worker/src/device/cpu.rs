@@ -1,7 +1,7 @@
 //! The CPU device: a Llama-shaped forward pass (Qwen 2's biases, Qwen 3's Q/K norms, NeoX
 //! RoPE, Gemma 3's embedding scale, GeGLU, post norms and sliding-window layers) over weights
 //! memory-mapped from a GGUF file
-//! (Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 matrices repacked at load into interleaved rows where the CPU has the kernels for
+//! (Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 matrices, and with AVX2 Q4_1, repacked at load into interleaved rows where the CPU has the kernels for
 //! them), with ggml's numerics (8-bit quantised activations, f16 KV cache), threads from
 //! rayon; attention on the host kernels (`host_attention`).
 
@@ -321,7 +321,7 @@ impl Device for CpuDevice {
     }
 }
 
-/// Repacks every Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 matrix the products of `layers` read (those layers', and
+/// Repacks every Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 (with AVX2, Q4_1) matrix the products of `layers` read (those layers', and
 /// the LM head where they end at the last; not an untied embedding, whose rows are only
 /// looked up) whose rows fill whole groups into interleaved rows (llama.cpp's CPU "repack"
 /// buffers do the same), when this CPU has the kernels; the file's pages of a repacked matrix
@@ -356,7 +356,7 @@ fn repack_matrices(file: &GgufFile, m: &ModelTensors, layers: &Range<usize>) -> 
             matrices = out.len(),
             mib = bytes >> 20,
             secs = started.elapsed().as_secs_f32(),
-            "Q4_K, Q5_K, Q6_K, Q4_0, Q5_0 and Q5_1 weights repacked into interleaved rows"
+            "weights repacked into interleaved rows"
         );
     }
     out

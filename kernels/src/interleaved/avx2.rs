@@ -311,6 +311,7 @@ unsafe fn q6k<const T: usize>(packed: &[u8], nb: usize, acts: &[&[u8]], _act_blo
 /// rows) start, and their bytes.
 use super::{Q40_GROUP_BLOCK as Q40_BLOCK, Q40_QS_AT as Q40_QS};
 use super::{Q50_GROUP_BLOCK as Q50_BLOCK, Q50_QH_AT as Q50_QH, Q50_QS_AT as Q50_QS};
+use super::{Q41_GROUP_BLOCK as Q41_BLOCK, Q41_M_AT as Q41_M, Q41_QS_AT as Q41_QS};
 use super::{Q51_GROUP_BLOCK as Q51_BLOCK, Q51_M_AT as Q51_M, Q51_QH_AT as Q51_QH, Q51_QS_AT as Q51_QS};
 
 /// Sixteen Q4_0 rows · `T` Q8_0 activation rows (`act_blocks`: each activation block's sum and
@@ -405,6 +406,65 @@ unsafe fn q40<const T: usize, const FIVE: bool, const MIN: bool>(
     }
 }
 
+/// Sixteen Q4_1 rows · `T` Q8_1 activation rows with the arithmetic of the ggml-order AVX2 row
+/// kernel (`simd_x86::dot_q4_1_q8_1`, which gives llama.cpp's results), not the scalar twin's:
+/// per row eight f32 lanes, lane `j` the fused multiply-add over blocks of `dx · dy` and the
+/// block's integer sum over quants `4j..4j + 4` (`j` < 4: low nibbles of bytes `4j..`; else high
+/// nibbles of bytes `4(j − 4)..`), the `mx · sy` of the blocks summed apart, then the lanes
+/// added as `hsum_ps` adds them and the sum of mins after. A line of the layout is one lane's
+/// word in its low nibbles and lane `4 + i`'s in its high ones, so each row's lane is a
+/// register of eight rows.
+#[inline(always)]
+unsafe fn q41<const T: usize>(packed: &[u8], nb: usize, acts: &[&[u8]], _act_blocks: &[&[ActBlock]], out: *mut f32, stride: usize) {
+    debug_assert!(packed.len() == nb * Q41_BLOCK && acts.len() == T);
+    debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * BlockQ8_1::BYTES));
+    let ys: [*const u8; T] = std::array::from_fn(|t| acts[t].as_ptr());
+    let low4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    for half in 0..2 {
+        let mut acc = [[_mm256_setzero_ps(); 8]; T];
+        let mut summs = [_mm256_setzero_ps(); T];
+        for u in 0..nb {
+            let p = packed.as_ptr().add(u * Q41_BLOCK);
+            if half == 0 {
+                prefetch_lines(p, Q41_QS);
+            }
+            for k in 0..2 {
+                let blk = 2 * u + k;
+                let (dx, mx) = (half_f16(p.add(32 * k), half), half_f16(p.add(Q41_M + 32 * k), half));
+                // Activation block `blk`: its f16 `d` and `s`, then its 32 quants.
+                let y: [*const u8; T] = std::array::from_fn(|t| ys[t].add(BlockQ8_1::BYTES * blk));
+                for t in 0..T {
+                    let dy = super::super::simd_x86::f16c_to_f32([*y[t], *y[t].add(1)]);
+                    let sy = super::super::simd_x86::f16c_to_f32([*y[t].add(2), *y[t].add(3)]);
+                    summs[t] = _mm256_add_ps(summs[t], _mm256_mul_ps(mx, _mm256_set1_ps(sy)));
+                    let d = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
+                    for i in 0..4 {
+                        let line = p.add(Q41_QS + 256 * k + 64 * i);
+                        if half == 0 && t == 0 {
+                            prefetch_line(line);
+                        }
+                        let raw = half_line(line, half);
+                        let ql = _mm256_and_si256(raw, low4);
+                        let qh = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), low4);
+                        let lo = _mm256_madd_epi16(_mm256_maddubs_epi16(ql, word(y[t].add(4 + 4 * i))), ones);
+                        let hi = _mm256_madd_epi16(_mm256_maddubs_epi16(qh, word(y[t].add(4 + 16 + 4 * i))), ones);
+                        acc[t][i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), acc[t][i]);
+                        acc[t][4 + i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), acc[t][4 + i]);
+                    }
+                }
+            }
+        }
+        for t in 0..T {
+            let a = &acc[t];
+            // `hsum_ps`: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)).
+            let even = _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6]));
+            let odd = _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]));
+            _mm256_storeu_ps(out.add(t * stride + 8 * half), _mm256_add_ps(_mm256_add_ps(even, odd), summs[t]));
+        }
+    }
+}
+
 macro_rules! kernels {
     ($($name:ident: $body:ident::<$($param:literal),*>;)*) => {$(
         /// # Safety
@@ -435,6 +495,10 @@ kernels! {
     q40_2: q40::<2, false, false>;
     q40_3: q40::<3, false, false>;
     q40_4: q40::<4, false, false>;
+    q41_1: q41::<1>;
+    q41_2: q41::<2>;
+    q41_3: q41::<3>;
+    q41_4: q41::<4>;
     q50_1: q40::<1, true, false>;
     q50_2: q40::<2, true, false>;
     q50_3: q40::<3, true, false>;
@@ -452,6 +516,7 @@ pub fn kernel(ty: GgmlType) -> [GroupKernel; 4] {
         GgmlType::Q5K => [q5k_1, q5k_2, q5k_3, q5k_4],
         GgmlType::Q6K => [q6k_1, q6k_2, q6k_3, q6k_4],
         GgmlType::Q4_0 => [q40_1, q40_2, q40_3, q40_4],
+        GgmlType::Q4_1 => [q41_1, q41_2, q41_3, q41_4],
         GgmlType::Q5_0 => [q50_1, q50_2, q50_3, q50_4],
         GgmlType::Q5_1 => [q51_1, q51_2, q51_3, q51_4],
         other => panic!("{other} is never interleaved"),
