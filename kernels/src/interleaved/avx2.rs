@@ -415,10 +415,11 @@ unsafe fn q40<const T: usize, const FIVE: bool, const MIN: bool>(
 /// word in its low nibbles and lane `4 + i`'s in its high ones, so each row's lane is a
 /// register of eight rows.
 #[inline(always)]
-unsafe fn q41<const T: usize>(packed: &[u8], nb: usize, acts: &[&[u8]], _act_blocks: &[&[ActBlock]], out: *mut f32, stride: usize) {
-    debug_assert!(packed.len() == nb * Q41_BLOCK && acts.len() == T);
-    debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * BlockQ8_1::BYTES));
+unsafe fn q41<const T: usize>(packed: &[u8], nb: usize, acts: &[&[u8]], act_blocks: &[&[ActBlock]], out: *mut f32, stride: usize) {
+    debug_assert!(packed.len() == nb * Q41_BLOCK && acts.len() == T && act_blocks.len() == T);
+    debug_assert!((0..T).all(|t| acts[t].len() == 2 * nb * BlockQ8_1::BYTES && act_blocks[t].len() == 2 * nb));
     let ys: [*const u8; T] = std::array::from_fn(|t| acts[t].as_ptr());
+    let ex: [*const ActBlock; T] = std::array::from_fn(|t| act_blocks[t].as_ptr());
     let low4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     for half in 0..2 {
@@ -432,13 +433,13 @@ unsafe fn q41<const T: usize>(packed: &[u8], nb: usize, acts: &[&[u8]], _act_blo
             for k in 0..2 {
                 let blk = 2 * u + k;
                 let (dx, mx) = (half_f16(p.add(32 * k), half), half_f16(p.add(Q41_M + 32 * k), half));
-                // Activation block `blk`: its f16 `d` and `s`, then its 32 quants.
+                // Activation block `blk`: its quants (after its f16 `d` and `s`, which its
+                // `ActBlock` holds as f32).
                 let y: [*const u8; T] = std::array::from_fn(|t| ys[t].add(BlockQ8_1::BYTES * blk));
                 for t in 0..T {
-                    let dy = super::super::simd_x86::f16c_to_f32([*y[t], *y[t].add(1)]);
-                    let sy = super::super::simd_x86::f16c_to_f32([*y[t].add(2), *y[t].add(3)]);
-                    summs[t] = _mm256_add_ps(summs[t], _mm256_mul_ps(mx, _mm256_set1_ps(sy)));
-                    let d = _mm256_mul_ps(dx, _mm256_set1_ps(dy));
+                    let e = *ex[t].add(blk);
+                    summs[t] = _mm256_add_ps(summs[t], _mm256_mul_ps(mx, _mm256_set1_ps(e.s)));
+                    let d = _mm256_mul_ps(dx, _mm256_set1_ps(e.d));
                     for i in 0..4 {
                         let line = p.add(Q41_QS + 256 * k + 64 * i);
                         if half == 0 && t == 0 {
