@@ -283,11 +283,12 @@ def model_context():
 
 def bytes_per_token():
     """Weight bytes one batch-1 decode token reads: the file's tensors but an untied token
-    embedding (one row is read), of a mixture's routed experts only the share one token uses
-    (the file size without gguf-py)."""
+    embedding (one row is read), of a mixture's routed experts only the share one token uses;
+    None without gguf-py (the file's size would overstate an untied or a mixture's bytes)."""
     reader = gguf_reader()
     if reader is None:
-        return os.path.getsize(MODEL)
+        log("gguf-py is not installed: no share of the read bandwidth (python3 -m pip install gguf)")
+        return None
     used, count = metadata(reader, ".expert_used_count"), metadata(reader, ".expert_count")
     untied = any(t.name == "output.weight" for t in reader.tensors)
     total = 0.0
@@ -383,7 +384,7 @@ def main():
         unit = "G mul-add/s" if "multiply-adds" in what else "GB/s"
         print(f"| {what} | {shape} | {gbs} | {unit} | | | {frac} |")
     bw, bw_median = read_bandwidth(krows), read_bandwidth(krows, "median pass")
-    weights = bytes_per_token() / 1e9
+    weights = bytes_per_token()
     for row, what, shape in SYSTEM_ROWS:
         if row not in duet:
             continue
@@ -394,12 +395,12 @@ def main():
         frac = ""
         if row in CONSTRAINED_OF and CONSTRAINED_OF[row] in duet:
             frac = f"{100 * d / duet[CONSTRAINED_OF[row]]:.0f}% of unconstrained"
-        if row == "decode-depth-0" and bw:
+        if row == "decode-depth-0" and bw and weights:
             # Of the best pass, and of the median one: a mean over seconds meets both.
-            share = lambda tok_s: f"{100 * tok_s * weights / bw:.0f}%" + (f" / {100 * tok_s * weights / bw_median:.0f}%" if bw_median else "")
+            share = lambda tok_s: f"{100 * tok_s * weights / 1e9 / bw:.0f}%" + (f" / {100 * tok_s * weights / 1e9 / bw_median:.0f}%" if bw_median else "")
             frac = share(d) + (f" (llama.cpp {share(l)})" if l else "")
         print(f"| {what} | {shape} | {d:.1f} | tok/s | {f'{l:.1f}' if l else ''} | {ratio} | {frac} |")
-    if "decode-depth-0" in duet and bw and bw_median:
+    if "decode-depth-0" in duet and bw and bw_median and weights:
         print()
         print("Batch-1 decode's share: its weight bytes × tok/s, of the read bandwidth's best pass / of its median pass.")
 

@@ -6,5 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/fetch-model.sh >/dev/null
+# gguf-py reads the model's tensor table: the bytes a token reads, the KV cache's size.
+python3 -c 'import gguf' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore gguf
 cargo build --release -q --workspace --bins
 exec python3 scripts/bench.py "$@"
