@@ -18,6 +18,7 @@ use crate::request::{Event, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::planner::{Plan, SeqDemand, Share};
+use crate::balancer::stats::Prediction;
 use crate::sequence::{attention_demand, share_gpu_kv, shares_to_proto, Seq};
 
 /// A step sent to the gpu-worker whose results are not applied yet.
@@ -25,7 +26,7 @@ pub(super) struct InFlight {
     step: u64,
     entries: Vec<Entry>,
     /// The planner's prediction.
-    predicted_s: f64,
+    predicted: Prediction,
     /// Whether the step has decode tokens (whose timings refine the cost fits).
     decodes: bool,
     call: tokio::task::JoinHandle<Result<pb::StepResponse, tonic::Status>>,
@@ -172,7 +173,8 @@ impl Scheduler {
             after_step: self.in_flight.back().map_or(0, |f| f.step),
         };
         let call = tokio::spawn(self.gpu.step(req));
-        Some(InFlight { step: self.step, entries, predicted_s: plan.predicted_s, decodes: !decoding.is_empty(), call })
+        let predicted = Prediction { seconds: plan.predicted_s, warm: self.stats.warm_for(tokens, plan.overlap, plan.gpu_positions, &plan.cpu_positions) };
+        Some(InFlight { step: self.step, entries, predicted, decodes: !decoding.is_empty(), call })
     }
 
     /// The index in `running` of the sequence with this serial, if it still runs.
@@ -198,9 +200,9 @@ impl Scheduler {
             }
             Ok(resp) => {
                 if let Some(t) = &resp.timings {
-                    self.stats.observe(t, f.decodes.then_some(f.predicted_s));
-                    metrics::step(t, f.predicted_s, self.stats.prediction_error());
-                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted_s * 1e6) as u64, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, kv_upload_us = t.gpu_kv_upload_ns / 1000, wait_us = t.attention_wait_ns / 1000, kv_write_us = t.kv_write_ns / 1000, merge_us = t.merge_ns / 1000, sample_us = t.sample_ns / 1000, experts_wait_us = t.experts_wait_ns / 1000, experts_busy_us = t.cpu_workers.iter().map(|w| w.experts_busy_ns).sum::<u64>() / 1000, "step");
+                    self.stats.observe(t, f.decodes.then_some(f.predicted));
+                    metrics::step(t, f.predicted.seconds, self.stats.prediction_error());
+                    tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted.seconds * 1e6) as u64, warm = f.predicted.warm, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, kv_upload_us = t.gpu_kv_upload_ns / 1000, wait_us = t.attention_wait_ns / 1000, kv_write_us = t.kv_write_ns / 1000, merge_us = t.merge_ns / 1000, sample_us = t.sample_ns / 1000, experts_wait_us = t.experts_wait_ns / 1000, experts_busy_us = t.cpu_workers.iter().map(|w| w.experts_busy_ns).sum::<u64>() / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
                 for (i, e) in found {
