@@ -102,9 +102,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             None => None,
         };
         for policy in &policies {
-            if let Some(p) = policy {
-                client.set_policy(pb::SetPolicyRequest { policy: p.clone() }).await.map_err(|e| anyhow::anyhow!("SetPolicy {p}: {}", e.message()))?;
-            }
+            // Setting a policy (the server's own where none is asked for) restarts its
+            // step-time prediction errors: each level reports its own steps' errors.
+            let p = match policy {
+                Some(p) => p.clone(),
+                None => client.info(pb::InfoRequest {}).await.map_err(|e| anyhow::anyhow!("Info: {}", e.message()))?.into_inner().policy,
+            };
+            client.set_policy(pb::SetPolicyRequest { policy: p.clone() }).await.map_err(|e| anyhow::anyhow!("SetPolicy {p}: {}", e.message()))?;
             let requests: Vec<pb::GenerateRequest> = (0..c)
                 .map(|i| match &sessions {
                     Some(ids) => stream_request(vec![rng.random_range(PROMPT_IDS)], &args, Some(ids[i].clone())),
