@@ -128,7 +128,6 @@ impl LinearFit {
         if !(x.is_finite() && y.is_finite()) {
             return;
         }
-        let raw = y;
         let mut y = y;
         if self.n >= WARM {
             let p = self.predict(x);
@@ -155,7 +154,7 @@ impl LinearFit {
             // An unclipped miss still moves the residual scale by at most the band.
             self.mad = FORGET * self.mad + (1.0 - FORGET) * (y - p).abs().min(band);
         } else {
-            self.first.push((x, raw));
+            self.first.push((x, y));
         }
         self.push(x, y);
     }
