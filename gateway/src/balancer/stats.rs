@@ -164,10 +164,13 @@ impl LinearFit {
     /// the machine's, only its level moved).
     fn restart_from_shift(&mut self) {
         let run = std::mem::take(&mut self.shift);
+        // All but the last of the run were counted already (clipped).
+        let n = self.n.saturating_add(1);
         (self.sw, self.sx, self.sy, self.sxx, self.sxy) = (0.0, 0.0, 0.0, 0.0, 0.0);
         for (x, y, _) in run {
             self.push(x, y);
         }
+        self.n = n;
     }
 
     /// Folds a sample into the exponentially weighted sums.
