@@ -14,7 +14,7 @@
 #          --synthetic-prefill, so that 64 x 32K opens in seconds): table-1b, table-8b and
 #          table-8b-32k, one call each (a step stops at 540 s);
 #   prefill  the table's prefill column: real prompts of 1K, 8K and 32K, 1, 16 and 64 sessions
-#          (prefill-1b, prefill-8b, prefill-8b-32k; one call each);
+#          (prefill-1b, prefill-1b-32k, prefill-8b, prefill-8b-32k; one call each);
 #   session  what one session's 15 minutes of device time fit (tests, then the 1B and 8B
 #          measurements that matter most): STEP_TIMEOUT=120 LONG_STEP_TIMEOUT=300.
 #
@@ -60,6 +60,20 @@ mkdir -p "$models"
   nproc
 } | tee "$out/machine.txt"
 
+# Whatever a step left running (a server of a step stopped at its time limit: on 2026-11-29 one
+# still held its 66 GiB of arenas when the next step sized its own from what /dev/shm had
+# free) is stopped, SIGKILL after 30 s, and the segments of its instance are removed.
+reap() {
+  local p i
+  for p in duet-gateway duet-cpu-worker duet-gpu-worker; do pkill -TERM -x "$p" 2>/dev/null; done
+  for i in $(seq 60); do
+    pgrep -x 'duet-gateway|duet-cpu-worker|duet-gpu-worker' >/dev/null || break
+    sleep 0.5
+  done
+  for p in duet-gateway duet-cpu-worker duet-gpu-worker; do pkill -KILL -x "$p" 2>/dev/null; done
+  rm -f /dev/shm/duet-gpu*
+}
+
 # step NAME COMMAND...: runs and logs one step, remembering a failure.
 step() {
   local name=$1
@@ -74,6 +88,7 @@ step() {
     tail -30 "$logs/$name.log" | sed 's/^/   | /'
     failed+=("$name")
   fi
+  reap
   # The device tool returns at most 8 files: every log goes back in one archive, made after
   # each step so that a run stopped at its time limit still returns what it did.
   tar -C "$logs" -czf "$out/logs.tar.gz" .
@@ -253,7 +268,7 @@ expand() {
     # The CUDA issue's table: decode at depth (made-up prompts' K/V); one call each.
     table) echo table-1b table-8b table-8b-32k ;;
     # The table's prefill column: real prompts at each depth, the time to open the sessions.
-    prefill) echo prefill-1b prefill-8b prefill-8b-32k ;;
+    prefill) echo prefill-1b prefill-1b-32k prefill-8b prefill-8b-32k ;;
     # What a session lent 15 minutes of device time runs in its first call (~4.5 minutes on an
     # H200): every test, the 1B shape's speed and serving, and 16 x 8K of the 8B shape over
     # the mirror; then `table-1b` in a call of its own.
@@ -298,7 +313,9 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # computed, 1, 16 and 64 sessions of 1K, 8K and 32K (the 8B shape's 32K: 1 and 16, its
     # 64 x 32K exceeding the arena), 4 tokens each under lp only; the bench's "opened N
     # sessions of C tokens in S s" lines are the prefill rates. One call each.
-    prefill-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-1b env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" "$(kv_fit 66)" 1024,8192,32768 1,16,64 ;;
+    prefill-1b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-1b env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" "$(kv_fit 66)" 1024,8192 1,16,64 ;;
+    # 64 x 32K is 2M prompt tokens: ~350 s at 2026-11-29's ~6 000 tok/s (prefill attention).
+    prefill-1b-32k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-1b-32k env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" "$(kv_fit 66)" 32768 1,16,64 ;;
     prefill-8b) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-8b env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 1024,8192 1,16,64 ;;
     prefill-8b-32k) STEP_TIMEOUT=${LONG_STEP_TIMEOUT:-540} step prefill-8b-32k env BENCH_TOKENS=4 POLICIES=lp bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" "$(kv_fit 66)" 32768 1,16 ;;
     # Issue 26 on a GPU: the OLMoE shape under the 16 GB cap, its routed experts on the host

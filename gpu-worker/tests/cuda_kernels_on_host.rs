@@ -142,10 +142,11 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mm
         pages.extend(t.iter().map(|&p| p as i32));
     }
     // Prefill rows in tiles: sequence 2's last 50 rows over their causal prefixes, sequence
-    // 1's last 10 rows within a sliding window of 16 (tiles of up to `per_tile` rows, the
-    // last one short), and a tile of one row.
+    // 1's last 10 rows within a sliding window of 16, sequence 2's rows 200..260 within one of
+    // 40 (a tile's warps then attend different stages of K/V) (tiles of up to `per_tile` rows,
+    // as the kernel takes them, the last one short), and a tile of one row.
     let mut ranges = Vec::new();
-    let per_tile = (32 / group).min(4096 / (group * head_dim));
+    let per_tile = if mma { 64 / group } else { (32 / group).min(4096 / (group * head_dim)) };
     let mut tiles = Vec::new();
     let mut tile_rows = |ranges: &mut Vec<(usize, std::ops::Range<usize>)>, s: usize, rows: Vec<std::ops::Range<usize>>, per: usize| {
         for chunk in rows.chunks(per) {
@@ -155,6 +156,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mm
     };
     tile_rows(&mut ranges, 2, (250..300).map(|p| 0..p + 1).collect(), per_tile);
     tile_rows(&mut ranges, 1, (60..70).map(|p| p + 1 - 16..p + 1).collect(), per_tile);
+    tile_rows(&mut ranges, 2, (200..260).map(|p| p + 1 - 40..p + 1).collect(), per_tile);
     tile_rows(&mut ranges, 0, (2..3).map(|p| 0..p + 1).collect(), 1);
     // Single items after them (so that their merge writes the slots `dest` names, not its
     // own indices): whole contexts, shares of them, one position, none.
@@ -245,12 +247,13 @@ fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
     }
 }
 
-/// The tensor-core prefill kernel (`attn_prefill_mma`, its `mma.sync` emulated with the PTX
-/// ISA's fragment layouts) on the same tiles, for every head it takes (multiples of 16 up to
-/// 128: 32, 64, 80 and 128; whole and partial warps of query vectors, one-row tiles, sliding
-/// windows, a soft cap): within the rounding of its probabilities to f16 (2^-11 of each
-/// weight: outputs within 1e-3) of the exact attention of its f16 queries; the log-sum-exps,
-/// from f32 scores, within 2e-6.
+/// The tensor-core prefill kernels (`attn_prefill_mma64` and `attn_prefill_mma128`, their
+/// `mma.sync` and `ldmatrix` emulated with the PTX ISA's fragment layouts) on tiles of up to
+/// 64 query vectors, for every head they take (multiples of 16 up to 128: 32, 64, 80 and 128;
+/// whole and partial warps of query vectors, warps with none, one-row tiles, 1 to 8 query
+/// heads per KV head, sliding windows whose warps skip different stages, a soft cap): within
+/// the rounding of their probabilities to f16 (2^-11 of each weight: outputs within 1e-3) of
+/// the exact attention of their f16 queries; the log-sum-exps, from f32 scores, within 2e-6.
 #[test]
 fn the_tensor_core_prefill_kernel_gives_the_exact_attention_of_its_f16_queries() {
     let Some(exe) = harness() else { return };
@@ -260,6 +263,8 @@ fn the_tensor_core_prefill_kernel_gives_the_exact_attention_of_its_f16_queries()
         Shape { n_kv_head: 3, group: 1, head_dim: 32 },
         Shape { n_kv_head: 2, group: 2, head_dim: 80 },
         Shape { n_kv_head: 2, group: 4, head_dim: 128 },
+        Shape { n_kv_head: 1, group: 8, head_dim: 64 },
+        Shape { n_kv_head: 1, group: 1, head_dim: 128 },
     ];
     for (i, shape) in shapes.iter().enumerate() {
         for softcap in [0.0, 30.0] {

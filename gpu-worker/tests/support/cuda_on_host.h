@@ -139,6 +139,30 @@ inline float __uint_as_float(unsigned u) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+// common.cuh's ldmatrix_x4_trans (PTX ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16): every
+// lane hands in its row's address (lanes 8i..8i + 7: matrix i's rows 0..7), then each takes
+// elements (2 (lane % 4), lane / 4) and (2 (lane % 4) + 1, lane / 4) of each matrix.
+inline void host_ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* row) {
+    unsigned t = host_cuda::linear_thread(), warp = t / 32, lane = t % 32;
+    if (host_cuda::live[warp].load() != 32) {
+        fprintf(stderr, "ldmatrix with %d live lanes in warp %u\n", host_cuda::live[warp].load(), warp);
+        abort();
+    }
+    if ((uintptr_t)row % 16 != 0) {
+        fprintf(stderr, "ldmatrix: lane %u's row is not 16-byte aligned\n", lane);
+        abort();
+    }
+    auto& ex = host_cuda::exchange[warp];
+    ex[lane] = (uint64_t)(uintptr_t)row;
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    for (int i = 0; i < 4; i++) {
+        const uint16_t* r0 = (const uint16_t*)(uintptr_t)ex[8 * i + 2 * (lane % 4)];
+        const uint16_t* r1 = (const uint16_t*)(uintptr_t)ex[8 * i + 2 * (lane % 4) + 1];
+        r[i] = (uint32_t)r0[lane / 4] | ((uint32_t)r1[lane / 4] << 16);
+    }
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+}
+
 inline int __float_as_int(float f) {
     int i;
     std::memcpy(&i, &f, 4);

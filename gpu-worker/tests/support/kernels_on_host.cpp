@@ -4,7 +4,7 @@
 // kernel's outputs.
 //
 //   1 attention: the K/V rows stored into a page pool (kv_store), then attn_prefill (or, when
-//     asked, attn_prefill_mma on the emulated tensor cores) over the tiles given and
+//     asked, attn_prefill_mma64 or 128 on the emulated tensor cores) over the tiles given and
 //     attn_partial and attn_merge over the single items given, as `KvMirror::launch` does;
 //     out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
@@ -64,8 +64,9 @@ static void attention() {
     std::vector<float> out((size_t)n_items * n_head * head_dim, NAN), lse((size_t)n_items * n_head, NAN);
     if (n_tiles > 0 && mma)
         launch(dim3{(unsigned)n_tiles, (unsigned)n_kv_head}, dim3{PFM_WARPS * WARP}, [&] {
-            attn_prefill_mma(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), tiles.data(), n_kv_head, head_dim, group, page_size,
-                             scale, softcap, out.data(), lse.data());
+            auto kernel = head_dim <= 64 ? attn_prefill_mma64 : attn_prefill_mma128;
+            kernel(q.data(), pool.data(), page_elems, layer, pages.data(), items.data(), tiles.data(), n_kv_head, head_dim, group, page_size, scale,
+                   softcap, out.data(), lse.data());
         });
     else if (n_tiles > 0)
         launch(dim3{(unsigned)n_tiles, (unsigned)n_kv_head}, dim3{ATT_THREADS}, [&] {

@@ -73,7 +73,7 @@ pub const FILES: [KernelFile; 4] = [
         body: include_str!("kernels/ops.cu"),
         entries: &["rms_norm", "rms_norm_fused", "rope", "silu_mul", "silu_mul_q8", "add_assign", "add_bias", "to_f16", "gather_rows", "scatter_add_scaled", "argmax_rows"],
     },
-    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "kv_to_arena", "arena_to_mirror", "attn_partial", "attn_merge", "attn_prefill", "attn_prefill_mma"] },
+    KernelFile { name: "attention.cu", body: include_str!("kernels/attention.cu"), entries: &["kv_store", "kv_to_arena", "arena_to_mirror", "attn_partial", "attn_merge", "attn_prefill", "attn_prefill_mma64", "attn_prefill_mma128"] },
 ];
 
 impl KernelFile {

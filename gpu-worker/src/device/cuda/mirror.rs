@@ -35,12 +35,15 @@ pub const MAX_HEAD_DIM: usize = 256;
 const PF_QUERIES: usize = 32;
 const PF_ELEMS: usize = 4096;
 
-/// The most values a head may have for `attn_prefill_mma` (`PFM_MAX_HEAD_DIM`).
+/// The most values a head may have for `attn_prefill_mma128` (`attn_prefill_mma64` takes up
+/// to 64).
 const PFM_MAX_HEAD_DIM: usize = 128;
-/// Threads of an `attn_prefill_mma` block (`PFM_WARPS` warps: 16 query vectors each).
-const PFM_THREADS: u32 = (PF_QUERIES / 16 * 32) as u32;
+/// Query vectors one `attn_prefill_mma*` block takes (`PFM_QUERIES`: 16 a warp).
+const PFM_QUERIES: usize = 64;
+/// Threads of an `attn_prefill_mma*` block (`PFM_WARPS` warps).
+const PFM_THREADS: u32 = (PFM_QUERIES / 16 * 32) as u32;
 
-/// Whether prefill tiles run on the tensor cores (`attn_prefill_mma`, its queries and
+/// Whether prefill tiles run on the tensor cores (`attn_prefill_mma*`, its queries and
 /// probabilities rounded to f16): on sm_80 and later, for heads of a multiple of 16 values up
 /// to [`PFM_MAX_HEAD_DIM`], unless `DUET_CUDA_PREFILL_MMA=0`; else `attn_prefill` in f32.
 pub fn prefill_on_tensor_cores(arch: u32, head_dim: usize) -> bool {
@@ -49,9 +52,26 @@ pub fn prefill_on_tensor_cores(arch: u32, head_dim: usize) -> bool {
     enabled && arch >= 80 && head_dim.is_multiple_of(16) && head_dim <= PFM_MAX_HEAD_DIM
 }
 
+/// The kernel that attends a launch's prefill tiles, its threads a block, and the rows of a
+/// sequence one tile takes (0: none fit, every row goes to `attn_partial`).
+pub(super) struct PrefillKernel {
+    pub entry: &'static str,
+    pub threads: u32,
+    pub rows_per_tile: usize,
+}
+
+pub(super) fn prefill_kernel(arch: u32, group: usize, head_dim: usize) -> PrefillKernel {
+    if prefill_on_tensor_cores(arch, head_dim) {
+        let entry = if head_dim <= 64 { "attn_prefill_mma64" } else { "attn_prefill_mma128" };
+        PrefillKernel { entry, threads: PFM_THREADS, rows_per_tile: PFM_QUERIES / group }
+    } else {
+        PrefillKernel { entry: "attn_prefill", threads: ATT_THREADS, rows_per_tile: prefill_rows_per_tile(group, head_dim) }
+    }
+}
+
 /// Rows of a sequence one `attn_prefill` block attends: as many as its query vectors (rows ×
 /// the `group` query heads of a KV head) and their floats allow; 0 where not even one fits.
-pub(super) fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
+fn prefill_rows_per_tile(group: usize, head_dim: usize) -> usize {
     (PF_QUERIES / group).min(PF_ELEMS / (group * head_dim))
 }
 
@@ -535,7 +555,8 @@ impl KvMirror {
         let n = placed.len();
         let group = n_head / n_kv_head;
         let keys: Vec<(u64, i32, i32)> = placed.iter().zip(meta.chunks_exact(4)).map(|(&i, m)| (items[i].key, m[3], m[0])).collect();
-        let (tiles, singles) = prefill_tiles(&keys, prefill_rows_per_tile(group, head_dim));
+        let prefill = prefill_kernel(kern.kernels().arch, group, head_dim);
+        let (tiles, singles) = prefill_tiles(&keys, prefill.rows_per_tile);
         // SAFETY: the tiles' rows and attn_merge (for the rest) write every output and lse.
         let (mut out, mut lse) = unsafe { (stream.alloc::<f32>(n * q_dim).map_err(CudaError::from)?, stream.alloc::<f32>(n * n_head).map_err(CudaError::from)?) };
         let (page_elems, layer_i, nkv, hd, grp, page_i) = (self.page_elems as i64, layer as i32, n_kv_head as i32, head_dim as i32, group as i32, PAGE as i32);
@@ -548,12 +569,10 @@ impl KvMirror {
         if !tiles.is_empty() {
             let n_tiles = tiles.len() / 3;
             let (md, td) = (tables.meta.get(stream, meta.clone())?, tables.tiles.get(stream, tiles)?);
-            let mma = prefill_on_tensor_cores(kern.kernels().arch, head_dim);
-            let mut b = stream.launch_builder(kern.kernels().get(if mma { "attn_prefill_mma" } else { "attn_prefill" })?);
+            let mut b = stream.launch_builder(kern.kernels().get(prefill.entry)?);
             b.arg(q).arg(&self.pool).arg(&page_elems).arg(&layer_i).arg(pd).arg(md).arg(td).arg(&nkv).arg(&hd).arg(&grp).arg(&page_i).arg(&scale).arg(&cap);
             b.arg(&mut out).arg(&mut lse);
-            let threads = if mma { PFM_THREADS } else { ATT_THREADS };
-            let cfg = LaunchConfig { grid_dim: (n_tiles as u32, n_kv_head as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig { grid_dim: (n_tiles as u32, n_kv_head as u32, 1), block_dim: (prefill.threads, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: every tile's rows are items of one sequence whose positions up to the
             // largest end are mirrored in the pages of its table; out and lse hold n items.
             unsafe { b.launch(cfg) }.map_err(CudaError::from)?;
@@ -629,5 +648,23 @@ mod tests {
             let r = prefill_rows_per_tile(g, hd);
             assert!(r * g <= PF_QUERIES && r * g * hd <= PF_ELEMS && r >= 1);
         }
+    }
+
+    #[test]
+    fn prefill_tiles_go_to_the_tensor_cores_where_their_heads_fit() {
+        let pick = |arch, g, hd| {
+            let k = prefill_kernel(arch, g, hd);
+            (k.entry, k.threads, k.rows_per_tile)
+        };
+        // Llama-3.2-1B and 3.1-8B on a Hopper GPU: 16 rows of 4 query heads a tile.
+        assert_eq!(pick(90, 4, 64), ("attn_prefill_mma64", PFM_THREADS, 16));
+        assert_eq!(pick(90, 4, 128), ("attn_prefill_mma128", PFM_THREADS, 16));
+        // Phi-2's 80 values take the 128-wide body; one query head per KV head, 64 rows.
+        assert_eq!(pick(90, 1, 80), ("attn_prefill_mma128", PFM_THREADS, 64));
+        // More query heads per KV head than a block's query vectors: no tile.
+        assert_eq!(pick(90, 128, 64).2, 0);
+        // 256-wide heads, and GPUs before sm_80 (a T4), take attn_prefill in f32.
+        assert_eq!(pick(90, 2, 256), ("attn_prefill", ATT_THREADS, 8));
+        assert_eq!(pick(75, 4, 64), ("attn_prefill", ATT_THREADS, 8));
     }
 }

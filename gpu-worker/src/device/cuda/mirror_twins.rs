@@ -151,7 +151,7 @@ fn check(k: &super::launch::Launcher, mirror: &mut KvMirror, kv: &HostKv, shape:
     let mma = super::mirror::prefill_on_tensor_cores(k.kernels().arch, shape.head_dim);
     // The items the launch puts in prefill tiles (the rest go to attn_partial one by one).
     let keys: Vec<(u64, i32, i32)> = items.iter().map(|it| (it.key, 0, it.row as i32)).collect();
-    let per_tile = super::mirror::prefill_rows_per_tile(shape.n_head / shape.n_kv_head, shape.head_dim);
+    let per_tile = super::mirror::prefill_kernel(k.kernels().arch, shape.n_head / shape.n_kv_head, shape.head_dim).rows_per_tile;
     let (_, singles) = super::mirror::prefill_tiles(&keys, per_tile);
     let layers = kv.k[0].len();
     let q_dim = shape.n_head * shape.head_dim;

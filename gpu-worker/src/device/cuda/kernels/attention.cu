@@ -430,34 +430,60 @@ attn_prefill(const float* q, const u16* pool, long long page_elems, int layer, c
 }
 
 // Prefill attention on the tensor cores (sm_80 and later: mma_16816, f16 inputs, f32 sums),
-// for attn_prefill's tiles and with its outputs: a warp takes 16 of a tile's query vectors (in
-// attn_prefill's order), rounded to f16 and kept in its registers as mma fragments; the block's
-// warps read each tile of PFM_KT positions of K, and of V transposed, into shared memory once
-// for all of them. The scores, the online softmax and the output stay in the fragments'
-// registers: the scores' d fragments are the probabilities' A fragments, rounded to f16. Heads
-// of a multiple of 16 values, at most PFM_MAX_HEAD_DIM (else attn_prefill). Grid: x tiles, y
-// n_kv_head; PFM_WARPS * WARP threads.
-#define PFM_WARPS (PF_QUERIES / 16)
+// for attn_prefill's tiles and with its outputs, a tile taking up to PFM_QUERIES query vectors
+// (rows x the query heads of one KV head, in attn_prefill's order): each of the block's
+// PFM_WARPS warps takes 16 of them, rounded to f16 and kept in its registers as mma A
+// fragments. K and V come through shared memory in stages of PFM_KT positions, row-major as
+// the pool holds them, two stages in flight: while the warps work on one, the next one's rows
+// are on their way (cp.async, 16 bytes a copy). Scores, the online softmax (in base 2) and the
+// output stay in the fragments' registers: the scores' d fragments are the probabilities' A
+// fragments, rounded to f16, and V's B fragments come transposed from shared memory by
+// ldmatrix. A warp skips the stages its rows attend nothing of (past a causal prefix, before a
+// sliding window). The tiles of the longest prefixes start first. Heads of a multiple of 16
+// values: attn_prefill_mma64 for up to 64, attn_prefill_mma128 for up to 128 (else
+// attn_prefill). Grid: x tiles, y n_kv_head; PFM_WARPS * WARP threads.
+#define PFM_QUERIES 64
+#define PFM_WARPS (PFM_QUERIES / 16)
 #define PFM_KT 32
-#define PFM_MAX_HEAD_DIM 128
-// Shared rows padded by 8 halves, so that a fragment's 32 lanes meet 32 different banks.
-#define PFM_KSTRIDE (PFM_MAX_HEAD_DIM + 8)
-#define PFM_VSTRIDE (PFM_KT + 8)
+#define PFM_LOG2E 1.4426950408889634f
+#define PFM_LN2 0.6931471805599453f
 
-extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)
-attn_prefill_mma(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
-                 int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
-    // As words, so that a fragment's pair of halves is one aligned load.
-    __shared__ u32 ks_words[PFM_KT * PFM_KSTRIDE / 2];
-    __shared__ u32 vt_words[PFM_MAX_HEAD_DIM * PFM_VSTRIDE / 2];
-    __shared__ int lo[PF_QUERIES], hi[PF_QUERIES];
-    u16* ks = (u16*)ks_words;  // [position][dimension], rows of head_dim + 8
-    u16* vt = (u16*)vt_words;  // [dimension][position], rows of PFM_VSTRIDE
+// A shared row's halves: the head's values padded by 8, so that the 8 rows a fragment (or an
+// ldmatrix phase) reads start 4 banks apart and its lanes meet 32 different banks.
+#define PFM_ROW(maxd) ((maxd) + 8)
+// Halves of one stage: PFM_KT rows of K, then PFM_KT of V.
+#define PFM_STAGE(maxd) (2 * PFM_KT * PFM_ROW(maxd))
 
-    const int tile = blockIdx.x, kh = blockIdx.y;
+// Copies K and V of positions t0 .. t0 + nt of the tile's sequence into a stage; rows past nt
+// are zeros (their scores are masked, and 0 x garbage could be NaN).
+template <int MAXD>
+__device__ __forceinline__ void pfm_load(u16* stage, const u16* pool, const int* pages, int toff, long long page_elems, long long layer_off,
+                                         long long v_off, int t0, int nt, int head_dim, int page_size) {
+    const int rc = head_dim / 8, per = PFM_KT * rc;  // 16-byte pieces of a row, of a stage's K
+    for (int i = threadIdx.x; i < 2 * per; i += PFM_WARPS * WARP) {
+        const int which = i >= per, j = i - which * per, t = j / rc, c = j - t * rc;
+        u16* dst = stage + (which * PFM_KT + t) * PFM_ROW(MAXD) + 8 * c;
+        if (t < nt) {
+            const int pos = t0 + t;
+            const long long at =
+                (long long)pages[toff + pos / page_size] * page_elems + layer_off + (long long)(pos % page_size) * head_dim + 8 * c + (which ? v_off : 0);
+            cp_async16(dst, pool + at);
+        } else {
+            uint4 zero;
+            zero.x = zero.y = zero.z = zero.w = 0;
+            *(uint4*)dst = zero;
+        }
+    }
+}
+
+template <int MAXD>
+__device__ __forceinline__ void attn_prefill_mma_body(u16* kv_s, int* lo, int* hi, const float* q, const u16* pool, long long page_elems, int layer,
+                                                      const int* pages, const int* items, const int* tiles, int n_kv_head, int head_dim, int group,
+                                                      int page_size, float scale, float softcap, float* out, float* lse) {
+    const int tile = gridDim.x - 1 - blockIdx.x, kh = blockIdx.y;
     const int j0 = tiles[3 * tile], nr = tiles[3 * tile + 1], toff = tiles[3 * tile + 2];
     const int nq = nr * group, n_head = n_kv_head * group, kv_dim = n_kv_head * head_dim;
-    const int kstride = head_dim + 8, half = head_dim / 2, kchunks = head_dim / 16, dtiles = head_dim / 8;
+    const int kchunks = head_dim / 16, dtiles = head_dim / 8;
     const long long layer_off = (long long)layer * 2 * kv_dim * page_size + (long long)kh * page_size * head_dim;
     const long long v_off = (long long)kv_dim * page_size;
     const int tid = threadIdx.x, warp = tid / WARP, lane = tid % WARP, g = lane / 4, t4 = lane % 4;
@@ -469,9 +495,9 @@ attn_prefill_mma(const float* q, const u16* pool, long long page_elems, int laye
         hi[tid] = items[4 * (j0 + tid) + 2];
     }
     // The warp's query vectors q0 + g and q0 + g + 8 as A fragments, 16 dimensions a chunk.
-    u32 qa[PFM_MAX_HEAD_DIM / 16][4];
+    u32 qa[MAXD / 16][4];
 #pragma unroll
-    for (int c = 0; c < PFM_MAX_HEAD_DIM / 16; c++) {
+    for (int c = 0; c < MAXD / 16; c++) {
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             int qi = q0 + g + 8 * (r % 2), d = 16 * c + 8 * (r / 2) + 2 * t4;
@@ -491,7 +517,14 @@ attn_prefill_mma(const float* q, const u16* pool, long long page_elems, int laye
         t_begin = min(t_begin, lo[r]);
         t_end = max(t_end, hi[r]);
     }
-    // The positions each of this lane's two query vectors attends (none past the tile's).
+    // The positions the warp's rows attend, and each of this lane's two query vectors.
+    int w_lo = t_end, w_hi = t_begin;
+    if (active) {
+        for (int r = q0 / group; r <= min(q0 + 15, nq - 1) / group; r++) {
+            w_lo = min(w_lo, lo[r]);
+            w_hi = max(w_hi, hi[r]);
+        }
+    }
     int r_lo[2], r_hi[2];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -499,94 +532,99 @@ attn_prefill_mma(const float* q, const u16* pool, long long page_elems, int laye
         r_lo[i] = qi < nq ? lo[qi / group] : 0;
         r_hi[i] = qi < nq ? hi[qi / group] : 0;
     }
-    float o[PFM_MAX_HEAD_DIM / 8][4];
+    float o[MAXD / 8][4];
 #pragma unroll
-    for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    for (int n = 0; n < MAXD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    // Running max (base 2) and sum of each of the lane's two query vectors.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (int t0 = t_begin; t0 < t_end; t0 += PFM_KT) {
-        const int nt = min(PFM_KT, t_end - t0);
+    if (t_begin < t_end) pfm_load<MAXD>(kv_s, pool, pages, toff, page_elems, layer_off, v_off, t_begin, min(PFM_KT, t_end - t_begin), head_dim, page_size);
+    cp_async_commit();
+    for (int it = 0, t0 = t_begin; t0 < t_end; it++, t0 += PFM_KT) {
+        // The next stage's copies go out before this one is waited for.
+        if (t0 + PFM_KT < t_end)
+            pfm_load<MAXD>(kv_s + ((it + 1) & 1) * PFM_STAGE(MAXD), pool, pages, toff, page_elems, layer_off, v_off, t0 + PFM_KT,
+                           min(PFM_KT, t_end - t0 - PFM_KT), head_dim, page_size);
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
-        // Positions past the tile's end read as zeros (their scores are masked below).
-        for (int i = tid; i < PFM_KT * half; i += PFM_WARPS * WARP) {
-            int t = i / half, d2 = i % half, pos = t0 + t;
-            u32 k2 = 0, v2 = 0;
-            if (t < nt) {
-                long long at = (long long)pages[toff + pos / page_size] * page_elems + layer_off + (long long)(pos % page_size) * head_dim;
-                k2 = ((const u32*)(pool + at))[d2];
-                v2 = ((const u32*)(pool + at + v_off))[d2];
+        const u16* ks = kv_s + (it & 1) * PFM_STAGE(MAXD);
+        const u16* vs = ks + PFM_KT * PFM_ROW(MAXD);
+        if (active && t0 < w_hi && t0 + PFM_KT > w_lo) {
+            // Scores of the warp's 16 query vectors over the stage's positions: PFM_KT / 8 d fragments.
+            float s[PFM_KT / 8][4];
+#pragma unroll
+            for (int n = 0; n < PFM_KT / 8; n++) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+                const u32* kr = (const u32*)(ks + (n * 8 + g) * PFM_ROW(MAXD)) + t4;
+#pragma unroll
+                for (int c = 0; c < MAXD / 16; c++) {
+                    if (c >= kchunks) break;
+                    const u32 b[2] = {kr[8 * c], kr[8 * c + 4]};
+                    mma_16816(s[n], qa[c], b);
+                }
             }
-            ks_words[(t * kstride) / 2 + d2] = k2;
-            vt[(2 * d2) * PFM_VSTRIDE + t] = (u16)(v2 & 0xffff);
-            vt[(2 * d2 + 1) * PFM_VSTRIDE + t] = (u16)(v2 >> 16);
+            // Scaled, capped, in base 2, and minus infinity outside each vector's range; then the
+            // online softmax of each of the lane's two vectors (a row's PFM_KT scores lie in the 4
+            // lanes of its group: 2 in each of their PFM_KT / 8 fragments).
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < PFM_KT / 8; n++)
+#pragma unroll
+                    for (int e = 2 * i; e < 2 * i + 2; e++) {
+                        int pos = t0 + n * 8 + 2 * t4 + e % 2;
+                        float x = s[n][e] * scale;
+                        if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
+                        x *= PFM_LOG2E;
+                        if (pos < r_lo[i] || pos >= r_hi[i]) x = NEG_INF;
+                        s[n][e] = x;
+                        mx = fmaxf(mx, x);
+                    }
+                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+                float m_new = fmaxf(m[i], mx), sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < PFM_KT / 8; n++)
+#pragma unroll
+                    for (int e = 2 * i; e < 2 * i + 2; e++) {
+                        float p = s[n][e] == NEG_INF ? 0.0f : exp2f(s[n][e] - m_new);
+                        s[n][e] = p;
+                        sum += p;
+                    }
+                sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+                sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+                float c = m_new == NEG_INF ? 1.0f : exp2f(m[i] - m_new);
+                l[i] = l[i] * c + sum;
+                m[i] = m_new;
+#pragma unroll
+                for (int n = 0; n < MAXD / 8; n++) {
+                    o[n][2 * i] *= c;
+                    o[n][2 * i + 1] *= c;
+                }
+            }
+            // o += P · V, 16 positions a step: P's A fragment from two score fragments; V's B
+            // fragments of two 8-dimension tiles from one ldmatrix (matrices: positions 0-7 and
+            // 8-15 of dimensions n, then of n + 1).
+#pragma unroll
+            for (int kc = 0; kc < PFM_KT / 16; kc++) {
+                const u32 pa[4] = {pack_f16x2(s[2 * kc][0], s[2 * kc][1]), pack_f16x2(s[2 * kc][2], s[2 * kc][3]),
+                                   pack_f16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]), pack_f16x2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+                const u16* vrow = vs + (16 * kc + (lane & 8) + (lane & 7)) * PFM_ROW(MAXD) + 8 * (lane >> 4);
+#pragma unroll
+                for (int n = 0; n < MAXD / 8; n += 2) {
+                    if (n >= dtiles) break;
+                    u32 b4[4];
+                    ldmatrix_x4_trans(b4, vrow + 8 * n);
+                    const u32 b0[2] = {b4[0], b4[1]}, b1[2] = {b4[2], b4[3]};
+                    mma_16816(o[n], pa, b0);
+                    mma_16816(o[n + 1], pa, b1);
+                }
+            }
         }
+        // Every warp is done with this stage before the next iteration's copies overwrite it.
         __syncthreads();
-        if (!active) continue;
-        // Scores of the warp's 16 query vectors over the tile's positions: PFM_KT / 8 d fragments.
-        float s[PFM_KT / 8][4];
-#pragma unroll
-        for (int n = 0; n < PFM_KT / 8; n++) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-            const u32* kr = ks_words + ((n * 8 + g) * kstride) / 2 + t4;
-#pragma unroll
-            for (int c = 0; c < PFM_MAX_HEAD_DIM / 16; c++) {
-                if (c >= kchunks) break;
-                const u32 b[2] = {kr[8 * c], kr[8 * c + 4]};
-                mma_16816(s[n], qa[c], b);
-            }
-        }
-        // Scaled, capped, and minus infinity outside each vector's range; then the online
-        // softmax of each of the lane's two vectors (a row's 32 scores lie in the 4 lanes of
-        // its group: 2 in each of their PFM_KT / 8 fragments).
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            float mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < PFM_KT / 8; n++)
-#pragma unroll
-                for (int e = 2 * i; e < 2 * i + 2; e++) {
-                    int pos = t0 + n * 8 + 2 * t4 + e % 2;
-                    float x = s[n][e] * scale;
-                    if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
-                    if (pos < r_lo[i] || pos >= r_hi[i]) x = NEG_INF;
-                    s[n][e] = x;
-                    mx = fmaxf(mx, x);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
-            float m_new = fmaxf(m[i], mx), sum = 0.0f;
-#pragma unroll
-            for (int n = 0; n < PFM_KT / 8; n++)
-#pragma unroll
-                for (int e = 2 * i; e < 2 * i + 2; e++) {
-                    float p = s[n][e] == NEG_INF ? 0.0f : expf(s[n][e] - m_new);
-                    s[n][e] = p;
-                    sum += p;
-                }
-            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-            float c = m_new == NEG_INF ? 1.0f : expf(m[i] - m_new);
-            l[i] = l[i] * c + sum;
-            m[i] = m_new;
-#pragma unroll
-            for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) {
-                o[n][2 * i] *= c;
-                o[n][2 * i + 1] *= c;
-            }
-        }
-        // o += P · V, 16 positions a step: P's A fragment from two score fragments.
-#pragma unroll
-        for (int kc = 0; kc < PFM_KT / 16; kc++) {
-            const u32 pa[4] = {pack_f16x2(s[2 * kc][0], s[2 * kc][1]), pack_f16x2(s[2 * kc][2], s[2 * kc][3]), pack_f16x2(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                               pack_f16x2(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-#pragma unroll
-            for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) {
-                if (n >= dtiles) break;
-                const u32* vr = vt_words + ((n * 8 + g) * PFM_VSTRIDE + 16 * kc) / 2 + t4;
-                const u32 b[2] = {vr[0], vr[4]};
-                mma_16816(o[n], pa, b);
-            }
-        }
     }
     if (!active) return;
 #pragma unroll
@@ -595,12 +633,32 @@ attn_prefill_mma(const float* q, const u16* pool, long long page_elems, int laye
         if (qi >= nq) continue;
         long long oh = (long long)(j0 + qi / group) * n_head + kh * group + qi % group;
 #pragma unroll
-        for (int n = 0; n < PFM_MAX_HEAD_DIM / 8; n++) {
+        for (int n = 0; n < MAXD / 8; n++) {
             if (n >= dtiles) break;
             int d = n * 8 + 2 * t4;
             out[oh * head_dim + d] = l[i] > 0.0f ? o[n][2 * i] / l[i] : 0.0f;
             out[oh * head_dim + d + 1] = l[i] > 0.0f ? o[n][2 * i + 1] / l[i] : 0.0f;
         }
-        if (t4 == 0) lse[oh] = l[i] > 0.0f ? m[i] + logf(l[i]) : NEG_INF;
+        if (t4 == 0) lse[oh] = l[i] > 0.0f ? m[i] * PFM_LN2 + logf(l[i]) : NEG_INF;
     }
+}
+
+// The two entry points: one body, its fragments sized for heads of up to 64 or 128 values
+// (registers, and shared memory: two stages of 2 x 32 rows, 18 or 34 KiB).
+extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)
+attn_prefill_mma64(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
+                   int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
+    __shared__ uint4 kv_s[2 * PFM_STAGE(64) / 8];
+    __shared__ int lo[PFM_QUERIES], hi[PFM_QUERIES];
+    attn_prefill_mma_body<64>((u16*)kv_s, lo, hi, q, pool, page_elems, layer, pages, items, tiles, n_kv_head, head_dim, group, page_size, scale,
+                              softcap, out, lse);
+}
+
+extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)
+attn_prefill_mma128(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
+                    int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
+    __shared__ uint4 kv_s[2 * PFM_STAGE(128) / 8];
+    __shared__ int lo[PFM_QUERIES], hi[PFM_QUERIES];
+    attn_prefill_mma_body<128>((u16*)kv_s, lo, hi, q, pool, page_elems, layer, pages, items, tiles, n_kv_head, head_dim, group, page_size, scale,
+                               softcap, out, lse);
 }

@@ -89,3 +89,54 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], cons
 #endif
 }
 #endif
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: four 8 x 8 matrices of f16 from shared
+// memory, each transposed into the warp's registers. Lanes 8i..8i + 7 give the addresses of
+// matrix i's rows (16 bytes each, 16-byte aligned); lane l receives in r[i] matrix i's elements
+// (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4): where the rows are positions and the columns
+// dimensions, the B fragment (k = positions) of an mma over them.
+//
+// cp_async16 copies 16 bytes from global to shared memory without passing through registers
+// (cp.async.cg, sm_80 and later; a plain copy before); cp_async_commit closes a group of such
+// copies, cp_async_wait<N> waits until at most N groups are still in flight (then a
+// __syncthreads makes the copies visible to the block).
+#ifdef DUET_HOST
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u16* row) {
+    host_ldmatrix_x4_trans(r, row);
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    memcpy(dst, src, 16);
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#else
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const u16* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
+#else
+    *(uint4*)dst = *(const uint4*)src;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+#endif
