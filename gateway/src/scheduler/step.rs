@@ -18,7 +18,7 @@ use crate::request::{Event, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::planner::{Plan, SeqDemand, Share};
-use crate::balancer::stats::Prediction;
+use crate::balancer::stats::{prefill_pairs as prefill_pairs_of, Prediction};
 use crate::sequence::{attention_demand, share_gpu_kv, shares_to_proto, Seq};
 
 /// A step sent to the gpu-worker whose results are not applied yet.
@@ -29,6 +29,8 @@ pub(super) struct InFlight {
     predicted: Prediction,
     /// Whether the step has decode tokens (whose timings refine the cost fits).
     decodes: bool,
+    /// The (row, position) pairs its prompt chunks attend (`balancer::stats::prefill_pairs`).
+    prefill_pairs: u64,
     call: tokio::task::JoinHandle<Result<pb::StepResponse, tonic::Status>>,
 }
 
@@ -65,6 +67,7 @@ impl Scheduler {
         // Positions of the GPU's KV mirror the step's prompt chunks take (their attention
         // runs there over their whole prefix, which stays after the prefill).
         let mut prompt_mirror = 0;
+        let mut prefill_pairs = 0;
         // Decode tokens first (they are what users wait on), then prompt chunks in arrival order.
         let order: Vec<usize> = {
             let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| self.running[i].decoding());
@@ -113,9 +116,12 @@ impl Scheduler {
             let footprint = (start + n).next_multiple_of(GPU_KV_PAGE);
             if n == 1 {
                 decoding.push((steps.len(), attention_demand(&seq.table, start)));
-            } else if prompt_mirror + footprint <= self.cfg.gpu_kv_positions {
-                // (A prompt longer than the mirror is attended on the host: it takes none.)
-                prompt_mirror += footprint;
+            } else {
+                prefill_pairs += prefill_pairs_of(start, n);
+                if prompt_mirror + footprint <= self.cfg.gpu_kv_positions {
+                    // (A prompt longer than the mirror is attended on the host: it takes none.)
+                    prompt_mirror += footprint;
+                }
             }
             let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };
             let sample = fed_sampled || seq.queued + n == seq.pending.len();
@@ -153,7 +159,7 @@ impl Scheduler {
         }
         // Overlap only decode-only steps: a prompt chunk's linear layers dwarf the rest.
         let may_overlap = decoding.len() == steps.len();
-        let plan = self.policy.plan(&self.stats.cost_model(tokens), tokens, &demands, self.cfg.block_size, may_overlap, self.cfg.overlap);
+        let plan = self.policy.plan(&self.stats.cost_model(tokens, prefill_pairs), tokens, &demands, self.cfg.block_size, may_overlap, self.cfg.overlap);
         for ((at, d), shares) in decoding.iter().zip(&plan.shares) {
             steps[*at].attention = shares_to_proto(shares, d.n_ctx);
         }
@@ -164,7 +170,7 @@ impl Scheduler {
         }
         self.step += 1;
         if self.step.is_multiple_of(64) && !decoding.is_empty() {
-            tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(tokens), predicted_s = plan.predicted_s, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
+            tracing::debug!(step = self.step, policy = %self.policy, cost = ?self.stats.cost_model(tokens, prefill_pairs), predicted_s = plan.predicted_s, gpu_positions = plan.gpu_positions, cpu_positions = ?plan.cpu_positions, "balancer");
         }
         let req = pb::StepRequest {
             step: self.step,
@@ -173,8 +179,8 @@ impl Scheduler {
             after_step: self.in_flight.back().map_or(0, |f| f.step),
         };
         let call = tokio::spawn(self.gpu.step(req));
-        let predicted = Prediction { seconds: plan.predicted_s, warm: self.stats.warm_for(tokens, plan.overlap, plan.gpu_positions, &plan.cpu_positions) };
-        Some(InFlight { step: self.step, entries, predicted, decodes: !decoding.is_empty(), call })
+        let predicted = Prediction { seconds: plan.predicted_s, warm: self.stats.warm_for(tokens, plan.overlap, plan.gpu_positions, &plan.cpu_positions, prefill_pairs) };
+        Some(InFlight { step: self.step, entries, predicted, decodes: !decoding.is_empty(), prefill_pairs, call })
     }
 
     /// The index in `running` of the sequence with this serial, if it still runs.
@@ -200,7 +206,7 @@ impl Scheduler {
             }
             Ok(resp) => {
                 if let Some(t) = &resp.timings {
-                    self.stats.observe(t, f.decodes.then_some(f.predicted));
+                    self.stats.observe(t, f.decodes.then_some(f.predicted), f.prefill_pairs);
                     metrics::step(t, f.predicted.seconds, self.stats.prediction_error());
                     tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted.seconds * 1e6) as u64, warm = f.predicted.warm, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, kv_upload_us = t.gpu_kv_upload_ns / 1000, wait_us = t.attention_wait_ns / 1000, kv_write_us = t.kv_write_ns / 1000, merge_us = t.merge_ns / 1000, sample_us = t.sample_ns / 1000, experts_wait_us = t.experts_wait_ns / 1000, experts_busy_us = t.cpu_workers.iter().map(|w| w.experts_busy_ns).sum::<u64>() / 1000, "step");
                 }
@@ -257,7 +263,7 @@ impl Scheduler {
                 // Predicted attention work per worker: the KV positions of running sequences
                 // it holds, at its fitted cost per position.
                 // Only the attention costs are read: any batch size will do.
-                let cost = self.stats.cost_model(1);
+                let cost = self.stats.cost_model(1, 0);
                 let mut work = vec![0f64; self.pool.n_workers()];
                 for seq in &self.running {
                     for (WorkerId(w), r) in seq.table.token_ranges_per_worker() {
