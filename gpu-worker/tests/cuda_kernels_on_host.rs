@@ -280,6 +280,7 @@ fn the_tensor_core_prefill_kernel_gives_the_exact_attention_of_its_f16_queries()
 
 #[test]
 fn the_decode_matrix_vector_kernels_are_within_their_rounding_bound_of_the_exact_product() {
+    // (And their grouped launches, `mmvq_*_group`, give the same bits.)
     let Some(exe) = harness() else { return };
     let mut rng = rand::rngs::StdRng::seed_from_u64(17);
     // 67 rows: the last block of 4 warps (a row each) part empty.
@@ -297,8 +298,15 @@ fn the_decode_matrix_vector_kernels_are_within_their_rounding_bound_of_the_exact
             input.i32(3).i32(ty.id() as usize).i32(rows).i32(cols).i32(n).i32(w.len());
             input.0.extend(&w);
             input.f32s(&x);
-            let y: Vec<f32> = run(exe, &input).iter().map(|b| f32::from_le_bytes(*b)).collect();
-            assert_eq!(y.len(), n * rows);
+            let all: Vec<f32> = run(exe, &input).iter().map(|b| f32::from_le_bytes(*b)).collect();
+            assert_eq!(all.len(), 3 * n * rows, "y, then y of the grouped launches over three and two weights");
+            let (y, grouped) = all.split_at(n * rows);
+            // One launch over the rows as three weights (a layer's Q, K and V) and as two (its
+            // gate and up): each row the same warp code, so the same bits.
+            for (parts, g) in [3, 2].iter().zip(grouped.chunks_exact(n * rows)) {
+                let same = y.iter().zip(g).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{ty:?} n={n}: mmvq_*_group over {parts} weights differs from mmvq");
+            }
             let mut worst = 0f64;
             for t in 0..n {
                 for r in 0..rows {

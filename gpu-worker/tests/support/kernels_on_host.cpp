@@ -8,7 +8,8 @@
 //     attn_partial and attn_merge over the single items given, as `KvMirror::launch` does;
 //     out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
-//   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y.
+//   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y, then y
+//     again from mmvq_*_group with the rows as three weights, then as two.
 //   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
 //     into y, as `GpuExperts::add_outputs` does; out: the gathered rows, then y.
 //   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
@@ -101,7 +102,8 @@ static void argmax() {
 }
 
 // Activation rows quantised to Q8_1 units (quantize_q8_1), then the quantised weight type's
-// mmvq kernel, launched as `Launcher::linear` launches them for decode-sized batches.
+// mmvq kernel, launched as `Launcher::linear` launches them for decode-sized batches; then
+// its mmvq_*_group kernel over the same rows as three weights and as two.
 static void matvec() {
     int ty = read_one<int>(), rows = read_one<int>(), cols = read_one<int>(), n_tok = read_one<int>();
     auto w = read_vec<u8>((size_t)read_one<int>());
@@ -124,6 +126,42 @@ static void matvec() {
         default: exit(4);
     }
     write_vec(y);
+    // The same rows as three weights, then as two, in one launch of mmvq_*_group (as
+    // `Launcher::linear_group` launches a layer's Q, K and V or its gate and up); each part's
+    // outputs written back into y's layout. Splits off the warps' blocks of MV_WARPS rows.
+    size_t row_bytes = w.size() / rows;
+    for (int parts : {3, 2}) {
+        int r[3] = {rows / 3 + 1, parts == 3 ? rows / 3 - 2 : rows - rows / 3 - 1, 0};
+        r[2] = rows - r[0] - r[1];
+        std::vector<float> ys[3];
+        for (int i = 0; i < 3; i++) ys[i].assign((size_t)n_tok * r[i], NAN);
+        const u8* wp[3] = {w.data(), w.data() + row_bytes * r[0], w.data() + row_bytes * (r[0] + r[1])};
+        dim3 g{(unsigned)(rows + MV_WARPS - 1) / MV_WARPS};
+        auto run_group = [&](auto kernel) {
+            launch(g, block, [&] {
+                kernel(wp[0], r[0], ys[0].data(), wp[1], r[1], ys[1].data(), parts == 3 ? wp[2] : nullptr, parts == 3 ? r[2] : 0,
+                       parts == 3 ? ys[2].data() : nullptr, row_units, q.data(), n_tok);
+            });
+        };
+        switch (ty) {
+            case T_Q4_0: run_group(mmvq_q4_0_group); break;
+            case T_Q4_1: run_group(mmvq_q4_1_group); break;
+            case T_Q5_0: run_group(mmvq_q5_0_group); break;
+            case T_Q5_1: run_group(mmvq_q5_1_group); break;
+            case T_Q8_0: run_group(mmvq_q8_0_group); break;
+            case T_Q4_K: run_group(mmvq_q4_k_group); break;
+            case T_Q5_K: run_group(mmvq_q5_k_group); break;
+            case T_Q6_K: run_group(mmvq_q6_k_group); break;
+            default: exit(4);
+        }
+        // With two parts the third's rows were none of the launch's: the second's NaN stays
+        // where the rows past r[0] + r[1] are (there are none: r[1] takes the rest).
+        std::vector<float> yg((size_t)n_tok * rows, NAN);
+        for (int t = 0; t < n_tok; t++)
+            for (int i = 0, row0 = 0; i < (parts == 3 ? 3 : 2); row0 += r[i], i++)
+                for (int j = 0; j < r[i]; j++) yg[(size_t)t * rows + row0 + j] = ys[i][(size_t)t * r[i] + j];
+        write_vec(yg);
+    }
 }
 
 static void expert_rows() {

@@ -202,6 +202,51 @@ impl Launcher {
         Ok(y)
     }
 
+    /// `acts` times each of `ws` (a layer's Q, K and V, or its gate and up): one launch
+    /// (`mmvq_*_group`) where the weights share a quantised type and width and the batch fits
+    /// one pass of the matrix-vector kernels, else one product each. Each output as
+    /// [`linear`](Self::linear) gives it, bit for bit (the same warp code per row).
+    pub fn linear_group<const N: usize>(&self, ws: [&GpuWeight; N], acts: &mut Acts<'_>) -> Result<[CudaSlice<f32>; N], CudaError> {
+        let first = ws[0];
+        let grouped = (2..=3).contains(&N)
+            && acts.n <= MV_MAX_TOK.min(self.mv_pass_rows)
+            && quant_suffix(first.ty).is_some()
+            && ws.iter().all(|w| w.ty == first.ty && w.cols == first.cols && w.cols == acts.cols);
+        if !grouped {
+            let mut out = Vec::with_capacity(N);
+            for w in ws {
+                out.push(self.linear(w, acts)?);
+            }
+            return Ok(out.try_into().unwrap_or_else(|_| unreachable!("N outputs")));
+        }
+        let suffix = quant_suffix(first.ty).expect("checked above");
+        let mut ys = Vec::with_capacity(N);
+        for w in ws {
+            ys.push(self.alloc(acts.n * w.rows)?);
+        }
+        let (units, nt) = ((first.cols / 32) as i32, acts.n as i32);
+        let q8 = self.q8(acts)?;
+        let f = self.f(&format!("mmvq_{suffix}_group"))?;
+        let rows: Vec<i32> = (0..3).map(|i| ws.get(i).map_or(0, |w| w.rows as i32)).collect();
+        let total: usize = ws.iter().map(|w| w.rows).sum();
+        let mut b = self.stream.launch_builder(f);
+        // A third weight absent: null pointers with no rows (never read or written).
+        let null: u64 = 0;
+        let mut ys_iter = ys.iter_mut();
+        for (i, r) in rows.iter().enumerate() {
+            match (ws.get(i), ys_iter.next()) {
+                (Some(w), Some(y)) => b.arg(&w.data).arg(r).arg(y),
+                _ => b.arg(&null).arg(r).arg(&null),
+            };
+        }
+        b.arg(&units).arg(q8).arg(&nt);
+        // SAFETY: the arguments match mmvq_group's signature; every weight is `units` Q8_1
+        // units wide with its rows (checked at upload), q8 holds acts.n rows of them, and each
+        // y holds acts.n rows of its weight's rows; a weight with rows 0 is never touched.
+        unsafe { b.launch(mv_config(total)) }?;
+        Ok(ys.try_into().unwrap_or_else(|_| unreachable!("N outputs")))
+    }
+
     /// The activations as Q8_1 units, made on first use.
     fn q8<'b>(&self, acts: &'b mut Acts<'_>) -> Result<&'b CudaSlice<u8>, CudaError> {
         if acts.q8.is_none() {
@@ -410,8 +455,7 @@ impl Launcher {
     /// where it takes the matrix-vector kernels. A dense layer's MLP and a hot expert's.
     pub fn silu_mlp(&self, gate: &GpuWeight, up: &GpuWeight, down: &GpuWeight, acts: &mut Acts<'_>, ff: usize) -> Result<CudaSlice<f32>, CudaError> {
         let n = acts.n;
-        let mut g = self.linear(gate, acts)?;
-        let u = self.linear(up, acts)?;
+        let [mut g, u] = self.linear_group([gate, up], acts)?;
         let units = match self.takes_q8(down, n) {
             true => Some(self.silu_mul_q8(&mut g, &u)?),
             false => {

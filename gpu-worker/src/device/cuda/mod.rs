@@ -348,9 +348,7 @@ impl CudaDevice {
         let q8 = self.k.takes_q8(&layer.wq, b.n);
         let (xn, units) = self.k.norm_fused(&mut b.x, None, &layer.attn_norm, b.n, c.rms_eps, q8)?;
         let mut acts = Acts::with_q8(&xn, b.n, c.n_embd, units);
-        let mut q = self.k.linear(&layer.wq, &mut acts)?;
-        let mut k = self.k.linear(&layer.wk, &mut acts)?;
-        let mut v = self.k.linear(&layer.wv, &mut acts)?;
+        let [mut q, mut k, mut v] = self.k.linear_group([&layer.wq, &layer.wk, &layer.wv], &mut acts)?;
         if let Some([bq, bk, bv]) = &layer.qkv_bias {
             self.k.add_bias(&mut q, bq)?;
             self.k.add_bias(&mut k, bk)?;

@@ -149,10 +149,31 @@ fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let xd = k.stream.clone_htod(&x).unwrap();
             let got = down(&k, &k.linear(&w, &mut Acts::new(&xd, n, cols)).unwrap());
-            let abs_dot = |r: usize, t: usize| -> f64 { (0..cols).map(|c| (wf[r * cols + c] as f64 * x[t * cols + c] as f64).abs()).sum() };
-            let float_slack = |r: usize, t: usize| 1e-5 * abs_dot(r, t) + 1e-6;
             let quantised = super::kernels::quant_suffix(ty).is_some();
             let mv_rows = if quantised { pass_rows } else { MV_MAX_TOK.min(pass_rows) };
+            // The weight again as three (a layer's Q, K and V) and as two (its gate and up),
+            // in one grouped launch where the matrix-vector kernels take it (else one product
+            // each): the same bits, wherever a matrix-vector kernel computes the rows (cuBLAS
+            // may sum a slice of the rows in another order).
+            let parts = |cuts: &[usize]| -> Vec<GpuWeight> {
+                let bytes = ty.row_bytes(cols);
+                cuts.windows(2).map(|c| upload(&k, ty, c[1] - c[0], cols, &data[c[0] * bytes..c[1] * bytes])).collect()
+            };
+            let (three, two) = (parts(&[0, 23, 41, rows]), parts(&[0, 30, rows]));
+            let acts = || Acts::new(&xd, n, cols);
+            let grouped3 = k.linear_group([&three[0], &three[1], &three[2]], &mut acts()).unwrap().iter().map(|y| down(&k, y)).collect::<Vec<_>>();
+            let grouped2 = k.linear_group([&two[0], &two[1]], &mut acts()).unwrap().iter().map(|y| down(&k, y)).collect::<Vec<_>>();
+            for (what, ys, cuts) in [("three", grouped3, vec![0, 23, 41, rows]), ("two", grouped2, vec![0, 30, rows])].into_iter().filter(|_| n <= mv_rows) {
+                for t in 0..n {
+                    for (y, c) in ys.iter().zip(cuts.windows(2)) {
+                        let r = c[1] - c[0];
+                        let same = y[t * r..(t + 1) * r].iter().zip(&got[t * rows + c[0]..t * rows + c[1]]).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{ty:?} n={n}: the grouped launch over {what} weights differs from linear");
+                    }
+                }
+            }
+            let abs_dot = |r: usize, t: usize| -> f64 { (0..cols).map(|c| (wf[r * cols + c] as f64 * x[t * cols + c] as f64).abs()).sum() };
+            let float_slack = |r: usize, t: usize| 1e-5 * abs_dot(r, t) + 1e-6;
             if n > mv_rows && ty == GgmlType::F32 {
                 check_product(&format!("{ty:?} sgemm n={n}"), &got, &wf, &x, rows, cols, float_slack);
             } else if n > mv_rows {

@@ -29,13 +29,10 @@ quantize_q8_1(const float* __restrict__ x, BlockQ8_1* __restrict__ out, int unit
 }
 
 // y[t][row] = dot(weight row `row`, activation row t) for t < n_tok: quantised weights.
-// `a` holds n_tok rows of n_units BlockQ8_1 each. Grid: ceil(rows / MV_WARPS) blocks of
-// (32, MV_WARPS) threads.
+// `a` holds n_tok rows of n_units BlockQ8_1 each. One warp a row.
 template <int T>
-__device__ __forceinline__ void mmvq(const u8* __restrict__ w, int rows, int n_units, const BlockQ8_1* __restrict__ a, int n_tok,
-                                     float* __restrict__ y) {
-    int row = blockIdx.x * MV_WARPS + threadIdx.y;
-    if (row >= rows) return;
+__device__ __forceinline__ void mmvq_row(const u8* __restrict__ w, int rows, int row, int n_units, const BlockQ8_1* __restrict__ a, int n_tok,
+                                         float* __restrict__ y) {
     int lane = threadIdx.x;
     size_t row_bytes = (size_t)(n_units * WARP / Fmt<T>::elems) * Fmt<T>::bytes;
     const u8* wr = w + (size_t)row * row_bytes;
@@ -52,10 +49,42 @@ __device__ __forceinline__ void mmvq(const u8* __restrict__ w, int rows, int n_u
     store_row_sums(acc, n_tok, lane, y, rows, row);
 }
 
+// mmvq_row for every row of one weight. Grid: ceil(rows / MV_WARPS) blocks of (32, MV_WARPS)
+// threads.
+template <int T>
+__device__ __forceinline__ void mmvq(const u8* __restrict__ w, int rows, int n_units, const BlockQ8_1* __restrict__ a, int n_tok,
+                                     float* __restrict__ y) {
+    int row = blockIdx.x * MV_WARPS + threadIdx.y;
+    if (row < rows) mmvq_row<T>(w, rows, row, n_units, a, n_tok, y);
+}
+
+// The same for up to three weights of one type and width over the same activations, in one
+// launch (a layer's Q, K and V, or its gate and up): the warps take the rows of w0, then of
+// w1, then of w2 (rows 0: no such weight), each writing its own y. Grid: ceil((rows0 + rows1 +
+// rows2) / MV_WARPS) blocks of (32, MV_WARPS) threads.
+template <int T>
+__device__ __forceinline__ void mmvq_group(const u8* __restrict__ w0, int rows0, float* __restrict__ y0, const u8* __restrict__ w1, int rows1,
+                                           float* __restrict__ y1, const u8* __restrict__ w2, int rows2, float* __restrict__ y2, int n_units,
+                                           const BlockQ8_1* __restrict__ a, int n_tok) {
+    int row = blockIdx.x * MV_WARPS + threadIdx.y;
+    if (row < rows0) {
+        mmvq_row<T>(w0, rows0, row, n_units, a, n_tok, y0);
+    } else if (row - rows0 < rows1) {
+        mmvq_row<T>(w1, rows1, row - rows0, n_units, a, n_tok, y1);
+    } else if (row - rows0 - rows1 < rows2) {
+        mmvq_row<T>(w2, rows2, row - rows0 - rows1, n_units, a, n_tok, y2);
+    }
+}
+
 #define MMVQ(name, T)                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARP * MV_WARPS)                                              \
     name(const u8* w, int rows, int n_units, const BlockQ8_1* a, int n_tok, float* y) {                        \
         mmvq<T>(w, rows, n_units, a, n_tok, y);                                                                \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARP * MV_WARPS)                                              \
+    name##_group(const u8* w0, int rows0, float* y0, const u8* w1, int rows1, float* y1, const u8* w2, int rows2, \
+                 float* y2, int n_units, const BlockQ8_1* a, int n_tok) {                                      \
+        mmvq_group<T>(w0, rows0, y0, w1, rows1, y1, w2, rows2, y2, n_units, a, n_tok);                          \
     }
 MMVQ(mmvq_q4_0, T_Q4_0)
 MMVQ(mmvq_q4_1, T_Q4_1)
