@@ -269,10 +269,11 @@ expand() {
     table) echo table-1b table-8b table-8b-32k ;;
     # The table's prefill column: real prompts at each depth, the time to open the sessions.
     prefill) echo prefill-1b prefill-1b-32k prefill-8b prefill-8b-32k ;;
-    # What a session lent 15 minutes of device time runs in its first call (~4.5 minutes on an
-    # H200): every test, the 1B shape's speed and serving, and 16 x 8K of the 8B shape over
-    # the mirror; then `table-1b` in a call of its own.
-    session) echo "$(expand tests)" speed-1b serve-bench-1b serve-8b-16x8k ;;
+    # What a session lent 15 minutes of device time runs in its first call (~6 minutes on an
+    # H200): every test, the 1B shape's speed and serving, 16 x 8K of the 8B shape over the
+    # mirror, and the 1B shape's prefill at 1K and 8K (the prefill attention kernel); then
+    # `table-1b` or `prefill-1b-32k` in a call of its own.
+    session) echo "$(expand tests)" speed-1b serve-bench-1b serve-8b-16x8k prefill-1b ;;
     *) echo "$1" ;;
   esac
 }
