@@ -20,7 +20,9 @@
 #
 # Steps named alone: ncu-attention (Nsight Compute on the decode attention kernel at depth 8K),
 # speed-1b-host, serve-bench-1b-host, serve-1b-8k-host (no KV mirror, for
-# comparison), speed-1b-pool-default (activations' memory handed back at every step), serve-bench-1b-mv64 (decode batches of up to 64 rows through the
+# comparison), speed-1b-pool-default (activations' memory handed back at every step),
+# serve-bench-1b-no-mmq and serve-bench-8b-no-mmq (decode batches of 9-64 rows on cuBLAS, not
+# mmq), serve-bench-1b-mv64 (decode batches of up to 64 rows through the
 # matrix-vector kernels, in passes of 16, for comparison), serve-1b-8k-host-writes (the host, not the GPU, writing K/V into the arenas)
 # and serve-1b-8k-f32-prefill (prefill attention without the tensor cores), each against
 # serve-1b-8k, serve-8b-16x8k (over the mirror: GPU-only against hybrid), speed-moe and
@@ -344,6 +346,11 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # Prefill attention in f32 (attn_prefill), as before the tensor-core kernel took it
     # (attn_prefill_mma): against serve-1b-8k, whose 16 x 8K prompts it dominates.
     serve-1b-8k-f32-prefill) step serve-1b-8k-f32-prefill env DUET_CUDA_PREFILL_MMA=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
+    # Decode batches of 9-64 rows through cuBLAS on weights dequantised to f16 every step, as
+    # before mmq took them (the integer tensor cores on the quantised weights): against
+    # serve-bench-1b, and the same for the 8B shape against serve-bench-8b.
+    serve-bench-1b-no-mmq) step serve-bench-1b-no-mmq env DUET_CUDA_MMQ=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;
+    serve-bench-8b-no-mmq) step serve-bench-8b-no-mmq env DUET_CUDA_MMQ=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.1-8b q4_k_m)" 12G ;;
     # Decode batches of 9-64 rows through the matrix-vector kernels (passes of 16 rows), as
     # before MV_PASS_ROWS went back to 8 (2026-11-28: 2.6x slower at 64 rows on the H200).
     serve-bench-1b-mv64) step serve-bench-1b-mv64 env DUET_CUDA_MV_ROWS=64 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G ;;

@@ -139,6 +139,39 @@ inline float __uint_as_float(unsigned u) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+// common.cuh's mma_s8_16816 (PTX mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32): every lane
+// hands in its fragments (A: a[0] row g, a[1] row g + 8, columns 4t..4t + 3; B: rows 4t..4t + 3
+// of column g; four int8 to a word, the lowest k in the low byte), then each computes its four
+// elements of d += A · B exactly (int32 sums).
+inline void host_mma_s8_16816(int (&d)[4], const uint32_t (&a)[2], uint32_t b) {
+    unsigned t = host_cuda::linear_thread(), warp = t / 32, lane = t % 32;
+    if (host_cuda::live[warp].load() != 32) {
+        fprintf(stderr, "mma with %d live lanes in warp %u\n", host_cuda::live[warp].load(), warp);
+        abort();
+    }
+    auto& ex = host_cuda::mma_exchange[warp];
+    ex[lane][0] = a[0];
+    ex[lane][1] = a[1];
+    ex[lane][4] = b;
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    int A[16][16], B[16][8];
+    auto byte = [](uint32_t w, int i) { return (int)(int8_t)(uint8_t)(w >> (8 * i)); };
+    for (unsigned l = 0; l < 32; l++) {
+        unsigned g = l / 4, q = l % 4;
+        for (int i = 0; i < 4; i++) {
+            A[g][4 * q + i] = byte(ex[l][0], i);
+            A[g + 8][4 * q + i] = byte(ex[l][1], i);
+            B[4 * q + i][g] = byte(ex[l][4], i);
+        }
+    }
+    host_cuda::warp_barriers[warp]->arrive_and_wait();
+    unsigned g = lane / 4, q = lane % 4;
+    for (int e = 0; e < 4; e++) {
+        unsigned row = g + 8 * (e / 2), col = 2 * q + e % 2;
+        for (int k = 0; k < 16; k++) d[e] += A[row][k] * B[k][col];
+    }
+}
+
 // common.cuh's ldmatrix_x4_trans (PTX ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16): every
 // lane hands in its row's address (lanes 8i..8i + 7: matrix i's rows 0..7), then each takes
 // elements (2 (lane % 4), lane / 4) and (2 (lane % 4) + 1, lane / 4) of each matrix.

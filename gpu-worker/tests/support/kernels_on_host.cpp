@@ -8,8 +8,9 @@
 //     attn_partial and attn_merge over the single items given, as `KvMirror::launch` does;
 //     out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
-//   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y, then y
-//     again from mmvq_*_group with the rows as three weights, then as two.
+//   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y, then
+//     (when asked) y from mmq (the integer tensor cores), then y again from mmvq_*_group with the rows as
+//     three weights, then as two.
 //   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
 //     into y, as `GpuExperts::add_outputs` does; out: the gathered rows, then y.
 //   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
@@ -105,7 +106,7 @@ static void argmax() {
 // mmvq kernel, launched as `Launcher::linear` launches them for decode-sized batches; then
 // its mmvq_*_group kernel over the same rows as three weights and as two.
 static void matvec() {
-    int ty = read_one<int>(), rows = read_one<int>(), cols = read_one<int>(), n_tok = read_one<int>();
+    int ty = read_one<int>(), rows = read_one<int>(), cols = read_one<int>(), n_tok = read_one<int>(), with_mmq = read_one<int>();
     auto w = read_vec<u8>((size_t)read_one<int>());
     auto x = read_vec<float>((size_t)n_tok * cols);
     int units = n_tok * cols / 32, row_units = cols / 32;
@@ -113,7 +114,13 @@ static void matvec() {
     std::vector<float> y((size_t)n_tok * rows, NAN);
     launch(dim3{(unsigned)(units + MV_WARPS - 1) / MV_WARPS}, dim3{32, MV_WARPS}, [&] { quantize_q8_1(x.data(), q.data(), units); });
     dim3 grid{(unsigned)(rows + MV_WARPS - 1) / MV_WARPS}, block{32, MV_WARPS};
-    auto run = [&](auto kernel) { launch(grid, block, [&] { kernel(w.data(), rows, row_units, q.data(), n_tok, y.data()); }); };
+    // In passes of MV_MAX_TOK activation rows, as the device launches them.
+    auto run = [&](auto kernel) {
+        for (int t0 = 0; t0 < n_tok; t0 += MV_MAX_TOK) {
+            int nt = std::min(MV_MAX_TOK, n_tok - t0);
+            launch(grid, block, [&] { kernel(w.data(), rows, row_units, q.data() + (size_t)t0 * row_units, nt, y.data() + (size_t)t0 * rows); });
+        }
+    };
     switch (ty) {
         case T_Q4_0: run(mmvq_q4_0); break;
         case T_Q4_1: run(mmvq_q4_1); break;
@@ -126,6 +133,32 @@ static void matvec() {
         default: exit(4);
     }
     write_vec(y);
+    // With `with_mmq`, mmq on the emulated integer tensor cores (batches of 9..64 rows on
+    // the device; the emulation's barriers make it slow to run here).
+    // Batches of 9 rows or more split over the units, 8 a split (the last one part empty
+    // where 8 does not divide them), and their partial sums added by mmq_reduce.
+    std::vector<float> ym((size_t)n_tok * rows, NAN);
+    int per_split = n_tok > 8 ? 8 : row_units, splits = (row_units + per_split - 1) / per_split;
+    auto run_mmq = [&](auto kernel) {
+        std::vector<float> part((size_t)splits * n_tok * rows, NAN);
+        float* out = splits > 1 ? part.data() : ym.data();
+        launch(dim3{(unsigned)(rows + MQ_ROWS - 1) / MQ_ROWS, (unsigned)splits}, dim3{MQ_WARPS * WARP},
+               [&] { kernel(w.data(), rows, row_units, q.data(), n_tok, out, per_split); });
+        int n = n_tok * rows;
+        if (splits > 1) launch(dim3{(unsigned)(n + 127) / 128}, dim3{128}, [&] { mmq_reduce(part.data(), splits, n, ym.data()); });
+    };
+    if (with_mmq) switch (ty) {
+        case T_Q4_0: run_mmq(mmq_q4_0); break;
+        case T_Q4_1: run_mmq(mmq_q4_1); break;
+        case T_Q5_0: run_mmq(mmq_q5_0); break;
+        case T_Q5_1: run_mmq(mmq_q5_1); break;
+        case T_Q8_0: run_mmq(mmq_q8_0); break;
+        case T_Q4_K: run_mmq(mmq_q4_k); break;
+        case T_Q5_K: run_mmq(mmq_q5_k); break;
+        case T_Q6_K: run_mmq(mmq_q6_k); break;
+        default: exit(4);
+    }
+    if (with_mmq) write_vec(ym);
     // The same rows as three weights, then as two, in one launch of mmvq_*_group (as
     // `Launcher::linear_group` launches a layer's Q, K and V or its gate and up); each part's
     // outputs written back into y's layout. Splits off the warps' blocks of MV_WARPS rows.
@@ -138,10 +171,13 @@ static void matvec() {
         const u8* wp[3] = {w.data(), w.data() + row_bytes * r[0], w.data() + row_bytes * (r[0] + r[1])};
         dim3 g{(unsigned)(rows + MV_WARPS - 1) / MV_WARPS};
         auto run_group = [&](auto kernel) {
-            launch(g, block, [&] {
-                kernel(wp[0], r[0], ys[0].data(), wp[1], r[1], ys[1].data(), parts == 3 ? wp[2] : nullptr, parts == 3 ? r[2] : 0,
-                       parts == 3 ? ys[2].data() : nullptr, row_units, q.data(), n_tok);
-            });
+            for (int t0 = 0; t0 < n_tok; t0 += MV_MAX_TOK) {
+                int nt = std::min(MV_MAX_TOK, n_tok - t0);
+                launch(g, block, [&] {
+                    kernel(wp[0], r[0], ys[0].data() + (size_t)t0 * r[0], wp[1], r[1], ys[1].data() + (size_t)t0 * r[1], parts == 3 ? wp[2] : nullptr,
+                           parts == 3 ? r[2] : 0, parts == 3 ? ys[2].data() + (size_t)t0 * r[2] : nullptr, row_units, q.data() + (size_t)t0 * row_units, nt);
+                });
+            }
         };
         switch (ty) {
             case T_Q4_0: run_group(mmvq_q4_0_group); break;

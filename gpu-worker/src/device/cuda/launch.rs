@@ -28,6 +28,14 @@ pub const MV_MAX_TOK: usize = 16;
 /// for 16 and 3.63 ms for 64 through cuBLAS. `DUET_CUDA_MV_ROWS` overrides it, for comparing
 /// the two.
 pub const MV_PASS_ROWS: usize = 8;
+/// The most activation rows an `mmq_*` launch takes (`MQ_TOK` in matvec.cu): decode batches
+/// of `MV_PASS_ROWS` + 1 to 64 rows run on the integer tensor cores on the quantised weights,
+/// each weight read once, where cuBLAS wrote every weight out as f16 first (the 8B shape's
+/// 4.7 GB as 15 GB a step).
+pub const MQ_TOK: usize = 64;
+/// Weight rows, and threads, of an `mmq_*` block (`MQ_ROWS`, `MQ_WARPS` in matvec.cu).
+const MQ_ROWS: u32 = 64;
+const MQ_THREADS: u32 = 4 * 32;
 /// Warps per block of the matrix-vector and quantisation kernels (`MV_WARPS` in matvec.cu).
 const MV_WARPS: u32 = 4;
 /// Threads per row of `rms_norm` (`NORM_THREADS` in ops.cu).
@@ -113,6 +121,13 @@ pub struct Launcher {
     workspace: Mutex<CudaSlice<u16>>,
     /// [`MV_PASS_ROWS`], or `DUET_CUDA_MV_ROWS`.
     mv_pass_rows: usize,
+    /// Batches above `mv_pass_rows` and up to [`MQ_TOK`] rows take `mmq_*` (the integer tensor
+    /// cores, on the quantised weights) rather than cuBLAS on weights dequantised to f16: on
+    /// sm_80 and later unless `DUET_CUDA_MMQ=0`.
+    mmq: bool,
+    /// The GPU's multiprocessors: an `mmq_*` launch splits a narrow weight's units until it
+    /// has two blocks for each.
+    sm_count: usize,
 }
 
 #[cfg(test)]
@@ -122,10 +137,25 @@ impl Launcher {
     pub(super) fn set_mv_pass_rows(&mut self, rows: usize) {
         self.mv_pass_rows = rows;
     }
+
+    /// Whether batches of up to [`MQ_TOK`] rows take `mmq_*` (the twins check both ways).
+    pub(super) fn set_mmq(&mut self, on: bool) {
+        self.mmq = on && self.kernels.arch >= 80;
+    }
 }
 
 fn grid_1d(n: usize) -> LaunchConfig {
     LaunchConfig::for_num_elems(n as u32)
+}
+
+/// How an `mmq_*` launch of `blocks` blocks of rows splits a weight's `n_units` units: units
+/// a split (whole stages of 4) and splits, enough for `target` blocks, each split at least two
+/// stages.
+fn mmq_splits(blocks: usize, n_units: usize, target: usize) -> (usize, usize) {
+    let most = n_units.div_ceil(8).max(1);
+    let splits = target.div_ceil(blocks.max(1)).clamp(1, most);
+    let per_split = n_units.div_ceil(splits).next_multiple_of(4);
+    (per_split, n_units.div_ceil(per_split))
 }
 
 fn mv_config(rows: usize) -> LaunchConfig {
@@ -143,7 +173,9 @@ impl Launcher {
             })?,
             Err(_) => MV_PASS_ROWS,
         };
-        Ok(Launcher { stream, kernels, blas, workspace, mv_pass_rows })
+        let mmq = kernels.arch >= 80 && std::env::var("DUET_CUDA_MMQ").map_or(true, |v| v != "0");
+        let sms = stream.context().attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        Ok(Launcher { stream, kernels, blas, workspace, mv_pass_rows, mmq, sm_count: sms.max(1) as usize })
     }
 
     /// The loaded kernels (for launches outside this file: the KV mirror's).
@@ -182,6 +214,35 @@ impl Launcher {
                 // SAFETY: the arguments match mmvq's signature; sizes were checked at upload;
                 // x holds nt rows of units Q8_1 units, out nt rows of w.rows.
                 unsafe { b.launch(mv_config(w.rows)) }?;
+            }
+            return Ok(y);
+        }
+        if let (Some(suffix), true) = (quant_suffix(w.ty), self.takes_mmq(w, acts.n)) {
+            let (n_units, n) = (w.cols / 32, acts.n);
+            let (units, nt) = (n_units as i32, n as i32);
+            let blocks = w.rows.div_ceil(MQ_ROWS as usize);
+            let (per_split, splits) = mmq_splits(blocks, n_units, 2 * self.sm_count);
+            let per_split_i = per_split as i32;
+            let cfg = LaunchConfig { grid_dim: (blocks as u32, splits as u32, 1), block_dim: (MQ_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: mmq writes every partial sum of its splits.
+            let mut part = if splits > 1 { Some(unsafe { self.stream.alloc::<f32>(splits * n * w.rows) }?) } else { None };
+            let q8 = self.q8(acts)?;
+            let mut b = self.stream.launch_builder(self.f(&format!("mmq_{suffix}"))?);
+            b.arg(&w.data).arg(&rows).arg(&units).arg(q8).arg(&nt);
+            match part.as_mut() {
+                Some(p) => b.arg(p),
+                None => b.arg(&mut y),
+            };
+            b.arg(&per_split_i);
+            // SAFETY: the arguments match mmq's signature; q8 holds n (<= MQ_TOK) rows of
+            // n_units Q8_1 units; its output holds n rows of w.rows for each split.
+            unsafe { b.launch(cfg) }?;
+            if let Some(p) = &part {
+                let (splits_i, total) = (splits as i32, (n * w.rows) as i32);
+                let mut b = self.stream.launch_builder(self.f("mmq_reduce")?);
+                b.arg(p).arg(&splits_i).arg(&total).arg(&mut y);
+                // SAFETY: p holds `splits` partial sums of y's n * w.rows values.
+                unsafe { b.launch(grid_1d(n * w.rows)) }?;
             }
             return Ok(y);
         }
@@ -400,7 +461,13 @@ impl Launcher {
     /// Whether a product of `n` activation rows with `w` runs the matrix-vector kernels on
     /// Q8_1 units (else cuBLAS, or the float kernels).
     pub fn takes_q8(&self, w: &GpuWeight, n: usize) -> bool {
-        quant_suffix(w.ty).is_some() && n <= self.mv_pass_rows && w.cols.is_multiple_of(32)
+        quant_suffix(w.ty).is_some() && (n <= self.mv_pass_rows || self.takes_mmq(w, n)) && w.cols.is_multiple_of(32)
+    }
+
+    /// Whether a product of `n` activation rows with `w` runs `mmq_*`: a quantised weight, a
+    /// batch over the matrix-vector kernels' rows and within [`MQ_TOK`].
+    fn takes_mmq(&self, w: &GpuWeight, n: usize) -> bool {
+        self.mmq && quant_suffix(w.ty).is_some() && n > self.mv_pass_rows && n <= MQ_TOK && w.cols.is_multiple_of(32)
     }
 
     /// [`Launcher::rms_norm`] of `x`'s rows fused with what surrounds it in a decode layer, in
@@ -597,5 +664,28 @@ impl Launcher {
         // named is a row of y (the caller's routed rows of the layer's batch).
         unsafe { b.launch(grid_1d(rows.len() * cols)) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mmq_splits;
+
+    #[test]
+    fn mmq_splits_a_narrow_weights_units_until_the_gpu_has_two_blocks_a_multiprocessor() {
+        // The 1B shape on an H200 (132 multiprocessors, 264 blocks wanted): K and V (512 rows:
+        // 8 blocks, 64 units) and Q (2 048 rows: 32 blocks) in 8 splits of 8 units; the down
+        // projection (256 units) in 8 of 32; the gate (8 192 rows) in 3 of 24; the LM head
+        // (128 256 rows) whole.
+        assert_eq!(mmq_splits(8, 64, 264), (8, 8));
+        assert_eq!(mmq_splits(32, 64, 264), (8, 8));
+        assert_eq!(mmq_splits(32, 256, 264), (32, 8));
+        assert_eq!(mmq_splits(128, 64, 264), (24, 3));
+        assert_eq!(mmq_splits(2004, 64, 264), (64, 1));
+        // Every unit in exactly one split, whole stages of 4 a split, at least two stages.
+        for (blocks, units) in [(1, 25), (3, 7), (64, 448), (1, 1), (7, 4096)] {
+            let (per, splits) = mmq_splits(blocks, units, 264);
+            assert!(per % 4 == 0 && per >= 4 && (splits - 1) * per < units && splits * per >= units, "{blocks} {units}: {per} x {splits}");
+        }
     }
 }

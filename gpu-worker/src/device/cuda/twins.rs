@@ -11,7 +11,7 @@ use half::f16;
 use rand::{Rng, SeedableRng};
 
 use super::kernels::Kernels;
-use super::launch::{Acts, GpuWeight, Launcher, MV_MAX_TOK, MV_PASS_ROWS};
+use super::launch::{Acts, GpuWeight, Launcher, MQ_TOK, MV_MAX_TOK, MV_PASS_ROWS};
 use super::probe;
 use crate::device::model::Weight;
 
@@ -137,15 +137,19 @@ fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
     let Some(mut k) = launcher() else { return };
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let (rows, cols) = (67, 768);
-    // The default rule, and passes of MV_MAX_TOK rows up to 64 (DUET_CUDA_MV_ROWS=64).
-    for (ty, pass_rows) in TYPES.iter().flat_map(|&ty| [(ty, MV_PASS_ROWS), (ty, 4 * MV_MAX_TOK)]) {
+    // The default rule (batches of 9..64 rows on mmq), the same with cuBLAS for them
+    // (DUET_CUDA_MMQ=0), and passes of MV_MAX_TOK rows up to 64 (DUET_CUDA_MV_ROWS=64).
+    for (ty, pass_rows, mmq) in TYPES.iter().flat_map(|&ty| [(ty, MV_PASS_ROWS, true), (ty, MV_PASS_ROWS, false), (ty, 4 * MV_MAX_TOK, false)]) {
         k.set_mv_pass_rows(pass_rows);
+        k.set_mmq(mmq);
+        let mmq = mmq && k.kernels().arch >= 80;
         let data = random_weight(ty, rows, cols, &mut rng);
         let wf = dequant_rows(ty, &data, rows, cols);
         let w = upload(&k, ty, rows, cols, &data);
         // MV_MAX_TOK + 5 rows: under passes of 64, two matrix-vector launches for quantised
-        // weights; 70: cuBLAS for every type.
-        for n in [1, 3, MV_PASS_ROWS, MV_PASS_ROWS + 1, MV_MAX_TOK, MV_MAX_TOK + 5, 70] {
+        // weights; 40 and MQ_TOK: mmq's tiles, the last part empty and all full; 70: cuBLAS
+        // for every type.
+        for n in [1, 3, MV_PASS_ROWS, MV_PASS_ROWS + 1, MV_MAX_TOK, MV_MAX_TOK + 5, 40, MQ_TOK, 70] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let xd = k.stream.clone_htod(&x).unwrap();
             let got = down(&k, &k.linear(&w, &mut Acts::new(&xd, n, cols)).unwrap());
@@ -174,9 +178,10 @@ fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
             }
             let abs_dot = |r: usize, t: usize| -> f64 { (0..cols).map(|c| (wf[r * cols + c] as f64 * x[t * cols + c] as f64).abs()).sum() };
             let float_slack = |r: usize, t: usize| 1e-5 * abs_dot(r, t) + 1e-6;
+            let on_mmq = quantised && mmq && n > mv_rows && n <= MQ_TOK;
             if n > mv_rows && ty == GgmlType::F32 {
                 check_product(&format!("{ty:?} sgemm n={n}"), &got, &wf, &x, rows, cols, float_slack);
-            } else if n > mv_rows {
+            } else if n > mv_rows && !on_mmq {
                 // cuBLAS on f16 weights and activations: each product off by two f16 roundings.
                 check_product(&format!("{ty:?} gemm n={n}"), &got, &wf, &x, rows, cols, |r, t| 2.0 * 2f64.powi(-11) * abs_dot(r, t) + float_slack(r, t));
             } else if quantised {
@@ -193,7 +198,7 @@ fn linear_layers_match_the_exact_product_within_their_rounding_bound() {
                         * 1.001
                         + float_slack(r, t)
                 };
-                check_product(&format!("{ty:?} mmvq n={n}"), &got, &wf, &x, rows, cols, bound);
+                check_product(&format!("{ty:?} {} n={n}", if on_mmq { "mmq" } else { "mmvq" }), &got, &wf, &x, rows, cols, bound);
             } else {
                 check_product(&format!("{ty:?} mv n={n}"), &got, &wf, &x, rows, cols, float_slack);
             }

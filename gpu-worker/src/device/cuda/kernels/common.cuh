@@ -90,6 +90,27 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], cons
 }
 #endif
 
+// d += A · B on the integer tensor cores, for the whole warp (PTX
+// mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32; sm_80 and later: its callers are launched
+// only there). Four int8 to a word, the lowest k in the low byte; with g = lane / 4, t = lane %
+// 4: A (16 x 16) a[0] = row g, a[1] = row g + 8, each of columns 4t..4t + 3; B (16 x 8) b = rows
+// 4t..4t + 3 of column g; d (16 x 8) as mma_16816's.
+#ifdef DUET_HOST
+__device__ __forceinline__ void mma_s8_16816(int (&d)[4], const u32 (&a)[2], u32 b) {
+    host_mma_s8_16816(d, a, b);
+}
+#else
+__device__ __forceinline__ void mma_s8_16816(int (&d)[4], const u32 (&a)[2], u32 b) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b));
+#else
+    __trap();
+#endif
+}
+#endif
+
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: four 8 x 8 matrices of f16 from shared
 // memory, each transposed into the warp's registers. Lanes 8i..8i + 7 give the addresses of
 // matrix i's rows (16 bytes each, 16-byte aligned); lane l receives in r[i] matrix i's elements
