@@ -142,9 +142,10 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mm
         pages.extend(t.iter().map(|&p| p as i32));
     }
     // Prefill rows in tiles: sequence 2's last 50 rows over their causal prefixes, sequence
-    // 1's last 10 rows within a sliding window of 16, sequence 2's rows 200..260 within one of
-    // 40 (a tile's warps then attend different stages of K/V) (tiles of up to `per_tile` rows,
-    // as the kernel takes them, the last one short), and a tile of one row.
+    // 1's last 10 rows within a sliding window of 16, for the tensor-core kernel sequence 2's
+    // rows 200..260 within one of 40 (a tile's warps then attend different stages of K/V)
+    // (tiles of up to `per_tile` rows, as the kernel takes them, the last one short), and a
+    // tile of one row.
     let mut ranges = Vec::new();
     let per_tile = if mma { 64 / group } else { (32 / group).min(4096 / (group * head_dim)) };
     let mut tiles = Vec::new();
@@ -156,7 +157,9 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mm
     };
     tile_rows(&mut ranges, 2, (250..300).map(|p| 0..p + 1).collect(), per_tile);
     tile_rows(&mut ranges, 1, (60..70).map(|p| p + 1 - 16..p + 1).collect(), per_tile);
-    tile_rows(&mut ranges, 2, (200..260).map(|p| p + 1 - 40..p + 1).collect(), per_tile);
+    if mma {
+        tile_rows(&mut ranges, 2, (200..260).map(|p| p + 1 - 40..p + 1).collect(), per_tile);
+    }
     tile_rows(&mut ranges, 0, (2..3).map(|p| 0..p + 1).collect(), 1);
     // Single items after them (so that their merge writes the slots `dest` names, not its
     // own indices): whole contexts, shares of them, one position, none.
@@ -296,17 +299,17 @@ fn the_decode_matrix_vector_kernels_are_within_their_rounding_bound_of_the_exact
             dequantize(ty, &w[r * ty.row_bytes(cols)..(r + 1) * ty.row_bytes(cols)], o).unwrap();
         }
         // mmq at 3 rows (one tile of 8, part empty) and 37 (the device's batches of 9..64:
-        // five tiles, the last part empty); not at every size, the emulation being slow (the
-        // GPU twins take 9..64 rows to it on a GPU).
+        // five tiles, the last part empty); the grouped launches at 3 and 16 (a whole pass);
+        // not at every size, the emulation being slow (the GPU twins take them on a GPU).
         for n in [1, 3, 8, 16, 37] {
-            let mmq = matches!(n, 3 | 37);
+            let (mmq, groups) = (matches!(n, 3 | 37), matches!(n, 3 | 16));
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
             let mut input = Input::default();
-            input.i32(3).i32(ty.id() as usize).i32(rows).i32(cols).i32(n).i32(usize::from(mmq)).i32(w.len());
+            input.i32(3).i32(ty.id() as usize).i32(rows).i32(cols).i32(n).i32(usize::from(mmq) | (2 * usize::from(groups))).i32(w.len());
             input.0.extend(&w);
             input.f32s(&x);
             let all: Vec<f32> = run(exe, &input).iter().map(|b| f32::from_le_bytes(*b)).collect();
-            let outs = if mmq { 4 } else { 3 };
+            let outs = 1 + usize::from(mmq) + 2 * usize::from(groups);
             assert_eq!(all.len(), outs * n * rows, "y, y of mmq (if asked), then y of the grouped launches over three and two weights");
             let (y, rest) = all.split_at(n * rows);
             let (y_mmq, grouped) = rest.split_at(if mmq { n * rows } else { 0 });

@@ -9,8 +9,8 @@
 //     out: every item's output rows and log-sum-exps.
 //   2 argmax_rows; out: each row's index.
 //   3 quantize_q8_1 and an mmvq kernel (decode-sized matrix-vector products); out: y, then
-//     (when asked) y from mmq (the integer tensor cores), then y again from mmvq_*_group with the rows as
-//     three weights, then as two.
+//     (when asked) y from mmq (the integer tensor cores), then (when asked) y again from
+//     mmvq_*_group with the rows as three weights, then as two.
 //   4 a hot expert's rows on the GPU: gather_rows of x, then scatter_add_scaled of an output
 //     into y, as `GpuExperts::add_outputs` does; out: the gathered rows, then y.
 //   5 kv_to_arena: rows' K and V of one layer into an arena (a byte buffer whose every byte
@@ -29,6 +29,8 @@
 //     `KvMirror::read_in_place` does; out: the pool.
 
 #include "cuda_on_host.h"
+
+#include <type_traits>
 
 #include "types.cuh"
 #include "common.cuh"
@@ -102,11 +104,30 @@ static void argmax() {
     write_vec(out);
 }
 
+// Calls `f` with the quantised weight type `ty` as a compile-time constant (the kernels'
+// template argument); exits on any other type.
+template <class F>
+static void with_type(int ty, F f) {
+    switch (ty) {
+        case T_Q4_0: f(std::integral_constant<int, T_Q4_0>{}); break;
+        case T_Q4_1: f(std::integral_constant<int, T_Q4_1>{}); break;
+        case T_Q5_0: f(std::integral_constant<int, T_Q5_0>{}); break;
+        case T_Q5_1: f(std::integral_constant<int, T_Q5_1>{}); break;
+        case T_Q8_0: f(std::integral_constant<int, T_Q8_0>{}); break;
+        case T_Q4_K: f(std::integral_constant<int, T_Q4_K>{}); break;
+        case T_Q5_K: f(std::integral_constant<int, T_Q5_K>{}); break;
+        case T_Q6_K: f(std::integral_constant<int, T_Q6_K>{}); break;
+        default: exit(4);
+    }
+}
+
 // Activation rows quantised to Q8_1 units (quantize_q8_1), then the quantised weight type's
 // mmvq kernel, launched as `Launcher::linear` launches them for decode-sized batches; then
 // its mmvq_*_group kernel over the same rows as three weights and as two.
 static void matvec() {
-    int ty = read_one<int>(), rows = read_one<int>(), cols = read_one<int>(), n_tok = read_one<int>(), with_mmq = read_one<int>();
+    int ty = read_one<int>(), rows = read_one<int>(), cols = read_one<int>(), n_tok = read_one<int>(), extras = read_one<int>();
+    // extras: 1 also mmq, 2 also the grouped launches (each slow to emulate).
+    bool with_mmq = extras & 1, with_groups = extras & 2;
     auto w = read_vec<u8>((size_t)read_one<int>());
     auto x = read_vec<float>((size_t)n_tok * cols);
     int units = n_tok * cols / 32, row_units = cols / 32;
@@ -121,17 +142,7 @@ static void matvec() {
             launch(grid, block, [&] { kernel(w.data(), rows, row_units, q.data() + (size_t)t0 * row_units, nt, y.data() + (size_t)t0 * rows); });
         }
     };
-    switch (ty) {
-        case T_Q4_0: run(mmvq_q4_0); break;
-        case T_Q4_1: run(mmvq_q4_1); break;
-        case T_Q5_0: run(mmvq_q5_0); break;
-        case T_Q5_1: run(mmvq_q5_1); break;
-        case T_Q8_0: run(mmvq_q8_0); break;
-        case T_Q4_K: run(mmvq_q4_k); break;
-        case T_Q5_K: run(mmvq_q5_k); break;
-        case T_Q6_K: run(mmvq_q6_k); break;
-        default: exit(4);
-    }
+    with_type(ty, [&](auto T) { run([](auto... a) { mmvq<decltype(T)::value>(a...); }); });
     write_vec(y);
     // With `with_mmq`, mmq on the emulated integer tensor cores (batches of 9..64 rows on
     // the device; the emulation's barriers make it slow to run here).
@@ -147,23 +158,14 @@ static void matvec() {
         int n = n_tok * rows;
         if (splits > 1) launch(dim3{(unsigned)(n + 127) / 128}, dim3{128}, [&] { mmq_reduce(part.data(), splits, n, ym.data()); });
     };
-    if (with_mmq) switch (ty) {
-        case T_Q4_0: run_mmq(mmq_q4_0); break;
-        case T_Q4_1: run_mmq(mmq_q4_1); break;
-        case T_Q5_0: run_mmq(mmq_q5_0); break;
-        case T_Q5_1: run_mmq(mmq_q5_1); break;
-        case T_Q8_0: run_mmq(mmq_q8_0); break;
-        case T_Q4_K: run_mmq(mmq_q4_k); break;
-        case T_Q5_K: run_mmq(mmq_q5_k); break;
-        case T_Q6_K: run_mmq(mmq_q6_k); break;
-        default: exit(4);
-    }
+    if (with_mmq) with_type(ty, [&](auto T) { run_mmq([](auto... a) { mmq<decltype(T)::value>(a...); }); });
     if (with_mmq) write_vec(ym);
     // The same rows as three weights, then as two, in one launch of mmvq_*_group (as
     // `Launcher::linear_group` launches a layer's Q, K and V or its gate and up); each part's
     // outputs written back into y's layout. Splits off the warps' blocks of MV_WARPS rows.
     size_t row_bytes = w.size() / rows;
     for (int parts : {3, 2}) {
+        if (!with_groups) break;
         int r[3] = {rows / 3 + 1, parts == 3 ? rows / 3 - 2 : rows - rows / 3 - 1, 0};
         r[2] = rows - r[0] - r[1];
         std::vector<float> ys[3];
@@ -179,17 +181,7 @@ static void matvec() {
                 });
             }
         };
-        switch (ty) {
-            case T_Q4_0: run_group(mmvq_q4_0_group); break;
-            case T_Q4_1: run_group(mmvq_q4_1_group); break;
-            case T_Q5_0: run_group(mmvq_q5_0_group); break;
-            case T_Q5_1: run_group(mmvq_q5_1_group); break;
-            case T_Q8_0: run_group(mmvq_q8_0_group); break;
-            case T_Q4_K: run_group(mmvq_q4_k_group); break;
-            case T_Q5_K: run_group(mmvq_q5_k_group); break;
-            case T_Q6_K: run_group(mmvq_q6_k_group); break;
-            default: exit(4);
-        }
+        with_type(ty, [&](auto T) { run_group([](auto... a) { mmvq_group<decltype(T)::value>(a...); }); });
         // With two parts the third's rows were none of the launch's: the second's NaN stays
         // where the rows past r[0] + r[1] are (there are none: r[1] takes the rest).
         std::vector<float> yg((size_t)n_tok * rows, NAN);

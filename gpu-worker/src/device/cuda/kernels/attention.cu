@@ -645,20 +645,14 @@ __device__ __forceinline__ void attn_prefill_mma_body(u16* kv_s, int* lo, int* h
 
 // The two entry points: one body, its fragments sized for heads of up to 64 or 128 values
 // (registers, and shared memory: two stages of 2 x 32 rows, 18 or 34 KiB).
-extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)
-attn_prefill_mma64(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
-                   int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
-    __shared__ uint4 kv_s[2 * PFM_STAGE(64) / 8];
-    __shared__ int lo[PFM_QUERIES], hi[PFM_QUERIES];
-    attn_prefill_mma_body<64>((u16*)kv_s, lo, hi, q, pool, page_elems, layer, pages, items, tiles, n_kv_head, head_dim, group, page_size, scale,
-                              softcap, out, lse);
-}
-
-extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)
-attn_prefill_mma128(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles,
-                    int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {
-    __shared__ uint4 kv_s[2 * PFM_STAGE(128) / 8];
-    __shared__ int lo[PFM_QUERIES], hi[PFM_QUERIES];
-    attn_prefill_mma_body<128>((u16*)kv_s, lo, hi, q, pool, page_elems, layer, pages, items, tiles, n_kv_head, head_dim, group, page_size, scale,
-                               softcap, out, lse);
-}
+#define PFM_ENTRY(name, maxd)                                                                                             \
+    extern "C" __global__ void __launch_bounds__(PFM_WARPS * WARP)                                                        \
+    name(const float* q, const u16* pool, long long page_elems, int layer, const int* pages, const int* items, const int* tiles, \
+         int n_kv_head, int head_dim, int group, int page_size, float scale, float softcap, float* out, float* lse) {     \
+        __shared__ uint4 kv_s[2 * PFM_STAGE(maxd) / 8];                                                                   \
+        __shared__ int lo[PFM_QUERIES], hi[PFM_QUERIES];                                                                  \
+        attn_prefill_mma_body<maxd>((u16*)kv_s, lo, hi, q, pool, page_elems, layer, pages, items, tiles, n_kv_head, head_dim, group, \
+                                    page_size, scale, softcap, out, lse);                                                 \
+    }
+PFM_ENTRY(attn_prefill_mma64, 64)
+PFM_ENTRY(attn_prefill_mma128, 128)
