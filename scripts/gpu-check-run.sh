@@ -344,7 +344,7 @@ for s in $(for g in $steps; do expand "$g"; done); do
     # stores 128K positions' rows.
     serve-1b-8k-host-writes) step serve-1b-8k-host-writes env DUET_CUDA_ARENA_WRITES=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
     # Prefill attention in f32 (attn_prefill), as before the tensor-core kernel took it
-    # (attn_prefill_mma): against serve-1b-8k, whose 16 x 8K prompts it dominates.
+    # (attn_prefill_mma64/128): against serve-1b-8k, whose 16 x 8K prompts it dominates.
     serve-1b-8k-f32-prefill) step serve-1b-8k-f32-prefill env DUET_CUDA_PREFILL_MMA=0 bash -c 'serve_bench "$@"' _ "$(model llama-3.2-1b q4_k_m)" 8G 8192 1,16 ;;
     # Decode batches of 9-64 rows through cuBLAS on weights dequantised to f16 every step, as
     # before mmq took them (the integer tensor cores on the quantised weights): against

@@ -10,12 +10,14 @@
 //!   cap; and `attn_prefill` on tiles of prefill rows over their causal prefixes, with and
 //!   without a sliding window, beside them (each writing its items' slots): against the exact
 //!   attention (f64) of the same f16 K/V, outputs within 2e-6, log-sum-exps within 2e-6
-//!   relative; and `attn_prefill_mma` on the same tiles, its `mma.sync` emulated;
+//!   relative; and `attn_prefill_mma64`/`128` on such tiles, their `mma.sync` and `ldmatrix` emulated;
 //! - `argmax_rows` against the host's greedy sampler (`sampler::argmax`): ties, NaNs,
 //!   nothing above minus infinity;
 //! - `quantize_q8_1` and the `mmvq_*` kernels of every quantised weight type (decode-sized
-//!   products of 1, 3, 8 and 16 rows) within the rounding bound of their Q8_1 activations of the
-//!   exact product, as the GPU twin (`twins::linear_layers_...`) bounds them;
+//!   products of 1 to 37 rows) and `mmq_*` (the integer tensor cores' `mma.sync` emulated; 3
+//!   and 37 rows, split over the units and not) within the rounding bound of their Q8_1
+//!   activations of the exact product, as the GPU twin (`twins::linear_layers_...`) bounds
+//!   them; the grouped `mmvq_*_group` launches bit for bit the single ones;
 //! - `gather_rows` and `scatter_add_scaled`, a hot expert's rows on the GPU: exactly;
 //! - `dequant_f16_*` of every quantised weight type (prefill's weights for cuBLAS): bit for
 //!   bit the CPU's dequantisation rounded to f16, for a slice of rows;
@@ -107,7 +109,7 @@ const LENS: [usize; 3] = [5, 70, 300];
 
 /// Runs the kernels on one shape and compares with the exact attention; the largest output
 /// and log-sum-exp differences.
-/// With `mma` the tiles run `attn_prefill_mma`, whose Q is rounded to f16: so is the
+/// With `mma` the tiles run `attn_prefill_mma64` or `128`, whose Q is rounded to f16: so is the
 /// reference's then.
 fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mma: bool, seed: u64) -> (f64, f64) {
     let Shape { n_kv_head, group, head_dim } = *shape;
