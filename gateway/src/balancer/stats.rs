@@ -359,13 +359,12 @@ impl StepStats {
             let borrow = (own.samples_at(x) < WARM && other.samples_at(x) >= WARM) || (!own.any_warm() && other.any_warm());
             if borrow { other.coefficients_at(x) } else { own.coefficients_at(x) }
         };
-        let (mut lf, mut lt) = line(&self.linear, &self.linear_local);
-        let mut local = Some(line(&self.linear_local, &self.linear));
-        if prefill_pairs > 0 {
+        let ((lf, lt), local) = if prefill_pairs > 0 {
             let (pf, pt) = self.linear_prefill.coefficients();
-            (lf, lt) = (pf + self.prefill_attention.predict(prefill_pairs as f64).max(0.0), pt);
-            local = None;
-        }
+            ((pf + self.prefill_attention.predict(prefill_pairs as f64).max(0.0), pt), None)
+        } else {
+            (line(&self.linear, &self.linear_local), Some(line(&self.linear_local, &self.linear)))
+        };
         let (_, ga) = self.gpu_attention.coefficients();
         let (cpu_fixed, mut cpu_attn_per_pos): (Vec<f64>, Vec<f64>) = self.cpu_attention.iter().map(LinearFit::coefficients).unzip();
         if self.shared_cores {

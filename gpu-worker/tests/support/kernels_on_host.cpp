@@ -164,8 +164,7 @@ static void matvec() {
     // `Launcher::linear_group` launches a layer's Q, K and V or its gate and up); each part's
     // outputs written back into y's layout. Splits off the warps' blocks of MV_WARPS rows.
     size_t row_bytes = w.size() / rows;
-    for (int parts : {3, 2}) {
-        if (!with_groups) break;
+    if (with_groups) for (int parts : {3, 2}) {
         int r[3] = {rows / 3 + 1, parts == 3 ? rows / 3 - 2 : rows - rows / 3 - 1, 0};
         r[2] = rows - r[0] - r[1];
         std::vector<float> ys[3];
