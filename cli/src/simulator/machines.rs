@@ -36,6 +36,10 @@ pub struct GpuSpec {
     pub pcie: f64,
     /// Streaming multiprocessors.
     pub sms: u32,
+    /// Compute capability 8.0 or later: decode batches of a few dozen rows multiply the
+    /// quantised weights on the integer tensor cores (the CUDA device's `mmq_*` kernels)
+    /// instead of dequantising them for cuBLAS.
+    pub int8_mma: bool,
 }
 
 impl GpuPreset {
@@ -43,13 +47,14 @@ impl GpuPreset {
     /// 72, 114 and 132); memory is what
     /// nvidia-smi reports (T4 15360 MiB, A10 23028 MiB, H100 81559 MiB); host-link values
     /// are measured-typical pinned copies, about 75–80% of the PCIe line rate
-    /// (3.0 x16 15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63 GB/s).
+    /// (3.0 x16 15.8 GB/s, 4.0 x16 31.5 GB/s, 5.0 x16 63 GB/s). Compute capabilities: T4 7.5,
+    /// A10 8.6, H100 9.0.
     pub fn spec(self) -> GpuSpec {
-        let (name, mib, gbs, tflops, pcie_gbs, sms) = match self {
-            GpuPreset::T4 => ("T4", 15360.0, 320.0, 65.0, 12.0, 40),
-            GpuPreset::A10 => ("A10", 23028.0, 600.0, 125.0, 25.0, 72),
-            GpuPreset::H100 => ("H100 PCIe", 81559.0, 2000.0, 756.0, 50.0, 114),
-            GpuPreset::H100Sxm => ("H100 SXM", 81559.0, 3350.0, 989.0, 50.0, 132),
+        let (name, mib, gbs, tflops, pcie_gbs, sms, int8_mma) = match self {
+            GpuPreset::T4 => ("T4", 15360.0, 320.0, 65.0, 12.0, 40, false),
+            GpuPreset::A10 => ("A10", 23028.0, 600.0, 125.0, 25.0, 72, true),
+            GpuPreset::H100 => ("H100 PCIe", 81559.0, 2000.0, 756.0, 50.0, 114, true),
+            GpuPreset::H100Sxm => ("H100 SXM", 81559.0, 3350.0, 989.0, 50.0, 132, true),
         };
         GpuSpec {
             name: name.to_string(),
@@ -58,6 +63,7 @@ impl GpuPreset {
             flops: tflops * 1e12,
             pcie: pcie_gbs * GB,
             sms,
+            int8_mma,
         }
     }
 }

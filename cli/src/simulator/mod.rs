@@ -10,9 +10,13 @@
 //! - GPU linear layers (all projections, MLP, LM head) per step:
 //!   `overhead + max(weight bytes / (bandwidth · 0.8), 2 · params · batch / (FLOP/s · 0.6))`,
 //!   overhead = 0.3 ms per step + 20 µs per layer (launches, norms, sampling). Weight-only
-//!   quantisation streams fewer bytes but multiplies in fp16; above 8 rows (the CUDA device's
-//!   `MV_PASS_ROWS`) a quantised weight is dequantised to f16 for cuBLAS on every step: its
-//!   bytes read, and 2 bytes a parameter written and read again, at the same bandwidth.
+//!   quantisation streams fewer bytes but multiplies in fp16. Up to 8 rows (the CUDA device's
+//!   `MV_PASS_ROWS`) the matrix-vector kernels read the quantised weights; from 9 to 64 rows
+//!   (`MQ_TOK`), on GPUs of compute capability 8.0 and later, the `mmq_*` kernels multiply
+//!   them on the integer tensor cores, each weight read once, priced by the same roofline (not
+//!   yet measured on a GPU: see `Assumptions::mmq_max_rows`); otherwise a quantised weight
+//!   is dequantised to f16 for cuBLAS on every step: its bytes read, and 2 bytes a parameter
+//!   written and read again, at the same bandwidth.
 //! - GPU attention per KV position = KV bytes per position / min(bandwidth · 0.8, 7 GB/s per
 //!   multiprocessor): Duet's decode-attention kernel on the mirror as an H200 measured it; the GPU only
 //!   attends KV in its own memory (the `gpu` policy's whole KV, or the mirrored prefix of
@@ -78,6 +82,12 @@ pub struct Assumptions {
     /// linear layers 1.84 ms at one row, 3.23 at 16 and 3.63 at 64, the dequantisation's
     /// bytes (5.6 GB a step) at 80 % of the bandwidth being 1.5 ms.
     pub matvec_max_rows: usize,
+    /// The most rows a quantised weight multiplies on the integer tensor cores (`mmq_*`, the
+    /// CUDA device's `MQ_TOK`) on GPUs that have them ([`GpuSpec::int8_mma`]), without being
+    /// dequantised. Priced as the matrix-vector rows are (the roofline: weights read once);
+    /// the kernels have not yet run on a GPU, so the next GPU run checks this price (the
+    /// `serve-bench-*-no-mmq` steps of `scripts/gpu-check-run.sh` time the cuBLAS path beside it).
+    pub mmq_max_rows: usize,
     /// Fraction of GPU memory the server may use (vLLM's `gpu_memory_utilization`).
     pub gpu_memory_utilization: f64,
     /// CUDA context, cuBLAS workspace and allocator slack, bytes.
@@ -125,6 +135,7 @@ impl Default for Assumptions {
             gpu_attention_bytes_per_sm: 7e9,
             gpu_flops_fraction: 0.6,
             matvec_max_rows: 8,
+            mmq_max_rows: 64,
             gpu_memory_utilization: 0.9,
             gpu_context_bytes: 0.5 * GIB,
             workspace_step_tokens: 2048,
@@ -260,7 +271,8 @@ impl Setup {
         let overhead = a.step_overhead_s + a.layer_overhead_s * m.n_layer as f64;
         let memory = m.linear_params() * self.weights.bytes_per_param() / (self.gpu.bandwidth * a.gpu_bandwidth_fraction);
         let compute = 2.0 * m.linear_params() * tokens as f64 / (self.gpu.flops * a.gpu_flops_fraction);
-        let dequantise = if self.weights != WeightDtype::Fp16 && tokens > a.matvec_max_rows {
+        let on_quantised = tokens <= a.matvec_max_rows || (self.gpu.int8_mma && tokens <= a.mmq_max_rows);
+        let dequantise = if self.weights != WeightDtype::Fp16 && !on_quantised {
             m.linear_params() * (self.weights.bytes_per_param() + 4.0) / (self.gpu.bandwidth * a.gpu_bandwidth_fraction)
         } else {
             0.0
@@ -592,6 +604,31 @@ mod tests {
         let (lf, lt) = c.local_linear.unwrap();
         assert!((lf + lt * big as f64 - s.linear_s(big)).abs() < 1e-12);
         assert!((c.linear_fixed + c.linear_per_token * big as f64 - s.linear_s(big) - 32.0 * 80e-6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn quantised_weights_are_dequantised_only_where_the_gpu_has_no_integer_kernel_for_the_rows() {
+        let dequantise = |gpu: GpuPreset, rows: usize| {
+            let s = setup_of(gpu, ModelPreset::Llama31_8b, WeightDtype::Int4, 1);
+            let m = &s.model;
+            let bw = s.gpu.bandwidth * 0.8;
+            let overhead = 0.3e-3 + 32.0 * 85e-6;
+            let bytes = s.weights.bytes_per_param();
+            let roofline = (m.linear_params() * bytes / bw).max(2.0 * m.linear_params() * rows as f64 / (s.gpu.flops * 0.6));
+            let extra = s.linear_s(rows) - overhead - roofline;
+            assert!(extra.abs() < 1e-12 || (extra - m.linear_params() * (bytes + 4.0) / bw).abs() < 1e-12, "{gpu:?} {rows}: {extra}");
+            extra > 0.0
+        };
+        // The matrix-vector kernels up to 8 rows everywhere; mmq up to 64 from sm_80 (A10,
+        // H100), not on a T4; cuBLAS on dequantised weights beyond.
+        for rows in [1, 8] {
+            assert!(!dequantise(GpuPreset::T4, rows) && !dequantise(GpuPreset::A10, rows));
+        }
+        for rows in [9, 16, 64] {
+            assert!(dequantise(GpuPreset::T4, rows));
+            assert!(!dequantise(GpuPreset::A10, rows) && !dequantise(GpuPreset::H100Sxm, rows));
+        }
+        assert!(dequantise(GpuPreset::A10, 65) && dequantise(GpuPreset::H100Sxm, 512));
     }
 
     #[test]
