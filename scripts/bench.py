@@ -11,7 +11,9 @@
   the unconstrained rows);
 * the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
   installed, and the ratio Duet / llama.cpp. Each system row is the median of `--repeat`
-  passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr.
+  passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr; the
+  ratio cell adds the range and median of the passes' own ratios (each Duet pass against the
+  llama.cpp pass right after it), which show how far the machine's phases move the ratio.
   DUET_BENCH_LOG sets the Duet server's log filter (its log is kept in the temp dir).
 
 `--model` runs the system rows on another GGUF (e.g. a random-weight model of a real shape
@@ -172,7 +174,14 @@ def system_rows(threads, repeat, with_llama):
     finally:
         if server is not None:
             server.stop()
-    return median_rows(duet), (median_rows(llama) if with_llama else None)
+    return median_rows(duet), (median_rows(llama) if with_llama else None), pass_ratios(duet, llama)
+
+
+def pass_ratios(duet, llama):
+    """Per row, Duet / llama.cpp of each pass and the llama.cpp pass after it (the two nearest
+    in time, so nearest in this machine's phase), in pass order."""
+    rows = set().union(*duet) if duet else set()
+    return {r: [d[r] / l[r] for d, l in zip(duet, llama) if r in d and l.get(r)] for r in rows}
 
 
 def both_fit():
@@ -358,9 +367,9 @@ def main():
     else:
         header, krows = kernel_rows(args.threads, args.quick)
     repeat = max(1, args.repeat)
-    duet, llama = {}, None
+    duet, llama, ratios = {}, None, {}
     if not args.no_system:
-        duet, llama = system_rows(args.threads, repeat, not args.no_llama and llama_available())
+        duet, llama, ratios = system_rows(args.threads, repeat, not args.no_llama and llama_available())
         if args.no_kernels:
             # The bandwidth drifts: measured again after the system rows, the better kept (and
             # the median passes of both averaged, for the batch-1 row's mean over its seconds).
@@ -391,6 +400,10 @@ def main():
         d = duet[row]
         l = llama.get(row) if llama else None
         ratio = f"{d / l:.2f}×" if l else ""
+        if len(ratios.get(row, [])) > 1:
+            # The spread of the passes' own ratios: how far this machine's phases move it.
+            rs = ratios[row]
+            ratio += f" (passes {min(rs):.2f}–{max(rs):.2f}, median {statistics.median(rs):.2f})"
         # Batch-1 decode reads every weight once per token: its share of the read bandwidth.
         frac = ""
         if row in CONSTRAINED_OF and CONSTRAINED_OF[row] in duet:
