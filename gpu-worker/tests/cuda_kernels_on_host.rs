@@ -196,7 +196,11 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mm
         let (k, v) = &kv[*s];
         for h in 0..n_head {
             let kh = h / group;
-            let qh: Vec<f32> = q[(i * n_head + h) * head_dim..][..head_dim].iter().map(|&x| if mma && i < tiled { f16_rounded(x) } else { x }).collect();
+            // The tensor-core kernel rounds each query, scaled, to f16.
+            let qh: Vec<f64> = q[(i * n_head + h) * head_dim..][..head_dim]
+                .iter()
+                .map(|&x| if mma && i < tiled { f16_rounded(x * scale) as f64 / scale as f64 } else { x as f64 })
+                .collect();
             let got = &out[(i * n_head + h) * head_dim..][..head_dim];
             let got_lse = lse[i * n_head + h];
             // NaN where no kernel wrote (the harness's fill), or read from a slot never stored.
@@ -209,7 +213,7 @@ fn attention_case(exe: &PathBuf, shape: &Shape, n_split: usize, softcap: f32, mm
                 .clone()
                 .map(|p| {
                     let kr = &k[p * kv_dim + kh * head_dim..][..head_dim];
-                    let x = scale as f64 * qh.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
+                    let x = scale as f64 * qh.iter().zip(kr).map(|(&a, &b)| a * b as f64).sum::<f64>();
                     if softcap > 0.0 { softcap as f64 * (x / softcap as f64).tanh() } else { x }
                 })
                 .collect();
@@ -258,7 +262,8 @@ fn the_mirrors_attention_kernels_give_the_exact_attention_of_the_stored_rows() {
 /// whole and partial warps of query vectors, warps with none, one-row tiles, 1 to 8 query
 /// heads per KV head, sliding windows whose warps skip different stages, a soft cap): within
 /// the rounding of their probabilities to f16 (2^-11 of each weight: outputs within 1e-3) of
-/// the exact attention of their f16 queries; the log-sum-exps, from f32 scores, within 2e-6.
+/// the exact attention of their f16 queries (each rounded after scaling); the log-sum-exps,
+/// from f32 scores, within 2e-6.
 #[test]
 fn the_tensor_core_prefill_kernel_gives_the_exact_attention_of_its_f16_queries() {
     let Some(exe) = harness() else { return };

@@ -505,8 +505,11 @@ __device__ __forceinline__ void attn_prefill_mma_body(u16* kv_s, int* lo, int* h
             if (c < kchunks && qi < nq) {
                 int row = items[4 * (j0 + qi / group)];
                 const float* qv = q + ((long long)row * n_head + kh * group + qi % group) * head_dim + d;
-                x0 = qv[0];
-                x1 = qv[1];
+                // Scaled before rounding to f16 (as llama.cpp's fattn-mma does): the same
+                // relative precision, and a query past f16's range by up to the scale's
+                // inverse (√head_dim) stays finite instead of turning the row into NaN.
+                x0 = qv[0] * scale;
+                x1 = qv[1] * scale;
             }
             qa[c][r] = pack_f16x2(x0, x1);
         }
@@ -575,7 +578,7 @@ __device__ __forceinline__ void attn_prefill_mma_body(u16* kv_s, int* lo, int* h
 #pragma unroll
                     for (int e = 2 * i; e < 2 * i + 2; e++) {
                         int pos = t0 + n * 8 + 2 * t4 + e % 2;
-                        float x = s[n][e] * scale;
+                        float x = s[n][e];
                         if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
                         x *= PFM_LOG2E;
                         if (pos < r_lo[i] || pos >= r_hi[i]) x = NEG_INF;

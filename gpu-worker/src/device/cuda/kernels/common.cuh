@@ -157,7 +157,9 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+    // The memory clobber keeps the compiler from moving shared-memory reads above the wait
+    // should a later edit drop the __syncthreads that follows it.
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 #endif
