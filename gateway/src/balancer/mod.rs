@@ -1,7 +1,8 @@
 //! The balancer: where each step's decode attention runs. A policy (`lp`, the default, or
 //! a static `cpu`, `gpu`, `ratio:R`) turns the step's decode sequences and the cost model
-//! fitted from runtime statistics ([`stats`]) into per-sequence shares ([`planner`]).
+//! fitted from runtime statistics ([`stats`], its fits [`fit`]) into per-sequence shares ([`planner`]).
 
+pub mod fit;
 pub mod planner;
 pub mod stats;
 
