@@ -11,9 +11,10 @@
   the unconstrained rows);
 * the same system rows for llama.cpp (scripts/llama_cpp_bench.py) when llama-cpp-python is
   installed, and the ratio Duet / llama.cpp. Each system row is the median of `--repeat`
-  passes (3), Duet's and llama.cpp's passes taking turns, each pass logged on stderr; the
-  ratio cell adds the range and median of the passes' own ratios (each Duet pass against the
-  llama.cpp pass right after it), which show how far the machine's phases move the ratio.
+  passes (3), Duet's and llama.cpp's passes taking turns (llama.cpp kept loaded where both
+  fit in memory, so that a pair of passes is seconds apart), each pass logged on stderr; the
+  ratio cell adds the range and median of the passes' own ratios (each pair's), which show
+  how far the machine's phases move the ratio.
   DUET_BENCH_LOG sets the Duet server's log filter (its log is kept in the temp dir).
 
 `--model` runs the system rows on another GGUF (e.g. a random-weight model of a real shape
@@ -150,22 +151,33 @@ def median_rows(passes):
 
 def system_rows(threads, repeat, with_llama):
     """The whole-system rows of Duet (on one server) and of llama.cpp (or None), each the
-    median of `repeat` passes, Duet's and llama.cpp's passes taking turns so that both see the
-    same phases of this machine (a VM's speed drifts by 10-20 % between minutes). Where the
-    two would not fit in memory together, the Duet server is stopped for llama.cpp's passes
-    and each Duet pass starts a fresh one."""
+    median of `repeat` passes. Duet's and llama.cpp's passes take turns so that both see the
+    same phases of this machine (its speed changes for minutes at a time, for every process at
+    once): where the two fit in memory together, llama.cpp stays loaded
+    (`llama_cpp_bench.py --serve`), so the two passes of a pair are seconds apart, and every
+    other pair runs llama.cpp first (a drift within a pair then favours neither). Where they
+    would not fit, the Duet server is stopped for llama.cpp's passes (each loading the model
+    again) and each Duet pass starts a fresh one."""
     apart = with_llama and not both_fit()
-    server = None
+    server, resident = None, None
     duet, llama = [], []
     try:
+        if with_llama and not apart:
+            resident = LlamaServer(threads)
         for i in range(repeat):
             if server is None:
                 server = Server(threads)
                 log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}, {repeat} passes")
             log(f"pass {i + 1} of {repeat}")
+            if resident is not None and i % 2 == 1:
+                llama.append(resident.run())
+                log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
             duet.append(duet_pass(server))
             log("  Duet: " + ", ".join(f"{k} {v:.1f}" for k, v in duet[-1].items()))
-            if with_llama:
+            if resident is not None and i % 2 == 0:
+                llama.append(resident.run())
+                log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
+            elif with_llama and resident is None:
                 if apart:
                     server.stop()
                     server = None
@@ -174,12 +186,14 @@ def system_rows(threads, repeat, with_llama):
     finally:
         if server is not None:
             server.stop()
+        if resident is not None:
+            resident.stop()
     return median_rows(duet), (median_rows(llama) if with_llama else None), pass_ratios(duet, llama)
 
 
 def pass_ratios(duet, llama):
-    """Per row, Duet / llama.cpp of each pass and the llama.cpp pass after it (the two nearest
-    in time, so nearest in this machine's phase), in pass order."""
+    """Per row, Duet / llama.cpp of each pair of passes (the two nearest in time, so nearest in
+    this machine's phase), in pass order."""
     rows = set().union(*duet) if duet else set()
     return {r: [d[r] / l[r] for d, l in zip(duet, llama) if r in d and l.get(r)] for r in rows}
 
@@ -249,15 +263,50 @@ def llama_available():
     return True
 
 
-def llama_pass(threads):
-    """One pass of scripts/llama_cpp_bench.py over the same rows."""
-    # The JSON-schema rows are Duet's alone.
+def llama_command(threads):
+    """scripts/llama_cpp_bench.py over the same rows (the JSON-schema rows are Duet's alone)."""
     rows = [r for r in ROWS if r not in CONSTRAINED_OF and not (r.startswith("decode-depth-") and int(r.split("-")[2]) + DECODE_TOKENS >= model_context())]
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "llama_cpp_bench.py"), "--model", MODEL, "--threads", str(threads),
-           "--decode-tokens", str(DECODE_TOKENS), "--kv-type", KV_TYPE, "--rows", ",".join(rows)]
+    return [sys.executable, os.path.join(ROOT, "scripts", "llama_cpp_bench.py"), "--model", MODEL, "--threads", str(threads),
+            "--decode-tokens", str(DECODE_TOKENS), "--kv-type", KV_TYPE, "--rows", ",".join(rows)]
+
+
+def llama_pass(threads):
+    """One pass of scripts/llama_cpp_bench.py over the same rows, the model loaded for it."""
+    cmd = llama_command(threads)
     log("llama.cpp: " + " ".join(cmd[1:]))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+class LlamaServer:
+    """scripts/llama_cpp_bench.py --serve: llama.cpp loaded once, a pass of the rows on request."""
+
+    def __init__(self, threads):
+        cmd = llama_command(threads) + ["--serve"]
+        self.rows = cmd[cmd.index("--rows") + 1]
+        log("llama.cpp, loaded once: " + " ".join(cmd[1:]))
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if json.loads(self.read()).get("ready") is not True:
+            sys.exit("llama_cpp_bench.py --serve did not say it was ready")
+
+    def read(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit(f"llama_cpp_bench.py --serve ended ({self.proc.wait()})")
+        return line
+
+    def run(self):
+        """One pass over the rows."""
+        self.proc.stdin.write(self.rows + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.read())
+
+    def stop(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 def gguf_reader():

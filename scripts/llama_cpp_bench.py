@@ -23,7 +23,9 @@ Prompts are random ordinary token ids (1000..40000) and end-of-generation is ign
 `duet bench`. llama.cpp's own defaults otherwise (flash attention "auto"); `--kv-type q8_0`
 sets the K and V cache types to Q8_0 (`-ctk q8_0 -ctv q8_0`) with flash attention on, which
 llama.cpp needs for a quantised V cache.
-Prints one JSON object {row: tokens_per_s}.
+Prints one JSON object {row: tokens_per_s}. With `--serve` it loads the model once and runs
+the rows each line of its standard input names, a JSON object a line, so that scripts/bench.py
+can time it in turns with Duet seconds apart (this VM's speed changes for minutes at a time).
 """
 
 import argparse
@@ -110,47 +112,52 @@ def prompt(rng, n):
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="prefill-512,decode-depth-0,decode-depth-1024,decode-depth-4096,aggregate-8,aggregate-16,aggregate-32")
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--kv-type", choices=["f16", "q8_0"], default="f16")
-    args = ap.parse_args()
-    rng = random.Random(1)
-    rows = args.rows.split(",")
-    results = {}
-    n_batch = 512
-    # One context per shape of work, as a user would configure llama.cpp for it.
-    single = Runner(args.model, args.threads, 4096 + 256, 1, n_batch, args.kv_type)
-    for row in rows:
-        if row == "prefill-512":
-            best = 0.0
-            for _ in range(3):
+class Bench:
+    """The rows on one model: a context for the single-sequence rows made at once, one for the
+    aggregate rows made when first needed, sized for every aggregate row of `rows`."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rng = random.Random(1)
+        self.n_batch = 512
+        self.all_rows = args.rows.split(",")
+        # One context per shape of work, as a user would configure llama.cpp for it.
+        self.single = Runner(args.model, args.threads, 4096 + 256, 1, self.n_batch, args.kv_type)
+        self.multi = None
+
+    def run(self, rows):
+        """{row: tokens_per_s} for each of `rows`."""
+        args, rng, n_batch, single = self.args, self.rng, self.n_batch, self.single
+        results = {}
+        for row in rows:
+            if row == "prefill-512":
+                best = 0.0
+                for _ in range(3):
+                    single.clear()
+                    toks = prompt(rng, 512)
+                    t = time.perf_counter()
+                    single.prefill(0, toks, n_batch)
+                    best = max(best, 512 / (time.perf_counter() - t))
+                results[row] = best
+            elif row.startswith("decode-depth-"):
+                depth = int(row.split("-")[2])
                 single.clear()
-                toks = prompt(rng, 512)
+                toks = prompt(rng, max(depth, 1))
+                nxt = single.prefill(0, toks, n_batch)
+                pos = len(toks)
                 t = time.perf_counter()
-                single.prefill(0, toks, n_batch)
-                best = max(best, 512 / (time.perf_counter() - t))
-            results[row] = best
-        elif row.startswith("decode-depth-"):
-            depth = int(row.split("-")[2])
-            single.clear()
-            toks = prompt(rng, max(depth, 1))
-            nxt = single.prefill(0, toks, n_batch)
-            pos = len(toks)
-            t = time.perf_counter()
-            for _ in range(args.decode_tokens):
-                nxt = single.decode([(nxt, pos, 0, True)])[0]
-                pos += 1
-            results[row] = args.decode_tokens / (time.perf_counter() - t)
-    # aggregate-N or aggregate-N-depth-D: (row, sessions, prompt tokens).
-    agg = [(r, int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in rows if r.startswith("aggregate-")]
-    if agg:
-        max_seq = max(n for _, n, _ in agg)
-        per_seq = max(d for _, _, d in agg) + args.decode_tokens + 16
-        multi = Runner(args.model, args.threads, max_seq * per_seq, max_seq, n_batch, args.kv_type)
+                for _ in range(args.decode_tokens):
+                    nxt = single.decode([(nxt, pos, 0, True)])[0]
+                    pos += 1
+                results[row] = args.decode_tokens / (time.perf_counter() - t)
+        # aggregate-N or aggregate-N-depth-D: (row, sessions, prompt tokens).
+        agg = [(r, int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in rows if r.startswith("aggregate-")]
+        if agg and self.multi is None:
+            sized = [(int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in self.all_rows + rows if r.startswith("aggregate-")]
+            max_seq = max(n for n, _ in sized)
+            per_seq = max(d for _, d in sized) + args.decode_tokens + 16
+            self.multi = Runner(args.model, args.threads, max_seq * per_seq, max_seq, n_batch, args.kv_type)
+        multi = self.multi
         for row, n, depth in agg:
             multi.clear()
             if depth <= OWN_PROMPT_MAX:
@@ -167,7 +174,28 @@ def main():
                 nxt = multi.decode([(nxt[s], pos, s, True) for s in range(n)])
                 pos += 1
             results[row] = n * args.decode_tokens / (time.perf_counter() - t)
-    print(json.dumps(results))
+        return results
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="prefill-512,decode-depth-0,decode-depth-1024,decode-depth-4096,aggregate-8,aggregate-16,aggregate-32")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--kv-type", choices=["f16", "q8_0"], default="f16")
+    ap.add_argument("--serve", action="store_true",
+                    help="load once, print {\"ready\": true}, then run the rows of each line read on stdin (a comma-separated list, "
+                    "among --rows), printing a JSON object for each, until end of input")
+    args = ap.parse_args()
+    bench = Bench(args)
+    if not args.serve:
+        print(json.dumps(bench.run(bench.all_rows)))
+        return
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        rows = [r for r in line.strip().split(",") if r]
+        print(json.dumps(bench.run(rows)), flush=True)
 
 
 if __name__ == "__main__":
