@@ -285,14 +285,18 @@ class LlamaServer:
         cmd = llama_command(threads) + ["--serve"]
         self.rows = cmd[cmd.index("--rows") + 1]
         log("llama.cpp, loaded once: " + " ".join(cmd[1:]))
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        # llama.cpp logs plenty: kept in a file, shown if it ends early.
+        self.log = tempfile.NamedTemporaryFile(mode="w+", prefix="llama-cpp-bench-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         if json.loads(self.read()).get("ready") is not True:
             sys.exit("llama_cpp_bench.py --serve did not say it was ready")
 
     def read(self):
         line = self.proc.stdout.readline()
         if not line:
-            sys.exit(f"llama_cpp_bench.py --serve ended ({self.proc.wait()})")
+            self.log.seek(0)
+            tail = "".join(self.log.readlines()[-20:])
+            sys.exit(f"llama_cpp_bench.py --serve ended ({self.proc.wait()}); its log ({self.log.name}) ends:\n{tail}")
         return line
 
     def run(self):
@@ -307,6 +311,8 @@ class LlamaServer:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
+        os.unlink(self.log.name)
 
 
 def gguf_reader():

@@ -153,7 +153,7 @@ class Bench:
         # aggregate-N or aggregate-N-depth-D: (row, sessions, prompt tokens).
         agg = [(r, int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in rows if r.startswith("aggregate-")]
         if agg and self.multi is None:
-            sized = [(int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in self.all_rows + rows if r.startswith("aggregate-")]
+            sized = [(int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in self.all_rows if r.startswith("aggregate-")]
             max_seq = max(n for n, _ in sized)
             per_seq = max(d for _, d in sized) + args.decode_tokens + 16
             self.multi = Runner(args.model, args.threads, max_seq * per_seq, max_seq, n_batch, args.kv_type)
@@ -195,6 +195,9 @@ def main():
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         rows = [r for r in line.strip().split(",") if r]
+        # The aggregate context is sized for --rows: other rows could outgrow it.
+        if unknown := [r for r in rows if r not in bench.all_rows]:
+            sys.exit(f"rows {unknown} are not among --rows {args.rows}")
         print(json.dumps(bench.run(rows)), flush=True)
 
 
