@@ -610,11 +610,11 @@ mod tests {
     fn quantised_weights_are_dequantised_only_where_the_gpu_has_no_integer_kernel_for_the_rows() {
         let dequantise = |gpu: GpuPreset, rows: usize| {
             let s = setup_of(gpu, ModelPreset::Llama31_8b, WeightDtype::Int4, 1);
-            let m = &s.model;
-            let bw = s.gpu.bandwidth * 0.8;
-            let overhead = 0.3e-3 + 32.0 * 85e-6;
+            let (m, a) = (&s.model, &s.assumptions);
+            let bw = s.gpu.bandwidth * a.gpu_bandwidth_fraction;
+            let overhead = a.step_overhead_s + a.layer_overhead_s * m.n_layer as f64;
             let bytes = s.weights.bytes_per_param();
-            let roofline = (m.linear_params() * bytes / bw).max(2.0 * m.linear_params() * rows as f64 / (s.gpu.flops * 0.6));
+            let roofline = (m.linear_params() * bytes / bw).max(2.0 * m.linear_params() * rows as f64 / (s.gpu.flops * a.gpu_flops_fraction));
             let extra = s.linear_s(rows) - overhead - roofline;
             assert!(extra.abs() < 1e-12 || (extra - m.linear_params() * (bytes + 4.0) / bw).abs() < 1e-12, "{gpu:?} {rows}: {extra}");
             extra > 0.0
