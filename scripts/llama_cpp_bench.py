@@ -108,6 +108,12 @@ class Runner:
 OWN_PROMPT_MAX = 256
 
 
+def aggregate_rows(rows):
+    """The aggregate rows of `rows` (aggregate-N, or aggregate-N-depth-D): (row, sessions,
+    prompt tokens of each, 16 unless D is given)."""
+    return [(r, int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in rows if r.startswith("aggregate-")]
+
+
 def prompt(rng, n):
     return [rng.randrange(1000, 40000) for _ in range(n)]
 
@@ -150,12 +156,11 @@ class Bench:
                     nxt = single.decode([(nxt, pos, 0, True)])[0]
                     pos += 1
                 results[row] = args.decode_tokens / (time.perf_counter() - t)
-        # aggregate-N or aggregate-N-depth-D: (row, sessions, prompt tokens).
-        agg = [(r, int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in rows if r.startswith("aggregate-")]
+        agg = aggregate_rows(rows)
         if agg and self.multi is None:
-            sized = [(int(r.split("-")[1]), int(r.split("-")[3]) if "-depth-" in r else 16) for r in self.all_rows if r.startswith("aggregate-")]
-            max_seq = max(n for n, _ in sized)
-            per_seq = max(d for _, d in sized) + args.decode_tokens + 16
+            sized = aggregate_rows(self.all_rows)
+            max_seq = max(n for _, n, _ in sized)
+            per_seq = max(d for _, _, d in sized) + args.decode_tokens + 16
             self.multi = Runner(args.model, args.threads, max_seq * per_seq, max_seq, n_batch, args.kv_type)
         multi = self.multi
         for row, n, depth in agg:
