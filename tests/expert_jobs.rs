@@ -39,7 +39,7 @@ fn executor(device: CpuDevice, tag: &str) -> (Executor, Segment, duet_kv::shm::C
 }
 
 fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32]) -> pb::SequenceStep {
-    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None };
+    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None, ..Default::default() };
     pb::SequenceStep {
         seq_id,
         start_pos: start,

@@ -149,6 +149,12 @@ pub struct ClientArgs {
     /// Penalise tokens seen in the last 64 (1: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
+    /// Take P off a token's logit per time it occurs in the last 64, in [-2, 2] (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Take P off the logit of each token seen in the last 64, in [-2, 2] (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

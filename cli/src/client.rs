@@ -20,8 +20,10 @@ fn request(c: &ClientArgs, prompt: pb::generate_request::Prompt) -> pb::Generate
             top_p: Some(c.top_p),
             min_p: Some(c.min_p),
             repetition_penalty: Some(c.repetition_penalty),
+            frequency_penalty: Some(c.frequency_penalty),
+            presence_penalty: Some(c.presence_penalty),
             seed: Some(c.seed),
-            constraint: None,
+            ..Default::default()
         }),
         stop: c.stop.clone(),
         ..Default::default()

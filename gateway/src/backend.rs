@@ -87,6 +87,8 @@ impl Backend for SchedulerBackend {
         if let Some(g) = &params.sampling.grammar {
             self.text.check_grammar(g)?;
         }
+        let biased: Vec<u32> = params.sampling.logit_bias.iter().map(|&(id, _)| id).collect();
+        self.text.tokenizer.check_ids(&biased).map_err(|e| GatewayError::InvalidArgument(format!("logit_bias: {e}")))?;
         // Rendering and tokenising happen here, in the caller's task, not in the scheduler's
         // (which stays free to run steps); only a session's turns, which build on the
         // session's conversation, are tokenised there.
@@ -94,7 +96,7 @@ impl Backend for SchedulerBackend {
             params.prompt = Prompt::Tokens(self.text.prompt_ids(&params.prompt)?);
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        self.send(Command::Generate { params, events: tx, arrived: std::time::Instant::now() }).await?;
+        self.send(Command::Generate { params: Box::new(params), events: tx, arrived: std::time::Instant::now() }).await?;
         Ok(rx)
     }
 

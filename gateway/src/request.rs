@@ -81,6 +81,10 @@ pub struct Sampling {
     pub top_p: f32,
     pub min_p: f32,
     pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// Added to these tokens' logits first, by token id.
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
     /// Structured output: what the generated text must match.
     pub grammar: Option<Grammar>,
@@ -88,9 +92,23 @@ pub struct Sampling {
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, grammar: None }
+        Sampling {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: Vec::new(),
+            seed: 0,
+            grammar: None,
+        }
     }
 }
+
+/// The most tokens a request's logit bias may name (OpenAI's limit).
+pub const MAX_LOGIT_BIAS_TOKENS: usize = 300;
 
 impl Sampling {
     /// Checks every value's range; the error names the field.
@@ -107,6 +125,17 @@ impl Sampling {
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
             return bad(format!("repetition_penalty must be a finite number > 0, got {}", self.repetition_penalty));
+        }
+        for (name, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS_TOKENS {
+            return bad(format!("logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {}", self.logit_bias.len()));
+        }
+        if let Some((id, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return bad(format!("logit_bias of token {id} must be in [-100, 100], got {b}"));
         }
         Ok(())
     }

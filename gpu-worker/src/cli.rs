@@ -146,6 +146,12 @@ pub struct RunArgs {
     /// Penalise tokens seen in the last 64 (1: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
+    /// Take P off a token's logit per time it occurs in the last 64, in [-2, 2] (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Take P off the logit of each token seen in the last 64, in [-2, 2] (0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
     /// Random seed for sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -285,6 +291,8 @@ fn run_generate(args: RunArgs, device: Placement) -> anyhow::Result<()> {
         top_p: args.top_p,
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
+        frequency_penalty: args.frequency_penalty,
+        presence_penalty: args.presence_penalty,
         seed: args.seed,
     };
     // Reject bad flags before spending time on loading the model.

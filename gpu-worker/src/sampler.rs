@@ -1,6 +1,7 @@
-//! Token sampling: a repetition penalty over the last tokens, then greedy, or temperature
-//! with top-k, top-p and min-p filtering from a seeded RNG (the order of llama.cpp's default
-//! chain: penalties, top-k, top-p, min-p, temperature, draw).
+//! Token sampling: a logit bias, the repetition, frequency and presence penalties over the last
+//! tokens, then greedy, or temperature with top-k, top-p and min-p filtering from a seeded RNG
+//! (the order of llama.cpp's default chain: logit bias, penalties, top-k, top-p, min-p,
+//! temperature, draw).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -20,6 +21,12 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// 1 means no penalty.
     pub repetition_penalty: f32,
+    /// Subtracted from a logit once per time its token occurs in the last
+    /// [`PENALTY_LAST_N`] tokens; 0 means none.
+    pub frequency_penalty: f32,
+    /// Subtracted from the logit of each token that occurs in the last [`PENALTY_LAST_N`]
+    /// tokens; 0 means none.
+    pub presence_penalty: f32,
     pub seed: u64,
 }
 
@@ -28,7 +35,7 @@ pub const PENALTY_LAST_N: usize = 64;
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0 }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, frequency_penalty: 0.0, presence_penalty: 0.0, seed: 0 }
     }
 }
 
@@ -49,9 +56,22 @@ impl SamplingParams {
                 self.repetition_penalty
             )));
         }
+        for (name, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(GpuWorkerError::InvalidRequest(format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
         Ok(())
     }
+
+    /// Whether a penalty changes any logit.
+    fn penalises(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+    }
 }
+
+/// The most a logit bias may add or take away (OpenAI's range; -100 in effect bans a token).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 /// Index of the largest logit (the first one on ties, as llama.cpp's greedy sampler).
 pub fn argmax(logits: &[f32]) -> u32 {
@@ -68,28 +88,50 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
+    /// Added to these tokens' logits before anything else, by token id.
+    logit_bias: Vec<(u32, f32)>,
     rng: StdRng,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
-        Ok(Sampler { params, rng: StdRng::seed_from_u64(params.seed) })
+        Ok(Sampler { params, logit_bias: Vec::new(), rng: StdRng::seed_from_u64(params.seed) })
     }
 
-    /// Whether every draw is the plain arg-max of the logits (greedy, no penalty).
+    /// The same sampler with `bias` added to its tokens' logits first (OpenAI's
+    /// `logit_bias`); a bias outside ±[`MAX_LOGIT_BIAS`] is refused. Ids past the vocabulary
+    /// change nothing (the gateway refuses them before they get here).
+    pub fn with_logit_bias(mut self, bias: impl IntoIterator<Item = (u32, f32)>) -> Result<Self> {
+        let mut bias: Vec<(u32, f32)> = bias.into_iter().filter(|&(_, b)| b != 0.0).collect();
+        if let Some(&(id, b)) = bias.iter().find(|(_, b)| !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(b)) {
+            return Err(GpuWorkerError::InvalidRequest(format!("logit_bias of token {id} must be in [-100, 100], got {b}")));
+        }
+        bias.sort_by_key(|&(id, _)| id);
+        self.logit_bias = bias;
+        Ok(self)
+    }
+
+    /// Whether every draw is the plain arg-max of the logits (greedy, no bias or penalty).
     pub fn is_plain_greedy(&self) -> bool {
-        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+        self.params.temperature == 0.0 && !self.params.penalises() && self.logit_bias.is_empty()
     }
 
     /// Draws the next token; `history` holds the sequence's tokens so far (prompt included),
-    /// the last [`PENALTY_LAST_N`] of which the repetition penalty applies to.
+    /// the last [`PENALTY_LAST_N`] of which the penalties apply to.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = self.params;
-        let penalised;
-        let logits = if p.repetition_penalty != 1.0 {
-            penalised = penalise(logits, &history[history.len().saturating_sub(PENALTY_LAST_N)..], p.repetition_penalty);
-            &penalised[..]
+        let adjusted;
+        let logits = if p.penalises() || !self.logit_bias.is_empty() {
+            let mut l = logits.to_vec();
+            for &(id, b) in &self.logit_bias {
+                if let Some(v) = l.get_mut(id as usize) {
+                    *v += b;
+                }
+            }
+            penalise(&mut l, &history[history.len().saturating_sub(PENALTY_LAST_N)..], p);
+            adjusted = l;
+            &adjusted[..]
         } else {
             logits
         };
@@ -202,17 +244,22 @@ fn nucleus(cand: &mut [Weighted], mass: f64) -> usize {
     hi
 }
 
-/// llama.cpp's repetition penalty: each distinct token of `recent` has a positive logit
-/// divided by `penalty`, a negative one multiplied.
-fn penalise(logits: &[f32], recent: &[u32], penalty: f32) -> Vec<f32> {
-    let mut out = logits.to_vec();
-    let mut seen = std::collections::HashSet::new();
+/// llama.cpp's penalties over the tokens of `recent`, each distinct token once: a positive
+/// logit divided by the repetition penalty, a negative one multiplied, then the frequency
+/// penalty taken off once per occurrence and the presence penalty once.
+fn penalise(logits: &mut [f32], recent: &[u32], p: SamplingParams) {
+    let mut counts = std::collections::HashMap::new();
     for &t in recent {
-        if let (true, Some(l)) = (seen.insert(t), out.get_mut(t as usize)) {
-            *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+        *counts.entry(t).or_insert(0u32) += 1;
+    }
+    for (t, n) in counts {
+        if let Some(l) = logits.get_mut(t as usize) {
+            if p.repetition_penalty != 1.0 {
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+            *l -= n as f32 * p.frequency_penalty + p.presence_penalty;
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -318,6 +365,9 @@ mod tests {
             SamplingParams { min_p: -0.1, ..Default::default() },
             SamplingParams { repetition_penalty: 0.0, ..Default::default() },
             SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() },
+            SamplingParams { frequency_penalty: 2.5, ..Default::default() },
+            SamplingParams { presence_penalty: -2.1, ..Default::default() },
+            SamplingParams { presence_penalty: f32::NAN, ..Default::default() },
         ] {
             assert!(matches!(Sampler::new(p), Err(GpuWorkerError::InvalidRequest(_))), "{p:?}");
         }
@@ -342,6 +392,42 @@ mod tests {
         let mut old = vec![0u32];
         old.extend(std::iter::repeat_n(2, PENALTY_LAST_N));
         assert_eq!(s.sample(&logits, &old), 0);
-        assert_eq!(penalise(&logits, &[2, 2], 1.5), vec![2.0, 1.9, -1.5]);
+        let mut l = logits;
+        penalise(&mut l, &[2, 2], SamplingParams { repetition_penalty: 1.5, ..Default::default() });
+        assert_eq!(l, [2.0, 1.9, -1.5]);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_recent_occurrences() {
+        // llama.cpp's arithmetic: logit - count * frequency - presence, for each recent token.
+        let p = SamplingParams { frequency_penalty: 0.5, presence_penalty: 0.25, ..Default::default() };
+        let mut l = [3.0f32, 3.0, 3.0, -1.0];
+        penalise(&mut l, &[0, 0, 0, 1, 3], p);
+        assert_eq!(l, [3.0 - 1.5 - 0.25, 3.0 - 0.5 - 0.25, 3.0, -1.0 - 0.5 - 0.25]);
+        // Greedy: token 0 leads, but repeated three times it falls below the unseen token 2.
+        let mut s = Sampler::new(p).unwrap();
+        assert!(!s.is_plain_greedy());
+        assert_eq!(s.sample(&[3.5, 1.0, 2.0], &[0, 0, 0]), 2);
+        // A negative presence penalty favours what was seen.
+        let mut s = Sampler::new(SamplingParams { presence_penalty: -2.0, ..Default::default() }).unwrap();
+        assert_eq!(s.sample(&[2.5, 1.0, 2.0], &[1]), 1, "1 + 2 > 2.5");
+    }
+
+    #[test]
+    fn logit_bias_is_added_first_and_minus_100_bans_a_token() {
+        let logits = [5.0f32, 4.0, 1.0];
+        let mut s = Sampler::new(SamplingParams::default()).unwrap().with_logit_bias([(0, -100.0), (7, 50.0)]).unwrap();
+        assert!(!s.is_plain_greedy());
+        assert_eq!(s.sample(&logits, &[]), 1, "token 0 banned; an id past the vocabulary changes nothing");
+        let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: 3, ..Default::default() }).unwrap().with_logit_bias([(2, 100.0)]).unwrap();
+        assert!((0..50).all(|_| s.sample(&logits, &[]) == 2), "+100 makes token 2 all but certain");
+        // The bias comes before the penalties: a biased token that was seen is still penalised.
+        let p = SamplingParams { presence_penalty: 2.0, ..Default::default() };
+        let mut s = Sampler::new(p).unwrap().with_logit_bias([(1, 1.5)]).unwrap();
+        assert_eq!(s.sample(&logits, &[1]), 0, "4 + 1.5 - 2 < 5");
+        assert!(Sampler::new(SamplingParams::default()).unwrap().with_logit_bias([(0, 0.0)]).unwrap().is_plain_greedy(), "a zero bias is none");
+        for bad in [100.5, -101.0, f32::NAN, f32::INFINITY] {
+            assert!(matches!(Sampler::new(SamplingParams::default()).unwrap().with_logit_bias([(0, bad)]), Err(GpuWorkerError::InvalidRequest(_))), "{bad}");
+        }
     }
 }

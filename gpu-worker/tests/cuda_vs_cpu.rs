@@ -172,7 +172,7 @@ fn the_rows_the_gpu_writes_into_an_arena_are_the_cpu_devices() {
             start_pos: start as u32,
             tokens: tokens.to_vec(),
             new_blocks: (start.div_ceil(16) as u32..(start + tokens.len()).div_ceil(16) as u32).map(|block| pb::KvBlockRef { worker: 0, block }).collect(),
-            sampler: (start == 0).then_some(pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 0, constraint: None }),
+            sampler: (start == 0).then_some(pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 0, constraint: None, ..Default::default() }),
             sample: true,
             attention: Vec::new(),
             sub_batch: 0,

@@ -247,7 +247,7 @@ fn part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: 
 
 /// [`part`] asking for `top_logprobs` alternatives.
 fn greedy_part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>, sub: u32, top_logprobs: u32) -> pb::SequenceStep {
-    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs, constraint: None };
+    let greedy = pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs, constraint: None, ..Default::default() };
     pb::SequenceStep {
         seq_id,
         start_pos: start as u32,

@@ -26,7 +26,7 @@ fn executor() -> (Executor, (Segment, Ring)) {
 }
 
 fn greedy() -> pb::SamplerConfig {
-    pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None }
+    pb::SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 0, top_logprobs: 1, constraint: None, ..Default::default() }
 }
 
 /// A sequence's part of a step: `tokens` at `start` (none: fed its last sample).

@@ -112,6 +112,52 @@ def test_logprob_bytes_are_each_tokens_own_bytes(client, model):
     assert all(bytes(alt.bytes) != b"\xef\xbf\xbd" for c in content for alt in c.top_logprobs)
 
 
+FRANCE = [504, 3575, 282, 4649, 314]  # "The capital of France is"; 4649 is " France".
+
+
+def test_logit_bias_bans_and_forces_tokens_the_same_over_both_apis(client, model, gateway, stubs):
+    pb, _ = stubs
+    greedy_ids, _ = grpc_generate(stubs, gateway.grpc, tokens=pb.TokenIds(ids=FRANCE), max_tokens=4, sampling=pb.SamplingParams(temperature=0.0))
+    first = greedy_ids[0]
+    # -100 bans the greedy choice: the first token is another one.
+    banned_ids, banned_text = grpc_generate(
+        stubs, gateway.grpc, tokens=pb.TokenIds(ids=FRANCE), max_tokens=4, sampling=pb.SamplingParams(temperature=0.0, logit_bias={first: -100.0})
+    )
+    assert banned_ids[0] != first and first not in banned_ids
+    done = client.completions.create(model=model, prompt=FRANCE, max_tokens=4, temperature=0, logit_bias={str(first): -100})
+    assert done.choices[0].text == banned_text
+    # +100 makes a token all but certain, at any temperature.
+    forced = client.completions.create(model=model, prompt=FRANCE, max_tokens=3, temperature=1.0, seed=3, logit_bias={"4649": 100})
+    assert forced.choices[0].text == " France" * 3
+
+
+def test_frequency_and_presence_penalties_change_a_repetitive_continuation(client, model, gateway, stubs):
+    pb, _ = stubs
+    prompt = "1 1 1 1 1 1 1 1"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    assert plain.count("1") >= 6, f"the greedy continuation was expected to repeat: {plain!r}"
+    for penalty in (dict(frequency_penalty=1.5), dict(presence_penalty=2.0)):
+        text = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, **penalty).choices[0].text
+        assert text.count("1") < plain.count("1"), f"{penalty}: {text!r} against {plain!r}"
+        _, grpc_text = grpc_generate(stubs, gateway.grpc, text=prompt, max_tokens=12, sampling=pb.SamplingParams(temperature=0.0, **penalty))
+        assert grpc_text == text
+
+
+def test_bad_penalties_and_logit_bias_are_refused(client, model):
+    for bad, word in [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(logit_bias={"99999999": 1}), "logit_bias"),
+        (dict(logit_bias={"hello": 1}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt="x", max_tokens=1, **bad)
+        assert word in str(e.value), (bad, str(e.value))
+    # Zeros are what a client sends by default: accepted.
+    client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, presence_penalty=0, frequency_penalty=0, logit_bias={})
+
+
 def test_errors_are_openai_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

@@ -52,6 +52,9 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         top_p: s.top_p.unwrap_or(d.top_p),
         min_p: s.min_p.unwrap_or(d.min_p),
         repetition_penalty: s.repetition_penalty.unwrap_or(d.repetition_penalty),
+        frequency_penalty: s.frequency_penalty.unwrap_or(d.frequency_penalty),
+        presence_penalty: s.presence_penalty.unwrap_or(d.presence_penalty),
+        logit_bias: s.logit_bias.iter().map(|(&id, &b)| (id, b)).collect(),
         seed: s.seed.unwrap_or_else(fresh_seed),
         grammar: s.constraint.as_ref().map(Grammar::try_from).transpose().map_err(|e| GatewayError::InvalidArgument(e.to_string()))?,
     };

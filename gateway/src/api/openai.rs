@@ -144,12 +144,6 @@ impl CommonFields {
         if self.n.is_some_and(|n| n != 1) {
             return Err(invalid("n: only one choice per request is supported (n = 1)"));
         }
-        if self.presence_penalty.is_some_and(|p| p != 0.0) || self.frequency_penalty.is_some_and(|p| p != 0.0) {
-            return Err(invalid("presence_penalty and frequency_penalty are not supported (use repetition_penalty)"));
-        }
-        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-            return Err(invalid("logit_bias is not supported"));
-        }
         Ok(())
     }
 
@@ -166,9 +160,24 @@ impl CommonFields {
             top_p: self.top_p.unwrap_or(d.top_p),
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            logit_bias: self.logit_bias()?,
             seed,
             grammar: self.grammar()?,
         })
+    }
+
+    /// OpenAI's `logit_bias`: token ids (as strings) to numbers.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, GatewayError> {
+        let Some(map) = &self.logit_bias else { return Ok(Vec::new()) };
+        map.iter()
+            .map(|(k, v)| {
+                let id = k.trim().parse::<u32>().map_err(|_| invalid(format!("logit_bias: {k:?} is not a token id")))?;
+                let b = v.as_f64().ok_or_else(|| invalid(format!("logit_bias of token {id}: {v} is not a number")))?;
+                Ok((id, b as f32))
+            })
+            .collect()
     }
 
     /// The one structured-output constraint the request sets, if any.

@@ -35,7 +35,9 @@ pub use gpu::StepRunner;
 /// What the scheduler task is asked to do.
 #[derive(Debug)]
 pub enum Command {
-    Generate { params: GenerateParams, events: Events, arrived: Instant },
+    /// The parameters boxed: they hold the sampling's logit bias and stop strings, and the
+    /// other commands are small.
+    Generate { params: Box<GenerateParams>, events: Events, arrived: Instant },
     CloseSession { session_id: String, reply: oneshot::Sender<Result<u32, GatewayError>> },
     Info { reply: oneshot::Sender<ServerInfo> },
     /// Switch the balancer's policy from the next step on.
@@ -275,7 +277,7 @@ impl Scheduler {
                 // During a drain too: the listeners are closed by then, so a request that
                 // still arrives was sent on a connection taken in before (the deadline bounds it).
                 metrics::request_received();
-                self.waiting.push_back(Waiting { params, events, arrived });
+                self.waiting.push_back(Waiting { params: *params, events, arrived });
             }
             Command::CloseSession { session_id, reply } => {
                 let result = match self.sessions.get(&session_id) {

@@ -459,9 +459,11 @@ impl<D: Device> Executor<D> {
                 top_p: cfg.top_p,
                 min_p: cfg.min_p,
                 repetition_penalty: cfg.repetition_penalty,
+                frequency_penalty: cfg.frequency_penalty,
+                presence_penalty: cfg.presence_penalty,
                 seed: cfg.seed,
             };
-            seq.sampler = Some(Sampler::new(params)?);
+            seq.sampler = Some(Sampler::new(params)?.with_logit_bias(cfg.logit_bias.iter().map(|(&id, &b)| (id, b)))?);
             seq.top_n = cfg.top_logprobs.min(20) as usize;
             seq.matcher = match cfg.constraint.as_ref().map(Grammar::try_from).transpose() {
                 Err(e) => return invalid(e.into()),
