@@ -158,6 +158,38 @@ def test_bad_penalties_and_logit_bias_are_refused(client, model):
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, presence_penalty=0, frequency_penalty=0, logit_bias={})
 
 
+def test_n_choices_are_the_sequences_of_consecutive_seeds(client, model):
+    story = dict(model=model, prompt="Tell me a story:", max_tokens=12, temperature=1.0)
+    done = client.completions.create(**story, n=3, seed=5)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    alone = [client.completions.create(**story, seed=5 + i).choices[0] for i in range(3)]
+    assert [c.text for c in done.choices] == [a.text for a in alone]
+    assert len({c.text for c in done.choices}) > 1, "three samples at temperature 1 were all the same"
+    assert done.usage.completion_tokens == sum(client.completions.create(**story, seed=5 + i).usage.completion_tokens for i in range(3))
+    assert done.usage.prompt_tokens == client.completions.create(**story, seed=5).usage.prompt_tokens, "the prompt counts once"
+    # Streamed, the chunks of each choice carry its index and add up to the same texts.
+    texts, finished = ["", ""], [None, None]
+    for chunk in client.completions.create(**story, n=2, seed=5, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finished[c.index] = c.finish_reason or finished[c.index]
+    assert texts == [c.text for c in done.choices[:2]] and all(finished)
+    chat = dict(model=model, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=1.0, seed=9)
+    whole = client.chat.completions.create(**chat, n=2)
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(**chat, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in whole.choices]
+    for bad in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**story, n=bad)
+        assert "n must be" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**chat, n=2, extra_headers={"x-session-id": "n-choices"})
+    assert "session" in str(e.value)
+
+
 def test_errors_are_openai_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

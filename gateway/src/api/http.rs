@@ -319,19 +319,19 @@ impl Endpoint {
         }
     }
 
-    /// A choice carrying `text` (whole or a delta).
-    fn choice(self, text: &str, logprobs: Value, finish: Option<&str>, stream: bool) -> Value {
+    /// Choice `index` carrying `text` (whole or a delta).
+    fn choice(self, index: usize, text: &str, logprobs: Value, finish: Option<&str>, stream: bool) -> Value {
         match (self, stream) {
-            (Endpoint::Completion, _) => json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish }),
+            (Endpoint::Completion, _) => json!({ "index": index, "text": text, "logprobs": logprobs, "finish_reason": finish }),
             (Endpoint::Chat, false) => json!({
-                "index": 0,
+                "index": index,
                 "message": { "role": "assistant", "content": text },
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             (Endpoint::Chat, true) => {
                 let delta = if finish.is_some() && text.is_empty() { json!({}) } else { json!({ "content": text }) };
-                json!({ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
+                json!({ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish })
             }
         }
     }
@@ -348,7 +348,7 @@ async fn completions(
     params.session = session_of(&headers)?;
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
     let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None };
-    respond(s, shape, params, req.common.stream).await
+    respond(s, shape, params, req.common.choices(), req.common.stream).await
 }
 
 async fn chat_completions(
@@ -363,24 +363,47 @@ async fn chat_completions(
     let tools = req.tools(s.backend.text())?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
     let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools };
-    respond(s, shape, params, req.common.stream).await
+    respond(s, shape, params, req.common.choices(), req.common.stream).await
 }
 
-/// Answers a generation; with a session, the `x-session-id` response header names it
-/// (`key@node`: send it back to continue the session on this node); `x-duet-seed` reports the
-/// seed it sampled with.
-async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, stream: bool) -> Result<Response, ApiError> {
+/// Answers a generation of `n` choices, each its own sequence sampled with the request's seed
+/// plus its index; with a session, the `x-session-id` response header names it (`key@node`:
+/// send it back to continue the session on this node); `x-duet-seed` reports the seed the
+/// first choice sampled with.
+async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32, stream: bool) -> Result<Response, ApiError> {
     let seed = params.sampling.seed;
-    let (prompt_tokens, session, rx) = start(&s, params).await?;
+    if n > 1 && params.session != SessionMode::None {
+        return Err(GatewayError::InvalidArgument(format!("n = {n}: a session's conversation takes one choice (n = 1)")).into());
+    }
+    let generations = (0..u64::from(n)).map(|i| {
+        let mut p = params.clone();
+        // Below 2^63, as every seed reported back (OpenAI's `seed` is a signed integer).
+        p.sampling.seed = seed.wrapping_add(i) & (u64::MAX >> 1);
+        start(&s, p)
+    });
+    // One failing to start drops the others' receivers, which cancels them.
+    let started = futures_util::future::try_join_all(generations).await?;
+    let (prompt_tokens, session) = (started[0].0, started[0].1.clone());
+    let rxs: Vec<Events> = started.into_iter().map(|(_, _, rx)| rx).collect();
     let id = new_id(match shape.endpoint {
         Endpoint::Completion => "cmpl",
         Endpoint::Chat => "chatcmpl",
     });
     let mut response = if stream {
-        let events = sse_events(s, shape, id, prompt_tokens, rx);
+        let events = sse_events(s, shape, id, prompt_tokens, rxs);
         Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     } else {
-        whole(&s, shape, id, prompt_tokens, rx).await?
+        let choices = futures_util::future::try_join_all(rxs.into_iter().enumerate().map(|(i, rx)| whole_choice(&s, &shape, i, rx))).await?;
+        let generated = choices.iter().map(|c| c.1).sum();
+        Json(json!({
+            "id": id,
+            "object": shape.endpoint.object(false),
+            "created": unix_now(),
+            "model": s.model,
+            "choices": choices.into_iter().map(|c| c.0).collect::<Vec<_>>(),
+            "usage": UsageOut::new(prompt_tokens, generated),
+        }))
+        .into_response()
     };
     if let Some(v) = session.and_then(|id| header::HeaderValue::from_str(&id).ok()) {
         response.headers_mut().insert(SESSION_HEADER, v);
@@ -389,40 +412,31 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, stream:
     Ok(response)
 }
 
-/// Waits for the whole generation and answers it in one body; with tools, the reply is
-/// read as tool calls or text (see `tools`).
-async fn whole(s: &AppState, shape: Shape, id: String, prompt_tokens: PromptTokens, mut rx: Events) -> Result<Response, ApiError> {
-    let Shape { endpoint, style, tools, .. } = shape;
+/// Waits for choice `index`'s whole generation: its JSON and its generated tokens; with
+/// tools, the reply is read as tool calls or text (see `tools`).
+async fn whole_choice(s: &AppState, shape: &Shape, index: usize, mut rx: Events) -> Result<(Value, u32), ApiError> {
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
     loop {
         match rx.recv().await {
             Some(Ok(Event::Token { id, text: t, logprob, top })) => {
                 generated += 1;
                 text.push_str(&t);
-                logprobs.push(s, style, id, logprob, &top);
+                logprobs.push(s, shape.style, id, logprob, &top);
             }
             Some(Ok(Event::Finished { reason, text: rest, usage })) => {
                 text.push_str(&rest);
-                let lp = logprobs.to_json(style, 0);
-                let choice = match tools.map(|t| t.read_reply(&text)) {
+                let lp = logprobs.to_json(shape.style, 0);
+                let choice = match shape.tools.as_ref().map(|t| t.read_reply(&text)) {
                     Some(Reply::Calls { content, calls }) => json!({
-                        "index": 0,
+                        "index": index,
                         "message": { "role": "assistant", "content": content, "tool_calls": calls },
                         "logprobs": lp,
                         "finish_reason": "tool_calls",
                     }),
-                    Some(Reply::Text(t)) => endpoint.choice(&t, lp, Some(finish_reason(reason)), false),
-                    None => endpoint.choice(&text, lp, Some(finish_reason(reason)), false),
+                    Some(Reply::Text(t)) => shape.endpoint.choice(index, &t, lp, Some(finish_reason(reason)), false),
+                    None => shape.endpoint.choice(index, &text, lp, Some(finish_reason(reason)), false),
                 };
-                let body = json!({
-                    "id": id,
-                    "object": endpoint.object(false),
-                    "created": unix_now(),
-                    "model": s.model,
-                    "choices": [choice],
-                    "usage": UsageOut::new(prompt_tokens, usage.generated_tokens),
-                });
-                return Ok(Json(body).into_response());
+                return Ok((choice, usage.generated_tokens));
             }
             Some(Ok(Event::Prompt { .. })) => {}
             Some(Err(e)) => return Err(e.into()),
@@ -431,75 +445,142 @@ async fn whole(s: &AppState, shape: Shape, id: String, prompt_tokens: PromptToke
     }
 }
 
-/// The SSE stream of a generation: one chunk per token (text deltas), a last chunk with
-/// the finish reason, a usage chunk if asked, then `[DONE]`. With `tools` the reply is held
-/// back and sent whole at the end: one chunk of tool calls (or of the answer's text). An error after the stream
-/// began is sent as an OpenAI error object before `[DONE]`. Dropping the stream (the client
-/// went away) drops the event receiver, which cancels the generation and frees its KV.
-fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: PromptTokens, rx: Events) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let Shape { endpoint, style, include_usage, tools } = shape;
-    let created = unix_now();
-    let chunk = move |s: &AppState, choices: Value, usage: Option<UsageOut>| {
-        let mut v = json!({ "id": id, "object": endpoint.object(true), "created": created, "model": s.model, "choices": choices });
-        if include_usage {
+/// What the stream of a choice has sent so far.
+#[derive(Default)]
+struct ChoiceStream {
+    /// Bytes of text sent (completion logprobs' `text_offset`).
+    text_offset: usize,
+    /// With tools, the reply held back until it is whole.
+    held: String,
+}
+
+/// The SSE stream of a generation's choices: one chunk per token (text deltas, each with its
+/// choice's index), a last chunk per choice with its finish reason, once every choice has
+/// finished a usage chunk if asked, then `[DONE]`. With `tools` each reply is held back and
+/// sent whole when it ends: one chunk of tool calls (or of the answer's text). An error after
+/// the stream began is sent as an OpenAI error object before `[DONE]`, and ends the stream.
+/// Dropping the stream (the client went away, or it ended) drops the event receivers, which
+/// cancels the generations still running and frees their KV.
+fn sse_events(s: Arc<AppState>, shape: Shape, id: String, prompt_tokens: PromptTokens, rxs: Vec<Events>) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let n = rxs.len();
+    let merged = futures_util::stream::select_all(rxs.into_iter().enumerate().map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |ev| (i, ev))));
+    let state = SseChoices {
+        s,
+        created: unix_now(),
+        id,
+        prompt_tokens,
+        choices: (0..n).map(|_| ChoiceStream::default()).collect(),
+        opened: false,
+        finished: 0,
+        generated: 0,
+        ended: false,
+        shape,
+    };
+    futures_util::stream::unfold((state, merged), |(mut st, mut merged)| async move {
+        if st.ended {
+            return None;
+        }
+        let (i, ev) = merged.next().await?;
+        let out = st.step(i, ev);
+        Some((futures_util::stream::iter(out.into_iter().map(Ok)), (st, merged)))
+    })
+    .flatten()
+}
+
+/// The state of [`sse_events`]' stream.
+struct SseChoices {
+    s: Arc<AppState>,
+    shape: Shape,
+    id: String,
+    created: u64,
+    prompt_tokens: PromptTokens,
+    choices: Vec<ChoiceStream>,
+    /// Whether the opening chunks were sent.
+    opened: bool,
+    finished: usize,
+    /// Tokens generated by the choices that finished.
+    generated: u32,
+    /// `[DONE]` was sent.
+    ended: bool,
+}
+
+impl SseChoices {
+    fn chunk(&self, choices: Value, usage: Option<UsageOut>) -> SseEvent {
+        let mut v = json!({ "id": self.id, "object": self.shape.endpoint.object(true), "created": self.created, "model": self.s.model, "choices": choices });
+        if self.shape.include_usage {
             v["usage"] = usage.map_or(Value::Null, |u| json!(u));
         }
         SseEvent::default().data(v.to_string())
-    };
-    let mut text_offset = 0usize;
-    let mut first = matches!(endpoint, Endpoint::Chat);
-    let mut held = String::new();
-    let holding = tools.is_some();
-    UnboundedReceiverStream::new(rx).flat_map(move |ev| {
+    }
+
+    /// The chunks event `ev` of choice `i` sends.
+    fn step(&mut self, i: usize, ev: Result<Event, GatewayError>) -> Vec<SseEvent> {
+        let (endpoint, style) = (self.shape.endpoint, self.shape.style);
         let mut out: Vec<SseEvent> = Vec::new();
-        if first {
-            // Chat streams open with the assistant's role.
-            first = false;
-            out.push(chunk(&s, json!([{ "index": 0, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
+        if !self.opened {
+            self.opened = true;
+            if matches!(endpoint, Endpoint::Chat) {
+                // Chat streams open with the assistant's role, for each choice.
+                for index in 0..self.choices.len() {
+                    out.push(self.chunk(json!([{ "index": index, "delta": { "role": "assistant", "content": "" }, "logprobs": null, "finish_reason": null }]), None));
+                }
+            }
         }
-        match ev {
-            Ok(Event::Token { text, .. }) if holding => held.push_str(&text),
+        let holding = self.shape.tools.is_some();
+        let done = match ev {
+            Ok(Event::Token { text, .. }) if holding => {
+                self.choices[i].held.push_str(&text);
+                None
+            }
             Ok(Event::Finished { reason, text, usage }) if holding => {
+                let held = &mut self.choices[i].held;
                 held.push_str(&text);
-                let reply = tools.as_ref().map_or_else(|| Reply::Text(held.clone()), |t| t.read_reply(&held));
+                let reply = self.shape.tools.as_ref().map_or_else(|| Reply::Text(held.clone()), |t| t.read_reply(held));
                 let (delta, finish) = match reply {
                     Reply::Calls { content, calls } => {
-                        let calls: Vec<Value> = calls.into_iter().enumerate().map(|(i, mut c)| {
-                            c["index"] = json!(i);
-                            c
+                        let calls: Vec<Value> = calls.into_iter().enumerate().map(|(k, mut call)| {
+                            call["index"] = json!(k);
+                            call
                         }).collect();
                         (json!({ "content": content, "tool_calls": calls }), "tool_calls")
                     }
                     Reply::Text(t) => (json!({ "content": t }), finish_reason(reason)),
                 };
-                out.push(chunk(&s, json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }]), None));
-                out.push(chunk(&s, json!([{ "index": 0, "delta": {}, "logprobs": null, "finish_reason": finish }]), None));
-                if include_usage {
-                    out.push(chunk(&s, json!([]), Some(UsageOut::new(prompt_tokens, usage.generated_tokens))));
-                }
-                out.push(SseEvent::default().data("[DONE]"));
+                out.push(self.chunk(json!([{ "index": i, "delta": delta, "logprobs": null, "finish_reason": null }]), None));
+                out.push(self.chunk(json!([{ "index": i, "delta": {}, "logprobs": null, "finish_reason": finish }]), None));
+                Some(usage.generated_tokens)
             }
             Ok(Event::Token { id: tok, text, logprob, top }) => {
                 let mut lp = Logprobs::default();
-                lp.push(&s, style, tok, logprob, &top);
+                lp.push(&self.s, style, tok, logprob, &top);
                 if !text.is_empty() || !matches!(style, LogprobStyle::None) {
-                    out.push(chunk(&s, json!([endpoint.choice(&text, lp.to_json(style, text_offset), None, true)]), None));
+                    out.push(self.chunk(json!([endpoint.choice(i, &text, lp.to_json(style, self.choices[i].text_offset), None, true)]), None));
                 }
-                text_offset += text.len();
+                self.choices[i].text_offset += text.len();
+                None
             }
             Ok(Event::Finished { reason, text, usage }) => {
-                out.push(chunk(&s, json!([endpoint.choice(&text, Value::Null, Some(finish_reason(reason)), true)]), None));
-                if include_usage {
-                    out.push(chunk(&s, json!([]), Some(UsageOut::new(prompt_tokens, usage.generated_tokens))));
-                }
-                out.push(SseEvent::default().data("[DONE]"));
+                out.push(self.chunk(json!([endpoint.choice(i, &text, Value::Null, Some(finish_reason(reason)), true)]), None));
+                Some(usage.generated_tokens)
             }
-            Ok(Event::Prompt { .. }) => {}
+            Ok(Event::Prompt { .. }) => None,
             Err(e) => {
                 out.push(SseEvent::default().data(ApiError::from(e).body.to_string()));
                 out.push(SseEvent::default().data("[DONE]"));
+                self.ended = true;
+                None
+            }
+        };
+        if let Some(tokens) = done {
+            (self.finished, self.generated) = (self.finished + 1, self.generated + tokens);
+            if self.finished == self.choices.len() {
+                if self.shape.include_usage {
+                    out.push(self.chunk(json!([]), Some(UsageOut::new(self.prompt_tokens, self.generated))));
+                }
+                out.push(SseEvent::default().data("[DONE]"));
+                self.ended = true;
             }
         }
-        futures_util::stream::iter(out.into_iter().map(Ok))
-    })
+        out
+    }
 }

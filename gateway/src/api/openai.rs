@@ -138,11 +138,19 @@ fn invalid(msg: impl Into<String>) -> GatewayError {
     GatewayError::InvalidArgument(msg.into())
 }
 
+/// The most choices (`n`) one request may ask for: each is a sequence of its own.
+pub const MAX_CHOICES: u32 = 16;
+
 impl CommonFields {
+    /// How many choices the request asks for (`n`, checked by `check_unsupported`).
+    pub fn choices(&self) -> u32 {
+        self.n.unwrap_or(1)
+    }
+
     /// Refuses what Duet does not do rather than silently ignoring it.
     fn check_unsupported(&self) -> Result<(), GatewayError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(invalid("n: only one choice per request is supported (n = 1)"));
+        if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
+            return Err(invalid(format!("n must be in [1, {MAX_CHOICES}], got {n}")));
         }
         Ok(())
     }
