@@ -123,6 +123,31 @@ async fn decode_past_one_attention_chunk_matches_the_single_process_reference() 
     }
 }
 
+/// A prompt scored through the whole system (`prompt_logprobs`, OpenAI's `echo` with
+/// `logprobs`): over three prefill chunks, each token's log-probability is what the single
+/// process computes for it, bit for bit, and the first generated token comes after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_match_the_single_process_reference() {
+    let data: Value = serde_json::from_str(&std::fs::read_to_string(golden("greedy.json")).unwrap()).unwrap();
+    let mut prompt: Vec<u32> = data["items"].as_array().unwrap().iter().flat_map(|it| ids(&it["prompt_ids"])).collect();
+    prompt.truncate(1100);
+    let want = Reference::load().prompt_logprobs(&prompt);
+    let mut gw = Gateway::start(&["--cpu-workers", "1"]);
+    let req = duet_proto::pb::GenerateRequest { prompt_logprobs: true, top_logprobs: 3, ..greedy(prompt.clone(), 2) };
+    let got = generate(&mut gw.client(), req).await.unwrap();
+    assert_eq!(got.prompt_logprobs.len(), prompt.len() - 1, "every prompt token after the first, once");
+    for (i, (t, &w)) in got.prompt_logprobs.iter().zip(&want).enumerate() {
+        assert_eq!(t.id, prompt[i + 1], "position {}", i + 1);
+        // The same chunks through the same kernels: the same bits (sent as f32).
+        assert_eq!(t.logprob, Some(w as f32), "position {}", i + 1);
+        assert_eq!(t.top_logprobs.len(), 3, "position {}: the alternatives asked for", i + 1);
+        assert!(t.top_logprobs[0].logprob >= w as f32, "position {}: the best alternative is at least as likely as the token", i + 1);
+    }
+    assert_eq!(got.ids.len(), 2);
+    let status = gw.stop();
+    assert!(status.success(), "the gateway exited with {status}; log:\n{}", gw.log_tail());
+}
+
 /// With `--kv-type q8_0` the arenas hold Q8_0 rows, which the gpu-worker writes and both
 /// workers attend with the one-pass arithmetic: a 2300-token context (two attention chunks)
 /// on one cpu-worker and on the gpu-worker gives exactly the single process's tokens over its

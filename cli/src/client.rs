@@ -59,7 +59,7 @@ async fn stream(client: &mut InferenceClient<Channel>, req: pb::GenerateRequest)
                 print!("{}", f.text);
                 out.finished = Some(f);
             }
-            None => {}
+            Some(Event::PromptLogprobs(_)) | None => {}
         }
     }
     println!();

@@ -159,6 +159,9 @@ pub struct GenerateParams {
     pub session: SessionMode,
     /// Generate past end-of-generation tokens, up to max_tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Score the prompt: [`Event::PromptLogprobs`] for every prompt token after the first,
+    /// with `top_logprobs` alternatives (OpenAI's `echo` with `logprobs`).
+    pub prompt_logprobs: bool,
 }
 
 impl GenerateParams {
@@ -166,6 +169,9 @@ impl GenerateParams {
         self.sampling.validate()?;
         if self.max_tokens == Some(0) {
             return Err(GatewayError::InvalidArgument("max_tokens must be at least 1".into()));
+        }
+        if self.prompt_logprobs && self.session != SessionMode::None {
+            return Err(GatewayError::InvalidArgument("prompt log-probabilities (echo with logprobs) are for requests outside a session".into()));
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
             return Err(GatewayError::InvalidArgument(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs)));
@@ -206,10 +212,21 @@ pub struct Usage {
 pub enum Event {
     /// First: the prompt as tokenised (new tokens only, with a session).
     Prompt { prompt_ids: Vec<u32>, session_id: Option<String>, cached_tokens: u32 },
+    /// Prompt tokens scored, in order from the second (asked for with `prompt_logprobs`; one
+    /// event per prompt chunk, before the first token).
+    PromptLogprobs { tokens: Vec<ScoredToken> },
     /// One per generated token.
     Token { id: u32, text: String, logprob: Option<f32>, top: Vec<(u32, f32)> },
     /// Last.
     Finished { reason: StopReason, text: String, usage: Usage },
+}
+
+/// A prompt token's log-probability under the tokens before it, and the most likely tokens there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredToken {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// One cpu-worker's state.

@@ -88,6 +88,8 @@ pub struct Seq {
     pub sampling: Sampling,
     pub max_tokens: u32,
     pub top_logprobs: u32,
+    /// Its prompt chunks are scored (`GenerateParams::prompt_logprobs`).
+    pub prompt_logprobs: bool,
     /// Generation goes on past end-of-generation tokens.
     pub ignore_eos: bool,
     pub table: BlockTable,

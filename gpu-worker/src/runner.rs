@@ -263,6 +263,26 @@ impl<D: Device> Runner<D> {
 
     /// llama-perplexity's method: `floor(n / n_ctx)` chunks, each from an empty cache, scoring
     /// the second half (logits at `n_ctx/2 .. n_ctx-2` predict the next token); NLL in f64.
+    /// The log-probability of each of `tokens` after the first under the tokens before it,
+    /// prefilled in the chunks a generation's prompt is ([`Device::prefill_chunk`]): what the
+    /// served system's `prompt_logprobs` report.
+    pub fn prompt_logprobs(&self, tokens: &[u32]) -> Result<Vec<f64>> {
+        self.tokenizer.check_ids(tokens)?;
+        let mut kv = KvCache::of_type(self.device.config(), tokens.len(), self.kv_type)?;
+        let n_vocab = self.device.config().n_vocab;
+        let mut out = Vec::with_capacity(tokens.len().saturating_sub(1));
+        for (c, part) in tokens.chunks(self.device.prefill_chunk()).enumerate() {
+            let start = c * self.device.prefill_chunk();
+            let rows = self.forward(part, &mut kv, Logits::From(0))?;
+            for (i, row) in rows.chunks_exact(n_vocab).enumerate() {
+                if let Some(&next) = tokens.get(start + i + 1) {
+                    out.push(log_softmax(row)[next as usize]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     pub fn perplexity(&self, tokens: &[u32], n_ctx: usize, mut progress: impl FnMut(usize, usize, f64)) -> Result<Perplexity> {
         let n_ctx_train = self.device.config().n_ctx_train;
         if n_ctx < 4 || n_ctx > n_ctx_train {

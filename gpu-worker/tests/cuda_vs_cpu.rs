@@ -178,6 +178,7 @@ fn the_rows_the_gpu_writes_into_an_arena_are_the_cpu_devices() {
             sub_batch: 0,
             feed_sampled: false,
             held_tokens: Vec::new(),
+            ..Default::default()
         };
         let run = |ex: &mut dyn FnMut(u64, pb::SequenceStep)| {
             ex(1, part(0, &tokens));

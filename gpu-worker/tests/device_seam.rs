@@ -259,6 +259,7 @@ fn greedy_part(seq_id: u64, start: usize, tokens: &[u32], new_blocks: Range<u32>
         sub_batch: sub,
         feed_sampled: tokens.is_empty(),
         held_tokens: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -42,6 +42,7 @@ fn part(seq_id: u64, start: u32, tokens: &[u32], new_blocks: &[u32], first: bool
         sub_batch: 0,
         feed_sampled: tokens.is_empty(),
         held_tokens: Vec::new(),
+        ..Default::default()
     }
 }
 

@@ -190,6 +190,32 @@ def test_n_choices_are_the_sequences_of_consecutive_seeds(client, model):
     assert "session" in str(e.value)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model):
+    # As lm-evaluation-harness's `local-completions` scores a continuation: echo the prompt
+    # with each of its tokens' log-probability under the tokens before it.
+    done = client.completions.create(model=model, prompt=FRANCE, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(FRANCE) + 3 == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, "the first prompt token has no context"
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert done.choices[0].text == "".join(lp.tokens), "the prompt's text, then the completion's"
+    assert lp.text_offset == sorted(lp.text_offset)
+    # Each prompt position's alternatives are what a generation from the tokens before it
+    # reports for its first token.
+    for k in (2, 4):
+        alone = client.completions.create(model=model, prompt=FRANCE[:k], max_tokens=1, temperature=0, logprobs=2)
+        want = alone.choices[0].logprobs.top_logprobs[0]
+        got = lp.top_logprobs[k]
+        assert set(got) == set(want), (k, got, want)
+        assert all(got[t] == pytest.approx(want[t], abs=1e-5) for t in want), (k, got, want)
+    # A text prompt comes back as sent; without logprobs only the text is echoed.
+    text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True).choices[0].text
+    assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=1, echo=True, stream=True)
+    assert "echo" in str(e.value)
+
+
 def test_errors_are_openai_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

@@ -148,6 +148,8 @@ pub struct Generated {
     pub text: String,
     /// Per token: the top log-probabilities, when asked for.
     pub top: Vec<Vec<(u32, f32)>>,
+    /// The prompt's tokens scored, when asked for (`prompt_logprobs`).
+    pub prompt_logprobs: Vec<pb::GeneratedToken>,
     pub finished: Option<pb::Finished>,
 }
 
@@ -176,6 +178,10 @@ pub async fn generate(client: &mut InferenceClient<Channel>, req: pb::GenerateRe
                 g.ids.push(t.id);
                 g.text.push_str(&t.text);
                 g.top.push(t.top_logprobs.iter().map(|l| (l.id, l.logprob)).collect());
+            }
+            Some(Event::PromptLogprobs(p)) => {
+                assert!(g.ids.is_empty(), "the prompt is scored before the first token");
+                g.prompt_logprobs.extend(p.tokens);
             }
             Some(Event::Finished(f)) => {
                 g.text.push_str(&f.text);
@@ -214,6 +220,11 @@ impl Reference {
     pub fn with_kv_type(mut self, kv_type: duet_kv::KvDtype) -> Reference {
         self.engine.kv_type = kv_type;
         self
+    }
+
+    /// Each prompt token's log-probability after the first (`Runner::prompt_logprobs`).
+    pub fn prompt_logprobs(&self, prompt_ids: &[u32]) -> Vec<f64> {
+        self.engine.prompt_logprobs(prompt_ids).expect("reference prompt log-probabilities")
     }
 
     pub fn generate(&self, prompt_ids: &[u32], max_tokens: usize) -> RefGeneration {

@@ -71,6 +71,7 @@ pub fn params_from_proto(r: pb::GenerateRequest) -> Result<GenerateParams, Gatew
         top_logprobs: r.top_logprobs,
         session,
         ignore_eos: r.ignore_eos,
+        prompt_logprobs: r.prompt_logprobs,
     })
 }
 
@@ -102,11 +103,9 @@ impl InferenceService {
             Event::Prompt { prompt_ids, session_id, cached_tokens } => {
                 E::Prompt(pb::PromptInfo { prompt_ids, session_id: session_id.unwrap_or_default(), cached_tokens })
             }
-            Event::Token { id, text, logprob, top } => E::Token(pb::GeneratedToken {
-                id,
-                text,
-                logprob,
-                top_logprobs: top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.backend.text().piece(id) }).collect(),
+            Event::Token { id, text, logprob, top } => E::Token(self.token(id, text, logprob, top)),
+            Event::PromptLogprobs { tokens } => E::PromptLogprobs(pb::PromptLogprobs {
+                tokens: tokens.into_iter().map(|t| self.token(t.id, self.backend.text().piece(t.id), Some(t.logprob), t.top)).collect(),
             }),
             Event::Finished { reason, text, usage } => E::Finished(pb::Finished {
                 reason: stop_reason(reason) as i32,
@@ -121,6 +120,12 @@ impl InferenceService {
             }),
         };
         pb::GenerateResponse { event: Some(event) }
+    }
+
+    /// A token with its log-probability and its alternatives, as the API shows one.
+    fn token(&self, id: u32, text: String, logprob: Option<f32>, top: Vec<(u32, f32)>) -> pb::GeneratedToken {
+        let top_logprobs = top.into_iter().map(|(id, logprob)| pb::TokenLogprob { id, logprob, text: self.backend.text().piece(id) }).collect();
+        pb::GeneratedToken { id, text, logprob, top_logprobs }
     }
 }
 

@@ -23,7 +23,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use futures_util::{Stream, StreamExt};
 
 use super::auth::ApiKey;
-use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptTokens, UsageOut};
+use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptInput, PromptTokens, UsageOut};
 use super::tools::{Reply, Tools};
 use crate::backend::Backend;
 use crate::request::{check_session_key, session_key, Event, GenerateParams, SessionMode, SEED_HEADER, SESSION_HEADER};
@@ -191,11 +191,20 @@ type Events = mpsc::UnboundedReceiver<Result<Event, GatewayError>>;
 /// Starts a generation; a request refused before it starts fails the call itself. Returns
 /// the prompt's token count, the session the request keeps its KV in, and the remaining
 /// events.
-async fn start(s: &AppState, params: GenerateParams) -> Result<(PromptTokens, Option<String>, Events), ApiError> {
+/// A generation begun: its prompt's tokens (those prefilled), the session's id, its events.
+struct Started {
+    prompt_tokens: PromptTokens,
+    prompt_ids: Vec<u32>,
+    session: Option<String>,
+    rx: Events,
+}
+
+async fn start(s: &AppState, params: GenerateParams) -> Result<Started, ApiError> {
     let mut rx = s.backend.generate(params).await?;
     match rx.recv().await {
         Some(Ok(Event::Prompt { prompt_ids, cached_tokens, session_id })) => {
-            Ok((PromptTokens { total: prompt_ids.len() as u32 + cached_tokens, cached: cached_tokens }, session_id, rx))
+            let prompt_tokens = PromptTokens { total: prompt_ids.len() as u32 + cached_tokens, cached: cached_tokens };
+            Ok(Started { prompt_tokens, prompt_ids, session: session_id, rx })
         }
         Some(Ok(_)) => Err(GatewayError::Internal("a generation began without its prompt".into()).into()),
         Some(Err(e)) => Err(e.into()),
@@ -239,19 +248,26 @@ impl Piece {
 #[derive(Default)]
 struct Logprobs {
     tokens: Vec<Piece>,
+    /// NaN (shown as null) where there is none: an echoed prompt's first token.
     token_logprobs: Vec<f32>,
-    top: Vec<Vec<(Piece, f32)>>,
+    /// `None` (null) where there are none: an echoed prompt's first token.
+    top: Vec<Option<Vec<(Piece, f32)>>>,
 }
 
 impl Logprobs {
     fn push(&mut self, s: &AppState, style: LogprobStyle, id: u32, logprob: Option<f32>, top: &[(u32, f32)]) {
+        self.push_maybe(s, style, id, logprob, Some(top));
+    }
+
+    /// [`Self::push`], with no alternatives (`None`) for a token that has no context.
+    fn push_maybe(&mut self, s: &AppState, style: LogprobStyle, id: u32, logprob: Option<f32>, top: Option<&[(u32, f32)]>) {
         let n = match style {
             LogprobStyle::None => return,
             LogprobStyle::Completion(n) | LogprobStyle::Chat(n) => n as usize,
         };
         self.tokens.push(Piece::of(s, id));
         self.token_logprobs.push(logprob.unwrap_or(f32::NAN));
-        self.top.push(top.iter().take(n).map(|&(t, lp)| (Piece::of(s, t), lp)).collect());
+        self.top.push(top.map(|top| top.iter().take(n).map(|&(t, lp)| (Piece::of(s, t), lp)).collect()));
     }
 
     fn to_json(&self, style: LogprobStyle, text_start: usize) -> Value {
@@ -268,8 +284,11 @@ impl Logprobs {
                         o
                     })
                     .collect();
-                let top: Vec<Value> =
-                    self.top.iter().map(|alts| Value::Object(alts.iter().map(|(t, lp)| (t.text.clone(), json!(lp))).collect())).collect();
+                let top: Vec<Value> = self
+                    .top
+                    .iter()
+                    .map(|alts| alts.as_ref().map_or(Value::Null, |alts| Value::Object(alts.iter().map(|(t, lp)| (t.text.clone(), json!(lp))).collect())))
+                    .collect();
                 let tokens: Vec<&str> = self.tokens.iter().map(|t| t.text.as_str()).collect();
                 json!({ "tokens": tokens, "token_logprobs": self.token_logprobs, "top_logprobs": top, "text_offset": offsets })
             }
@@ -282,7 +301,7 @@ impl Logprobs {
                     .zip(&self.top)
                     .map(|((t, &lp), alts)| {
                         let mut e = entry(t, lp);
-                        e["top_logprobs"] = Value::Array(alts.iter().map(|(t, lp)| entry(t, *lp)).collect());
+                        e["top_logprobs"] = Value::Array(alts.iter().flatten().map(|(t, lp)| entry(t, *lp)).collect());
                         e
                     })
                     .collect();
@@ -301,6 +320,9 @@ struct Shape {
     include_usage: bool,
     /// The tools the reply may call: it is read back as calls or text.
     tools: Option<Tools>,
+    /// A completion's prompt comes back before its text (`echo`): this text, or with `None`
+    /// its tokens' text.
+    echo: Option<Option<String>>,
 }
 
 /// What one endpoint's responses look like.
@@ -347,7 +369,12 @@ async fn completions(
     let mut params = req.params()?;
     params.session = session_of(&headers)?;
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
-    let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None };
+    let echo = req.echo.then(|| match &req.prompt {
+        PromptInput::Text(t) => Some(t.clone()),
+        PromptInput::Texts(v) => v.first().cloned(),
+        PromptInput::Ids(_) | PromptInput::IdLists(_) => None,
+    });
+    let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None, echo };
     respond(s, shape, params, req.common.choices(), req.common.stream).await
 }
 
@@ -362,7 +389,7 @@ async fn chat_completions(
     params.session = session_of(&headers)?;
     let tools = req.tools(s.backend.text())?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
-    let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools };
+    let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools, echo: None };
     respond(s, shape, params, req.common.choices(), req.common.stream).await
 }
 
@@ -383,8 +410,8 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32,
     });
     // One failing to start drops the others' receivers, which cancels them.
     let started = futures_util::future::try_join_all(generations).await?;
-    let (prompt_tokens, session) = (started[0].0, started[0].1.clone());
-    let rxs: Vec<Events> = started.into_iter().map(|(_, _, rx)| rx).collect();
+    let (prompt_tokens, session, prompt_ids) = (started[0].prompt_tokens, started[0].session.clone(), started[0].prompt_ids.clone());
+    let rxs: Vec<Events> = started.into_iter().map(|g| g.rx).collect();
     let id = new_id(match shape.endpoint {
         Endpoint::Completion => "cmpl",
         Endpoint::Chat => "chatcmpl",
@@ -393,7 +420,7 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32,
         let events = sse_events(s, shape, id, prompt_tokens, rxs);
         Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     } else {
-        let choices = futures_util::future::try_join_all(rxs.into_iter().enumerate().map(|(i, rx)| whole_choice(&s, &shape, i, rx))).await?;
+        let choices = futures_util::future::try_join_all(rxs.into_iter().enumerate().map(|(i, rx)| whole_choice(&s, &shape, i, &prompt_ids, rx))).await?;
         let generated = choices.iter().map(|c| c.1).sum();
         Json(json!({
             "id": id,
@@ -413,11 +440,25 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32,
 }
 
 /// Waits for choice `index`'s whole generation: its JSON and its generated tokens; with
-/// tools, the reply is read as tool calls or text (see `tools`).
-async fn whole_choice(s: &AppState, shape: &Shape, index: usize, mut rx: Events) -> Result<(Value, u32), ApiError> {
+/// tools, the reply is read as tool calls or text (see `tools`). Echoed, the prompt
+/// (`prompt_ids`) comes first, in the text and in the logprobs: its first token with none, the
+/// others scored.
+async fn whole_choice(s: &AppState, shape: &Shape, index: usize, prompt_ids: &[u32], mut rx: Events) -> Result<(Value, u32), ApiError> {
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
+    if let Some(echo) = &shape.echo {
+        let bytes: Vec<u8> = prompt_ids.iter().flat_map(|&id| s.backend.text().piece_bytes(id)).collect();
+        text = echo.clone().unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+        if let Some(&first) = prompt_ids.first() {
+            logprobs.push_maybe(s, shape.style, first, None, None);
+        }
+    }
     loop {
         match rx.recv().await {
+            Some(Ok(Event::PromptLogprobs { tokens })) => {
+                for t in tokens {
+                    logprobs.push(s, shape.style, t.id, Some(t.logprob), &t.top);
+                }
+            }
             Some(Ok(Event::Token { id, text: t, logprob, top })) => {
                 generated += 1;
                 text.push_str(&t);
@@ -563,7 +604,8 @@ impl SseChoices {
                 out.push(self.chunk(json!([endpoint.choice(i, &text, Value::Null, Some(finish_reason(reason)), true)]), None));
                 Some(usage.generated_tokens)
             }
-            Ok(Event::Prompt { .. }) => None,
+            // Asked for only by echoed completions, which do not stream.
+            Ok(Event::Prompt { .. } | Event::PromptLogprobs { .. }) => None,
             Err(e) => {
                 out.push(SseEvent::default().data(ApiError::from(e).body.to_string()));
                 out.push(SseEvent::default().data("[DONE]"));

@@ -228,8 +228,8 @@ impl CommonFields {
 impl CompletionRequest {
     pub fn params(&self) -> Result<GenerateParams, GatewayError> {
         self.common.check_unsupported()?;
-        if self.echo {
-            return Err(invalid("echo is not supported"));
+        if self.echo && self.common.stream {
+            return Err(invalid("echo is supported without stream"));
         }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(invalid("suffix is not supported"));
@@ -261,6 +261,8 @@ impl CompletionRequest {
             top_logprobs: if self.logprobs.is_some() { logprobs.max(1) } else { 0 },
             session: SessionMode::None,
             ignore_eos: false,
+            // Echoed with logprobs, the prompt's tokens are scored too.
+            prompt_logprobs: self.echo && self.logprobs.is_some(),
         })
     }
 }
@@ -332,6 +334,7 @@ impl ChatRequest {
             top_logprobs: if self.logprobs { top.max(1) } else { 0 },
             session: SessionMode::None,
             ignore_eos: false,
+            prompt_logprobs: false,
         })
     }
 }

@@ -619,6 +619,7 @@ impl Scheduler {
             sampling: w.params.sampling,
             max_tokens,
             top_logprobs: w.params.top_logprobs,
+            prompt_logprobs: w.params.prompt_logprobs,
             ignore_eos: w.params.ignore_eos,
             sent_blocks: if restore { 0 } else { table.blocks().len() },
             restore,

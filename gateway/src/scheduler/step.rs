@@ -14,7 +14,7 @@ use duet_model::chat::ChatMessage;
 use duet_proto::pb;
 
 use super::Scheduler;
-use crate::request::{Event, StopReason};
+use crate::request::{Event, ScoredToken, StopReason};
 use crate::error::GatewayError;
 use crate::metrics;
 use crate::balancer::planner::{Plan, SeqDemand, Share};
@@ -125,6 +125,9 @@ impl Scheduler {
             }
             let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };
             let sample = fed_sampled || seq.queued + n == seq.pending.len();
+            // A prompt chunk scored: its inputs, and the token after it where the prompt goes on.
+            let prompt_logprobs = seq.prompt_logprobs && !fed_sampled && !seq.decoding();
+            let next_prompt_token = seq.pending.get(seq.queued + n).copied().filter(|_| prompt_logprobs);
             if !fed_sampled {
                 seq.queued += n;
             }
@@ -142,6 +145,8 @@ impl Scheduler {
                 sub_batch: 0,
                 feed_sampled: fed_sampled,
                 held_tokens,
+                prompt_logprobs,
+                next_prompt_token,
             });
             entries.push(Entry { serial: seq.serial, n, fed_sampled, sample });
         }
@@ -211,7 +216,20 @@ impl Scheduler {
                     tracing::debug!(step = f.step, total_us = t.total_ns / 1000, predicted_us = (f.predicted.seconds * 1e6) as u64, warm = f.predicted.warm, prefill = t.prefill_tokens, decode = t.decode_tokens, sub_batches = t.sub_batches, linear_us = t.linear_ns / 1000, gpu_attn_us = t.attention_gpu_ns / 1000, kv_upload_us = t.gpu_kv_upload_ns / 1000, wait_us = t.attention_wait_ns / 1000, kv_write_us = t.kv_write_ns / 1000, merge_us = t.merge_ns / 1000, sample_us = t.sample_ns / 1000, experts_wait_us = t.experts_wait_ns / 1000, experts_busy_us = t.cpu_workers.iter().map(|w| w.experts_busy_ns).sum::<u64>() / 1000, "step");
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
+                let mut scored: HashMap<u64, pb::ScoredPrompt> = resp.prompt_logprobs.into_iter().map(|p| (p.seq_id, p)).collect();
                 for (i, e) in found {
+                    let seq = &self.running[i];
+                    if let Some(p) = scored.remove(&seq.id).filter(|_| seq.prompt_logprobs && !e.fed_sampled) {
+                        let tokens = p
+                            .tokens
+                            .into_iter()
+                            .map(|t| {
+                                let (id, logprob) = t.token.map_or((0, f32::NEG_INFINITY), |t| (t.id, t.logprob));
+                                ScoredToken { id, logprob, top: t.top.into_iter().map(|t| (t.id, t.logprob)).collect() }
+                            })
+                            .collect();
+                        let _ = seq.events.send(Ok(Event::PromptLogprobs { tokens }));
+                    }
                     if let Some(outcome) = self.apply(i, &e, sampled.get(&self.running[i].id)) {
                         outcomes.push((i, outcome));
                     }

@@ -114,7 +114,7 @@ impl FakeGpu {
                 sampled.push(pb::Sampled { seq_id: s.seq_id, token: Some(pb::TokenProb { id: t, logprob: -0.1 }), top: vec![] });
             }
         }
-        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }) })
+        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }), prompt_logprobs: Vec::new() })
     }
 
     /// The process restarted: it knows no sequence.
@@ -197,6 +197,7 @@ fn request(prompt: &[u32], max_tokens: u32, session: SessionMode) -> GeneratePar
         top_logprobs: 0,
         session,
         ignore_eos: false,
+        prompt_logprobs: false,
     }
 }
 
@@ -214,6 +215,7 @@ async fn run(backend: &SchedulerBackend, params: GenerateParams) -> Result<Outco
         match ev? {
             Event::Prompt { session_id, cached_tokens, .. } => (out.session, out.cached) = (session_id, cached_tokens),
             Event::Token { id, .. } => out.ids.push(id),
+            Event::PromptLogprobs { .. } => {}
             Event::Finished { .. } => return Ok(out),
         }
     }
@@ -316,7 +318,7 @@ async fn a_restarted_gpu_worker_takes_up_running_requests_and_idle_sessions() {
         match ev.unwrap() {
             Event::Token { id, .. } => ids.push(id),
             Event::Finished { .. } => break,
-            Event::Prompt { .. } => {}
+            Event::Prompt { .. } | Event::PromptLogprobs { .. } => {}
         }
     }
     assert_eq!(ids, expected(&p, 60), "the request goes on from its KV on the new gpu-worker");

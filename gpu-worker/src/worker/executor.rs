@@ -60,9 +60,24 @@ struct SubBatch {
 }
 
 impl SubBatch {
-    /// The rows whose logits are sampled, in plan order.
+    /// The rows whose logits are needed, in plan order: a sampling sequence's last row, every
+    /// row of one whose inputs are scored.
     fn logit_rows(&self) -> Vec<usize> {
-        self.plan.iter().filter(|p| p.sample).map(|p| p.row0 + p.n - 1).collect()
+        self.plan.iter().flat_map(|p| p.row0 + p.n - logit_rows_of(p)..p.row0 + p.n).collect()
+    }
+
+    /// Each plan's first row in the logits of [`Self::logit_rows`].
+    fn logit_offsets(&self) -> Vec<usize> {
+        self.plan.iter().scan(0, |at, p| Some(std::mem::replace(at, *at + logit_rows_of(p)))).collect()
+    }
+}
+
+/// How many of `p`'s last rows need logits.
+fn logit_rows_of(p: &Planned) -> usize {
+    match (p.score, p.sample) {
+        (true, _) => p.n,
+        (false, true) => 1,
+        (false, false) => 0,
     }
 }
 
@@ -181,7 +196,7 @@ impl<D: Device> Executor<D> {
 
     fn run(&mut self, req: &pb::StepRequest, t0: Instant) -> Result<pb::StepResponse, StepError> {
         if req.sequences.is_empty() {
-            return Ok(pb::StepResponse { sampled: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
+            return Ok(pb::StepResponse { sampled: vec![], prompt_logprobs: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
         }
         let bs = self.arenas.block_size().ok_or(StepError::NoArena)?;
         let mut seen = HashSet::new();
@@ -204,7 +219,7 @@ impl<D: Device> Executor<D> {
             sub.plan.push(p);
         }
         if subs.iter().all(|s| s.plan.is_empty()) {
-            return Ok(pb::StepResponse { sampled: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
+            return Ok(pb::StepResponse { sampled: vec![], prompt_logprobs: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
         }
         // Every slot the step writes is one row's: a block the new rows of two sequences (or
         // two places of one sequence's list) land in would have two rows write one slot, and
@@ -284,7 +299,8 @@ impl<D: Device> Executor<D> {
         // Greedy rows whose logits nothing else needs (no grammar, no log-probabilities)
         // take their tokens from the device, which may find them without handing the logits
         // over; the others sample from the logits.
-        let plain_greedy = subs.iter().flat_map(|s| &s.plan).filter(|p| p.sample).all(|p| {
+        let scoring = subs.iter().flat_map(|s| &s.plan).any(|p| p.score);
+        let plain_greedy = !scoring && subs.iter().flat_map(|s| &s.plan).filter(|p| p.sample).all(|p| {
             let seq = &self.seqs[&p.seq_id];
             seq.sampler.as_ref().is_some_and(Sampler::is_plain_greedy) && seq.matcher.is_none() && seq.top_n == 0
         });
@@ -331,14 +347,18 @@ impl<D: Device> Executor<D> {
         }
 
         let t_sample = Instant::now();
-        // Each sampled sequence with its sub-batch and its logit row there, in request order.
-        let mut next_row = [0usize; 2];
+        // Each sampled sequence with its sub-batch and its logit row there (the device's
+        // greedy tokens: its index among the sampled rows), in request order.
+        let offsets = [subs[0].logit_offsets(), subs[1].logit_offsets()];
+        let mut next_sampled = [0usize; 2];
         let sampled_rows: Vec<(&Planned, usize, usize)> = order
             .iter()
             .filter(|&&(k, i)| subs[k].plan[i].sample)
             .map(|&(k, i)| {
-                next_row[k] += 1;
-                (&subs[k].plan[i], k, next_row[k] - 1)
+                let p = &subs[k].plan[i];
+                next_sampled[k] += 1;
+                let row = if device_tokens.is_some() { next_sampled[k] - 1 } else { offsets[k][i] + logit_rows_of(p) - 1 };
+                (p, k, row)
             })
             .collect();
         if let Some(tokens) = device_tokens {
@@ -348,9 +368,19 @@ impl<D: Device> Executor<D> {
                 self.seqs.get_mut(&p.seq_id).expect("planned sequences are held").last_sampled = Some(id);
                 sampled.push(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob: 0.0 }), top: Vec::new() });
             }
-            return Ok(self.finish_step(sampled, timings, t_sample, t0));
+            return Ok(self.finish_step(sampled, Vec::new(), timings, t_sample, t0));
         }
         let n_vocab = self.device.config().n_vocab;
+        let scored: Vec<pb::ScoredPrompt> = order
+            .iter()
+            .filter(|&&(k, i)| subs[k].plan[i].score)
+            .map(|&(k, i)| {
+                let p = &subs[k].plan[i];
+                let inputs = &subs[k].tokens[p.row0..p.row0 + p.n];
+                let rows = &logits[k][offsets[k][i] * n_vocab..(offsets[k][i] + p.n) * n_vocab];
+                pb::ScoredPrompt { seq_id: p.seq_id, tokens: score_inputs(rows, n_vocab, &inputs[1..], p.next_token, self.seqs[&p.seq_id].top_n) }
+            })
+            .collect();
         let rows: Vec<(&Planned, &[f32])> = sampled_rows.into_iter().map(|(p, k, r)| (p, &logits[k][r * n_vocab..(r + 1) * n_vocab])).collect();
         // Rows sample in parallel: each sequence's sampler, grammar and history are its own
         // (a step names a sequence once), and a large vocabulary's filters take a while.
@@ -362,11 +392,11 @@ impl<D: Device> Executor<D> {
             .into_par_iter()
             .map(|(p, row, seq)| sample_row(p, row, seq, step_masks.get(&p.seq_id)))
             .collect::<Result<Vec<_>, StepError>>()?;
-        Ok(self.finish_step(sampled, timings, t_sample, t0))
+        Ok(self.finish_step(sampled, scored, timings, t_sample, t0))
     }
 
-    /// The step's response: its sampled tokens and its timings, closed.
-    fn finish_step(&self, sampled: Vec<pb::Sampled>, mut timings: pb::StepTimings, t_sample: Instant, t0: Instant) -> pb::StepResponse {
+    /// The step's response: its sampled tokens, its scored prompts and its timings, closed.
+    fn finish_step(&self, sampled: Vec<pb::Sampled>, prompt_logprobs: Vec<pb::ScoredPrompt>, mut timings: pb::StepTimings, t_sample: Instant, t0: Instant) -> pb::StepResponse {
         timings.sample_ns = ns(t_sample.elapsed());
         timings.expert_routed = self
             .device
@@ -378,7 +408,7 @@ impl<D: Device> Executor<D> {
         timings.linear_ns = timings
             .total_ns
             .saturating_sub(timings.kv_write_ns + timings.attention_gpu_ns + timings.attention_wait_ns + timings.merge_ns + timings.sample_ns + timings.gpu_kv_upload_ns);
-        pb::StepResponse { sampled, timings: Some(timings) }
+        pb::StepResponse { sampled, timings: Some(timings), prompt_logprobs }
     }
 
     /// Sums the device's phase times (the CUDA device's: where its calls' time goes) and logs
@@ -508,7 +538,8 @@ impl<D: Device> Executor<D> {
             }
             shares
         };
-        Ok(Some(Planned { seq_id: s.seq_id, row0: 0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample }))
+        let score = s.prompt_logprobs;
+        Ok(Some(Planned { seq_id: s.seq_id, row0: 0, n, start, blocks: seq.blocks.clone(), shares, sample: s.sample, score, next_token: s.next_prompt_token.filter(|_| score) }))
     }
 }
 
@@ -519,6 +550,21 @@ fn masks(matchers: Vec<(u64, Matcher)>) -> Vec<(u64, Matcher, Result<SimpleVob, 
         .map(|(id, mut m)| {
             let mask = grammar::allowed(&mut m);
             (id, m, mask)
+        })
+        .collect()
+}
+
+/// The log-probabilities of `next` (each row's following token: the inputs after the first,
+/// then `last` after the last row where given) under `rows` (`n_vocab` logits each, untempered
+/// and unmasked), each with the `n_top` most likely tokens; rows in parallel.
+fn score_inputs(rows: &[f32], n_vocab: usize, next: &[u32], last: Option<u32>, n_top: usize) -> Vec<pb::ScoredToken> {
+    let next: Vec<u32> = next.iter().copied().chain(last).collect();
+    rows.par_chunks(n_vocab)
+        .zip(&next)
+        .map(|(row, &id)| {
+            let lp = log_softmax(row);
+            let top = top_n(row, n_top).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
+            pb::ScoredToken { token: Some(pb::TokenProb { id, logprob: lp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY) as f32 }), top }
         })
         .collect()
 }

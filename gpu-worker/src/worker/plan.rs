@@ -28,6 +28,10 @@ pub(crate) struct Planned {
     /// Decode attention split by device; empty: attention over the whole context here.
     pub shares: Vec<Share>,
     pub sample: bool,
+    /// Score its inputs (`prompt_logprobs`): each input after the first, then `next_token`
+    /// after the last where given.
+    pub score: bool,
+    pub next_token: Option<u32>,
 }
 
 impl Planned {
@@ -67,7 +71,7 @@ mod tests {
 
     #[test]
     fn the_device_attends_the_whole_context_without_shares_else_to_the_end_of_its_own() {
-        let planned = |shares: Vec<Share>| Planned { seq_id: 1, row0: 0, n: 1, start: 99, blocks: vec![], shares, sample: true };
+        let planned = |shares: Vec<Share>| Planned { seq_id: 1, row0: 0, n: 1, start: 99, blocks: vec![], shares, sample: true, score: false, next_token: None };
         let share = |cpu_worker, range| Share { cpu_worker, range };
         assert_eq!(planned(vec![]).device_end(), 100);
         assert_eq!(planned(vec![share(None, 0..64), share(Some(0), 64..100)]).device_end(), 64);
