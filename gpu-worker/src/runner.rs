@@ -331,7 +331,11 @@ impl<D: Device> Runner<D> {
 
 /// The `n` most likely tokens with their log-probabilities (log-softmax over all logits).
 pub fn top_n(logits: &[f32], n: usize) -> Vec<(u32, f64)> {
-    let lp = log_softmax(logits);
+    top_n_of(&log_softmax(logits), n)
+}
+
+/// [`top_n`] of log-probabilities `lp` already computed.
+pub fn top_n_of(lp: &[f64], n: usize) -> Vec<(u32, f64)> {
     let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
     let n = n.min(idx.len());
     idx.select_nth_unstable_by(n.saturating_sub(1), |&a, &b| lp[b as usize].total_cmp(&lp[a as usize]).then(a.cmp(&b)));

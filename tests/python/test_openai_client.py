@@ -208,6 +208,20 @@ def test_echo_with_logprobs_scores_the_prompt(client, model):
         got = lp.top_logprobs[k]
         assert set(got) == set(want), (k, got, want)
         assert all(got[t] == pytest.approx(want[t], abs=1e-5) for t in want), (k, got, want)
+    # lm-evaluation-harness's loglikelihood request and its reading of the answer: a batch of
+    # one tokenised context + continuation, the continuation's log-probabilities summed and
+    # whether each was the most likely token.
+    greedy_first = client.completions.create(model=model, prompt=FRANCE, max_tokens=1, temperature=0, logprobs=1).choices[0].logprobs
+    for continuation in ([4649], [4649, 314]):
+        out = client.completions.create(model=model, prompt=[FRANCE + continuation], temperature=0, max_tokens=1, logprobs=1, seed=1234, echo=True)
+        choice = out.model_dump()["choices"][0]
+        ctxlen = len(FRANCE)
+        logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        assert len(logprobs) == len(continuation) and all(x < 0 for x in logprobs)
+        is_greedy = all(tok == max(top.values()) for tok, top in zip(logprobs, tops))
+        if len(continuation) == 1:
+            assert is_greedy == (greedy_first.tokens[0] == " France"), (logprobs, tops, greedy_first.tokens)
     # A text prompt comes back as sent; without logprobs only the text is echoed.
     text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0, echo=True).choices[0].text
     assert text.startswith("The capital of France is") and len(text) > len("The capital of France is")

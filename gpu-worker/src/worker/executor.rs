@@ -30,7 +30,7 @@ use super::step_attention::StepAttention;
 use super::{SequenceError, StepError};
 use crate::device::Device;
 use crate::forward::run_layers;
-use crate::runner::top_n;
+use crate::runner::{top_n, top_n_of};
 use crate::sampler::{Sampler, SamplingParams};
 
 /// Longest wait for a cpu-worker's answer to one layer's job before it counts as failed.
@@ -563,7 +563,7 @@ fn score_inputs(rows: &[f32], n_vocab: usize, next: &[u32], last: Option<u32>, n
         .zip(&next)
         .map(|(row, &id)| {
             let lp = log_softmax(row);
-            let top = top_n(row, n_top).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
+            let top = top_n_of(&lp, n_top).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
             pb::ScoredToken { token: Some(pb::TokenProb { id, logprob: lp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY) as f32 }), top }
         })
         .collect()
