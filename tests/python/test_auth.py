@@ -36,6 +36,9 @@ def test_http_requires_the_key(keyed_gateway):
     assert status(f"{base}/v1/models", "wrong-key") == 401
     assert status(f"{base}/v1/models", API_KEY) == 200
     assert status(f"{base}/health") == 200
+    # The tokenizer endpoints are behind the key too.
+    assert status(f"{base}/tokenizer_info") == 401
+    assert status(f"{base}/tokenizer_info", API_KEY) == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong-key", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible HTTP API (axum): `POST /v1/completions`, `POST /v1/chat/completions`
-//! (both with SSE streaming ending in `data: [DONE]`), `GET /v1/models`, `GET /health` and
-//! Prometheus `GET /metrics`; optional bearer-token auth on `/v1/*`. Errors are OpenAI's
+//! (both with SSE streaming ending in `data: [DONE]`), `GET /v1/models`, `GET /health`,
+//! Prometheus `GET /metrics` and the tokenizer (`tokenizer`); optional bearer-token auth on
+//! `/v1/*` and the tokenizer. Errors are OpenAI's
 //! JSON error shape; the HTTP status of each gateway error is chosen here and only here.
 
 use std::convert::Infallible;
@@ -28,6 +29,8 @@ use super::tools::{Reply, Tools};
 use crate::backend::Backend;
 use crate::request::{check_session_key, session_key, Event, GenerateParams, SessionMode, SEED_HEADER, SESSION_HEADER};
 use crate::error::GatewayError;
+
+mod tokenizer;
 
 /// What the handlers share.
 struct AppState {
@@ -107,15 +110,22 @@ pub fn router(backend: Arc<dyn Backend>, model: String, api_key: Option<ApiKey>,
     let state = Arc::new(AppState { backend, model, created, metrics });
     // The key is checked on everything under /v1, unknown paths included: without it, a
     // client learns nothing (not even which paths exist).
+    let api_key = api_key.map(Arc::new);
     let v1 = Router::new()
         .route("/completions", post(completions))
         .route("/chat/completions", post(chat_completions))
         .route("/models", get(models))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(middleware::from_fn_with_state(api_key.map(Arc::new), require_key));
+        .layer(middleware::from_fn_with_state(api_key.clone(), require_key));
+    let tokenizer = Router::new()
+        .route("/tokenize", post(tokenizer::tokenize))
+        .route("/detokenize", post(tokenizer::detokenize))
+        .route("/tokenizer_info", get(tokenizer::tokenizer_info))
+        .layer(middleware::from_fn_with_state(api_key, require_key));
     Router::new()
         .nest("/v1", v1)
+        .merge(tokenizer)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(no_such_endpoint)
