@@ -456,8 +456,10 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32,
 async fn whole_choice(s: &AppState, shape: &Shape, index: usize, prompt_ids: &[u32], mut rx: Events) -> Result<(Value, u32), ApiError> {
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
     if let Some(echo) = &shape.echo {
-        let bytes: Vec<u8> = prompt_ids.iter().flat_map(|&id| s.backend.text().piece_bytes(id)).collect();
-        text = echo.clone().unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+        text = echo.clone().unwrap_or_else(|| {
+            let bytes: Vec<u8> = prompt_ids.iter().flat_map(|&id| s.backend.text().piece_bytes(id)).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        });
         if let Some(&first) = prompt_ids.first() {
             logprobs.push_maybe(s, shape.style, first, None, None);
         }

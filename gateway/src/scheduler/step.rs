@@ -68,6 +68,7 @@ impl Scheduler {
         // runs there over their whole prefix, which stays after the prefill).
         let mut prompt_mirror = 0;
         let mut prefill_pairs = 0;
+        let mut scored_rows = 0;
         // Decode tokens first (they are what users wait on), then prompt chunks in arrival order.
         let order: Vec<usize> = {
             let (dec, pre): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| self.running[i].decoding());
@@ -91,6 +92,12 @@ impl Scheduler {
                 (seq.pending.len() - seq.queued).min(self.cfg.prefill_chunk)
             };
             if n > budget || (!fed_sampled && seq.queued + n > seq.pending.len()) || n == 0 {
+                continue;
+            }
+            // A scored prompt chunk has the logits of every row computed and sent back (a
+            // vocabulary's worth of floats a row): one chunk's worth a step, at most.
+            let prompt_logprobs = seq.prompt_logprobs && !fed_sampled && !seq.decoding();
+            if prompt_logprobs && scored_rows + n > self.cfg.prefill_chunk {
                 continue;
             }
             let start = seq.table.len();
@@ -126,7 +133,9 @@ impl Scheduler {
             let tokens = if fed_sampled { Vec::new() } else { seq.pending[seq.queued..seq.queued + n].to_vec() };
             let sample = fed_sampled || seq.queued + n == seq.pending.len();
             // A prompt chunk scored: its inputs, and the token after it where the prompt goes on.
-            let prompt_logprobs = seq.prompt_logprobs && !fed_sampled && !seq.decoding();
+            if prompt_logprobs {
+                scored_rows += n;
+            }
             let next_prompt_token = seq.pending.get(seq.queued + n).copied().filter(|_| prompt_logprobs);
             if !fed_sampled {
                 seq.queued += n;

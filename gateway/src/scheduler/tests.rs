@@ -55,6 +55,8 @@ struct FakeState {
     /// Per step: pages of the GPU's KV mirror (of `GPU_KV_PAGE` positions) its prompt
     /// chunks and its decode rows' GPU shares take, and whether it had both.
     mirror_pages: Vec<(usize, bool)>,
+    /// Per step: the prompt rows it scored (`prompt_logprobs`).
+    scored_rows: Vec<usize>,
 }
 
 /// A gpu-worker with the fake model and the real step protocol: steps run in `after_step`
@@ -89,7 +91,19 @@ impl FakeGpu {
         let mixed = req.sequences.iter().any(|s| s.tokens.len() > 1) && req.sequences.iter().any(|s| s.tokens.len() <= 1);
         st.mirror_pages.push((pages, mixed));
         let mut sampled = Vec::new();
+        let mut prompt_logprobs = Vec::new();
+        st.scored_rows.push(req.sequences.iter().filter(|s| s.prompt_logprobs).map(|s| s.tokens.len()).sum());
         for s in &req.sequences {
+            if s.prompt_logprobs {
+                // Each input after the first, then the next chunk's first token: a made-up
+                // log-probability that names the position it scores.
+                let scored = s.tokens.iter().skip(1).copied().chain(s.next_prompt_token);
+                let tokens = scored
+                    .enumerate()
+                    .map(|(i, id)| pb::ScoredToken { token: Some(pb::TokenProb { id, logprob: -((s.start_pos as usize + i + 1) as f32) }), top: vec![] })
+                    .collect();
+                prompt_logprobs.push(pb::ScoredPrompt { seq_id: s.seq_id, tokens });
+            }
             let start = s.start_pos as usize;
             if !s.held_tokens.is_empty() && s.held_tokens.len() == start {
                 st.seqs.insert(s.seq_id, s.held_tokens.clone());
@@ -114,7 +128,7 @@ impl FakeGpu {
                 sampled.push(pb::Sampled { seq_id: s.seq_id, token: Some(pb::TokenProb { id: t, logprob: -0.1 }), top: vec![] });
             }
         }
-        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }), prompt_logprobs: Vec::new() })
+        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }), prompt_logprobs })
     }
 
     /// The process restarted: it knows no sequence.
@@ -255,6 +269,42 @@ async fn every_step_fits_the_gpus_kv_mirror_prompt_chunks_first() {
     let st = h.gpu.state.lock().unwrap();
     assert!(st.mirror_pages.iter().any(|&(_, mixed)| mixed), "a step had a prompt chunk and a decode row");
     assert!(st.mirror_pages.iter().all(|&(pages, _)| pages <= 6), "steps mirror pages: {:?}", st.mirror_pages);
+}
+
+#[tokio::test]
+async fn scored_prompts_come_back_whole_in_order_one_chunk_a_step() {
+    let h = harness(64);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|r| (0..150).map(|i| 3 + (i * 7 + r * 11) % 200).collect()).collect();
+    let runs = prompts.iter().map(|p| {
+        let backend = h.backend.clone();
+        let params = GenerateParams { prompt_logprobs: true, ..request(p, 3, SessionMode::None) };
+        async move {
+            let mut rx = backend.generate(params).await.unwrap();
+            let (mut scored, mut ids) = (Vec::new(), Vec::new());
+            while let Some(ev) = rx.recv().await {
+                match ev.unwrap() {
+                    Event::PromptLogprobs { tokens } => {
+                        assert!(ids.is_empty(), "scores come before the first token");
+                        scored.extend(tokens);
+                    }
+                    Event::Token { id, .. } => ids.push(id),
+                    Event::Prompt { .. } => {}
+                    Event::Finished { .. } => break,
+                }
+            }
+            (scored, ids)
+        }
+    });
+    let got = futures_util::future::join_all(runs).await;
+    for (p, (scored, ids)) in prompts.iter().zip(got) {
+        // Every token after the first, in order, across the 64-token chunks.
+        assert_eq!(scored.iter().map(|t| t.id).collect::<Vec<_>>(), p[1..]);
+        assert_eq!(scored.iter().map(|t| t.logprob).collect::<Vec<_>>(), (1..p.len()).map(|i| -(i as f32)).collect::<Vec<_>>());
+        assert_eq!(ids, expected(p, 3));
+    }
+    let st = h.gpu.state.lock().unwrap();
+    assert!(st.scored_rows.iter().all(|&n| n <= 64), "at most one chunk's rows scored a step: {:?}", st.scored_rows);
+    assert!(st.scored_rows.iter().sum::<usize>() == 3 * 150);
 }
 
 #[tokio::test]
