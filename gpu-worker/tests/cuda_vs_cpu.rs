@@ -144,6 +144,45 @@ fn the_kv_rows_the_whole_layer_path_defers_reach_the_cache() {
     assert!(worst.iter().all(|&e| e <= 0.25), "a layer's K/V differ by more than 25 %: {worst:?}");
 }
 
+/// A prompt scored on the CUDA device (`prompt_logprobs`, OpenAI's `echo` with `logprobs`:
+/// every row's logits computed on the GPU and brought down) against the CPU device, one
+/// executor each: the same tokens scored, in order, each log-probability within the devices'
+/// difference (a row read for its neighbour's token is tens of percent off).
+#[test]
+fn a_prompt_scored_on_the_cuda_device_is_the_cpu_devices() {
+    use duet_kv::KvDtype;
+    use duet_proto::pb;
+    let Some((cuda, cpu, _)) = devices(None) else { return };
+    let tokens = prompt(cpu.device.config());
+    let req = pb::StepRequest {
+        step: 1,
+        sequences: vec![pb::SequenceStep {
+            seq_id: 1,
+            tokens: tokens.clone(),
+            new_blocks: (0..PROMPT.div_ceil(16) as u32).map(|block| pb::KvBlockRef { worker: 0, block }).collect(),
+            sampler: Some(pb::SamplerConfig { top_p: 1.0, repetition_penalty: 1.0, top_logprobs: 2, ..Default::default() }),
+            sample: true,
+            prompt_logprobs: true,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let scores = |resp: pb::StepResponse| -> (Vec<u32>, Vec<f32>) {
+        let [p] = &resp.prompt_logprobs[..] else { panic!("one scored prompt, got {}", resp.prompt_logprobs.len()) };
+        p.tokens.iter().map(|t| t.token.as_ref().map_or((u32::MAX, f32::NAN), |t| (t.id, t.logprob))).unzip()
+    };
+    let (mut gpu_ex, _gpu_arena) = support::executor_with_arena_of(cuda.device, "cuda-scores", KvDtype::F16);
+    let (gpu_ids, gpu_lp) = scores(gpu_ex.step(&req).unwrap());
+    let (mut cpu_ex, _cpu_arena) = support::executor_with_arena_of(cpu.device, "cpu-scores", KvDtype::F16);
+    let (cpu_ids, cpu_lp) = scores(cpu_ex.step(&req).unwrap());
+    assert_eq!(gpu_ids, tokens[1..], "the CUDA executor scored other tokens");
+    assert_eq!(cpu_ids, tokens[1..]);
+    let e = rel(&gpu_lp, &cpu_lp);
+    println!("a {PROMPT}-token prompt's log-probabilities, CUDA against CPU (relative rms): {e:.2e}");
+    assert!(gpu_lp.iter().all(|x| x.is_finite() && *x <= 0.0), "log-probabilities that are not finite or above 0: {gpu_lp:?}");
+    assert!(e <= 0.1, "the prompt's log-probabilities differ by {e:.3e}");
+}
+
 /// The served whole-layer path writes its K/V rows into a cpu-worker's arena from the GPU,
 /// in place (the arena registered with `cuMemHostRegister`: `device::cuda::host_map`): for an
 /// f16 and a Q8_0 arena, an executor on the CUDA device and one on the CPU device, each with an
