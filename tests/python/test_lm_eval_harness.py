@@ -1,6 +1,7 @@
 """lm-evaluation-harness, unmodified, evaluates the served model: its `local-completions` model
 finds Duet's tokenizer endpoints (no Hugging Face tokenizer for a GGUF model) and scores a
-multiple-choice task from the prompts' log-probabilities (`echo` with `logprobs`)."""
+multiple-choice task from the prompts' log-probabilities (`echo` with `logprobs`), four prompts
+a request."""
 
 import json
 import os
@@ -39,7 +40,9 @@ def test_the_harness_scores_a_multiple_choice_task(gateway, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "local-completions",
          "--model_args", f"base_url={gateway.base_url}/v1/completions,model={model},num_concurrent=1",
-         "--tasks", "duet_capitals", "--include_path", str(tmp_path), "--output_path", str(out)],
+         "--tasks", "duet_capitals", "--include_path", str(tmp_path), "--output_path", str(out),
+         # Several prompts a request (a completion's batch of prompts).
+         "--batch_size", "4"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     log = run.stdout + run.stderr

@@ -230,6 +230,31 @@ def test_echo_with_logprobs_scores_the_prompt(client, model):
     assert "echo" in str(e.value)
 
 
+def test_a_batch_of_prompts_answers_each_in_order(client, model):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    done = client.completions.create(model=model, prompt=prompts, max_tokens=4, temperature=0)
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=4, temperature=0) for p in prompts]
+    assert [c.index for c in done.choices] == [0, 1]
+    assert [c.text for c in done.choices] == [a.choices[0].text for a in alone]
+    assert done.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    # With n, prompt-major: prompt p's choice i is index p * n + i, sampled with seed + index.
+    sampled = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=1.0, seed=5, n=2)
+    want = [client.completions.create(model=model, prompt=prompts[k // 2], max_tokens=6, temperature=1.0, seed=5 + k).choices[0].text for k in range(4)]
+    assert [c.text for c in sampled.choices] == want
+    # lm-evaluation-harness with batch_size > 1: tokenised prompts, echoed and scored, each
+    # as it is alone.
+    batch = [FRANCE, FRANCE[:3]]
+    scored = client.completions.create(model=model, prompt=batch, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    for c, ids in zip(scored.choices, batch):
+        one = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True).choices[0]
+        assert c.text == one.text and c.logprobs.token_logprobs == one.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=["x"] * 33, max_tokens=1, n=2)
+    assert "at most 64" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt=[], max_tokens=1)
+
+
 def test_errors_are_openai_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

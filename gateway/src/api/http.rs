@@ -24,10 +24,10 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use futures_util::{Stream, StreamExt};
 
 use super::auth::ApiKey;
-use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptInput, PromptTokens, UsageOut};
+use super::openai::{error_body, finish_reason, ChatRequest, CompletionRequest, PromptTokens, UsageOut};
 use super::tools::{Reply, Tools};
 use crate::backend::Backend;
-use crate::request::{check_session_key, session_key, Event, GenerateParams, SessionMode, SEED_HEADER, SESSION_HEADER};
+use crate::request::{check_session_key, session_key, Event, GenerateParams, Prompt, SessionMode, SEED_HEADER, SESSION_HEADER};
 use crate::error::GatewayError;
 
 mod tokenizer;
@@ -330,9 +330,8 @@ struct Shape {
     include_usage: bool,
     /// The tools the reply may call: it is read back as calls or text.
     tools: Option<Tools>,
-    /// A completion's prompt comes back before its text (`echo`): this text, or with `None`
-    /// its tokens' text.
-    echo: Option<Option<String>>,
+    /// A completion's prompt comes back before its text (`echo`).
+    echo: bool,
 }
 
 /// What one endpoint's responses look like.
@@ -376,16 +375,12 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     let Json(req) = body?;
     check_model(&s, req.common.model.as_deref())?;
-    let mut params = req.params()?;
-    params.session = session_of(&headers)?;
+    let mut prompts = req.params()?;
+    let session = session_of(&headers)?;
+    prompts.iter_mut().for_each(|p| p.session = session.clone());
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
-    let echo = req.echo.then(|| match &req.prompt {
-        PromptInput::Text(t) => Some(t.clone()),
-        PromptInput::Texts(v) => v.first().cloned(),
-        PromptInput::Ids(_) | PromptInput::IdLists(_) => None,
-    });
-    let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None, echo };
-    respond(s, shape, params, req.common.choices(), req.common.stream).await
+    let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None, echo: req.echo };
+    respond(s, shape, prompts, req.common.choices(), req.common.stream).await
 }
 
 async fn chat_completions(
@@ -399,28 +394,50 @@ async fn chat_completions(
     params.session = session_of(&headers)?;
     let tools = req.tools(s.backend.text())?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
-    let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools, echo: None };
-    respond(s, shape, params, req.common.choices(), req.common.stream).await
+    let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools, echo: false };
+    respond(s, shape, vec![params], req.common.choices(), req.common.stream).await
 }
 
-/// Answers a generation of `n` choices, each its own sequence sampled with the request's seed
-/// plus its index; with a session, the `x-session-id` response header names it (`key@node`:
-/// send it back to continue the session on this node); `x-duet-seed` reports the seed the
-/// first choice sampled with.
-async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32, stream: bool) -> Result<Response, ApiError> {
-    let seed = params.sampling.seed;
-    if n > 1 && params.session != SessionMode::None {
-        return Err(GatewayError::InvalidArgument(format!("n = {n}: a session's conversation takes one choice (n = 1)")).into());
+/// Answers a generation of `n` choices for each of `prompts` (a completion's batch of prompts,
+/// or one), each choice a sequence of its own sampled with the request's seed plus its index
+/// (prompt-major: prompt `p`'s choice `i` is `p * n + i`); with a session, the `x-session-id`
+/// response header names it (`key@node`: send it back to continue the session on this node);
+/// `x-duet-seed` reports the seed the first choice sampled with.
+async fn respond(s: Arc<AppState>, shape: Shape, prompts: Vec<GenerateParams>, n: u32, stream: bool) -> Result<Response, ApiError> {
+    let seed = prompts.first().map_or(0, |p| p.sampling.seed);
+    let choices = prompts.len() * n as usize;
+    if choices > 1 && prompts.iter().any(|p| p.session != SessionMode::None) {
+        return Err(GatewayError::InvalidArgument(format!("{choices} choices: a session's conversation takes one prompt and one choice (n = 1)")).into());
     }
-    let generations = (0..u64::from(n)).map(|i| {
+    if choices > MAX_GENERATIONS {
+        return Err(GatewayError::InvalidArgument(format!("{} prompts of n = {n}: at most {MAX_GENERATIONS} choices a request", prompts.len())).into());
+    }
+    let generations = prompts.iter().flat_map(|p| std::iter::repeat_n(p, n as usize)).enumerate().map(|(i, params)| {
         let mut p = params.clone();
         // Below 2^63, as every seed reported back (OpenAI's `seed` is a signed integer).
-        p.sampling.seed = seed.wrapping_add(i) & (u64::MAX >> 1);
+        p.sampling.seed = seed.wrapping_add(i as u64) & (u64::MAX >> 1);
         start(&s, p)
     });
     // One failing to start drops the others' receivers, which cancels them.
     let started = futures_util::future::try_join_all(generations).await?;
-    let (prompt_tokens, session, prompt_ids) = (started[0].prompt_tokens, started[0].session.clone(), started[0].prompt_ids.clone());
+    // Each prompt counts once, however many choices it has.
+    let firsts = || started.iter().step_by(n as usize);
+    let prompt_tokens = PromptTokens { total: firsts().map(|g| g.prompt_tokens.total).sum(), cached: firsts().map(|g| g.prompt_tokens.cached).sum() };
+    let session = started[0].session.clone();
+    // Echoed, each choice's prompt as sent: its text, or its tokens' text.
+    let echoes: Vec<Option<Echo>> = started
+        .iter()
+        .zip(prompts.iter().flat_map(|p| std::iter::repeat_n(&p.prompt, n as usize)))
+        .map(|(g, prompt)| {
+            shape.echo.then(|| {
+                let text = match prompt {
+                    Prompt::Text(t) => t.clone(),
+                    _ => String::from_utf8_lossy(&g.prompt_ids.iter().flat_map(|&id| s.backend.text().piece_bytes(id)).collect::<Vec<u8>>()).into_owned(),
+                };
+                Echo { text, ids: g.prompt_ids.clone() }
+            })
+        })
+        .collect();
     let rxs: Vec<Events> = started.into_iter().map(|g| g.rx).collect();
     let id = new_id(match shape.endpoint {
         Endpoint::Completion => "cmpl",
@@ -430,7 +447,7 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32,
         let events = sse_events(s, shape, id, prompt_tokens, rxs);
         Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     } else {
-        let choices = futures_util::future::try_join_all(rxs.into_iter().enumerate().map(|(i, rx)| whole_choice(&s, &shape, i, &prompt_ids, rx))).await?;
+        let choices = futures_util::future::try_join_all(rxs.into_iter().zip(echoes).enumerate().map(|(i, (rx, echo))| whole_choice(&s, &shape, i, echo, rx))).await?;
         let generated = choices.iter().map(|c| c.1).sum();
         Json(json!({
             "id": id,
@@ -449,18 +466,23 @@ async fn respond(s: Arc<AppState>, shape: Shape, params: GenerateParams, n: u32,
     Ok(response)
 }
 
+/// The most choices one request may run (prompts times `n`): each is a sequence of its own.
+const MAX_GENERATIONS: usize = 64;
+
+/// An echoed prompt: its text, and its tokens for the logprobs.
+struct Echo {
+    text: String,
+    ids: Vec<u32>,
+}
+
 /// Waits for choice `index`'s whole generation: its JSON and its generated tokens; with
-/// tools, the reply is read as tool calls or text (see `tools`). Echoed, the prompt
-/// (`prompt_ids`) comes first, in the text and in the logprobs: its first token with none, the
-/// others scored.
-async fn whole_choice(s: &AppState, shape: &Shape, index: usize, prompt_ids: &[u32], mut rx: Events) -> Result<(Value, u32), ApiError> {
+/// tools, the reply is read as tool calls or text (see `tools`). Echoed, the prompt comes
+/// first, in the text and in the logprobs: its first token with none, the others scored.
+async fn whole_choice(s: &AppState, shape: &Shape, index: usize, echo: Option<Echo>, mut rx: Events) -> Result<(Value, u32), ApiError> {
     let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
-    if let Some(echo) = &shape.echo {
-        text = echo.clone().unwrap_or_else(|| {
-            let bytes: Vec<u8> = prompt_ids.iter().flat_map(|&id| s.backend.text().piece_bytes(id)).collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        });
-        if let Some(&first) = prompt_ids.first() {
+    if let Some(echo) = echo {
+        text = echo.text;
+        if let Some(&first) = echo.ids.first() {
             logprobs.push_maybe(s, shape.style, first, None, None);
         }
     }

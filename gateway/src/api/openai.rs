@@ -226,7 +226,8 @@ impl CommonFields {
 }
 
 impl CompletionRequest {
-    pub fn params(&self) -> Result<GenerateParams, GatewayError> {
+    /// The request's generation for each of its prompts (one, or a batch).
+    pub fn params(&self) -> Result<Vec<GenerateParams>, GatewayError> {
         self.common.check_unsupported()?;
         if self.echo && self.common.stream {
             return Err(invalid("echo is supported without stream"));
@@ -244,16 +245,17 @@ impl CompletionRequest {
         if logprobs > MAX_COMPLETION_LOGPROBS {
             return Err(invalid(format!("logprobs must be at most {MAX_COMPLETION_LOGPROBS}, got {logprobs}")));
         }
-        let one = || invalid("prompt: a batch of several prompts is not supported; send one prompt per request");
-        let prompt = match &self.prompt {
-            PromptInput::Text(t) => Prompt::Text(t.clone()),
-            PromptInput::Ids(ids) => Prompt::Tokens(ids.clone()),
-            PromptInput::Texts(v) if v.len() == 1 => Prompt::Text(v[0].clone()),
-            PromptInput::IdLists(v) if v.len() == 1 => Prompt::Tokens(v[0].clone()),
-            PromptInput::Texts(_) | PromptInput::IdLists(_) => return Err(one()),
+        let prompts: Vec<Prompt> = match &self.prompt {
+            PromptInput::Text(t) => vec![Prompt::Text(t.clone())],
+            PromptInput::Ids(ids) => vec![Prompt::Tokens(ids.clone())],
+            PromptInput::Texts(v) => v.iter().cloned().map(Prompt::Text).collect(),
+            PromptInput::IdLists(v) => v.iter().cloned().map(Prompt::Tokens).collect(),
         };
-        Ok(GenerateParams {
-            prompt,
+        if prompts.is_empty() {
+            return Err(invalid("prompt: an empty batch"));
+        }
+        let one = GenerateParams {
+            prompt: Prompt::Text(String::new()),
             max_tokens: Some(self.common.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)),
             sampling: self.common.sampling()?,
             stop: self.common.stop()?,
@@ -263,7 +265,8 @@ impl CompletionRequest {
             ignore_eos: false,
             // Echoed with logprobs, the prompt's tokens are scored too.
             prompt_logprobs: self.echo && self.logprobs.is_some(),
-        })
+        };
+        Ok(prompts.into_iter().map(|prompt| GenerateParams { prompt, ..one.clone() }).collect())
     }
 }
 
