@@ -254,11 +254,12 @@ impl CompletionRequest {
         if prompts.is_empty() {
             return Err(invalid("prompt: an empty batch"));
         }
-        let one = GenerateParams {
-            prompt: Prompt::Text(String::new()),
+        let (sampling, stop) = (self.common.sampling()?, self.common.stop()?);
+        let params = |prompt| GenerateParams {
+            prompt,
             max_tokens: Some(self.common.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)),
-            sampling: self.common.sampling()?,
-            stop: self.common.stop()?,
+            sampling: sampling.clone(),
+            stop: stop.clone(),
             // The chosen token's log-probability comes with at least one alternative.
             top_logprobs: if self.logprobs.is_some() { logprobs.max(1) } else { 0 },
             session: SessionMode::None,
@@ -266,7 +267,7 @@ impl CompletionRequest {
             // Echoed with logprobs, the prompt's tokens are scored too.
             prompt_logprobs: self.echo && self.logprobs.is_some(),
         };
-        Ok(prompts.into_iter().map(|prompt| GenerateParams { prompt, ..one.clone() }).collect())
+        Ok(prompts.into_iter().map(params).collect())
     }
 }
 
