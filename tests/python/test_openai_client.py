@@ -255,6 +255,22 @@ def test_a_batch_of_prompts_answers_each_in_order(client, model):
         client.completions.create(model=model, prompt=[], max_tokens=1)
 
 
+def test_best_of_answers_the_likeliest_of_its_samples(client, model):
+    story = dict(model=model, prompt="Tell me a story:", max_tokens=10, temperature=1.0)
+    samples = [client.completions.create(**story, seed=5 + i, logprobs=1).choices[0] for i in range(4)]
+    mean = lambda c: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+    ranked = sorted(samples, key=mean, reverse=True)
+    best = client.completions.create(**story, seed=5, best_of=4, n=2)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.choices[0].logprobs is None, "logprobs only where asked for"
+    assert best.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in samples), "every sample generated counts"
+    for bad in (dict(best_of=1, n=2), dict(best_of=17), dict(best_of=3, stream=True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**story, **bad)
+        assert "best_of" in str(e.value), (bad, str(e.value))
+
+
 def test_errors_are_openai_errors(client, model):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)

@@ -380,7 +380,7 @@ async fn completions(
     prompts.iter_mut().for_each(|p| p.session = session.clone());
     let style = if req.logprobs.is_some() { LogprobStyle::Completion(req.logprobs.unwrap_or(0)) } else { LogprobStyle::None };
     let shape = Shape { endpoint: Endpoint::Completion, style, include_usage: req.common.include_usage(), tools: None, echo: req.echo };
-    respond(s, shape, prompts, req.common.choices(), req.common.stream).await
+    respond(s, shape, prompts, Choices { n: req.common.choices(), best_of: req.best_of() }, req.common.stream).await
 }
 
 async fn chat_completions(
@@ -395,24 +395,27 @@ async fn chat_completions(
     let tools = req.tools(s.backend.text())?;
     let style = req.top_logprobs().map_or(LogprobStyle::None, LogprobStyle::Chat);
     let shape = Shape { endpoint: Endpoint::Chat, style, include_usage: req.common.include_usage(), tools, echo: false };
-    respond(s, shape, vec![params], req.common.choices(), req.common.stream).await
+    let n = req.common.choices();
+    respond(s, shape, vec![params], Choices { n, best_of: n }, req.common.stream).await
 }
 
-/// Answers a generation of `n` choices for each of `prompts` (a completion's batch of prompts,
-/// or one), each choice a sequence of its own sampled with the request's seed plus its index
-/// (prompt-major: prompt `p`'s choice `i` is `p * n + i`); with a session, the `x-session-id`
+/// Answers `n` choices for each of `prompts` (a completion's batch of prompts, or one): of
+/// `best_of` generated for each, the likeliest ([`likeliest`]). Each generation is a sequence
+/// of its own sampled with the request's seed plus its index (prompt-major: prompt `p`'s
+/// generation `i` is `p * best_of + i`); with a session, the `x-session-id`
 /// response header names it (`key@node`: send it back to continue the session on this node);
 /// `x-duet-seed` reports the seed the first choice sampled with.
-async fn respond(s: Arc<AppState>, shape: Shape, prompts: Vec<GenerateParams>, n: u32, stream: bool) -> Result<Response, ApiError> {
+async fn respond(s: Arc<AppState>, shape: Shape, prompts: Vec<GenerateParams>, choices: Choices, stream: bool) -> Result<Response, ApiError> {
+    let Choices { n, best_of } = choices;
     let seed = prompts.first().map_or(0, |p| p.sampling.seed);
-    let choices = prompts.len() * n as usize;
+    let choices = prompts.len() * best_of as usize;
     if choices > 1 && prompts.iter().any(|p| p.session != SessionMode::None) {
         return Err(GatewayError::InvalidArgument(format!("{choices} choices: a session's conversation takes one prompt and one choice (n = 1)")).into());
     }
     if choices > MAX_GENERATIONS {
-        return Err(GatewayError::InvalidArgument(format!("{} prompts of n = {n}: at most {MAX_GENERATIONS} choices a request", prompts.len())).into());
+        return Err(GatewayError::InvalidArgument(format!("{} prompts of {best_of} choices: at most {MAX_GENERATIONS} choices a request", prompts.len())).into());
     }
-    let generations = prompts.iter().flat_map(|p| std::iter::repeat_n(p, n as usize)).enumerate().map(|(i, params)| {
+    let generations = prompts.iter().flat_map(|p| std::iter::repeat_n(p, best_of as usize)).enumerate().map(|(i, params)| {
         let mut p = params.clone();
         // Below 2^63, as every seed reported back (OpenAI's `seed` is a signed integer).
         p.sampling.seed = seed.wrapping_add(i as u64) & (u64::MAX >> 1);
@@ -421,13 +424,13 @@ async fn respond(s: Arc<AppState>, shape: Shape, prompts: Vec<GenerateParams>, n
     // One failing to start drops the others' receivers, which cancels them.
     let started = futures_util::future::try_join_all(generations).await?;
     // Each prompt counts once, however many choices it has.
-    let firsts = || started.iter().step_by(n as usize);
+    let firsts = || started.iter().step_by(best_of as usize);
     let prompt_tokens = PromptTokens { total: firsts().map(|g| g.prompt_tokens.total).sum(), cached: firsts().map(|g| g.prompt_tokens.cached).sum() };
     let session = started[0].session.clone();
     // Echoed, each choice's prompt as sent: its text, or its tokens' text.
     let echoes: Vec<Option<Echo>> = started
         .iter()
-        .zip(prompts.iter().flat_map(|p| std::iter::repeat_n(&p.prompt, n as usize)))
+        .zip(prompts.iter().flat_map(|p| std::iter::repeat_n(&p.prompt, best_of as usize)))
         .map(|(g, prompt)| {
             shape.echo.then(|| {
                 let text = match prompt {
@@ -447,14 +450,15 @@ async fn respond(s: Arc<AppState>, shape: Shape, prompts: Vec<GenerateParams>, n
         let events = sse_events(s, shape, id, prompt_tokens, rxs);
         Sse::new(events).keep_alive(KeepAlive::default()).into_response()
     } else {
-        let choices = futures_util::future::try_join_all(rxs.into_iter().zip(echoes).enumerate().map(|(i, (rx, echo))| whole_choice(&s, &shape, i, echo, rx))).await?;
-        let generated = choices.iter().map(|c| c.1).sum();
+        let all = futures_util::future::try_join_all(rxs.into_iter().zip(echoes).enumerate().map(|(i, (rx, echo))| whole_choice(&s, &shape, i, echo, rx))).await?;
+        let generated = all.iter().map(|c| c.generated).sum();
+        let choices = likeliest(all, n as usize, best_of as usize);
         Json(json!({
             "id": id,
             "object": shape.endpoint.object(false),
             "created": unix_now(),
             "model": s.model,
-            "choices": choices.into_iter().map(|c| c.0).collect::<Vec<_>>(),
+            "choices": choices,
             "usage": UsageOut::new(prompt_tokens, generated),
         }))
         .into_response()
@@ -466,7 +470,41 @@ async fn respond(s: Arc<AppState>, shape: Shape, prompts: Vec<GenerateParams>, n
     Ok(response)
 }
 
-/// The most choices one request may run (prompts times `n`): each is a sequence of its own.
+/// How many choices a request answers for each prompt (`n`), of how many generated (`best_of`).
+struct Choices {
+    n: u32,
+    best_of: u32,
+}
+
+/// A choice answered whole: its JSON, its generated tokens and their log-probabilities' sum.
+struct Whole {
+    json: Value,
+    generated: u32,
+    logprob: f64,
+}
+
+/// The `n` likeliest of each prompt's `best_of` choices (by their tokens' mean
+/// log-probability), in that order, numbered prompt-major; all of them where `n` is `best_of`.
+fn likeliest(all: Vec<Whole>, n: usize, best_of: usize) -> Vec<Value> {
+    let mut out = Vec::with_capacity(all.len() / best_of.max(1) * n);
+    let mut all = all.into_iter();
+    loop {
+        let mut group: Vec<Whole> = all.by_ref().take(best_of).collect();
+        if group.is_empty() {
+            return out;
+        }
+        if n < best_of {
+            let mean = |w: &Whole| w.logprob / f64::from(w.generated.max(1));
+            group.sort_by(|a, b| mean(b).total_cmp(&mean(a)));
+        }
+        for mut w in group.into_iter().take(n) {
+            w.json["index"] = json!(out.len());
+            out.push(w.json);
+        }
+    }
+}
+
+/// The most choices one request may run (prompts times `best_of`): each is a sequence of its own.
 const MAX_GENERATIONS: usize = 64;
 
 /// An echoed prompt: its text, and its tokens for the logprobs.
@@ -478,8 +516,8 @@ struct Echo {
 /// Waits for choice `index`'s whole generation: its JSON and its generated tokens; with
 /// tools, the reply is read as tool calls or text (see `tools`). Echoed, the prompt comes
 /// first, in the text and in the logprobs: its first token with none, the others scored.
-async fn whole_choice(s: &AppState, shape: &Shape, index: usize, echo: Option<Echo>, mut rx: Events) -> Result<(Value, u32), ApiError> {
-    let (mut text, mut logprobs, mut generated) = (String::new(), Logprobs::default(), 0u32);
+async fn whole_choice(s: &AppState, shape: &Shape, index: usize, echo: Option<Echo>, mut rx: Events) -> Result<Whole, ApiError> {
+    let (mut text, mut logprobs, mut generated, mut logprob_sum) = (String::new(), Logprobs::default(), 0u32, 0f64);
     if let Some(echo) = echo {
         text = echo.text;
         if let Some(&first) = echo.ids.first() {
@@ -495,6 +533,7 @@ async fn whole_choice(s: &AppState, shape: &Shape, index: usize, echo: Option<Ec
             }
             Some(Ok(Event::Token { id, text: t, logprob, top })) => {
                 generated += 1;
+                logprob_sum += f64::from(logprob.unwrap_or(0.0));
                 text.push_str(&t);
                 logprobs.push(s, shape.style, id, logprob, &top);
             }
@@ -511,7 +550,7 @@ async fn whole_choice(s: &AppState, shape: &Shape, index: usize, echo: Option<Ec
                     Some(Reply::Text(t)) => shape.endpoint.choice(index, &t, lp, Some(finish_reason(reason)), false),
                     None => shape.endpoint.choice(index, &text, lp, Some(finish_reason(reason)), false),
                 };
-                return Ok((choice, usage.generated_tokens));
+                return Ok(Whole { json: choice, generated: usage.generated_tokens, logprob: logprob_sum });
             }
             Some(Ok(Event::Prompt { .. })) => {}
             Some(Err(e)) => return Err(e.into()),

@@ -226,6 +226,12 @@ impl CommonFields {
 }
 
 impl CompletionRequest {
+    /// How many choices each prompt generates, of which the `n` likeliest are answered
+    /// (`best_of`, by their tokens' mean log-probability; `n` unless set).
+    pub fn best_of(&self) -> u32 {
+        self.best_of.unwrap_or(self.common.choices()).max(self.common.choices())
+    }
+
     /// The request's generation for each of its prompts (one, or a batch).
     pub fn params(&self) -> Result<Vec<GenerateParams>, GatewayError> {
         self.common.check_unsupported()?;
@@ -235,8 +241,12 @@ impl CompletionRequest {
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(invalid("suffix is not supported"));
         }
-        if self.best_of.is_some_and(|b| b != 1) {
-            return Err(invalid("best_of: only 1 is supported"));
+        let n = self.common.choices();
+        if let Some(b) = self.best_of.filter(|b| !(n..=MAX_CHOICES).contains(b)) {
+            return Err(invalid(format!("best_of must be in [n, {MAX_CHOICES}] (n = {n}), got {b}")));
+        }
+        if self.best_of() > n && self.common.stream {
+            return Err(invalid("best_of above n is answered whole, not streamed"));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(invalid("tools are for /v1/chat/completions"));
@@ -260,8 +270,9 @@ impl CompletionRequest {
             max_tokens: Some(self.common.max_tokens.unwrap_or(COMPLETION_DEFAULT_MAX_TOKENS)),
             sampling: sampling.clone(),
             stop: stop.clone(),
-            // The chosen token's log-probability comes with at least one alternative.
-            top_logprobs: if self.logprobs.is_some() { logprobs.max(1) } else { 0 },
+            // The chosen token's log-probability comes with at least one alternative; best_of
+            // ranks the choices by theirs.
+            top_logprobs: if self.logprobs.is_some() || self.best_of() > n { logprobs.max(1) } else { 0 },
             session: SessionMode::None,
             ignore_eos: false,
             // Echoed with logprobs, the prompt's tokens are scored too.
