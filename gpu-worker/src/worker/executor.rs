@@ -30,7 +30,7 @@ use super::step_attention::StepAttention;
 use super::{SequenceError, StepError};
 use crate::device::Device;
 use crate::forward::run_layers;
-use crate::runner::{top_n, top_n_of};
+use crate::runner::top_n_of;
 use crate::sampler::{Sampler, SamplingParams};
 
 /// Longest wait for a cpu-worker's answer to one layer's job before it counts as failed.
@@ -562,11 +562,18 @@ fn score_inputs(rows: &[f32], n_vocab: usize, next: &[u32], last: Option<u32>, n
     rows.par_chunks(n_vocab)
         .zip(&next)
         .map(|(row, &id)| {
-            let lp = log_softmax(row);
-            let top = top_n_of(&lp, n_top).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
-            pb::ScoredToken { token: Some(pb::TokenProb { id, logprob: lp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY) as f32 }), top }
+            let (token, top) = scored(row, id, n_top);
+            pb::ScoredToken { token: Some(token), top }
         })
         .collect()
+}
+
+/// Token `id`'s log-probability under logits `row` and the `n_top` most likely tokens there,
+/// from one log-softmax of the row.
+fn scored(row: &[f32], id: u32, n_top: usize) -> (pb::TokenProb, Vec<pb::TokenProb>) {
+    let lp = log_softmax(row);
+    let top = top_n_of(&lp, n_top).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
+    (pb::TokenProb { id, logprob: lp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY) as f32 }, top)
 }
 
 /// Samples one sequence's next token from its logits row (its grammar's mask applied), and
@@ -589,12 +596,6 @@ fn sample_row(p: &Planned, row: &[f32], seq: &mut Sequence, mask: Option<&Simple
         m.consume_token(id).map_err(|e| StepError::Sequence { seq_id: p.seq_id, problem: GrammarError::Refused(e.to_string()).into() })?;
     }
     seq.last_sampled = Some(id);
-    let (logprob, top) = if seq.top_n > 0 {
-        let lp = log_softmax(row);
-        let top = top_n(row, seq.top_n).into_iter().map(|(id, l)| pb::TokenProb { id, logprob: l as f32 }).collect();
-        (lp[id as usize] as f32, top)
-    } else {
-        (0.0, Vec::new())
-    };
-    Ok(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob }), top })
+    let (token, top) = if seq.top_n > 0 { scored(row, id, seq.top_n) } else { (pb::TokenProb { id, logprob: 0.0 }, Vec::new()) };
+    Ok(pb::Sampled { seq_id: p.seq_id, token: Some(token), top })
 }
