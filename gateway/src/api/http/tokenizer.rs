@@ -37,29 +37,20 @@ pub(super) struct TokenizeMessage {
 /// `{"tokens": [...], "count": n, "max_model_len": context}`.
 pub(super) async fn tokenize(State(s): State<Arc<AppState>>, body: Result<Json<TokenizeRequest>, JsonRejection>) -> Result<Json<Value>, ApiError> {
     let Json(req) = body?;
-    let text = s.backend.text();
-    let tok = &text.tokenizer;
-    let tokens = match (req.prompt, req.messages) {
-        (Some(prompt), None) => {
-            if req.add_special_tokens.unwrap_or(true) {
-                tok.encode_prompt(&prompt, true)
-            } else {
-                tok.encode(&prompt, true)
-            }
-        }
+    let model = s.backend.text();
+    let tok = &model.tokenizer;
+    // The text, and whether BOS goes first where the model wants one.
+    let (text, add_bos) = match (req.prompt, req.messages) {
+        (Some(prompt), None) => (prompt, req.add_special_tokens.unwrap_or(true)),
         (None, Some(messages)) => {
-            let template = text.chat_template.as_ref().ok_or_else(|| GatewayError::InvalidArgument("the model has no chat template".into()))?;
+            let template = model.chat_template.as_ref().ok_or_else(|| GatewayError::InvalidArgument("the model has no chat template".into()))?;
             let messages: Vec<ChatMessage> = messages.into_iter().map(|m| ChatMessage::new(m.role, m.content)).collect();
             let rendered = template.render(&messages, req.add_generation_prompt.unwrap_or(true)).map_err(GatewayError::from)?;
-            if req.add_special_tokens.unwrap_or(false) {
-                tok.encode_prompt(&rendered, true)
-            } else {
-                tok.encode(&rendered, true)
-            }
+            (rendered, req.add_special_tokens.unwrap_or(false))
         }
         _ => return Err(GatewayError::InvalidArgument("set one of prompt and messages".into()).into()),
-    }
-    .map_err(GatewayError::from)?;
+    };
+    let tokens = if add_bos { tok.encode_prompt(&text, true) } else { tok.encode(&text, true) }.map_err(GatewayError::from)?;
     let max_model_len = s.backend.info().await?.context_length;
     Ok(Json(json!({ "count": tokens.len(), "max_model_len": max_model_len, "tokens": tokens })))
 }
