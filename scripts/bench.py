@@ -170,25 +170,27 @@ def system_rows(threads, repeat, with_llama):
                 log(f"whole system: duet-gateway serve --gpu-threads {threads} on {server.addr}, {repeat} passes")
             log(f"pass {i + 1} of {repeat}")
             if resident is not None and i % 2 == 1:
-                llama.append(resident.run())
-                log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
-            duet.append(duet_pass(server))
-            log("  Duet: " + ", ".join(f"{k} {v:.1f}" for k, v in duet[-1].items()))
+                took(llama, "llama.cpp", resident.run())
+            took(duet, "Duet", duet_pass(server))
             if resident is not None and i % 2 == 0:
-                llama.append(resident.run())
-                log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
+                took(llama, "llama.cpp", resident.run())
             elif with_llama and resident is None:
                 if apart:
                     server.stop()
                     server = None
-                llama.append(llama_pass(threads))
-                log("  llama.cpp: " + ", ".join(f"{k} {v:.1f}" for k, v in llama[-1].items()))
+                took(llama, "llama.cpp", llama_pass(threads))
     finally:
         if server is not None:
             server.stop()
         if resident is not None:
             resident.stop()
     return median_rows(duet), (median_rows(llama) if with_llama else None), pass_ratios(duet, llama)
+
+
+def took(passes, who, result):
+    """Keeps one pass's rows and logs them."""
+    passes.append(result)
+    log(f"  {who}: " + ", ".join(f"{k} {v:.1f}" for k, v in result.items()))
 
 
 def pass_ratios(duet, llama):
