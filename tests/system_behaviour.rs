@@ -3,12 +3,13 @@
 //! client that disconnects (its KV blocks come back), stop strings, sessions (a second turn
 //! prefills only the new tokens and generates what a fresh request would), the cpu-worker and
 //! then the gpu-worker killed mid-generation (the streams resume and complete with the tokens
-//! of an uninterrupted run, sessions go on from the KV kept in the arena), and a clean stop.
+//! of an uninterrupted run, sessions go on from the KV kept in the arena), a clean stop, and
+//! prompts that start from the KV cached from an earlier one with the same prefix.
 
 use std::time::{Duration, Instant};
 
 use duet_proto::pb;
-use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration};
+use duet_tests::{generate, greedy, pids_with, same_up_to_near_tie, Gateway, RefGeneration, Reference};
 use tonic::Code;
 
 async fn info(gw: &Gateway) -> pb::InfoResponse {
@@ -126,7 +127,8 @@ fn wait_exit(child: &mut std::process::Child, timeout: Duration) -> std::process
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_behaves_as_a_client_expects() {
-    let mut gw = Gateway::start(&["--cpu-workers", "1"]);
+    // Without the prefix cache: the "fresh" requests below compute their whole prompts.
+    let mut gw = Gateway::start(&["--cpu-workers", "1", "--no-prefix-cache"]);
     let i = info(&gw).await;
     assert_eq!((i.context_length, i.vocab_size, i.cpu_workers.len()), (8192, 49152, 1));
     assert!(i.kv_capacity_tokens > 1000 && i.kv_free_tokens == i.kv_capacity_tokens, "{i:?}");
@@ -425,4 +427,52 @@ impl Drop for KillOnDrop {
             }
         }
     }
+}
+
+/// Automatic prefix caching: a prompt that begins as an earlier one did starts from the KV
+/// computed for it (whole blocks, the last prompt token always computed), prefills only the
+/// rest, and generates what the single-process reference generates from scratch; blocks
+/// kept for the cache count as free KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_starts_from_the_kv_of_an_earlier_one_with_the_same_prefix() {
+    let gw = Gateway::start(&["--cpu-workers", "1"]);
+    let reference = Reference::load();
+    let bs = info(&gw).await.kv_block_size as usize;
+    let system = tokenize(
+        &gw,
+        "<|im_start|>system\nYou are a careful assistant for a small public library. Answer in one short sentence, name \
+         your sources where you can, and say so plainly when you do not know. Readers ask about opening hours (nine to \
+         five on weekdays, ten to two on Saturdays, closed on Sundays and public holidays), about borrowing (up to twelve \
+         items for three weeks, renewable twice online or at the desk unless another reader has reserved them), about \
+         late returns (no fines for children's books; ten cents a day for the others, at most two euros an item), about \
+         the reading room, the printers and the wireless network (the password is at the desk), and about everything \
+         else under the sun, which you answer as well as a well-read librarian would.<|im_end|>\n",
+    )
+    .await;
+    let ask = |q: &str| format!("<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n");
+    let mut shared = 0;
+    for (i, q) in ["What is the capital of France?", "Name a primary colour.", "What is the capital of France?"].iter().enumerate() {
+        let mut prompt = system.clone();
+        prompt.extend(tokenize(&gw, &ask(q)).await);
+        let before = info(&gw).await.prefilled_tokens_total;
+        let g = generate(&mut gw.client(), greedy(prompt.clone(), 16)).await.unwrap();
+        let prefilled = info(&gw).await.prefilled_tokens_total - before;
+        let cached = g.prompt.cached_tokens as usize;
+        let usage = g.finished.clone().unwrap().usage.unwrap();
+        assert_eq!((usage.prompt_tokens as usize, prefilled as usize, usage.prefilled_tokens as usize), (prompt.len(), prompt.len() - cached, prompt.len() - cached));
+        match i {
+            0 => assert_eq!(cached, 0, "nothing cached yet"),
+            // The system prompt's whole blocks.
+            1 => assert_eq!(cached, system.len() / bs * bs),
+            // The whole first prompt's blocks, up to its last token.
+            _ => assert_eq!(cached, (prompt.len() - 1) / bs * bs),
+        }
+        shared = shared.max(cached);
+        let want = reference.generate(&prompt, 16);
+        let same = same_up_to_near_tie(&g.ids, &want, 0.5).unwrap_or_else(|e| panic!("prompt {i} ({cached} tokens cached) vs the reference: {e}"));
+        println!("prompt {i}: {cached} of {} tokens from the cache; identical to the reference: {same}", prompt.len());
+    }
+    assert!(shared > bs, "a prompt shared more than one block");
+    let i = wait_info(&gw, "KV free after the requests", Duration::from_secs(5), |i| i.active_requests == 0).await;
+    assert_eq!(i.kv_free_tokens, i.kv_capacity_tokens, "cached blocks count as free");
 }

@@ -29,6 +29,8 @@ const CPU_WORKER_UP: &str = "duet_cpu_worker_up";
 const PREDICTED_STEP: &str = "duet_balancer_predicted_step_seconds";
 const PREDICTION_ERROR: &str = "duet_balancer_prediction_error";
 const EXPERT_ROUTED: &str = "duet_expert_routed_tokens_total";
+const PREFIX_QUERIED: &str = "duet_prefix_cache_queried_tokens_total";
+const PREFIX_HITS: &str = "duet_prefix_cache_hit_tokens_total";
 
 /// Installs the process-wide recorder (the first call does; later calls return the same
 /// handle) and describes every metric.
@@ -62,7 +64,9 @@ fn describe() {
     describe_gauge!(QUEUE_DEPTH, "Requests waiting to be admitted.");
     describe_gauge!(RUNNING, "Requests generating.");
     describe_gauge!(SESSIONS, "Open sessions (conversations whose KV is kept).");
-    describe_gauge!(KV_BLOCKS, "KV blocks per cpu-worker, used and free.");
+    describe_gauge!(KV_BLOCKS, "KV blocks per cpu-worker: used (held by requests and sessions), cached (KV kept for the prefix cache, taken when needed) and free.");
+    describe_counter!(PREFIX_QUERIED, "Prompt tokens of requests without a session looked up in the prefix cache.");
+    describe_counter!(PREFIX_HITS, "Prompt tokens whose KV came from the prefix cache instead of being prefilled.");
     describe_histogram!(STEP_PHASE, Unit::Seconds, "Time of each step phase on each device.");
     describe_counter!(STEPS, "Steps run on the gpu-worker.");
     describe_gauge!(ATTENTION_POSITIONS, "KV positions attended for decode in the last step, per device (all layers counted once).");
@@ -75,6 +79,13 @@ fn describe() {
 
 pub fn request_received() {
     counter!(REQUESTS).increment(1);
+}
+
+/// A request without a session looked `prompt_tokens` up in the prefix cache and found the
+/// KV of the first `hit`.
+pub fn prefix_cache_lookup(prompt_tokens: usize, hit: usize) {
+    counter!(PREFIX_QUERIED).increment(prompt_tokens as u64);
+    counter!(PREFIX_HITS).increment(hit as u64);
 }
 
 /// A request admitted with `prompt_tokens` in its conversation.
@@ -121,9 +132,11 @@ pub fn queues(waiting: usize, running: usize, sessions: usize) {
 }
 
 /// One cpu-worker's KV blocks and state.
-pub fn cpu_worker(worker: u32, total_blocks: u32, free_blocks: usize, up: bool) {
+/// `free_blocks` counts the `cached` ones (KV kept for the prefix cache, no request holding it).
+pub fn cpu_worker(worker: u32, total_blocks: u32, free_blocks: usize, cached: usize, up: bool) {
     let w = worker.to_string();
-    gauge!(KV_BLOCKS, "worker" => w.clone(), "state" => "free").set(free_blocks as f64);
+    gauge!(KV_BLOCKS, "worker" => w.clone(), "state" => "free").set((free_blocks - cached) as f64);
+    gauge!(KV_BLOCKS, "worker" => w.clone(), "state" => "cached").set(cached as f64);
     gauge!(KV_BLOCKS, "worker" => w.clone(), "state" => "used").set(total_blocks as f64 - free_blocks as f64);
     gauge!(CPU_WORKER_UP, "worker" => w).set(if up { 1.0 } else { 0.0 });
 }

@@ -144,7 +144,12 @@ impl Seq {
     pub fn rewind(&mut self) {
         self.queued = 0;
         self.samples_in_flight = 0;
-        self.table.truncate(self.kv_tokens.len());
+        // The table holds the applied positions' blocks alone or whole (only whole, applied
+        // blocks are shared), so this keeps every applied position; were one shared block cut
+        // (a bug), its tokens would be fed again rather than written into it.
+        let kept = self.table.truncate(self.kv_tokens.len());
+        let again = self.kv_tokens.split_off(kept);
+        self.pending.splice(0..0, again);
         self.sent_blocks = self.sent_blocks.min(self.table.blocks().len());
         self.paused_since.get_or_insert_with(std::time::Instant::now);
     }

@@ -136,6 +136,12 @@ pub struct ServeArgs {
     /// timings are real; prefill timings and all text are noise.
     #[arg(long, env = "DUET_SYNTHETIC_PREFILL", conflicts_with = "gpu_worker")]
     pub synthetic_prefill: bool,
+    /// Compute every request's prompt in full: without it a request starts from the KV
+    /// cached from earlier ones whose prompts began the same way (whole KV blocks;
+    /// `usage.prompt_tokens_details.cached_tokens` says how many), and a finished request's
+    /// blocks keep their KV until the space is needed.
+    #[arg(long, env = "DUET_NO_PREFIX_CACHE")]
+    pub no_prefix_cache: bool,
     /// Connect to this running gpu-worker instead of spawning workers (with --cpu-worker).
     #[arg(long, env = "DUET_GPU_WORKER", requires = "cpu_worker")]
     pub gpu_worker: Option<Address>,
@@ -411,6 +417,8 @@ fn scheduler_config(args: &ServeArgs, workers: &supervisor::Workers, readiness: 
         shared_cores: local && g.host_layers > 0,
         gpu_kv_positions: g.gpu_kv_positions as usize,
         synthetic_prefill: g.synthetic_prefill,
+        // Made-up K/V must not stand in for another request's.
+        prefix_cache: !args.no_prefix_cache && !g.synthetic_prefill,
     })
 }
 

@@ -16,35 +16,21 @@
 //! `p % block_size` of that block; a table always holds exactly `ceil(len / block_size)`
 //! blocks. Bookkeeping errors (a double free, a position past the end) panic: they are bugs
 //! that would otherwise corrupt another sequence's KV.
+//!
+//! **Blocks are shared by reference count** where the prefix cache (`prefix_cache.rs`) finds
+//! a new sequence's leading blocks already computed: [`KvPool::table_with_prefix`] starts a
+//! table with them. A block is free when no table holds it and it holds no registered KV; a
+//! registered block no table holds stays cached until an allocation needs it.
 
 use std::collections::BTreeSet;
-use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+pub use super::ids::{BlockId, WorkerId};
+use super::prefix_cache::{PrefixCache, ROOT};
 use super::KvError;
 
-/// A block of one worker's arena; the same id names the block in every layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct BlockId(pub u32);
-
-/// A cpu-worker (one per NUMA node), numbered from 0 in the order given to [`KvPool::new`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct WorkerId(pub u32);
-
-impl fmt::Display for BlockId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-impl fmt::Display for WorkerId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-/// The free blocks of one arena.
+/// The free blocks of one arena, and how many tables hold each block.
 #[derive(Debug)]
 struct BlockAllocator {
     /// Free blocks, handed out lowest id first: a sequence's blocks then tend to be
@@ -53,20 +39,23 @@ struct BlockAllocator {
     /// sessions had come and gone: a 4K-token decode after rounds of 32 sessions ran at 124–134
     /// tok/s against 139–153 lowest first (servers run back to back).
     free: BTreeSet<u32>,
-    in_use: Vec<bool>,
+    /// Tables holding each block (0: free, or cached and evictable).
+    refs: Vec<u32>,
 }
 
 impl BlockAllocator {
     fn new(n_blocks: u32) -> Self {
-        BlockAllocator { free: (0..n_blocks).collect(), in_use: vec![false; n_blocks as usize] }
+        BlockAllocator { free: (0..n_blocks).collect(), refs: vec![0; n_blocks as usize] }
     }
 
+    /// Blocks on the free list (cached ones not counted).
     fn n_free(&self) -> usize {
         self.free.len()
     }
 
+    /// Blocks some table holds.
     fn n_used(&self) -> usize {
-        self.in_use.len() - self.free.len()
+        self.refs.iter().filter(|&&r| r > 0).count()
     }
 
     /// The `n` lowest free blocks in ascending order, or none at all and
@@ -77,19 +66,44 @@ impl BlockAllocator {
         }
         let blocks: Vec<BlockId> = (0..n).filter_map(|_| self.free.pop_first()).map(BlockId).collect();
         for b in &blocks {
-            let used = &mut self.in_use[b.0 as usize];
-            assert!(!*used, "block {b} is on the free list and in use");
-            *used = true;
+            self.hold_new(*b);
         }
         Ok(blocks)
     }
 
-    /// Panics if `block` is not allocated (a double free or a foreign id).
+    /// A block no table held (just off the free list, or evicted from the cache) taken.
+    fn hold_new(&mut self, block: BlockId) {
+        let refs = &mut self.refs[block.0 as usize];
+        assert_eq!(*refs, 0, "block {block} is handed out and in use");
+        *refs = 1;
+    }
+
+    /// One more table holds `block`; returns how many held it before.
+    fn hold(&mut self, block: BlockId) -> u32 {
+        let refs = &mut self.refs[block.0 as usize];
+        *refs += 1;
+        *refs - 1
+    }
+
+    /// How many tables hold `block`.
+    fn holders(&self, block: BlockId) -> u32 {
+        self.refs.get(block.0 as usize).copied().unwrap_or(0)
+    }
+
+    /// One table lets go of `block`; returns whether none holds it now. Panics if none held
+    /// it (a double free or a foreign id).
+    fn release(&mut self, block: BlockId) -> bool {
+        let refs = self.refs.get_mut(block.0 as usize);
+        assert!(refs.as_deref().is_some_and(|&r| r > 0), "freeing block {block}, which is not allocated");
+        let refs = refs.unwrap();
+        *refs -= 1;
+        *refs == 0
+    }
+
+    /// Puts a block no table holds back on the free list.
     fn free(&mut self, block: BlockId) {
-        let used = self.in_use.get_mut(block.0 as usize);
-        assert!(used.as_deref() == Some(&true), "freeing block {block}, which is not allocated");
-        *used.unwrap() = false;
-        self.free.insert(block.0);
+        assert_eq!(self.holders(block), 0, "block {block} is freed while held");
+        assert!(self.free.insert(block.0), "block {block} freed twice");
     }
 }
 
@@ -104,10 +118,50 @@ pub enum Placement {
     MostFree,
 }
 
-/// A cloneable handle to the block allocators of all cpu-workers. Clones share the state.
+/// The allocators and the prefix cache, under one lock.
+#[derive(Debug)]
+struct PoolState {
+    workers: Vec<BlockAllocator>,
+    cache: PrefixCache,
+}
+
+impl PoolState {
+    /// Blocks `worker` can hand out: free ones and cached ones no table holds.
+    fn available(&self, w: usize) -> usize {
+        self.workers[w].n_free() + self.cache.n_evictable(WorkerId(w as u32))
+    }
+
+    /// `n` blocks of worker `w`: free ones first (lowest ids), then the cached ones released
+    /// longest ago; all of them or none.
+    fn allocate_on(&mut self, w: usize, n: usize) -> Result<Vec<BlockId>, KvError> {
+        let available = self.available(w);
+        if n > available {
+            return Err(KvError::OutOfBlocks { wanted: n, free: available });
+        }
+        let from_free = n.min(self.workers[w].n_free());
+        let mut blocks = self.workers[w].allocate(from_free)?;
+        while blocks.len() < n {
+            let b = self.cache.evict(WorkerId(w as u32)).expect("counted as available");
+            self.workers[w].hold_new(b);
+            blocks.push(b);
+        }
+        Ok(blocks)
+    }
+
+    /// One table lets go of `block`: with no holder left it stays cached if registered, else
+    /// it is free.
+    fn release(&mut self, (w, b): (WorkerId, BlockId)) {
+        if self.workers[w.0 as usize].release(b) && !self.cache.park(w, b) {
+            self.workers[w.0 as usize].free(b);
+        }
+    }
+}
+
+/// A cloneable handle to the block allocators of all cpu-workers and their prefix cache.
+/// Clones share the state.
 #[derive(Debug, Clone)]
 pub struct KvPool {
-    workers: Arc<Mutex<Vec<BlockAllocator>>>,
+    state: Arc<Mutex<PoolState>>,
     n_workers: usize,
     block_size: usize,
 }
@@ -120,7 +174,7 @@ impl KvPool {
         assert!(!blocks_per_worker.is_empty(), "a KV pool needs at least one worker");
         let workers = blocks_per_worker.iter().map(|&n| BlockAllocator::new(n)).collect();
         KvPool {
-            workers: Arc::new(Mutex::new(workers)),
+            state: Arc::new(Mutex::new(PoolState { workers, cache: PrefixCache::new(blocks_per_worker.len()) })),
             n_workers: blocks_per_worker.len(),
             block_size,
         }
@@ -135,26 +189,63 @@ impl KvPool {
         self.n_workers
     }
 
-    /// Free blocks of `worker`. Panics if there is no such worker.
+    /// Blocks of `worker` a table may take: free ones and cached ones no table holds. Panics
+    /// if there is no such worker.
     pub fn n_free(&self, worker: WorkerId) -> usize {
-        self.lock()[worker.0 as usize].n_free()
+        self.lock().available(worker.0 as usize)
     }
 
     /// Blocks of `worker` held by tables. Panics if there is no such worker.
     pub fn n_used(&self, worker: WorkerId) -> usize {
-        self.lock()[worker.0 as usize].n_used()
+        self.lock().workers[worker.0 as usize].n_used()
+    }
+
+    /// Blocks of `worker` no table holds that keep their KV for the prefix cache (counted in
+    /// [`KvPool::n_free`]). Panics if there is no such worker.
+    pub fn n_cached(&self, worker: WorkerId) -> usize {
+        self.lock().cache.n_evictable(worker)
     }
 
     /// An empty table whose blocks come from, and go back to, this pool.
     pub fn new_table(&self) -> BlockTable {
-        BlockTable { pool: self.clone(), blocks: Vec::new(), len: 0 }
+        BlockTable { pool: self.clone(), blocks: Vec::new(), len: 0, chain: Vec::new() }
     }
 
-    /// The allocators. Only a bookkeeping assertion (a bug) can panic while the lock is
-    /// held; poison is ignored so that the tables dropped while unwinding still give their
-    /// blocks back instead of panicking a second time.
-    fn lock(&self) -> MutexGuard<'_, Vec<BlockAllocator>> {
-        self.workers.lock().unwrap_or_else(PoisonError::into_inner)
+    /// A table holding the longest run of cached blocks that begins `tokens` (whole blocks on
+    /// workers `usable` accepts), always leaving at least the last token to compute; its
+    /// length is the positions it covers (0 where nothing is cached).
+    pub fn table_with_prefix(&self, tokens: &[u32], usable: impl Fn(WorkerId) -> bool) -> BlockTable {
+        let mut table = self.new_table();
+        let whole = tokens.len().saturating_sub(1) / self.block_size;
+        let mut state = self.lock();
+        let found = state.cache.lookup(tokens[..whole * self.block_size].chunks_exact(self.block_size), usable);
+        for &(id, w, b) in &found {
+            if state.workers[w.0 as usize].hold(b) == 0 {
+                state.cache.revive(w, b);
+            }
+            table.blocks.push((w, b));
+            table.chain.push(id);
+        }
+        table.len = found.len() * self.block_size;
+        drop(state);
+        table.check();
+        table
+    }
+
+    /// Forgets the cached KV of `worker` (its arena came back without it): no table will be
+    /// started from it, and the blocks no table holds are free again.
+    pub fn forget_cached(&self, worker: WorkerId) {
+        let mut state = self.lock();
+        for b in state.cache.forget_worker(worker) {
+            state.workers[worker.0 as usize].free(b);
+        }
+    }
+
+    /// The allocators and the cache. Only a bookkeeping assertion (a bug) can panic while the
+    /// lock is held; poison is ignored so that the tables dropped while unwinding still give
+    /// their blocks back instead of panicking a second time.
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Up to `n` new blocks placed as `placement` says: all of them or none.
@@ -163,38 +254,35 @@ impl KvPool {
         n: usize,
         placement: Placement,
     ) -> Result<Vec<(WorkerId, BlockId)>, KvError> {
-        let mut workers = self.lock();
+        let mut state = self.lock();
         match placement {
             Placement::Worker(w) => {
                 // The table checked that the worker exists.
-                Ok(workers[w.0 as usize].allocate(n)?.into_iter().map(|b| (w, b)).collect())
+                Ok(state.allocate_on(w.0 as usize, n)?.into_iter().map(|b| (w, b)).collect())
             }
             Placement::MostFree => {
-                let free: usize = workers.iter().map(BlockAllocator::n_free).sum();
+                let free: usize = (0..self.n_workers).map(|w| state.available(w)).sum();
                 if n > free {
                     return Err(KvError::OutOfBlocks { wanted: n, free });
                 }
                 let mut out = Vec::with_capacity(n);
                 for _ in 0..n {
                     // max_by_key returns the last maximum; reverse to prefer the lowest id.
-                    let (i, alloc) = workers
-                        .iter_mut()
-                        .enumerate()
-                        .rev()
-                        .max_by_key(|(_, a)| a.n_free())
-                        .expect("at least one worker");
-                    let block = alloc.allocate(1).expect("counted as free")[0];
-                    out.push((WorkerId(i as u32), block));
+                    let w = (0..self.n_workers).rev().max_by_key(|&w| state.available(w)).expect("at least one worker");
+                    let block = state.allocate_on(w, 1).expect("counted as free")[0];
+                    out.push((WorkerId(w as u32), block));
                 }
                 Ok(out)
             }
         }
     }
 
-    fn free(&self, blocks: impl IntoIterator<Item = (WorkerId, BlockId)>) {
-        let mut workers = self.lock();
-        for (w, b) in blocks {
-            workers[w.0 as usize].free(b);
+    /// The blocks let go of, the last first: of a sequence's cached blocks, the later ones
+    /// (shared by fewer prompts) are then evicted first.
+    fn release(&self, blocks: impl DoubleEndedIterator<Item = (WorkerId, BlockId)>) {
+        let mut state = self.lock();
+        for wb in blocks.rev() {
+            state.release(wb);
         }
     }
 }
@@ -215,6 +303,9 @@ pub struct BlockTable {
     pool: KvPool,
     blocks: Vec<(WorkerId, BlockId)>,
     len: usize,
+    /// The prefix cache's ids of the leading blocks whose content is named (registered here
+    /// or found there): the next block registered chains from the last.
+    chain: Vec<u64>,
 }
 
 impl BlockTable {
@@ -251,6 +342,26 @@ impl BlockTable {
         Ok(())
     }
 
+    /// Offers the prefix cache every whole block of `tokens` not offered yet: `tokens` are
+    /// the sequence's first tokens (at most `len()`), every one's KV applied in its block, so
+    /// those blocks are never written again. A block whose content another block holds
+    /// already is not registered (the first copy serves).
+    pub fn register_full(&mut self, tokens: &[u32]) {
+        let bs = self.pool.block_size;
+        assert!(tokens.len() <= self.len, "registering {} tokens of a {}-token table", tokens.len(), self.len);
+        let whole = tokens.len() / bs;
+        if whole <= self.chain.len() {
+            return;
+        }
+        let mut state = self.pool.lock();
+        for i in self.chain.len()..whole {
+            let parent = self.chain.last().copied().unwrap_or(ROOT);
+            let (w, b) = self.blocks[i];
+            let id = state.cache.register(parent, &tokens[i * bs..(i + 1) * bs], w, b);
+            self.chain.push(id);
+        }
+    }
+
     /// Where position `pos` lives. Panics if `pos >= len()`.
     pub fn slot(&self, pos: usize) -> TokenSlot {
         assert!(pos < self.len, "position {pos} is past the sequence's {} tokens", self.len);
@@ -274,26 +385,47 @@ impl BlockTable {
         runs
     }
 
-    /// Shortens the sequence to `len` positions and gives back the blocks wholly past it;
-    /// does nothing if `len >= self.len()`, as `Vec::truncate`.
-    pub fn truncate(&mut self, len: usize) {
+    /// Shortens the sequence to at most `len` positions, as `Vec::truncate` (nothing if it
+    /// holds no more), and gives back the blocks wholly past it; returns the length kept.
+    /// The positions after it will be written, so a block cut in two is kept only if no other
+    /// table holds it (its cache entry, if any, is dropped); one shared is let go too, and the
+    /// length kept is where it began.
+    pub fn truncate(&mut self, len: usize) -> usize {
         if len >= self.len {
-            return;
+            return self.len;
         }
-        let keep = len.div_ceil(self.pool.block_size);
-        self.pool.free(self.blocks.drain(keep..));
+        let bs = self.pool.block_size;
+        let mut keep = len.div_ceil(bs);
+        let mut len = len;
+        let mut state = self.pool.lock();
+        if !len.is_multiple_of(bs) {
+            let (w, b) = self.blocks[keep - 1];
+            if state.workers[w.0 as usize].holders(b) > 1 {
+                keep -= 1;
+                len = keep * bs;
+            } else {
+                state.cache.unregister(w, b);
+            }
+        }
+        self.chain.truncate(len / bs);
+        for wb in self.blocks.drain(keep..).rev() {
+            state.release(wb);
+        }
+        drop(state);
         self.len = len;
         self.check();
+        len
     }
 
     fn check(&self) {
         debug_assert_eq!(self.blocks.len(), self.len.div_ceil(self.pool.block_size));
+        debug_assert!(self.chain.len() <= self.len / self.pool.block_size);
     }
 }
 
 impl Drop for BlockTable {
     fn drop(&mut self) {
-        self.pool.free(self.blocks.drain(..));
+        self.pool.release(self.blocks.drain(..));
     }
 }
 
@@ -335,6 +467,7 @@ mod tests {
         assert_eq!(blocks, (0..5).map(BlockId).collect::<Vec<_>>());
         // Freed out of order, they come back ascending and consecutive.
         for b in [blocks[3], blocks[1], blocks[2]] {
+            assert!(a.release(b));
             a.free(b);
         }
         assert_eq!((a.n_free(), a.n_used()), (6, 2));
@@ -346,14 +479,14 @@ mod tests {
     fn allocator_double_free_panics() {
         let mut a = BlockAllocator::new(2);
         let blocks = a.allocate(2).unwrap();
-        a.free(blocks[1]);
-        a.free(blocks[1]);
+        a.release(blocks[1]);
+        a.release(blocks[1]);
     }
 
     #[test]
     #[should_panic(expected = "freeing block 9, which is not allocated")]
     fn allocator_foreign_block_panics() {
-        BlockAllocator::new(2).free(BlockId(9));
+        BlockAllocator::new(2).release(BlockId(9));
     }
 
     #[test]
@@ -531,5 +664,95 @@ mod tests {
         t.truncate(0);
         assert!(t.is_empty() && t.blocks().is_empty());
         assert_eq!((pool.n_used(W0), pool.n_used(W1)), (0, 0));
+    }
+
+    /// A table of `tokens` with their KV applied and offered to the cache.
+    fn computed(pool: &KvPool, tokens: &[u32], placement: Placement) -> BlockTable {
+        let mut t = pool.new_table();
+        t.append_tokens(tokens.len(), placement).unwrap();
+        t.register_full(tokens);
+        t
+    }
+
+    #[test]
+    fn a_prompt_starts_from_the_cached_blocks_of_an_earlier_one() {
+        let pool = KvPool::new(4, &[8, 8]);
+        let prompt: Vec<u32> = (0..11).collect();
+        let a = computed(&pool, &prompt, Placement::MostFree);
+        // Two whole blocks are named; the third (3 tokens) is not.
+        let mut longer = prompt.clone();
+        longer.extend([50, 51, 52]);
+        let b = pool.table_with_prefix(&longer, |_| true);
+        assert_eq!((b.len(), b.blocks()), (8, &a.blocks()[..2]));
+        assert_eq!(pool.n_used(W0) + pool.n_used(W1), 3, "shared, not copied");
+        // Another prompt shares the first block only; one that differs at once, none.
+        let mut other = prompt[..4].to_vec();
+        other.extend([9, 9, 9, 9, 9]);
+        assert_eq!(pool.table_with_prefix(&other, |_| true).len(), 4);
+        assert!(pool.table_with_prefix(&[7; 9], |_| true).is_empty());
+        // At least the last token is left to compute: 8 tokens match one block, not two.
+        assert_eq!(pool.table_with_prefix(&prompt[..8], |_| true).len(), 4);
+        assert_eq!(pool.table_with_prefix(&prompt[..9], |_| true).len(), 8);
+        // Blocks on a worker that is down are not used.
+        let down = a.blocks()[1].0;
+        assert_eq!(pool.table_with_prefix(&longer, |w| w != down).len(), 4);
+    }
+
+    #[test]
+    fn released_blocks_stay_cached_until_an_allocation_needs_them() {
+        let pool = KvPool::new(4, &[4]);
+        let prompt: Vec<u32> = (0..9).collect();
+        drop(computed(&pool, &prompt, Placement::Worker(W0)));
+        // Two blocks keep their KV (the partial third is free); all four may be taken.
+        assert_eq!((pool.n_used(W0), pool.n_cached(W0), pool.n_free(W0)), (0, 2, 4));
+        let again = pool.table_with_prefix(&prompt, |_| true);
+        assert_eq!((again.len(), pool.n_cached(W0), pool.n_free(W0)), (8, 0, 2));
+        drop(again);
+        // A table needing every block evicts the cached ones: the later block first.
+        let mut big = pool.new_table();
+        big.append_tokens(12, Placement::Worker(W0)).unwrap();
+        assert_eq!(pool.n_cached(W0), 1);
+        assert_eq!(pool.table_with_prefix(&prompt, |_| true).len(), 4, "the first block is still cached");
+        big.append_tokens(4, Placement::Worker(W0)).unwrap();
+        assert_eq!((pool.n_cached(W0), pool.n_free(W0)), (0, 0));
+        assert!(pool.table_with_prefix(&prompt, |_| true).is_empty());
+        assert_eq!(big.append_tokens(1, Placement::Worker(W0)), Err(KvError::OutOfBlocks { wanted: 1, free: 0 }));
+    }
+
+    #[test]
+    fn a_shared_block_is_never_written() {
+        let pool = KvPool::new(4, &[8]);
+        let prompt: Vec<u32> = (0..12).collect();
+        let mut a = computed(&pool, &prompt, Placement::Worker(W0));
+        let b = pool.table_with_prefix(&[prompt.as_slice(), &[99]].concat(), |_| true);
+        assert_eq!(b.len(), 12);
+        // Cut inside its second block, which `b` holds too: the table lets go of it.
+        assert_eq!(a.truncate(6), 4);
+        assert_eq!((a.len(), a.blocks()), (4, &b.blocks()[..1]));
+        a.append_tokens(2, Placement::Worker(W0)).unwrap();
+        assert_ne!(a.blocks()[1], b.blocks()[1], "positions 4.. go to a new block");
+        // Cut inside a block no other table holds: kept, and no longer named in the cache.
+        drop(b);
+        let mut c = computed(&pool, &[1, 1, 1, 1, 2, 2, 2, 2], Placement::Worker(W0));
+        assert_eq!(c.truncate(5), 5);
+        assert_eq!(pool.table_with_prefix(&[1, 1, 1, 1, 2, 2, 2, 2, 3], |_| true).len(), 4);
+        // The same content registered again chains on.
+        c.append_tokens(3, Placement::Worker(W0)).unwrap();
+        c.register_full(&[1, 1, 1, 1, 2, 2, 2, 2]);
+        assert_eq!(pool.table_with_prefix(&[1, 1, 1, 1, 2, 2, 2, 2, 3], |_| true).len(), 8);
+    }
+
+    #[test]
+    fn a_lost_workers_cache_is_forgotten() {
+        let pool = KvPool::new(4, &[8, 8]);
+        let prompt: Vec<u32> = (0..9).collect();
+        let held = computed(&pool, &prompt, Placement::Worker(W1));
+        drop(computed(&pool, &[5; 9], Placement::Worker(W1)));
+        assert_eq!(pool.n_cached(W1), 2);
+        pool.forget_cached(W1);
+        assert_eq!((pool.n_cached(W1), pool.n_free(W1), pool.n_used(W1)), (0, 5, 3));
+        assert!(pool.table_with_prefix(&prompt, |_| true).is_empty());
+        drop(held);
+        assert_eq!((pool.n_cached(W1), pool.n_free(W1)), (0, 8));
     }
 }

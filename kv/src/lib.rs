@@ -11,8 +11,10 @@
 //! take the rows as slices and know nothing of them.
 
 pub mod blocks;
+mod ids;
 pub mod layout;
 pub mod paged;
+mod prefix_cache;
 pub mod shm;
 
 pub use blocks::{BlockId, BlockTable, KvPool, Placement, TokenSlot, WorkerId};

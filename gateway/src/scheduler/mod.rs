@@ -86,6 +86,9 @@ pub struct SchedulerConfig {
     pub gpu_kv_positions: usize,
     /// The gpu-worker makes up prompts' K/V (benchmarks only: `--synthetic-prefill`).
     pub synthetic_prefill: bool,
+    /// Requests start from the cached KV of earlier ones with the same prompt prefix
+    /// (`duet_kv::KvPool::table_with_prefix`).
+    pub prefix_cache: bool,
 }
 
 /// The scheduler's command channel (made before the scheduler, so that the front ends can
@@ -305,6 +308,7 @@ impl Scheduler {
                 if !was_up {
                     self.restarts[worker as usize] += 1;
                     if !kv_kept {
+                        self.pool.forget_cached(WorkerId(worker));
                         self.fail_unresumable(Some(worker));
                         self.drop_sessions_on(worker, &format!("its KV was on cpu-worker {worker}, which restarted without it"));
                     }
@@ -453,7 +457,8 @@ impl Scheduler {
     pub(super) fn publish_metrics(&self) {
         metrics::queues(self.waiting.len(), self.running.len(), self.sessions.len());
         for w in 0..self.pool.n_workers() {
-            metrics::cpu_worker(w as u32, self.cfg.blocks_per_worker[w], self.pool.n_free(WorkerId(w as u32)), self.worker_up[w]);
+            let id = WorkerId(w as u32);
+            metrics::cpu_worker(w as u32, self.cfg.blocks_per_worker[w], self.pool.n_free(id), self.pool.n_cached(id), self.worker_up[w]);
         }
     }
 
@@ -552,7 +557,20 @@ impl Scheduler {
                 )),
             );
         }
-        let held = session.existing().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len());
+        // A request without KV of its own starts from the longest cached prefix of its
+        // prompt (not one whose every prompt token is scored: the cached ones would not be).
+        let prefix_table = match &session {
+            SessionUse::Existing(_) => None,
+            _ if self.cfg.prefix_cache && !w.params.prompt_logprobs => {
+                let up = &self.worker_up;
+                Some(self.pool.table_with_prefix(&full, |w| up[w.0 as usize]))
+            }
+            _ => Some(self.pool.new_table()),
+        };
+        let held = match &prefix_table {
+            Some(t) => t.blocks().len(),
+            None => session.existing().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len()),
+        };
         let outstanding: usize = self.running.iter().map(Seq::outstanding_blocks).sum();
         let fits = |s: &Self| s.free_blocks() >= outstanding + need_blocks.saturating_sub(held);
         while !fits(self) {
@@ -571,14 +589,13 @@ impl Scheduler {
             self.lost_sessions.record(victim, "it was the least recently used idle session when the KV cache was full, and was evicted to make room");
         }
 
-        // Admitted: take the session's KV (or start a new table) and keep what is cached.
-        let mut restore = false;
-        let (seq_id, mut table, mut kv_tokens, session_name) = match session {
+        // Admitted: take the session's KV (or the cached prefix's) and keep what is cached.
+        let (seq_id, mut table, mut kv_tokens, session_name, restore) = match session {
             SessionUse::Existing(id) => {
                 let s = self.sessions.get_mut(&id).expect("resolved");
-                restore = s.gpu_generation != self.gpu_generation;
+                let restore = s.gpu_generation != self.gpu_generation;
                 s.gpu_generation = self.gpu_generation;
-                (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id))
+                (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id), restore)
             }
             new => {
                 let id = self.next_seq;
@@ -601,11 +618,16 @@ impl Scheduler {
                     }
                     _ => None,
                 };
-                (id, self.pool.new_table(), Vec::new(), name)
+                let table = prefix_table.expect("made for a request without a session");
+                let kv_tokens = full[..table.len()].to_vec();
+                metrics::prefix_cache_lookup(full.len(), table.len());
+                // The gpu-worker learns of KV it did not compute as of a sequence taken up
+                // again: the held tokens and every block.
+                let restore = !table.is_empty();
+                (id, table, kv_tokens, name, restore)
             }
         };
-        let cached = common_prefix(&kv_tokens, &full).min(full.len() - 1);
-        table.truncate(cached);
+        let cached = table.truncate(common_prefix(&kv_tokens, &full).min(full.len() - 1));
         kv_tokens.truncate(cached);
         let pending = full[cached..].to_vec();
         metrics::request_admitted(full.len());

@@ -337,6 +337,9 @@ impl Scheduler {
         }
         let fed: Vec<u32> = seq.pending.drain(..n).collect();
         seq.kv_tokens.extend(fed);
+        if self.cfg.prefix_cache {
+            seq.table.register_full(&seq.kv_tokens);
+        }
         if seq.generated.is_empty() {
             seq.prefilled += n as u32;
             self.prefilled_total += n as u64;
@@ -414,8 +417,8 @@ impl Scheduler {
             self.released.push(seq.id);
             return;
         };
-        seq.table.truncate(seq.resume_from);
-        seq.kv_tokens.truncate(seq.resume_from);
+        let kept = seq.table.truncate(seq.resume_from);
+        seq.kv_tokens.truncate(kept);
         session.table = Some(seq.table);
         session.kv_tokens = seq.kv_tokens;
         session.last_used = Instant::now();

@@ -1,8 +1,9 @@
 //! The scheduler without processes: a fake gpu-worker ([`FakeGpu`], a deterministic "model"
-//! whose next token is a hash of the sequence's whole history, so any mistake in what the
-//! scheduler feeds shows in the tokens) behind [`StepRunner`], and the tiny test model's
-//! tokenizer. Admission and completion, sessions reusing their KV, eviction that says so, a
-//! lost step resumed, and a gpu-worker restart that takes sequences up from the arenas.
+//! whose next token is a hash of the sequence's whole history as its KV blocks hold it, so any
+//! mistake in what the scheduler feeds or where its KV goes shows in the tokens) behind
+//! [`StepRunner`], and the tiny test model's tokenizer. Admission and completion, sessions
+//! reusing their KV, eviction that says so, a lost step resumed, a gpu-worker restart that
+//! takes sequences up from the arenas, and prompts started from the prefix cache.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -37,10 +38,17 @@ fn expected(prompt: &[u32], n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The fake's KV block size (the harness's).
+const BS: usize = 16;
+
 #[derive(Default)]
 struct FakeState {
     /// Each sequence's tokens at positions 0.. (what its KV would hold).
     seqs: HashMap<u64, Vec<u32>>,
+    /// Each sequence's blocks, as the steps' `new_blocks` gave them.
+    blocks: HashMap<u64, Vec<(u32, u32)>>,
+    /// The cpu-workers' arenas: the token whose K/V each (worker, block, slot) holds.
+    arena: HashMap<(u32, u32, usize), u32>,
     last_sampled: HashMap<u64, u32>,
     done: HashSet<u64>,
     /// Steps to fail as if the gpu-worker had died during them.
@@ -78,6 +86,7 @@ impl FakeGpu {
         }
         for id in &req.released {
             st.seqs.remove(id);
+            st.blocks.remove(id);
             st.last_sampled.remove(id);
         }
         // Positions the GPU attends: the whole context without shares, else to its share's end.
@@ -116,14 +125,28 @@ impl FakeGpu {
                 }
             }
             let input = if s.feed_sampled { vec![st.last_sampled[&s.seq_id]] } else { s.tokens.clone() };
+            let taken_up = !s.held_tokens.is_empty() && s.held_tokens.len() == start;
+            let st = &mut *st;
             let seq = st.seqs.entry(s.seq_id).or_default();
             if seq.len() < start {
                 return Err(tonic::Status::invalid_argument(format!("sequence {}: start {start} past {}", s.seq_id, seq.len())));
             }
             seq.truncate(start);
-            seq.extend(input);
+            seq.extend(&input);
+            let blocks = st.blocks.entry(s.seq_id).or_default();
+            if taken_up {
+                blocks.clear();
+            }
+            blocks.truncate(start.div_ceil(BS));
+            blocks.extend(s.new_blocks.iter().map(|b| (b.worker, b.block)));
+            for (i, &t) in input.iter().enumerate() {
+                let (w, b) = blocks[(start + i) / BS];
+                st.arena.insert((w, b, (start + i) % BS), t);
+            }
             if s.sample {
-                let t = next_token(seq);
+                // The model reads its history from the KV blocks, as attention does.
+                let kv: Vec<u32> = (0..seq.len()).map(|p| st.arena.get(&(blocks[p / BS].0, blocks[p / BS].1, p % BS)).copied().unwrap_or(u32::MAX)).collect();
+                let t = next_token(&kv);
                 st.last_sampled.insert(s.seq_id, t);
                 sampled.push(pb::Sampled { seq_id: s.seq_id, token: Some(pb::TokenProb { id: t, logprob: -0.1 }), top: vec![] });
             }
@@ -135,6 +158,7 @@ impl FakeGpu {
     fn restart(&self) {
         let mut st = self.state.lock().unwrap();
         st.seqs.clear();
+        st.blocks.clear();
         st.last_sampled.clear();
     }
 }
@@ -183,7 +207,7 @@ fn harness_with(blocks: u32, gpu_kv_positions: usize) -> Harness {
         policy: Policy::Gpu,
         overlap: Overlap::Never,
         session_idle: Duration::from_secs(300),
-        block_size: 16,
+        block_size: BS,
         blocks_per_worker: vec![blocks],
         n_ctx: 1024,
         model_name: "fake".into(),
@@ -193,6 +217,7 @@ fn harness_with(blocks: u32, gpu_kv_positions: usize) -> Harness {
         shared_cores: false,
         gpu_kv_positions,
         synthetic_prefill: false,
+        prefix_cache: true,
     };
     let gpu = Arc::new(FakeGpu::default());
     let (commands, rx) = super::commands();
@@ -459,4 +484,67 @@ async fn kv_full_is_reported_while_a_request_waits_for_kv_and_a_drain_finishes_i
     assert_eq!(ids, expected(&a, 10));
     assert_eq!(run_b.await.unwrap().unwrap().ids, expected(&b, 10), "the waiting request ran during the drain");
     drained.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_prompt_starts_from_the_kv_cached_from_an_earlier_one() {
+    let h = harness(64);
+    let system: Vec<u32> = (40..90).collect();
+    let with = |tail: &[u32]| [system.as_slice(), tail].concat();
+    let a = run(&h.backend, request(&with(&[7, 8, 9]), 20, SessionMode::None)).await.unwrap();
+    assert_eq!((a.ids, a.cached), (expected(&with(&[7, 8, 9]), 20), 0));
+    // The system prompt's three whole blocks (48 of its 50 tokens) are not computed again,
+    // by requests one after another or at once.
+    let b = run(&h.backend, request(&with(&[11, 12]), 20, SessionMode::None)).await.unwrap();
+    assert_eq!((b.ids, b.cached), (expected(&with(&[11, 12]), 20), 48));
+    let tails: Vec<Vec<u32>> = (0..4).map(|i| vec![20 + i, 21, 22 + i]).collect();
+    let runs = tails.iter().map(|t| run(&h.backend, request(&with(t), 30, SessionMode::None)));
+    for (t, got) in tails.iter().zip(futures_util::future::join_all(runs).await) {
+        let got = got.unwrap();
+        assert_eq!((got.ids, got.cached), (expected(&with(t), 30), 48));
+    }
+    // Generated tokens' blocks are cached too: the first answer, sent back as a prompt.
+    let mut again = with(&[7, 8, 9]);
+    again.extend(expected(&again.clone(), 20));
+    again.push(5);
+    let c = run(&h.backend, request(&again, 5, SessionMode::None)).await.unwrap();
+    assert_eq!((c.ids, c.cached), (expected(&again, 5), 64));
+    // Shorter than a block past what is cached: nothing to share; every token scored: none used.
+    assert_eq!(run(&h.backend, request(&system[..16], 3, SessionMode::None)).await.unwrap().cached, 0);
+    let scored = GenerateParams { prompt_logprobs: true, ..request(&with(&[1]), 3, SessionMode::None) };
+    assert_eq!(run(&h.backend, scored).await.unwrap().cached, 0);
+    assert_eq!(h.backend.info().await.unwrap().cpu_workers[0].kv_blocks_free, 64, "cached blocks count as free");
+    assert!(!h.gpu.state.lock().unwrap().taken_up.is_empty(), "cached KV reached the gpu-worker as held tokens");
+}
+
+#[tokio::test]
+async fn a_session_never_writes_into_a_block_another_request_shares() {
+    let h = harness(64);
+    h.gpu.state.lock().unwrap().step_time = Duration::from_millis(2);
+    // A conversation of 49 positions: its first three blocks are cached.
+    let p1: Vec<u32> = (50..90).collect();
+    let t1 = run(&h.backend, request(&p1, 10, SessionMode::Conversation("chat".into()))).await.unwrap();
+    let mut history = p1.clone();
+    history.extend(&t1.ids);
+    // Another request shares those three blocks while the conversation is edited at
+    // position 40, inside the third: the session must let go of that block, not rewrite it.
+    let other = [&history[..48], &[3, 4, 5]].concat();
+    let mut rx = h.backend.generate(request(&other, 40, SessionMode::None)).await.unwrap();
+    let mut ids = Vec::new();
+    while ids.is_empty() {
+        match rx.recv().await.unwrap().unwrap() {
+            Event::Prompt { cached_tokens, .. } => assert_eq!(cached_tokens, 48),
+            Event::Token { id, .. } => ids.push(id),
+            _ => {}
+        }
+    }
+    let edited = [&p1[..], &[90, 91]].concat();
+    let t2 = run(&h.backend, request(&edited, 8, SessionMode::Conversation("chat".into()))).await.unwrap();
+    while let Some(ev) = rx.recv().await {
+        if let Event::Token { id, .. } = ev.unwrap() {
+            ids.push(id);
+        }
+    }
+    assert_eq!(ids, expected(&other, 40), "the shared blocks kept the conversation's first KV");
+    assert_eq!((t2.ids, t2.cached), (expected(&edited, 8), 32), "the edit is computed from the block's start");
 }
