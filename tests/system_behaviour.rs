@@ -364,6 +364,13 @@ async fn the_service_behaves_as_a_client_expects() {
         assert_eq!(levels.iter().map(|l| (l["concurrency"].as_u64(), l["generated_tokens"].as_u64())).collect::<Vec<_>>(), [(Some(1), Some(5)), (Some(2), Some(10))]);
         assert!(levels.iter().all(|l| l["aggregate_tokens_per_s"].as_f64().is_some_and(|t| t > 0.0)), "{levels:?}");
     }
+    // A shared prefix as long as the prompt is refused (one that is shorter: the prefix
+    // cache's test).
+    let out = std::process::Command::new(duet_tests::bin("duet"))
+        .args(["bench", "--addr", &gw.addr, "--prompt-tokens", "8", "--shared-prefix", "8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--shared-prefix 8 must be shorter than --prompt-tokens 8"));
 
     let status = gw.stop();
     assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
@@ -473,6 +480,16 @@ async fn a_prompt_starts_from_the_kv_of_an_earlier_one_with_the_same_prefix() {
         println!("prompt {i}: {cached} of {} tokens from the cache; identical to the reference: {same}", prompt.len());
     }
     assert!(shared > bs, "a prompt shared more than one block");
+    // `duet bench --shared-prefix`: the warm-up computes the prefix's whole blocks, the timed
+    // streams (1 + 2) only the rest of their prompts.
+    let before = info(&gw).await.prefilled_tokens_total;
+    let out = std::process::Command::new(duet_tests::bin("duet"))
+        .args(["bench", "--addr", &gw.addr, "--json", "--concurrency", "1,2", "--max-tokens", "2", "--prompt-tokens", "150", "--shared-prefix", "140"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "duet bench --shared-prefix: {}", String::from_utf8_lossy(&out.stderr));
+    let cached = 140 / bs * bs;
+    assert_eq!((info(&gw).await.prefilled_tokens_total - before) as usize, 150 + 3 * (150 - cached));
     let i = wait_info(&gw, "KV free after the requests", Duration::from_secs(5), |i| i.active_requests == 0).await;
     assert_eq!(i.kv_free_tokens, i.kv_capacity_tokens, "cached blocks count as free");
 }

@@ -97,12 +97,17 @@ pub struct BenchArgs {
     /// Tokens of each (random) prompt.
     #[arg(long, default_value_t = 128)]
     pub prompt_tokens: usize,
+    /// Every prompt (the warm-up's too) begins with the same this many tokens, as prompts
+    /// sharing a system prompt do: with the gateway's prefix cache, only the rest is prefilled.
+    #[arg(long, default_value_t = 0, conflicts_with = "context")]
+    pub shared_prefix: usize,
     /// Tokens each stream generates (end-of-generation is ignored).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: u32,
-    /// Seed of the random prompts.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    /// Seed of the random prompts (default: a new one each run, printed, so that a second
+    /// run against the same server does not find its prompts in the prefix cache).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Decode at this depth: open one session per stream with a prompt this long (prefilled
     /// once, untimed), then time continuing them.
     #[arg(long)]

@@ -60,7 +60,16 @@ pub struct LevelReport {
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut client = InferenceClient::new(channel(&args.addr)?);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let seed = args.seed.unwrap_or_else(|| rand::rng().random());
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    if args.shared_prefix >= args.prompt_tokens.max(1) {
+        anyhow::bail!("--shared-prefix {} must be shorter than --prompt-tokens {}", args.shared_prefix, args.prompt_tokens);
+    }
+    let shared: Vec<u32> = (0..args.shared_prefix).map(|_| rng.random_range(PROMPT_IDS)).collect();
+    // A prompt of `n` tokens: the shared prefix, then random ones.
+    let prompt = |rng: &mut rand::rngs::StdRng, n: usize| -> Vec<u32> {
+        shared.iter().copied().chain((shared.len()..n).map(|_| rng.random_range(PROMPT_IDS))).collect()
+    };
     let mut reports = Vec::new();
     if args.concurrency.contains(&0) {
         anyhow::bail!("--concurrency: levels must be at least 1");
@@ -80,13 +89,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let started = Instant::now();
         let n = if args.context.is_some() { WARMUP_CONTEXT_PROMPT } else { args.prompt_tokens.max(1) };
         // Its own random prompt: the levels' prompts stay what `--seed` gives with or without it.
-        let mut own = rand::rngs::StdRng::seed_from_u64(args.seed ^ WARMUP_SEED);
-        let mut req = stream_request((0..n).map(|_| own.random_range(PROMPT_IDS)).collect(), &args, None);
+        let mut own = rand::rngs::StdRng::seed_from_u64(seed ^ WARMUP_SEED);
+        let mut req = stream_request(prompt(&mut own, n.max(args.shared_prefix + 1)), &args, None);
         req.max_tokens = Some(args.max_tokens.min(WARMUP_TOKENS));
         one_stream(&mut client, req).await.map_err(|e| anyhow::anyhow!("the warm-up stream failed: {e}"))?;
         if !args.json {
             println!("warmed up in {:.1} s (untimed)", started.elapsed().as_secs_f64());
         }
+    }
+    if !args.json {
+        println!("random prompts of --seed {seed}");
     }
     for &c in &args.concurrency {
         // At depth: open the sessions once (their prefill is not timed).
@@ -112,7 +124,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             let requests: Vec<pb::GenerateRequest> = (0..c)
                 .map(|i| match &sessions {
                     Some(ids) => stream_request(vec![rng.random_range(PROMPT_IDS)], &args, Some(ids[i].clone())),
-                    None => stream_request((0..args.prompt_tokens).map(|_| rng.random_range(PROMPT_IDS)).collect(), &args, None),
+                    None => stream_request(prompt(&mut rng, args.prompt_tokens), &args, None),
                 })
                 .collect();
             let started = Instant::now();
