@@ -134,6 +134,15 @@ pub fn spawn(rx: mpsc::Receiver<Command>, cfg: SchedulerConfig, text: Arc<TextMo
 /// session's chat messages once this request's are added.
 type Resolved = (Vec<u32>, SessionUse, Vec<ChatMessage>);
 
+/// What became of a waiting request [`Scheduler::try_admit`] took.
+enum Admission {
+    Admitted,
+    /// It waits until blocks are free (and holds up those behind it).
+    KvFull(Waiting),
+    /// It waits until a running request has computed the prompt's blocks it shares.
+    PrefixBeingComputed(Waiting),
+}
+
 /// Which session a request keeps its KV in.
 #[derive(Debug, Clone, PartialEq)]
 enum SessionUse {
@@ -507,28 +516,47 @@ impl Scheduler {
         self.cfg.blocks_per_worker.iter().map(|&b| b as usize).sum()
     }
 
-    /// Starts waiting requests, in order, while they fit.
+    /// Starts waiting requests, in order, while they fit; one whose prompt's blocks a running
+    /// request is computing waits for them without holding up those behind it.
     fn admit(&mut self) {
         self.kv_full = false;
+        let mut deferred = Vec::new();
         while self.running.len() < self.cfg.max_running {
-            let Some(w) = self.waiting.pop_front() else { return };
+            let Some(w) = self.waiting.pop_front() else { break };
             match self.try_admit(w) {
-                Ok(None) => {}
-                Ok(Some(w)) => {
+                Ok(Admission::Admitted) => {}
+                Ok(Admission::KvFull(w)) => {
                     self.waiting.push_front(w);
                     self.kv_full = true;
-                    return;
+                    break;
                 }
+                Ok(Admission::PrefixBeingComputed(w)) => deferred.push(w),
                 Err((events, e)) => {
                     metrics::request_failed(false);
                     let _ = events.send(Err(e));
                 }
             }
         }
+        for w in deferred.into_iter().rev() {
+            self.waiting.push_front(w);
+        }
+    }
+
+    /// Whether a running request is computing whole blocks of `prompt` past the `cached` first
+    /// positions, which it will soon have cached: a prompt sharing them waits for them rather
+    /// than computing them again (a prompt's `n` choices; clients sending one system prompt
+    /// at once).
+    fn prefix_being_computed(&self, prompt: &[u32], cached: usize) -> bool {
+        let whole = |n: usize| n.min(prompt.len() - 1) / self.cfg.block_size * self.cfg.block_size;
+        self.running.iter().filter(|s| s.generated.is_empty() && s.paused_since.is_none()).any(|s| {
+            let shared = common_prefix(&s.kv_tokens, prompt);
+            let shared = if shared < s.kv_tokens.len() { shared } else { shared + common_prefix(&s.pending, &prompt[shared..]) };
+            whole(shared) > cached && s.kv_tokens.len() < whole(shared)
+        })
     }
 
     /// Admits `w`, or gives it back if it must wait, or fails it.
-    fn try_admit(&mut self, w: Waiting) -> Result<Option<Waiting>, (Events, GatewayError)> {
+    fn try_admit(&mut self, w: Waiting) -> Result<Admission, (Events, GatewayError)> {
         let fail = |w: Waiting, e| Err((w.events, e));
         let bs = self.cfg.block_size;
         // The conversation's tokens, and what is cached of them.
@@ -567,6 +595,9 @@ impl Scheduler {
             }
             _ => Some(self.pool.new_table()),
         };
+        if prefix_table.as_ref().is_some_and(|t| self.cfg.prefix_cache && self.prefix_being_computed(&full, t.len())) {
+            return Ok(Admission::PrefixBeingComputed(w));
+        }
         let held = match &prefix_table {
             Some(t) => t.blocks().len(),
             None => session.existing().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len()),
@@ -582,7 +613,7 @@ impl Scheduler {
                 .filter(|(k, s)| s.table.is_some() && Some(k.as_str()) != own)
                 .min_by_key(|(_, s)| s.last_used)
                 .map(|(k, _)| k.clone());
-            let Some(victim) = victim else { return Ok(Some(w)) };
+            let Some(victim) = victim else { return Ok(Admission::KvFull(w)) };
             let s = self.sessions.remove(&victim).expect("found");
             tracing::info!(session = %victim, "idle session evicted to make room for a request");
             self.released.push(s.seq_id);
@@ -664,7 +695,7 @@ impl Scheduler {
             arrived: w.arrived,
             first_token: None,
         });
-        Ok(None)
+        Ok(Admission::Admitted)
     }
 
     /// The whole conversation's tokens for a request, the session it keeps its KV in, and

@@ -548,3 +548,27 @@ async fn a_session_never_writes_into_a_block_another_request_shares() {
     assert_eq!(ids, expected(&other, 40), "the shared blocks kept the conversation's first KV");
     assert_eq!((t2.ids, t2.cached), (expected(&edited, 8), 32), "the edit is computed from the block's start");
 }
+
+#[tokio::test]
+async fn prompts_sent_at_once_compute_their_shared_blocks_once() {
+    let h = harness(64);
+    h.gpu.state.lock().unwrap().step_time = Duration::from_millis(1);
+    // 70 shared tokens: four whole blocks, which one request computes and the others wait for.
+    let system: Vec<u32> = (40..110).collect();
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| [system.as_slice(), &[20 + i, 21]].concat()).collect();
+    let runs = prompts.iter().map(|p| run(&h.backend, request(p, 10, SessionMode::None)));
+    let mut cached = Vec::new();
+    for (p, got) in prompts.iter().zip(futures_util::future::join_all(runs).await) {
+        let got = got.unwrap();
+        assert_eq!(got.ids, expected(p, 10));
+        cached.push(got.cached);
+    }
+    cached.sort_unstable();
+    assert_eq!(cached, [0, 64, 64, 64]);
+    // A request that shares nothing is not held up by them.
+    let (a, b) = tokio::join!(run(&h.backend, request(&system, 30, SessionMode::None)), async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        run(&h.backend, request(&[7; 40], 3, SessionMode::None)).await
+    });
+    assert_eq!((a.unwrap().cached, b.unwrap().cached), (64, 0));
+}
