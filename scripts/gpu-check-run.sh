@@ -143,7 +143,22 @@ with urllib.request.urlopen(req, timeout=120) as r:
             chunks += 1
             first = first or time.time() - t0
 print(f"streamed {chunks} chunks, first after {first:.3f} s, all in {time.time() - t0:.3f} s")
-sys.exit(0 if chunks >= 16 else "too few chunks")
+if chunks < 16:
+    sys.exit("too few chunks")
+# The prefix cache on the GPU: a prompt sent again starts from the KV of the first (the
+# gpu-worker takes it up from the arenas) and generates the same greedy tokens up to a near tie.
+prompt = [1000 + (i * 7919) % 20000 for i in range(300)]
+def complete():
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2}).encode()
+    r = json.load(urllib.request.urlopen(urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"}), timeout=120))
+    c = r["choices"][0]["logprobs"]
+    return c["tokens"], c["top_logprobs"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+(a, top, cached_a), (b, _, cached_b) = complete(), complete()
+same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+margins = [sorted(t.values(), reverse=True) for t in top]
+near_tie = same < len(a) and len(margins[same]) > 1 and margins[same][0] - margins[same][1] < 0.5
+print(f"prefix cache: {cached_a} then {cached_b} of {len(prompt)} prompt tokens cached; {same} of {len(a)} tokens the same" + (" (then a near tie)" if near_tie else ""))
+sys.exit(0 if cached_a == 0 and cached_b >= 256 and (same == len(a) or near_tie) else "the prefix cache's run differs")
 PY
   local rc=$?
   grep -i "device" "$log" | head -5

@@ -81,3 +81,23 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv(gateway):
         time.sleep(0.2)
     # The server carries on.
     assert complete(gateway, "Hello", 2)["usage"]["completion_tokens"] == 2
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(gateway):
+    import uuid
+
+    # A prompt of its own (the gateway is shared by the tests), long enough for whole blocks.
+    prompt = f"Request {uuid.uuid4()}: " + "the quick brown fox jumps over the lazy dog; " * 30
+    before = scrape(gateway)
+    first = complete(gateway, prompt, 4)
+    second = complete(gateway, prompt, 4)
+    after = scrape(gateway)
+    n = first["usage"]["prompt_tokens"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert n - 64 <= cached < n, (n, cached)
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert total(after, "duet_prefix_cache_queried_tokens_total") - total(before, "duet_prefix_cache_queried_tokens_total") == 2 * n
+    assert total(after, "duet_prefix_cache_hit_tokens_total") - total(before, "duet_prefix_cache_hit_tokens_total") == cached
+    kv = {dict(labels)["state"]: v for (n_, labels), v in after.items() if n_ == "duet_kv_blocks"}
+    assert kv["cached"] > 0 and kv["used"] == 0, kv

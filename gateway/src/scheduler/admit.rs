@@ -92,17 +92,19 @@ impl Scheduler {
         }
         // A request without KV of its own starts from the longest cached prefix of its
         // prompt (not one whose every prompt token is scored: the cached ones would not be).
+        let uses_cache = self.cfg.prefix_cache && !w.params.prompt_logprobs;
         let prefix_table = match &session {
             SessionUse::Existing(_) => None,
-            _ if self.cfg.prefix_cache && !w.params.prompt_logprobs => {
+            _ if uses_cache => {
                 let up = &self.worker_up;
-                Some(self.pool.table_with_prefix(&full, |w| up[w.0 as usize]))
+                let table = self.pool.table_with_prefix(&full, |w| up[w.0 as usize]);
+                if self.prefix_being_computed(&full, table.len()) {
+                    return Ok(Admission::PrefixBeingComputed(w));
+                }
+                Some(table)
             }
             _ => Some(self.pool.new_table()),
         };
-        if prefix_table.as_ref().is_some_and(|t| self.cfg.prefix_cache && self.prefix_being_computed(&full, t.len())) {
-            return Ok(Admission::PrefixBeingComputed(w));
-        }
         let held = match &prefix_table {
             Some(t) => t.blocks().len(),
             None => session.existing().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len()),
