@@ -150,8 +150,12 @@ impl Seq {
         let kept = self.table.truncate(self.kv_tokens.len());
         let again = self.kv_tokens.split_off(kept);
         self.pending.splice(0..0, again);
-        self.sent_blocks = self.sent_blocks.min(self.table.blocks().len());
         self.paused_since.get_or_insert_with(std::time::Instant::now);
+        // The gpu-worker forgets a failed step's sequences: without being taken up again from
+        // the arenas, one of them left out of the next step and sent in the one pipelined
+        // after it would be skipped there, its chunk taken for computed (and its blocks,
+        // holding no KV, registered in the prefix cache). Taking up one it knows is harmless.
+        self.take_up_again();
     }
 
     /// Blocks reserved but not yet allocated.

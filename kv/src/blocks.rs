@@ -417,6 +417,23 @@ impl BlockTable {
         len
     }
 
+    /// How many blocks a request that keeps `len` positions of this table can count on:
+    /// those [`BlockTable::truncate`] would keep, and those it would give back to the pool (no
+    /// other table holding them). Blocks another table shares past the cut stay taken.
+    pub fn blocks_reusable_after_truncate(&self, len: usize) -> usize {
+        if len >= self.len {
+            return self.blocks.len();
+        }
+        let bs = self.pool.block_size;
+        let state = self.pool.lock();
+        let holders = |(w, b): (WorkerId, BlockId)| state.workers[w.0 as usize].holders(b);
+        let mut keep = len.div_ceil(bs);
+        if !len.is_multiple_of(bs) && holders(self.blocks[keep - 1]) > 1 {
+            keep -= 1;
+        }
+        keep + self.blocks[keep..].iter().filter(|&&wb| holders(wb) == 1).count()
+    }
+
     fn check(&self) {
         debug_assert_eq!(self.blocks.len(), self.len.div_ceil(self.pool.block_size));
         debug_assert!(self.chain.len() <= self.len / self.pool.block_size);
@@ -740,6 +757,23 @@ mod tests {
         c.append_tokens(3, Placement::Worker(W0)).unwrap();
         c.register_full(&[1, 1, 1, 1, 2, 2, 2, 2]);
         assert_eq!(pool.table_with_prefix(&[1, 1, 1, 1, 2, 2, 2, 2, 3], |_| true).len(), 8);
+    }
+
+    #[test]
+    fn a_truncate_counts_only_the_blocks_it_gives_back() {
+        let pool = KvPool::new(4, &[8]);
+        let prompt: Vec<u32> = (0..12).collect();
+        let a = computed(&pool, &prompt, Placement::Worker(W0));
+        assert_eq!((a.blocks_reusable_after_truncate(12), a.blocks_reusable_after_truncate(6)), (3, 3));
+        // Another table shares the first two blocks: cut in the second, `a` keeps one and
+        // gives back only the third.
+        let b = pool.table_with_prefix(&[&prompt[..8], &[99]].concat(), |_| true);
+        assert_eq!(b.len(), 8);
+        assert_eq!((a.blocks_reusable_after_truncate(6), a.blocks_reusable_after_truncate(4), a.blocks_reusable_after_truncate(0)), (2, 2, 1));
+        let mut a = a;
+        let free = pool.n_free(W0);
+        assert_eq!(a.truncate(6), 4);
+        assert_eq!(pool.n_free(W0), free + 1);
     }
 
     #[test]

@@ -84,10 +84,11 @@ impl PrefixCache {
     /// id (this block stays unregistered: the first copy serves); where `block` is already
     /// registered, its own.
     pub(crate) fn register(&mut self, parent: u64, tokens: &[u32], worker: WorkerId, block: BlockId) -> u64 {
+        let key = Key { parent, tokens: tokens.into() };
         if let Some(r) = self.by_block.get(&(worker, block)) {
+            debug_assert_eq!(r.key, key, "block {block} of worker {worker} registered with other content");
             return r.id;
         }
-        let key = Key { parent, tokens: tokens.into() };
         if let Some(&(id, ..)) = self.index.get(&key) {
             return id;
         }
@@ -190,7 +191,7 @@ mod tests {
         assert_eq!(c.register(ROOT, &[1, 2], W0, BlockId(1)), a);
         assert!(c.is_registered(W0, BlockId(0)) && !c.is_registered(W0, BlockId(1)));
         // Registering a registered block again keeps its id.
-        assert_eq!(c.register(a, &[9, 9], W0, BlockId(0)), a);
+        assert_eq!(c.register(ROOT, &[1, 2], W0, BlockId(0)), a);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::{Scheduler, SessionUse, Waiting};
 use crate::error::GatewayError;
 use crate::metrics;
-use crate::request::{Event, DEFAULT_MAX_TOKENS};
+use crate::request::{Event, SessionMode, DEFAULT_MAX_TOKENS};
 use crate::sequence::{common_prefix, Events, Seq, Session};
 use crate::text_stream::TextStream;
 
@@ -61,13 +61,20 @@ impl Scheduler {
     }
 
     /// Admits `w`, or gives it back if it must wait, or fails it.
-    fn try_admit(&mut self, w: Waiting) -> Result<Admission, (Events, GatewayError)> {
+    fn try_admit(&mut self, mut w: Waiting) -> Result<Admission, (Events, GatewayError)> {
         let fail = |w: Waiting, e| Err((w.events, e));
         let bs = self.cfg.block_size;
         // The conversation's tokens, and what is cached of them.
-        let (full, session, messages) = match self.resolve(&w.params) {
+        let (full, session, messages) = match self.resolve(&w.params, w.prompt_ids.take()) {
             Ok(x) => x,
             Err(e) => return fail(w, e),
+        };
+        // Kept for the next try if it waits (a session's continuation is resolved again).
+        let wait = |mut w: Waiting, full: &[u32]| {
+            if !matches!(w.params.session, SessionMode::Continue(_)) {
+                w.prompt_ids = Some(full.to_vec());
+            }
+            w
         };
         if full.len() >= self.cfg.n_ctx {
             return fail(w, GatewayError::PromptTooLong { prompt: full.len(), context: self.cfg.n_ctx });
@@ -99,28 +106,33 @@ impl Scheduler {
                 let up = &self.worker_up;
                 let table = self.pool.table_with_prefix(&full, |w| up[w.0 as usize]);
                 if self.prefix_being_computed(&full, table.len()) {
-                    return Ok(Admission::PrefixBeingComputed(w));
+                    return Ok(Admission::PrefixBeingComputed(wait(w, &full)));
                 }
                 Some(table)
             }
             _ => Some(self.pool.new_table()),
         };
+        // Blocks the request holds already, or gets back from its session's table when it is
+        // cut to what the request shares with it.
         let held = match &prefix_table {
             Some(t) => t.blocks().len(),
-            None => session.existing().and_then(|id| self.sessions.get(id)).and_then(|s| s.table.as_ref()).map_or(0, |t| t.blocks().len()),
+            None => session.existing().and_then(|id| self.sessions.get(id)).map_or(0, |s| {
+                s.table.as_ref().map_or(0, |t| t.blocks_reusable_after_truncate(common_prefix(&s.kv_tokens, &full).min(full.len() - 1)))
+            }),
         };
         let outstanding: usize = self.running.iter().map(Seq::outstanding_blocks).sum();
         let fits = |s: &Self| s.free_blocks() >= outstanding + need_blocks.saturating_sub(held);
         while !fits(self) {
-            // Evict the least recently used idle session other than this request's.
+            // Evict the least recently used idle session other than this request's, of those
+            // that would give blocks back (not all shared with running requests).
             let own = session.existing();
             let victim = self
                 .sessions
                 .iter()
-                .filter(|(k, s)| s.table.is_some() && Some(k.as_str()) != own)
+                .filter(|(k, s)| s.table.as_ref().is_some_and(|t| t.blocks_reusable_after_truncate(0) > 0) && Some(k.as_str()) != own)
                 .min_by_key(|(_, s)| s.last_used)
                 .map(|(k, _)| k.clone());
-            let Some(victim) = victim else { return Ok(Admission::KvFull(w)) };
+            let Some(victim) = victim else { return Ok(Admission::KvFull(wait(w, &full))) };
             let s = self.sessions.remove(&victim).expect("found");
             tracing::info!(session = %victim, "idle session evicted to make room for a request");
             self.released.push(s.seq_id);

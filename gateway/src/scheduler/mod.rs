@@ -157,6 +157,9 @@ struct Waiting {
     params: GenerateParams,
     events: Events,
     arrived: Instant,
+    /// The prompt's tokens once computed (it waited before), where they depend on the prompt
+    /// alone (not on a session's history).
+    prompt_ids: Option<Vec<u32>>,
 }
 
 struct Scheduler {
@@ -280,7 +283,7 @@ impl Scheduler {
                 // During a drain too: the listeners are closed by then, so a request that
                 // still arrives was sent on a connection taken in before (the deadline bounds it).
                 metrics::request_received();
-                self.waiting.push_back(Waiting { params: *params, events, arrived });
+                self.waiting.push_back(Waiting { params: *params, events, arrived, prompt_ids: None });
             }
             Command::CloseSession { session_id, reply } => {
                 let result = match self.sessions.get(&session_id) {
@@ -381,7 +384,6 @@ impl Scheduler {
     /// the worker holds of it, so taking up a sequence it knows is harmless).
     fn gpu_lost_sequences(&mut self) {
         self.rewind_all("the gpu-worker lost its sequences (it restarted)");
-        self.running.iter_mut().for_each(Seq::take_up_again);
     }
 
     /// Fails the requests that waited for a worker longer than RESUME_WAIT, or whose KV was on
@@ -509,13 +511,18 @@ impl Scheduler {
 
     /// The whole conversation's tokens for a request, the session it keeps its KV in, and
     /// the session's chat messages once this request's are added.
-    fn resolve(&self, p: &GenerateParams) -> Result<Resolved, GatewayError> {
+    /// `known`: the prompt's tokens, if computed before.
+    fn resolve(&self, p: &GenerateParams, known: Option<Vec<u32>>) -> Result<Resolved, GatewayError> {
         let whole = |session: SessionUse| -> Result<Resolved, GatewayError> {
             let messages = match &p.prompt {
                 Prompt::Chat { messages, .. } => messages.clone(),
                 _ => Vec::new(),
             };
-            Ok((self.text.prompt_ids(&p.prompt)?, session, messages))
+            let ids = match known {
+                Some(ids) => ids,
+                None => self.text.prompt_ids(&p.prompt)?,
+            };
+            Ok((ids, session, messages))
         };
         let id = match &p.session {
             SessionMode::None => return whole(SessionUse::None),

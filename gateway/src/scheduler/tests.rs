@@ -82,7 +82,12 @@ impl FakeGpu {
         st.steps += 1;
         st.pipelined += u64::from(req.after_step != 0);
         if st.fail.remove(&req.step) {
-            return Err(tonic::Status::unavailable("injected: the gpu-worker died during this step"));
+            // As the gpu-worker does: a failed step's sequences are forgotten.
+            for s in &req.sequences {
+                st.seqs.remove(&s.seq_id);
+                st.blocks.remove(&s.seq_id);
+            }
+            return Err(tonic::Status::unavailable("injected: a worker died during this step"));
         }
         for id in &req.released {
             st.seqs.remove(id);
@@ -370,6 +375,21 @@ async fn a_step_lost_with_the_gpu_worker_is_run_again() {
     let got = run(&h.backend, request(&p, 24, SessionMode::None)).await.unwrap();
     assert_eq!(got.ids, expected(&p, 24), "the lost steps' tokens are computed again, nothing skipped or repeated");
     assert!(h.gpu.state.lock().unwrap().fail.is_empty(), "both failures were injected");
+}
+
+#[tokio::test]
+async fn prompts_whose_steps_failed_mid_prefill_go_on_from_their_computed_kv() {
+    // Six 150-token prompts in 64-token chunks, 256 tokens a step: after a failed step some
+    // are left out of the next one and sent in the one pipelined after it. Each is taken up
+    // again (the failed step's sequences are forgotten), never skipped as if computed.
+    let h = harness(64);
+    h.gpu.state.lock().unwrap().fail.extend([2, 4, 7]);
+    let prompts: Vec<Vec<u32>> = (0..6).map(|r| (0..150).map(|i| 3 + (i * 13 + r * 7) % 200).collect()).collect();
+    let runs = prompts.iter().map(|p| run(&h.backend, request(p, 8, SessionMode::None)));
+    for (p, got) in prompts.iter().zip(futures_util::future::join_all(runs).await) {
+        assert_eq!(got.unwrap().ids, expected(p, 8));
+    }
+    assert!(h.gpu.state.lock().unwrap().fail.is_empty(), "every failure was injected");
 }
 
 #[tokio::test]
