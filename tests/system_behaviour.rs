@@ -442,7 +442,8 @@ impl Drop for KillOnDrop {
 /// kept for the cache count as free KV.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_starts_from_the_kv_of_an_earlier_one_with_the_same_prefix() {
-    let gw = Gateway::start(&["--cpu-workers", "1"]);
+    // Two cpu-workers: a prompt's blocks, cached and new, may lie in either arena.
+    let gw = Gateway::start(&["--cpu-workers", "2"]);
     let reference = Reference::load();
     let bs = info(&gw).await.kv_block_size as usize;
     let system = tokenize(
@@ -491,5 +492,6 @@ async fn a_prompt_starts_from_the_kv_of_an_earlier_one_with_the_same_prefix() {
     let cached = 140 / bs * bs;
     assert_eq!((info(&gw).await.prefilled_tokens_total - before) as usize, 150 + 3 * (150 - cached));
     let i = wait_info(&gw, "KV free after the requests", Duration::from_secs(5), |i| i.active_requests == 0).await;
+    assert_eq!(i.cpu_workers.len(), 2);
     assert_eq!(i.kv_free_tokens, i.kv_capacity_tokens, "cached blocks count as free");
 }
