@@ -201,7 +201,7 @@ impl<D: Device> Runner<D> {
         self.generate_in(&mut kv, req, sampler, &mut on_text)
     }
 
-    fn generate_in(&self, kv: &mut KvCache, req: &GenerateRequest, mut sampler: Sampler, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
+    fn generate_in(&self, kv: &mut KvCache, req: &GenerateRequest, sampler: Sampler, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
         let start = Instant::now();
         // Taking the phase times zeroes them: what earlier calls spent is left out.
         self.device.phase_times();

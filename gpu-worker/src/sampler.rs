@@ -1,7 +1,7 @@
 //! Token sampling: a logit bias, the repetition, frequency and presence penalties over the last
-//! tokens, then greedy, or temperature with top-k, top-p and min-p filtering from a seeded RNG
-//! (the order of llama.cpp's default chain: logit bias, penalties, top-k, top-p, min-p,
-//! temperature, draw).
+//! tokens, then greedy, or temperature with top-k, top-p and min-p filtering and a draw whose
+//! random number comes from the seed and the position (the order of llama.cpp's default chain:
+//! logit bias, penalties, top-k, top-p, min-p, temperature, draw).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -90,13 +90,23 @@ pub struct Sampler {
     params: SamplingParams,
     /// Added to these tokens' logits before anything else, by token id.
     logit_bias: Vec<(u32, f32)>,
-    rng: StdRng,
+}
+
+/// The random numbers of the draw at `position` of a sequence sampled with `seed`: a function
+/// of the two alone, not a stream, so that a sampler made afresh (a sequence taken up again
+/// after a worker failed) draws what the one before it would have.
+fn draw_rng(seed: u64, position: usize) -> StdRng {
+    // SplitMix64's finaliser over the pair: nearby seeds and positions far apart.
+    let mut z = seed ^ (position as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    StdRng::seed_from_u64(z ^ (z >> 31))
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
-        Ok(Sampler { params, logit_bias: Vec::new(), rng: StdRng::seed_from_u64(params.seed) })
+        Ok(Sampler { params, logit_bias: Vec::new() })
     }
 
     /// The same sampler with `bias` added to its tokens' logits first (OpenAI's
@@ -118,8 +128,9 @@ impl Sampler {
     }
 
     /// Draws the next token; `history` holds the sequence's tokens so far (prompt included),
-    /// the last [`PENALTY_LAST_N`] of which the penalties apply to.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// the last [`PENALTY_LAST_N`] of which the penalties apply to, and its length is the
+    /// draw's position (which, with the seed, gives its random number).
+    pub fn sample(&self, logits: &[f32], history: &[u32]) -> u32 {
         let p = self.params;
         let adjusted;
         let logits = if p.penalises() || !self.logit_bias.is_empty() {
@@ -143,7 +154,7 @@ impl Sampler {
         let (max, inv_t) = (kept.top.1, 1.0 / p.temperature);
         let members: Vec<(u32, f32)> = kept.members(logits).map(|(id, l)| (id, ((l - max) * inv_t).exp())).collect();
         let z: f64 = members.iter().map(|m| m.1 as f64).sum();
-        let r: f64 = self.rng.random::<f64>() * z;
+        let r: f64 = draw_rng(p.seed, history.len()).random::<f64>() * z;
         let mut acc = 0.0;
         for &(id, w) in &members {
             acc += w as f64;
@@ -317,10 +328,10 @@ mod tests {
         for logits in [&flat, &peaked, &ties] {
             for (t, k, tp, mp) in [(1.0, 0, 1.0, 0.0), (0.8, 0, 0.95, 0.0), (0.7, 40, 0.9, 0.0), (1.2, 0, 1.0, 0.05), (0.6, 3, 1.0, 0.0), (1.0, 0, 0.5, 0.2), (1.0, 100000, 0.99, 0.0)] {
                 let p = SamplingParams { temperature: t, top_k: k, top_p: tp, min_p: mp, seed: 9, ..Default::default() };
-                let mut s = Sampler::new(p).unwrap();
-                let mut twin = StdRng::seed_from_u64(9);
+                let s = Sampler::new(p).unwrap();
                 for draw in 0..200 {
-                    assert_eq!(s.sample(logits, &[]), sample_by_full_sort(p, &mut twin, logits), "{p:?}, draw {draw}");
+                    let history = vec![0; draw];
+                    assert_eq!(s.sample(logits, &history), sample_by_full_sort(p, &mut draw_rng(9, draw), logits), "{p:?}, draw {draw}");
                 }
             }
         }
@@ -334,15 +345,20 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_seed_is_reproducible() {
         let logits: Vec<f32> = (0..100).map(|i| ((i * 37) % 100) as f32 / 10.0).collect();
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, seed: 7, ..Default::default() }).unwrap();
+        let s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, seed: 7, ..Default::default() }).unwrap();
         assert_eq!(s.sample(&logits, &[]), argmax(&logits));
         let params = SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.9, seed: 42, ..Default::default() };
-        let draw = |p| {
-            let mut s = Sampler::new(p).unwrap();
-            (0..20).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
+        let draw = |p, from: usize| {
+            let s = Sampler::new(p).unwrap();
+            (from..20).map(|pos| s.sample(&logits, &vec![0; pos])).collect::<Vec<_>>()
         };
-        assert_eq!(draw(params), draw(params));
-        assert_ne!(draw(params), draw(SamplingParams { seed: 43, ..params }));
+        assert_eq!(draw(params, 0), draw(params, 0));
+        assert_ne!(draw(params, 0), draw(SamplingParams { seed: 43, ..params }, 0));
+        // A sampler made afresh at position 12 (a sequence taken up again) draws what the
+        // first drew from there; and the draws vary along the sequence.
+        assert_eq!(draw(params, 12), draw(params, 0)[12..]);
+        let all = draw(params, 0);
+        assert!(all.iter().any(|&t| t != all[0]), "{all:?}");
     }
 
     #[test]
@@ -350,8 +366,8 @@ mod tests {
         // One token holds almost all the mass: top_p 0.5 must always return it.
         let mut logits = vec![0.0f32; 50];
         logits[17] = 20.0;
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_p: 0.5, seed: 1, ..Default::default() }).unwrap();
-        assert!((0..50).all(|_| s.sample(&logits, &[]) == 17));
+        let s = Sampler::new(SamplingParams { temperature: 5.0, top_p: 0.5, seed: 1, ..Default::default() }).unwrap();
+        assert!((0..50).all(|pos| s.sample(&logits, &vec![0; pos]) == 17));
     }
 
     #[test]
@@ -378,14 +394,14 @@ mod tests {
         // Token 3 is 20x likelier than the others: with min_p 0.1 only it survives.
         let mut logits = vec![0.0f32; 10];
         logits[3] = 20f32.ln();
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.1, seed: 3, ..Default::default() }).unwrap();
-        assert!((0..50).all(|_| s.sample(&logits, &[]) == 3));
+        let s = Sampler::new(SamplingParams { temperature: 1.0, min_p: 0.1, seed: 3, ..Default::default() }).unwrap();
+        assert!((0..50).all(|pos| s.sample(&logits, &vec![0; pos]) == 3));
     }
 
     #[test]
     fn repetition_penalty_applies_to_recent_tokens_only() {
         let logits = [2.0f32, 1.9, -1.0];
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..Default::default() }).unwrap();
+        let s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..Default::default() }).unwrap();
         // Token 0 was seen: 2.0 / 1.5 < 1.9, so greedy picks token 1.
         assert_eq!(s.sample(&logits, &[0]), 1);
         // Seen long ago (more than PENALTY_LAST_N tokens back): no penalty.
@@ -405,25 +421,25 @@ mod tests {
         penalise(&mut l, &[0, 0, 0, 1, 3], p);
         assert_eq!(l, [3.0 - 1.5 - 0.25, 3.0 - 0.5 - 0.25, 3.0, -1.0 - 0.5 - 0.25]);
         // Greedy: token 0 leads, but repeated three times it falls below the unseen token 2.
-        let mut s = Sampler::new(p).unwrap();
+        let s = Sampler::new(p).unwrap();
         assert!(!s.is_plain_greedy());
         assert_eq!(s.sample(&[3.5, 1.0, 2.0], &[0, 0, 0]), 2);
         // A negative presence penalty favours what was seen.
-        let mut s = Sampler::new(SamplingParams { presence_penalty: -2.0, ..Default::default() }).unwrap();
+        let s = Sampler::new(SamplingParams { presence_penalty: -2.0, ..Default::default() }).unwrap();
         assert_eq!(s.sample(&[2.5, 1.0, 2.0], &[1]), 1, "1 + 2 > 2.5");
     }
 
     #[test]
     fn logit_bias_is_added_first_and_minus_100_bans_a_token() {
         let logits = [5.0f32, 4.0, 1.0];
-        let mut s = Sampler::new(SamplingParams::default()).unwrap().with_logit_bias([(0, -100.0), (7, 50.0)]).unwrap();
+        let s = Sampler::new(SamplingParams::default()).unwrap().with_logit_bias([(0, -100.0), (7, 50.0)]).unwrap();
         assert!(!s.is_plain_greedy());
         assert_eq!(s.sample(&logits, &[]), 1, "token 0 banned; an id past the vocabulary changes nothing");
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, seed: 3, ..Default::default() }).unwrap().with_logit_bias([(2, 100.0)]).unwrap();
-        assert!((0..50).all(|_| s.sample(&logits, &[]) == 2), "+100 makes token 2 all but certain");
+        let s = Sampler::new(SamplingParams { temperature: 1.0, seed: 3, ..Default::default() }).unwrap().with_logit_bias([(2, 100.0)]).unwrap();
+        assert!((0..50).all(|pos| s.sample(&logits, &vec![0; pos]) == 2), "+100 makes token 2 all but certain");
         // The bias comes before the penalties: a biased token that was seen is still penalised.
         let p = SamplingParams { presence_penalty: 2.0, ..Default::default() };
-        let mut s = Sampler::new(p).unwrap().with_logit_bias([(1, 1.5)]).unwrap();
+        let s = Sampler::new(p).unwrap().with_logit_bias([(1, 1.5)]).unwrap();
         assert_eq!(s.sample(&logits, &[1]), 0, "4 + 1.5 - 2 < 5");
         assert!(Sampler::new(SamplingParams::default()).unwrap().with_logit_bias([(0, 0.0)]).unwrap().is_plain_greedy(), "a zero bias is none");
         for bad in [100.5, -101.0, f32::NAN, f32::INFINITY] {

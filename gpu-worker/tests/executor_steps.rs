@@ -3,7 +3,8 @@
 //! what steps carrying the token compute; a step sent after a failed one skips the sequences
 //! the failure took and serves the ones that joined it; a step whose new rows of two places
 //! land in one block is refused; a synthetic prefill (benchmarks) computes only each chunk's
-//! last token and makes up the others' K/V.
+//! last token and makes up the others' K/V; a sequence taken up from another's KV samples,
+//! seeded, what that one did.
 
 use std::sync::Arc;
 
@@ -214,4 +215,31 @@ fn a_synthetic_prefill_leaves_the_other_rows_of_its_step_alone() {
     for pos in [22, 24, 38] {
         assert!(!close(&k0(&real_arena.0, pos), &k0(&synth_arena.0, pos)), "position {pos} of the chunked prompt was computed");
     }
+}
+
+/// A sequence taken up from KV it did not compute — another sequence's whole block, as the
+/// gateway's prefix cache hands it over, or its own after a worker failed — samples, seeded
+/// at a temperature, what the sequence that computed it samples from there: the draw at a
+/// position depends on the seed and the position, not on the sampler's past.
+#[test]
+fn a_sequence_taken_up_from_shared_kv_samples_what_the_first_did() {
+    let (mut ex, _segments) = support::executor_with_arena(CpuDevice::load(Arc::new(GgufFile::open(model_path()).unwrap()), true).unwrap(), "exec-taken-up");
+    let seeded = pb::SamplerConfig { temperature: 1.2, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, seed: 11, top_logprobs: 1, ..Default::default() };
+    let prompt: Vec<u32> = PROMPT.iter().cycle().take(16).copied().collect();
+    // Sequence 1: the 16-token prompt fills block 0; 8 tokens follow in block 1.
+    let mut first = vec![step(&mut ex, 1, 0, vec![pb::SequenceStep { sampler: Some(seeded.clone()), ..part(1, 0, &prompt, &[0], false) }]).unwrap()[0]];
+    for i in 0..7 {
+        let new_block: &[u32] = if i == 0 { &[1] } else { &[] };
+        first.push(step(&mut ex, 2 + i, 1 + i, vec![part(1, 16 + i as u32, &[], new_block, false)]).unwrap()[0]);
+    }
+    // Sequence 2 starts from block 0 (held: the prompt) with its own block 2, fed the first
+    // sequence's first token: from there it samples the same tokens, bit for bit.
+    let taken_up = pb::SequenceStep { sampler: Some(seeded), held_tokens: prompt.clone(), ..part(2, 16, &[first[0].1], &[0, 2], false) };
+    let mut second = vec![step(&mut ex, 20, 0, vec![taken_up]).unwrap()[0]];
+    for i in 0..5 {
+        second.push(step(&mut ex, 21 + i, 20 + i, vec![part(2, 17 + i as u32, &[], &[], false)]).unwrap()[0]);
+    }
+    let strip = |v: &[(u64, u32, f32)]| v.iter().map(|&(_, t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+    assert_eq!(strip(&second), strip(&first[1..7]));
+    assert!(first.iter().any(|t| t.1 != first[0].1), "the draws vary: {first:?}");
 }
