@@ -261,8 +261,6 @@ impl<D: Device> Runner<D> {
         Ok(out)
     }
 
-    /// llama-perplexity's method: `floor(n / n_ctx)` chunks, each from an empty cache, scoring
-    /// the second half (logits at `n_ctx/2 .. n_ctx-2` predict the next token); NLL in f64.
     /// The log-probability of each of `tokens` after the first under the tokens before it,
     /// prefilled in the chunks a generation's prompt is ([`Device::prefill_chunk`]): what the
     /// served system's `prompt_logprobs` report.
@@ -283,6 +281,8 @@ impl<D: Device> Runner<D> {
         Ok(out)
     }
 
+    /// llama-perplexity's method: `floor(n / n_ctx)` chunks, each from an empty cache, scoring
+    /// the second half (logits at `n_ctx/2 .. n_ctx-2` predict the next token); NLL in f64.
     pub fn perplexity(&self, tokens: &[u32], n_ctx: usize, mut progress: impl FnMut(usize, usize, f64)) -> Result<Perplexity> {
         let n_ctx_train = self.device.config().n_ctx_train;
         if n_ctx < 4 || n_ctx > n_ctx_train {

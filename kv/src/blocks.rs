@@ -397,17 +397,14 @@ impl BlockTable {
             return self.len;
         }
         let bs = self.pool.block_size;
-        let mut keep = len.div_ceil(bs);
-        let mut len = len;
         let mut state = self.pool.lock();
+        let keep = self.blocks_kept(&state, len);
+        let len = len.min(keep * bs);
         if !len.is_multiple_of(bs) {
+            // Cut in two and held by this table alone: it will be written, so it no longer
+            // holds what the cache names it by.
             let (w, b) = self.blocks[keep - 1];
-            if state.workers[w.0 as usize].holders(b) > 1 {
-                keep -= 1;
-                len = keep * bs;
-            } else {
-                state.cache.unregister(w, b);
-            }
+            state.cache.unregister(w, b);
         }
         self.chain.truncate(len / bs);
         for wb in self.blocks.drain(keep..).rev() {
@@ -426,14 +423,21 @@ impl BlockTable {
         if len >= self.len {
             return self.blocks.len();
         }
-        let bs = self.pool.block_size;
         let state = self.pool.lock();
-        let holders = |(w, b): (WorkerId, BlockId)| state.workers[w.0 as usize].holders(b);
-        let mut keep = len.div_ceil(bs);
-        if !len.is_multiple_of(bs) && holders(self.blocks[keep - 1]) > 1 {
-            keep -= 1;
-        }
-        keep + self.blocks[keep..].iter().filter(|&&wb| holders(wb) == 1).count()
+        let keep = self.blocks_kept(&state, len);
+        keep + self.blocks[keep..].iter().filter(|&&(w, b)| state.workers[w.0 as usize].holders(b) == 1).count()
+    }
+
+    /// How many leading blocks a cut at `len` (below `len()`) keeps: those holding positions
+    /// before `len`, less a block cut in two that another table holds (it must not be written).
+    fn blocks_kept(&self, state: &PoolState, len: usize) -> usize {
+        let bs = self.pool.block_size;
+        let keep = len.div_ceil(bs);
+        let shared_cut = !len.is_multiple_of(bs) && {
+            let (w, b) = self.blocks[keep - 1];
+            state.workers[w.0 as usize].holders(b) > 1
+        };
+        keep - usize::from(shared_cut)
     }
 
     fn check(&self) {
