@@ -198,10 +198,8 @@ fn new_id(prefix: &str) -> String {
 
 type Events = mpsc::UnboundedReceiver<Result<Event, GatewayError>>;
 
-/// Starts a generation; a request refused before it starts fails the call itself. Returns
-/// the prompt's token count, the session the request keeps its KV in, and the remaining
-/// events.
-/// A generation begun: its prompt's tokens (those prefilled), the session's id, its events.
+/// A generation begun: its prompt's token count, the tokens prefilled, the session the
+/// request keeps its KV in, and the remaining events.
 struct Started {
     prompt_tokens: PromptTokens,
     prompt_ids: Vec<u32>,
@@ -209,6 +207,7 @@ struct Started {
     rx: Events,
 }
 
+/// Starts a generation; a request refused before it starts fails the call itself.
 async fn start(s: &AppState, params: GenerateParams) -> Result<Started, ApiError> {
     let mut rx = s.backend.generate(params).await?;
     match rx.recv().await {
