@@ -246,44 +246,6 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
     logits.iter().map(|&v| v as f64 - lse).collect()
 }
 
-/// `src` rounded to f16 into `dst` (as `half`'s `convert_from_f32_slice`: round to nearest
-/// even, the same bits) with non-temporal stores where the CPU has F16C and the rows are
-/// whole 32-byte units: a K/V row goes to the arena without reading its cache lines first.
-/// Call [`streamed_stores_done`] before another thread may read what was written.
-pub fn store_f16_streaming(dst: &mut [half::f16], src: &[f32]) {
-    use half::slice::HalfFloatSliceExt;
-    assert_eq!(dst.len(), src.len(), "f16 store of another length");
-    #[cfg(target_arch = "x86_64")]
-    if src.len().is_multiple_of(16) && (dst.as_ptr() as usize).is_multiple_of(32) && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("avx") {
-        // SAFETY: the features were detected; `dst` is 32-byte aligned and both slices hold
-        // whole units of 16 values (checked above).
-        unsafe { stream_f16c(dst, src) };
-        return;
-    }
-    dst.convert_from_f32_slice(src);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-unsafe fn stream_f16c(dst: &mut [half::f16], src: &[f32]) {
-    use std::arch::x86_64::*;
-    for (d, s) in dst.chunks_exact_mut(16).zip(src.chunks_exact(16)) {
-        let lo = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr()));
-        let hi = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(s.as_ptr().add(8)));
-        _mm256_stream_si256(d.as_mut_ptr().cast(), _mm256_set_m128i(hi, lo));
-    }
-}
-
-/// Orders the non-temporal stores of [`store_f16_streaming`] before the stores that follow
-/// (a release that publishes them).
-pub fn streamed_stores_done() {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE is part of x86-64.
-    unsafe {
-        std::arch::x86_64::_mm_sfence()
-    };
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,27 +295,4 @@ mod tests {
         Rope::apply_neox(&table, &mut neox);
         assert!((neox[0] - 3f32.cos()).abs() < 1e-6 && neox[1] == 0.0 && (neox[2] - 3f32.sin()).abs() < 1e-6);
     }
-
-    #[test]
-    fn streamed_f16_stores_round_as_half_does() {
-        use half::f16;
-        use half::slice::HalfFloatSliceExt;
-        /// 32-byte aligned room for 144 values.
-        #[repr(align(32))]
-        struct Aligned([f16; 144]);
-        let mut src: Vec<f32> = (0..128).map(|i| ((i as f32) * 0.731).sin() * 10f32.powi(i % 9 - 4)).collect();
-        // Ties, the largest finite f16 and past it, subnormals, signed zeros, NaN, infinities.
-        src[..12].copy_from_slice(&[1.0 + 1.0 / 2048.0, 1.0 + 3.0 / 2048.0, 65504.0, 65520.0, 1e-7, -3e-8, 0.0, -0.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 6.1e-5]);
-        let mut want = vec![f16::ZERO; 128];
-        want.convert_from_f32_slice(&src);
-        let bits = |x: &[f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
-        // Aligned (streamed where the CPU has F16C), and one value off (the plain path).
-        for at in [0, 1] {
-            let mut buf = Aligned([f16::ZERO; 144]);
-            store_f16_streaming(&mut buf.0[at..at + 128], &src);
-            streamed_stores_done();
-            assert_eq!(bits(&buf.0[at..at + 128]), bits(&want), "offset {at}");
-        }
-    }
 }
-
