@@ -1,6 +1,7 @@
 //! Tests of shared-memory segments beyond the unit tests: name and size checks, refusal of
-//! symlinks and loose modes, bounds-checked views, and a real mlock refusal under a small
-//! RLIMIT_MEMLOCK (in a child process, which may lower its limit and drop root freely).
+//! symlinks and loose modes, bounds-checked views, a real mlock refusal under a small
+//! RLIMIT_MEMLOCK (in a child process, which may lower its limit and drop root freely), and
+//! huge pages where `/dev/shm`'s mount grants them.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -109,4 +110,33 @@ fn mlock_refusal_warns_and_keeps_going() {
             println!("child: {}", &line[at..]);
         }
     }
+}
+
+/// `/dev/shm`'s tmpfs `huge=` mount option, if any.
+fn shm_huge_option() -> Option<String> {
+    let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
+    let line = mounts.lines().rfind(|l| l.split_whitespace().nth(1) == Some(SHM_DIR))?;
+    let options = line.split_whitespace().nth(3)?;
+    options.split(',').find_map(|o| o.strip_prefix("huge=")).map(str::to_string)
+}
+
+#[test]
+fn segments_take_huge_pages_where_the_shm_mount_grants_them() {
+    let Some(huge) = shm_huge_option().filter(|h| h != "never" && h != "deny") else {
+        eprintln!("skipped: {SHM_DIR} is not mounted with huge=advise, always or within_size");
+        return;
+    };
+    let seg = Segment::create(&unique("thp"), 8 << 20).unwrap();
+    // SAFETY: this test's own fresh segment; nothing else maps it.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(seg.as_ptr(), 8 << 20) };
+    bytes.iter_mut().step_by(4096).for_each(|b| *b = 1);
+    // The mapping's huge pages, from this process's smaps.
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    // The segment's entry: its address range's line, then its `Key: value` lines.
+    let start = format!("{:x}-", seg.as_ptr() as usize);
+    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
+    let head = lines.next().unwrap_or_default();
+    let entry: String = std::iter::once(head).chain(lines.take_while(|l| l.contains(": ") || l.ends_with(':'))).collect::<Vec<_>>().join("\n");
+    let pmd_kb: u64 = entry.lines().find_map(|l| l.strip_prefix("ShmemPmdMapped:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0);
+    assert!(pmd_kb >= 2048, "{SHM_DIR} mounted huge={huge}, yet the segment has {pmd_kb} kB in huge pages:\n{entry}");
 }

@@ -375,12 +375,21 @@ fn path_for(name: &str) -> Result<PathBuf, ShmError> {
     Ok(Path::new(SHM_DIR).join(name))
 }
 
+/// Maps a segment's file, advised into huge pages: where `/dev/shm` is mounted with
+/// `huge=advise` the arena then takes 2 MiB pages, and the K/V rows that decode attention
+/// reads and every step stores miss the TLB far less (OLMoE batch 1 on the 2-core VM: the
+/// stores 182–195 → 117–123 µs and the attention 991–1 055 → 865–931 µs a step). Elsewhere
+/// the advice changes nothing.
 fn map(file: &File, len: usize, path: &Path) -> Result<MmapRaw, ShmError> {
-    MmapOptions::new().len(len).map_raw(file).map_err(|e| ShmError::Io {
+    let map = MmapOptions::new().len(len).map_raw(file).map_err(|e| ShmError::Io {
         op: "mapping",
         path: path.to_path_buf(),
         source: e,
-    })
+    })?;
+    if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+        tracing::debug!(segment = %path.display(), error = %e, "huge pages not advised");
+    }
+    Ok(map)
 }
 
 /// tmpfs files are sparse: a segment larger than the free space would map fine and then
