@@ -121,7 +121,7 @@ fn shm_huge_option() -> Option<String> {
 }
 
 #[test]
-fn segments_take_huge_pages_where_the_shm_mount_grants_them() {
+fn segments_may_take_huge_pages_where_the_shm_mount_allows_them() {
     let Some(huge) = shm_huge_option().filter(|h| h != "never" && h != "deny") else {
         eprintln!("skipped: {SHM_DIR} is not mounted with huge=advise, always or within_size");
         return;
@@ -137,6 +137,10 @@ fn segments_take_huge_pages_where_the_shm_mount_grants_them() {
     let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&start));
     let head = lines.next().unwrap_or_default();
     let entry: String = std::iter::once(head).chain(lines.take_while(|l| l.contains(": ") || l.ends_with(':'))).collect::<Vec<_>>().join("\n");
-    let pmd_kb: u64 = entry.lines().find_map(|l| l.strip_prefix("ShmemPmdMapped:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).unwrap_or(0);
-    assert!(pmd_kb >= 2048, "{SHM_DIR} mounted huge={huge}, yet the segment has {pmd_kb} kB in huge pages:\n{entry}");
+    // Eligible for huge pages: what the advice decides. Whether the kernel found free 2 MiB
+    // pages depends on the machine's fragmentation, so that is only printed.
+    let field = |key: &str| entry.lines().find_map(|l| l.strip_prefix(key)).map(|v| v.trim().trim_end_matches("kB").trim().to_string());
+    assert_eq!(field("THPeligible:").as_deref(), Some("1"), "{SHM_DIR} mounted huge={huge}, yet the segment may not take huge pages:\n{entry}");
+    let pmd_kb: u64 = field("ShmemPmdMapped:").and_then(|v| v.parse().ok()).unwrap_or(0);
+    eprintln!("{pmd_kb} kB of the segment in huge pages");
 }
