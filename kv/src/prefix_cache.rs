@@ -178,11 +178,7 @@ impl PrefixCache {
     /// Unregisters `worker`'s least recently released evictable block and returns it.
     pub(crate) fn evict(&mut self, worker: WorkerId) -> Option<BlockId> {
         let (_, block) = self.evictable[worker.0 as usize].pop_first()?;
-        self.released_at.remove(&(worker, block));
-        if let Some(r) = self.by_block.remove(&(worker, block)) {
-            self.index.remove(&r.key);
-            self.promote_copy(r);
-        }
+        self.unregister(worker, block);
         Some(block)
     }
 
