@@ -2,7 +2,7 @@
 //! pick bytes within each row's 32-bit lane, the activation blocks' sub-block sums in 16-bit
 //! pairs, and the prefetches of a group's stream.
 
-use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA};
 
 use crate::quant::BlockQ8K;
 
@@ -45,16 +45,26 @@ pub fn bsum_pairs(y: &BlockQ8K) -> [i32; 4] {
     [pair(0), pair(1), pair(2), pair(3)]
 }
 
-/// Prefetches the line `AHEAD` bytes past `p` into L2, where `p` is a line the kernel is
-/// about to read: one prefetch per line read, spread through the block's arithmetic, so
-/// that the stream's requests stay evenly in flight. Measured (2 threads, alternating): the
-/// 1B-shape Q4_K_M model decoded 28.0–32.7 tok/s with each group block's lines prefetched
-/// in one burst at its start against 33.3–35.0 this way; a lone 256 MiB Q6_K matrix streamed
-/// 20.5–20.7 GB/s against 27.8–32.8 (the machine's sum: 32.8). Into L1 (17.5–17.9) or with
-/// no software prefetch (13.6–16.0) was slower; 4–32 KiB ahead about the same from 8 KiB.
+/// Prefetches the line `AHEAD` bytes past `p` as non-temporal (`prefetchnta`), where `p` is a
+/// line the kernel is about to read: one prefetch per line read, spread through the block's
+/// arithmetic, so that the stream's requests stay evenly in flight. Measured (2 threads,
+/// alternating): the 1B-shape Q4_K_M model decoded 28.0–32.7 tok/s with each group block's
+/// lines prefetched in one burst at its start against 33.3–35.0 this way; a lone 256 MiB Q6_K
+/// matrix streamed 20.5–20.7 GB/s against 27.8–32.8 (the machine's sum: 32.8). With no
+/// software prefetch the served OLMoE step took 1.55× as long; 4–32 KiB ahead about the same
+/// from 8 KiB.
+///
+/// Non-temporal rather than into L2 (`prefetcht1`, the hint before 2026-11-30): a weight line
+/// is read once a product, and a stream that does not fill L2 and L3 with it (on AMD's Zen,
+/// whose L3 takes L2's victims) leaves them to the data read again (activations, KV rows).
+/// Measured on the project's AMD EPYC (Zen 5) VM, the hint switched at run time on one server
+/// so that both meet the VM's phases (docs/benchmarks.md): a lone 256 MiB Q4_K matrix 72.9–73.6
+/// → 83.4–84.4 GB/s (the parallel sum: 75–76); served batch-1 steps 6–7 % shorter on the
+/// OLMoE shape (15 of 16 rounds), 6–9 % on the 1B shape, 12 % on the 8B shape, 6 % on the 1B
+/// shape through the AVX2 kernels; 16 OLMoE sessions 2 % shorter; a 512-token prefill the same.
 #[inline(always)]
 pub unsafe fn prefetch_line(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(AHEAD).cast());
+    _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(AHEAD).cast());
 }
 
 /// [`prefetch_line`] for each line of `bytes` bytes from `p` (a block's non-quant fields).
