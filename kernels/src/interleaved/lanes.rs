@@ -55,11 +55,12 @@ pub fn bsum_pairs(y: &BlockQ8K) -> [i32; 4] {
 /// from 8 KiB.
 ///
 /// Non-temporal rather than into L2 (`prefetcht1`, the hint before 2026-11-30): a weight line
-/// is read once a product, and a stream that does not fill L2 and L3 with it (on AMD's Zen,
-/// whose L3 takes L2's victims) leaves them to the data read again (activations, KV rows).
-/// Measured on the project's AMD EPYC (Zen 5) VM, the hint switched at run time on one server
-/// so that both meet the VM's phases (docs/benchmarks.md): a lone 256 MiB Q4_K matrix 72.9–73.6
-/// → 83.4–84.4 GB/s (the parallel sum: 75–76); served batch-1 steps 6–7 % shorter on the
+/// is read once a product, and a line not kept in L2 (nor, when L2 lets it go, in the L3 that
+/// takes L2's victims on AMD's Zen) costs the caches nothing, while the other data (activations,
+/// KV rows) stays. Measured on the project's AMD EPYC VM (48 KiB L1d and 1 MiB L2 a core), the
+/// hint switched at run time on one server so that both meet the VM's phases
+/// (docs/benchmarks.md): a lone 256 MiB Q4_K matrix 72.9–73.6 → 83.4–84.4 GB/s, past the
+/// parallel f32 sum's 75–76, whose lines go through the caches; served batch-1 steps 6–7 % shorter on the
 /// OLMoE shape (15 of 16 rounds), 6–9 % on the 1B shape, 12 % on the 8B shape, 6 % on the 1B
 /// shape through the AVX2 kernels; 16 OLMoE sessions 2 % shorter; a 512-token prefill the same.
 #[inline(always)]
