@@ -60,9 +60,10 @@ pub fn bsum_pairs(y: &BlockQ8K) -> [i32; 4] {
 /// KV rows) stays. Measured on the project's AMD EPYC VM (48 KiB L1d and 1 MiB L2 a core), the
 /// hint switched at run time on one server so that both meet the VM's phases
 /// (docs/benchmarks.md): a lone 256 MiB Q4_K matrix 72.9–73.6 → 83.4–84.4 GB/s, past the
-/// parallel f32 sum's 75–76, whose lines go through the caches; served batch-1 steps 6–7 % shorter on the
-/// OLMoE shape (15 of 16 rounds), 6–9 % on the 1B shape, 12 % on the 8B shape, 6 % on the 1B
-/// shape through the AVX2 kernels; 16 OLMoE sessions 2 % shorter; a 512-token prefill the same.
+/// parallel f32 sum's 75–76, whose lines go through the caches; served batch-1 steps 6–7 %
+/// shorter on the OLMoE shape (15 of 16 rounds), 6–9 % on the 1B shape, 12 % on the 8B shape,
+/// 6 % on the 1B shape through the AVX2 kernels; 16 OLMoE sessions 2 % shorter; a 512-token
+/// prefill the same.
 #[inline(always)]
 pub unsafe fn prefetch_line(p: *const u8) {
     _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(AHEAD).cast());
