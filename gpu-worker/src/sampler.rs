@@ -152,6 +152,12 @@ impl Sampler {
         let kept = Kept::filter(logits, p);
         // The kept tokens' weights at the temperature, in id order.
         let (max, inv_t) = (kept.top.1, 1.0 / p.temperature);
+        if !inv_t.is_finite() {
+            // A temperature so small (below ~3e-39) that its inverse overflows: the limit,
+            // greedy (the weights would be 0 · inf, NaN, and the draw fall through to the last
+            // kept token).
+            return kept.top.0;
+        }
         let members: Vec<(u32, f32)> = kept.members(logits).map(|(id, l)| (id, ((l - max) * inv_t).exp())).collect();
         let z: f64 = members.iter().map(|m| m.1 as f64).sum();
         let r: f64 = draw_rng(p.seed, history.len()).random::<f64>() * z;
@@ -266,7 +272,9 @@ fn penalise(logits: &mut [f32], recent: &[u32], p: SamplingParams) {
     for (t, n) in counts {
         if let Some(l) = logits.get_mut(t as usize) {
             if p.repetition_penalty != 1.0 {
-                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                // Kept finite: a tiny penalty would make a logit infinite, and the softmax's
+                // inf − inf NaN.
+                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty }.clamp(-f32::MAX, f32::MAX);
             }
             *l -= n as f32 * p.frequency_penalty + p.presence_penalty;
         }
@@ -387,6 +395,25 @@ mod tests {
         ] {
             assert!(matches!(Sampler::new(p), Err(GpuWorkerError::InvalidRequest(_))), "{p:?}");
         }
+    }
+
+    #[test]
+    fn extreme_valid_parameters_still_draw_a_likely_token() {
+        // The last token is the least likely: a NaN weight made every draw fall through to it.
+        let logits = [1.0f32, 3.0, 2.0, -5.0];
+        for t in [1e-40f32, f32::MIN_POSITIVE, 1e-30] {
+            let s = Sampler::new(SamplingParams { temperature: t, seed: 1, ..Default::default() }).unwrap();
+            assert!((0..20).all(|pos| s.sample(&logits, &vec![0; pos]) == 1), "temperature {t}: the limit is greedy");
+        }
+        // A tiny repetition penalty makes a seen positive logit the largest finite one.
+        let mut l = logits;
+        penalise(&mut l, &[2], SamplingParams { repetition_penalty: 1e-39, ..Default::default() });
+        assert_eq!(l[2], f32::MAX);
+        let s = Sampler::new(SamplingParams { temperature: 1.0, repetition_penalty: 1e-39, seed: 1, ..Default::default() }).unwrap();
+        assert!((0..20).all(|pos| s.sample(&logits, &[2]) == 2 && s.sample(&logits, &vec![2; pos + 1]) == 2));
+        // A huge one makes a seen negative logit the smallest finite one.
+        penalise(&mut l, &[3], SamplingParams { repetition_penalty: 1e38, ..Default::default() });
+        assert_eq!(l[3], -f32::MAX);
     }
 
     #[test]
