@@ -184,9 +184,20 @@ impl GenerateParams {
         if empty {
             return Err(GatewayError::InvalidArgument("the prompt is empty".into()));
         }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(GatewayError::InvalidArgument(format!("stop: at most {MAX_STOP_STRINGS} strings, got {}", self.stop.len())));
+        }
+        if let Some(s) = self.stop.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+            return Err(GatewayError::InvalidArgument(format!("stop: a stop string must be 1 to {MAX_STOP_BYTES} bytes long, got {}", s.len())));
+        }
         Ok(())
     }
 }
+
+/// Most stop strings a request may give (the HTTP API keeps OpenAI's 4).
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, bytes.
+pub const MAX_STOP_BYTES: usize = 4096;
 
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,10 +283,10 @@ pub struct TextModel {
 }
 
 impl TextModel {
-    /// Refuses a grammar that does not compile (before the request runs).
+    /// Refuses a grammar that does not compile, or matches no text (before the request runs).
     pub fn check_grammar(&self, g: &Grammar) -> Result<(), GatewayError> {
         let grammars = self.grammars.as_ref().ok_or_else(|| GatewayError::InvalidArgument("structured output is not available for this model's vocabulary".into()))?;
-        grammars.matcher(g).map(drop).map_err(|e| GatewayError::InvalidArgument(format!("structured output: {e}")))
+        grammars.check(g).map_err(|e| GatewayError::InvalidArgument(format!("structured output: {e}")))
     }
 
     /// A token's text for logprobs and tokenisation replies: its bytes, lossily as UTF-8.

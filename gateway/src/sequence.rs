@@ -76,6 +76,9 @@ pub struct Session {
     /// The gpu-worker generation (see the scheduler) its sequence was last sent to: a session
     /// older than the running gpu-worker is taken up again from its KV (`Seq::restore`).
     pub gpu_generation: u64,
+    /// A request on the session failed: the gpu-worker forgets the sequences of a step it
+    /// refuses, so the next turn takes the sequence up again from its KV.
+    pub take_up: bool,
 }
 
 /// A request being served.

@@ -1,6 +1,8 @@
 //! Streaming detokenisation with stop strings: text is released as tokens complete it,
 //! except a tail that could be the start of a stop string, which is held back until it is
-//! known not to be one; at a stop string the text ends just before it.
+//! known not to be one; at a stop string the text ends just before it. Each stop string is
+//! followed a byte at a time (Knuth–Morris–Pratt), so a token costs what its bytes do, however
+//! long the stop strings and the held tail.
 
 use duet_model::tokenizer::StreamDecoder;
 
@@ -8,7 +10,7 @@ use duet_model::tokenizer::StreamDecoder;
 #[derive(Debug, Default)]
 pub struct TextStream {
     decoder: StreamDecoder,
-    stops: Vec<String>,
+    stops: Vec<StopMatcher>,
     held: String,
     stopped: bool,
 }
@@ -16,7 +18,7 @@ pub struct TextStream {
 impl TextStream {
     /// Empty stop strings are ignored.
     pub fn new(stops: Vec<String>) -> Self {
-        TextStream { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), ..Default::default() }
+        TextStream { stops: stops.into_iter().filter(|s| !s.is_empty()).map(StopMatcher::new).collect(), ..Default::default() }
     }
 
     /// Whether a stop string was seen (nothing more is released).
@@ -30,8 +32,7 @@ impl TextStream {
             return String::new();
         }
         let text = self.decoder.push(bytes);
-        self.held.push_str(&text);
-        self.release()
+        self.release(&text)
     }
 
     /// The end of the generation: whatever is held (flushed from the decoder too), cut at a
@@ -41,33 +42,81 @@ impl TextStream {
             return String::new();
         }
         let tail = self.decoder.finish();
-        self.held.push_str(&tail);
-        let out = self.release();
+        let out = self.release(&tail);
         if self.stopped {
             return out;
         }
         out + &std::mem::take(&mut self.held)
     }
 
-    fn release(&mut self) -> String {
-        if let Some(cut) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+    /// Holds `text` after what is held; returns what is now known to begin no stop string.
+    fn release(&mut self, text: &str) -> String {
+        self.held.push_str(text);
+        let mut completed = false;
+        for &b in text.as_bytes() {
+            for m in &mut self.stops {
+                completed |= m.push(b);
+            }
+            if completed {
+                break;
+            }
+        }
+        if completed {
+            // The stop string that starts first (one that completes later in this text may).
+            let cut = self.stops.iter().filter_map(|m| self.held.find(m.stop.as_str())).min().expect("one completed");
             self.stopped = true;
             let out = self.held[..cut].to_string();
             self.held.clear();
             return out;
         }
-        // Hold back the longest tail that some stop string starts with.
-        let keep = self
-            .stops
-            .iter()
-            .flat_map(|s| (1..s.len().min(self.held.len() + 1)).filter(move |&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
-            .filter(|prefix| self.held.ends_with(prefix))
-            .map(str::len)
-            .max()
-            .unwrap_or(0);
-        let split = self.held.len() - keep;
-        let rest = self.held.split_off(split);
+        // Hold back the longest tail that some stop string starts with. It starts at a
+        // character: a byte that begins a stop string is no UTF-8 continuation byte.
+        let keep = self.stops.iter().map(|m| m.matched).max().unwrap_or(0);
+        let rest = self.held.split_off(self.held.len() - keep);
         std::mem::replace(&mut self.held, rest)
+    }
+}
+
+/// A stop string and the longest prefix of it that the text so far ends with.
+#[derive(Debug)]
+struct StopMatcher {
+    stop: String,
+    /// `fail[i]`: the length of the longest proper prefix of `stop[..=i]` that is also a
+    /// suffix of it (where to fall back to when the next byte does not continue a match).
+    fail: Vec<usize>,
+    matched: usize,
+}
+
+impl StopMatcher {
+    fn new(stop: String) -> Self {
+        let s = stop.as_bytes();
+        let mut fail = vec![0; s.len()];
+        let mut k = 0;
+        for i in 1..s.len() {
+            while k > 0 && s[i] != s[k] {
+                k = fail[k - 1];
+            }
+            if s[i] == s[k] {
+                k += 1;
+            }
+            fail[i] = k;
+        }
+        StopMatcher { stop, fail, matched: 0 }
+    }
+
+    /// Follows one more byte of text; whether the text now ends with the whole stop string.
+    fn push(&mut self, b: u8) -> bool {
+        let s = self.stop.as_bytes();
+        if self.matched == s.len() {
+            self.matched = self.fail[self.matched - 1];
+        }
+        while self.matched > 0 && s[self.matched] != b {
+            self.matched = self.fail[self.matched - 1];
+        }
+        if s[self.matched] == b {
+            self.matched += 1;
+        }
+        self.matched == s.len()
     }
 }
 
@@ -102,6 +151,60 @@ mod tests {
         // Held at the very end: released by finish.
         let (out, tail, _) = run(&["END"], &["x EN"]);
         assert_eq!((out[0].as_str(), tail.as_str()), ("x ", "EN"));
+    }
+
+    /// The twin: what the stream releases, found by searching the whole held text for every
+    /// stop string and every prefix of one at each step.
+    fn by_search(stops: &[&str], pieces: &[&str]) -> (Vec<String>, String, bool) {
+        let mut held = String::new();
+        let mut out = Vec::new();
+        for p in pieces {
+            held.push_str(p);
+            if let Some(cut) = stops.iter().filter_map(|s| held.find(s)).min() {
+                out.push(held[..cut].to_string());
+                out.extend(std::iter::repeat_n(String::new(), pieces.len() - out.len()));
+                return (out, String::new(), true);
+            }
+            let keep = stops
+                .iter()
+                .flat_map(|s| (1..s.len().min(held.len() + 1)).filter(|&n| s.is_char_boundary(n)).map(move |n| &s[..n]))
+                .filter(|prefix| held.ends_with(prefix))
+                .map(str::len)
+                .max()
+                .unwrap_or(0);
+            let rest = held.split_off(held.len() - keep);
+            out.push(std::mem::replace(&mut held, rest));
+        }
+        (out, held, false)
+    }
+
+    #[test]
+    fn stop_strings_are_found_as_a_search_of_the_whole_text_finds_them() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        // A small alphabet (multibyte letters among them) makes partial matches and
+        // overlapping, self-similar stop strings common.
+        let letters = ["a", "b", "é", "ab"];
+        let word = |rng: &mut rand::rngs::StdRng, n: usize| (0..n).map(|_| letters[rng.random_range(0..letters.len())]).collect::<String>();
+        for _ in 0..3000 {
+            let stops: Vec<String> = (0..rng.random_range(1..4)).map(|_| { let n = rng.random_range(1..7); word(&mut rng, n) }).collect();
+            let pieces: Vec<String> = (0..rng.random_range(1..12)).map(|_| { let n = rng.random_range(0..4); word(&mut rng, n) }).collect();
+            let stops: Vec<&str> = stops.iter().map(String::as_str).collect();
+            let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            assert_eq!(run(&stops, &pieces), by_search(&stops, &pieces), "stops {stops:?}, pieces {pieces:?}");
+        }
+    }
+
+    #[test]
+    fn a_long_stop_string_the_text_keeps_almost_matching_is_held_whole() {
+        // 64 spaces a token against a stop string of 4 000 spaces and an x: the text is held
+        // until the stop string cannot begin there, then released whole.
+        let stop = " ".repeat(4000) + "x";
+        let mut s = TextStream::new(vec![stop]);
+        let released: usize = (0..200).map(|_| s.push(" ".repeat(64).as_bytes()).len()).sum();
+        assert_eq!(released, 200 * 64 - 4000);
+        assert_eq!(s.push(b"y"), " ".repeat(4000) + "y");
+        assert!(!s.stopped());
     }
 
     #[test]

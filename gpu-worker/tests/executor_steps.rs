@@ -4,11 +4,13 @@
 //! the failure took and serves the ones that joined it; a step whose new rows of two places
 //! land in one block is refused; a synthetic prefill (benchmarks) computes only each chunk's
 //! last token and makes up the others' K/V; a sequence taken up from another's KV samples,
-//! seeded, what that one did.
+//! seeded, what that one did; a sequence whose grammar allows no token fails alone.
 
 use std::sync::Arc;
 
 use duet_model::gguf::GgufFile;
+use duet_model::grammar::Grammars;
+use duet_model::tokenizer::Tokenizer;
 use duet_proto::pb;
 use duet_kv::shm::{Ring, Segment};
 use duet_kv::{BlockId, KvDtype};
@@ -82,6 +84,28 @@ fn fed_steps_equal_carried_ones_and_a_failed_step_takes_only_its_own_sequences()
     // Not sent after another step: an unknown sequence is an error, as it always was.
     let err = step(&mut ex, 22, 0, vec![part(2, at + 1, &[], &[], false)]).unwrap_err();
     assert!(err.contains("unknown"), "{err}");
+}
+
+#[test]
+fn a_sequence_whose_grammar_allows_no_token_fails_alone() {
+    let gguf = Arc::new(GgufFile::open(model_path()).unwrap());
+    let grammars = Grammars::new(&Tokenizer::from_gguf(&gguf).unwrap()).unwrap();
+    let (ex, _segments) = support::executor_with_arena(CpuDevice::load(gguf, true).unwrap(), "exec-grammar");
+    let mut ex = ex.with_grammars(grammars);
+    // A regular expression that compiles but matches no text (the gateway refuses it; here
+    // it stands for a grammar that leaves no token allowed).
+    let nothing = pb::SamplerConfig { constraint: Some(pb::OutputConstraint { kind: Some(pb::output_constraint::Kind::Regex("[a&&b]".into())) }), ..greedy() };
+    let stuck = pb::SequenceStep { sampler: Some(nothing), ..part(1, 0, &PROMPT, &[0], true) };
+    let req = pb::StepRequest { step: 1, sequences: vec![stuck, part(2, 0, &PROMPT, &[1], true)], released: Vec::new(), after_step: 0 };
+    let resp = ex.step(&req).expect("the step goes on for the other sequence");
+    assert_eq!(resp.sampled.iter().map(|s| s.seq_id).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(resp.failed.len(), 1);
+    assert_eq!(resp.failed[0].seq_id, 1);
+    assert!(resp.failed[0].reason.contains("allows no token") && !resp.failed[0].reason.contains('\n'), "{}", resp.failed[0].reason);
+    // Forgotten: the step pipelined after it skips it and serves the other.
+    let at = PROMPT.len() as u32;
+    let next = step(&mut ex, 2, 1, vec![part(1, at, &[], &[], false), part(2, at, &[], &[], false)]).unwrap();
+    assert_eq!(next.iter().map(|s| s.0).collect::<Vec<_>>(), vec![2]);
 }
 
 /// Two sequences whose new rows land in one block would write one slot from two rows (and the

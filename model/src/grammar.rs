@@ -66,6 +66,10 @@ pub enum GrammarError {
     Vocabulary(String),
     #[error("constraint: set one of json_schema, json_object, regex, lark")]
     Unset,
+    #[error("the grammar matches no text: {0}")]
+    NoText(String),
+    #[error("the grammar allows no token after the text so far: {0}")]
+    DeadEnd(String),
     #[error("the grammar refused the sampled token: {0}")]
     Refused(String),
 }
@@ -124,6 +128,26 @@ impl Grammars {
     }
 }
 
+impl Grammars {
+    /// Whether `g` can be used: it compiles and allows a first token (a regular expression
+    /// such as `[a&&b]` compiles to a language with no text in it, and would fail its
+    /// generation's first step).
+    pub fn check(&self, g: &Grammar) -> Result<(), GrammarError> {
+        let mut m = self.matcher(g)?;
+        match m.compute_mask_or_eos() {
+            Ok(mask) if !mask.is_zero() => Ok(()),
+            Ok(_) => Err(GrammarError::NoText("no token may start it".into())),
+            Err(e) => Err(GrammarError::NoText(first_line(&e.to_string()))),
+        }
+    }
+}
+
+/// The first line of an llguidance error, at most 200 characters (some carry the parser's
+/// whole state, which tells a client nothing).
+fn first_line(e: &str) -> String {
+    e.lines().next().unwrap_or("").chars().take(200).collect()
+}
+
 /// A schema's JSON written with single spaces after `,` and `:` and no other whitespace
 /// (llguidance's `x-guidance` options), unless the schema sets its own: free whitespace lets a
 /// model run on in newlines until max_tokens, and then the output does not parse.
@@ -136,7 +160,12 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
 
 /// The tokens `matcher` allows next (end of generation only, once the grammar is complete).
 pub fn allowed(matcher: &mut Matcher) -> Result<SimpleVob, GrammarError> {
-    matcher.compute_mask_or_eos().map_err(|e| GrammarError::Compile(e.to_string()))
+    matcher.compute_mask_or_eos().map_err(|e| GrammarError::DeadEnd(first_line(&e.to_string())))
+}
+
+/// Follows a sampled token.
+pub fn consume(matcher: &mut Matcher, token: u32) -> Result<(), GrammarError> {
+    matcher.consume_token(token).map_err(|e| GrammarError::Refused(first_line(&e.to_string())))
 }
 
 /// Sets the logits of the tokens `mask` forbids (and of any past the vocabulary it covers) to

@@ -75,4 +75,15 @@ fn bad_grammars_are_errors() {
     assert!(matches!(grammars.matcher(&Grammar::JsonSchema(r#"{"type": "no-such-type"}"#.into())), Err(GrammarError::Compile(_))));
     assert!(matches!(grammars.matcher(&Grammar::Lark("start: (".into())), Err(GrammarError::Compile(_))));
     assert!(matches!(grammars.matcher(&Grammar::Regex("(unclosed".into())), Err(GrammarError::Compile(_))));
+    // Compiles, but matches no text: refused before it runs, with a short message.
+    for empty in ["[a&&b]", "ab[a&&b]", "[^\\x00-\\x{10FFFF}]"] {
+        let g = Grammar::Regex(empty.into());
+        match grammars.check(&g) {
+            Err(GrammarError::NoText(e)) => assert!(e.len() <= 200 && !e.contains('\n'), "{empty}: {e}"),
+            other => panic!("{empty}: {other:?}"),
+        }
+    }
+    for fine in [Grammar::JsonObject, Grammar::Regex("a+".into()), Grammar::Lark("start: \"yes\" | \"no\"".into())] {
+        assert_eq!(grammars.check(&fine), Ok(()), "{fine:?}");
+    }
 }

@@ -102,6 +102,31 @@ def test_bad_grammars_and_tools_get_400(client, model):
         ask(client, model, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
 
 
+def test_edge_inputs_get_a_400_or_an_answer_and_leave_other_requests_alone(client, model):
+    # A long request runs beside them: none of the inputs below may fail it.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(client.completions.create, model=model, prompt="Count: 1, 2, 3,", max_tokens=60,
+                             temperature=0)
+        # A regular expression that compiles but matches no text.
+        for empty in ["[a&&b]", "ab[a&&b]"]:
+            with pytest.raises(openai.BadRequestError, match="matches no text"):
+                client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"guided_regex": empty})
+        # A temperature whose inverse overflows, and a repetition penalty that would make a
+        # logit infinite: valid, so answered (the first is greedy), and within the grammar.
+        done = client.completions.create(model=model, prompt="Some JSON:", max_tokens=24, temperature=1e-40,
+                                         extra_body={"response_format": {"type": "json_object"}})
+        greedy = client.completions.create(model=model, prompt="Some JSON:", max_tokens=24, temperature=0,
+                                           extra_body={"response_format": {"type": "json_object"}})
+        assert done.choices[0].text == greedy.choices[0].text
+        done = client.completions.create(model=model, prompt='{"a": {"a": {"a":', max_tokens=8, temperature=1, seed=1,
+                                         extra_body={"repetition_penalty": 1e-39, "response_format": {"type": "json_object"}})
+        assert done.choices[0].text and done.choices[0].finish_reason in ("stop", "length")
+        # A stop string over the limit.
+        with pytest.raises(openai.BadRequestError, match="stop string"):
+            client.completions.create(model=model, prompt="x", max_tokens=4, stop=[" " * 5000])
+        assert beside.result().choices[0].finish_reason in ("stop", "length")
+
+
 def test_langchain_structured_output(gateway, model):
     pytest.importorskip("langchain_openai", reason="langchain-openai is in tests/python/requirements.txt")
     from langchain_openai import ChatOpenAI

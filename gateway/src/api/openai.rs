@@ -214,9 +214,7 @@ impl CommonFields {
         if stop.len() > MAX_STOP {
             return Err(invalid(format!("stop: at most {MAX_STOP} sequences, got {}", stop.len())));
         }
-        if stop.iter().any(String::is_empty) {
-            return Err(invalid("stop: a stop sequence is empty"));
-        }
+        // Their lengths are checked with the rest of the request (`GenerateParams::validate`).
         Ok(stop)
     }
 

@@ -76,6 +76,10 @@ impl Scheduler {
             }
             w
         };
+        if full.is_empty() {
+            // (A text that tokenises to nothing, on a model with no BOS token.)
+            return fail(w, GatewayError::InvalidArgument("the prompt is empty once tokenised".into()));
+        }
         if full.len() >= self.cfg.n_ctx {
             return fail(w, GatewayError::PromptTooLong { prompt: full.len(), context: self.cfg.n_ctx });
         }
@@ -143,7 +147,7 @@ impl Scheduler {
         let (seq_id, mut table, mut kv_tokens, session_name, restore) = match session {
             SessionUse::Existing(id) => {
                 let s = self.sessions.get_mut(&id).expect("resolved");
-                let restore = s.gpu_generation != self.gpu_generation;
+                let restore = std::mem::take(&mut s.take_up) || s.gpu_generation != self.gpu_generation;
                 s.gpu_generation = self.gpu_generation;
                 (s.seq_id, s.table.take().expect("idle"), std::mem::take(&mut s.kv_tokens), Some(id), restore)
             }
@@ -162,6 +166,7 @@ impl Scheduler {
                                 messages: vec![],
                                 last_used: Instant::now(),
                                 gpu_generation: self.gpu_generation,
+                                take_up: false,
                             },
                         );
                         Some(name)

@@ -211,7 +211,12 @@ impl Scheduler {
         let found: Vec<(usize, Entry)> = f.entries.into_iter().filter_map(|e| Some((self.index_of(e.serial)?, e))).collect();
         let mut outcomes: Vec<(usize, Result<StopReason, GatewayError>)> = Vec::new();
         match result {
-            Ok(resp) if found.iter().any(|(i, e)| e.sample && !resp.sampled.iter().any(|s| s.seq_id == self.running[*i].id)) => {
+            Ok(resp)
+                if found.iter().any(|(i, e)| {
+                    let id = self.running[*i].id;
+                    e.sample && !resp.sampled.iter().any(|s| s.seq_id == id) && !resp.failed.iter().any(|s| s.seq_id == id)
+                }) =>
+            {
                 // A sequence that should have sampled was skipped: the gpu-worker does not know
                 // it, so it restarted before the watch saw it (the step reached the new process).
                 tracing::warn!(step = f.step, "the gpu-worker no longer knows sequences of the step: it restarted");
@@ -226,8 +231,15 @@ impl Scheduler {
                 }
                 let sampled: HashMap<u64, pb::Sampled> = resp.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
                 let mut scored: HashMap<u64, pb::ScoredPrompt> = resp.prompt_logprobs.into_iter().map(|p| (p.seq_id, p)).collect();
+                let mut failed: HashMap<u64, String> = resp.failed.into_iter().map(|f| (f.seq_id, f.reason)).collect();
                 for (i, e) in found {
                     let seq = &self.running[i];
+                    if let Some(reason) = failed.remove(&seq.id) {
+                        // Its output constraint allowed no token (or refused the one drawn): it
+                        // fails alone, and the gpu-worker has forgotten it.
+                        outcomes.push((i, Err(GatewayError::InvalidArgument(format!("structured output: {reason}")))));
+                        continue;
+                    }
                     if let Some(p) = scored.remove(&seq.id).filter(|_| seq.prompt_logprobs && !e.fed_sampled) {
                         let tokens = p
                             .tokens
@@ -422,6 +434,7 @@ impl Scheduler {
         session.table = Some(seq.table);
         session.kv_tokens = seq.kv_tokens;
         session.last_used = Instant::now();
+        session.take_up = true;
     }
 
     /// A finished request's KV goes back to its session, or to the pool.

@@ -26,6 +26,10 @@ fn next_token(history: &[u32]) -> u32 {
     32 + h % 90
 }
 
+/// A prompt token on which the fake gpu-worker cannot sample (as a grammar that allows no
+/// token): the sequence fails alone. The fake model never generates it.
+const POISON: u32 = 250;
+
 /// What the fake model generates after `prompt`, `n` tokens.
 fn expected(prompt: &[u32], n: usize) -> Vec<u32> {
     let mut history = prompt.to_vec();
@@ -105,6 +109,7 @@ impl FakeGpu {
         let mixed = req.sequences.iter().any(|s| s.tokens.len() > 1) && req.sequences.iter().any(|s| s.tokens.len() <= 1);
         st.mirror_pages.push((pages, mixed));
         let mut sampled = Vec::new();
+        let mut failed = Vec::new();
         let mut prompt_logprobs = Vec::new();
         st.scored_rows.push(req.sequences.iter().filter(|s| s.prompt_logprobs).map(|s| s.tokens.len()).sum());
         for s in &req.sequences {
@@ -151,12 +156,20 @@ impl FakeGpu {
             if s.sample {
                 // The model reads its history from the KV blocks, as attention does.
                 let kv: Vec<u32> = (0..seq.len()).map(|p| st.arena.get(&(blocks[p / BS].0, blocks[p / BS].1, p % BS)).copied().unwrap_or(u32::MAX)).collect();
+                if kv.contains(&POISON) {
+                    // As the gpu-worker does: the sequence is forgotten, the step goes on.
+                    st.seqs.remove(&s.seq_id);
+                    st.blocks.remove(&s.seq_id);
+                    st.last_sampled.remove(&s.seq_id);
+                    failed.push(pb::FailedSequence { seq_id: s.seq_id, reason: "injected: the grammar allows no token here".into() });
+                    continue;
+                }
                 let t = next_token(&kv);
                 st.last_sampled.insert(s.seq_id, t);
                 sampled.push(pb::Sampled { seq_id: s.seq_id, token: Some(pb::TokenProb { id: t, logprob: -0.1 }), top: vec![] });
             }
         }
-        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }), prompt_logprobs })
+        Ok(pb::StepResponse { sampled, timings: Some(pb::StepTimings { total_ns: 1_000_000, ..Default::default() }), prompt_logprobs, failed })
     }
 
     /// The process restarted: it knows no sequence.
@@ -423,6 +436,57 @@ async fn a_restarted_gpu_worker_takes_up_running_requests_and_idle_sessions() {
     whole.extend([36, 37]);
     assert_eq!(next.ids, expected(&whole, 4), "the idle session goes on");
     assert!(h.gpu.state.lock().unwrap().taken_up.len() >= 2, "both sequences were taken up from held tokens");
+}
+
+#[tokio::test]
+async fn a_sequence_that_cannot_sample_fails_alone() {
+    let h = harness(64);
+    let good: Vec<Vec<u32>> = (0..3).map(|r| (40 + r..60 + r).collect()).collect();
+    let bad: Vec<u32> = (40..50).chain([POISON]).collect();
+    let goods = futures_util::future::join_all(good.iter().map(|p| run(&h.backend, request(p, 12, SessionMode::None))));
+    let (goods, bad) = tokio::join!(goods, run(&h.backend, request(&bad, 12, SessionMode::None)));
+    match bad {
+        Err(GatewayError::InvalidArgument(m)) => assert!(m.contains("structured output") && m.contains("allows no token"), "{m}"),
+        other => panic!("expected InvalidArgument, got {:?}", other.map(|o| o.ids)),
+    }
+    for (p, got) in good.iter().zip(goods) {
+        assert_eq!(got.unwrap().ids, expected(p, 12));
+    }
+    assert!(h.gpu.state.lock().unwrap().taken_up.is_empty(), "no other sequence was taken up again");
+}
+
+#[tokio::test]
+async fn a_failed_turn_leaves_its_session_to_go_on_and_others_alone() {
+    let h = harness(64);
+    let p1: Vec<u32> = (50..70).collect();
+    let t1 = run(&h.backend, request(&p1, 6, SessionMode::Create(None))).await.unwrap();
+    let session = t1.session.clone().unwrap();
+    let failed = run(&h.backend, request(&[33, POISON], 6, SessionMode::Continue(session.clone()))).await;
+    assert!(matches!(failed, Err(GatewayError::InvalidArgument(_))), "{:?}", failed.map(|o| o.ids));
+    // The next turn runs beside another request, already decoding: the gpu-worker forgot
+    // the session's sequence, which is taken up again from its KV, and nothing else is.
+    let other: Vec<u32> = (70..90).collect();
+    let mut rx = h.backend.generate(request(&other, 40, SessionMode::None)).await.unwrap();
+    let mut ids = Vec::new();
+    while ids.len() < 5 {
+        if let Event::Token { id, .. } = rx.recv().await.unwrap().unwrap() {
+            ids.push(id);
+        }
+    }
+    let p3 = vec![34, 35];
+    let t3 = run(&h.backend, request(&p3, 6, SessionMode::Continue(session))).await;
+    while let Some(ev) = rx.recv().await {
+        match ev.unwrap() {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Finished { .. } => break,
+            Event::Prompt { .. } | Event::PromptLogprobs { .. } => {}
+        }
+    }
+    assert_eq!(ids, expected(&other, 40));
+    let whole: Vec<u32> = p1.iter().chain(&t1.ids).chain(&p3).copied().collect();
+    assert_eq!(t3.unwrap().ids, expected(&whole, 6), "the turn continues the conversation before the failed one");
+    let taken_up = h.gpu.state.lock().unwrap().taken_up.clone();
+    assert_eq!(taken_up.len(), 1, "only the session's sequence is taken up again: {taken_up:?}");
 }
 
 #[tokio::test]

@@ -183,6 +183,15 @@ impl<D: Device> Executor<D> {
         if let Ok(pb::StepResponse { timings: Some(t), .. }) = &result {
             self.plan_hot_experts(&t.expert_routed);
         }
+        if let Ok(resp) = &result {
+            // Those that could not sample are forgotten: the gateway fails their requests.
+            let failed: Vec<u64> = resp.failed.iter().map(|f| f.seq_id).collect();
+            if !failed.is_empty() {
+                tracing::info!(step = req.step, ?failed, "sequences could not sample: {}", resp.failed[0].reason);
+                failed.iter().for_each(|id| drop(self.seqs.remove(id)));
+                self.device.release(&failed);
+            }
+        }
         self.log_phases();
         if let Err(e) = &result {
             tracing::warn!(step = req.step, "step failed: {e}");
@@ -196,7 +205,7 @@ impl<D: Device> Executor<D> {
 
     fn run(&mut self, req: &pb::StepRequest, t0: Instant) -> Result<pb::StepResponse, StepError> {
         if req.sequences.is_empty() {
-            return Ok(pb::StepResponse { sampled: vec![], prompt_logprobs: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
+            return Ok(pb::StepResponse { timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }), ..Default::default() });
         }
         let bs = self.arenas.block_size().ok_or(StepError::NoArena)?;
         let mut seen = HashSet::new();
@@ -219,7 +228,7 @@ impl<D: Device> Executor<D> {
             sub.plan.push(p);
         }
         if subs.iter().all(|s| s.plan.is_empty()) {
-            return Ok(pb::StepResponse { sampled: vec![], prompt_logprobs: vec![], timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }) });
+            return Ok(pb::StepResponse { timings: Some(pb::StepTimings { total_ns: ns(t0.elapsed()), ..Default::default() }), ..Default::default() });
         }
         // Every slot the step writes is one row's: a block the new rows of two sequences (or
         // two places of one sequence's list) land in would have two rows write one slot, and
@@ -290,10 +299,16 @@ impl<D: Device> Executor<D> {
             };
             (forward, masking.map(|h| h.join()))
         });
+        // A sequence whose grammar allows no token fails alone (it samples nothing); the
+        // step goes on for the others.
         let mut step_masks: HashMap<u64, SimpleVob> = HashMap::new();
+        let mut failed: Vec<pb::FailedSequence> = Vec::new();
         for (id, m, mask) in masked.transpose().map_err(|_| StepError::MaskThread)?.into_iter().flatten() {
             self.seqs.get_mut(&id).expect("held").matcher = Some(m);
-            step_masks.insert(id, mask.map_err(|e| StepError::Sequence { seq_id: id, problem: e.into() })?);
+            match mask {
+                Ok(mask) => drop(step_masks.insert(id, mask)),
+                Err(e) => failed.push(pb::FailedSequence { seq_id: id, reason: e.to_string() }),
+            }
         }
         forward?;
         // Greedy rows whose logits nothing else needs (no grammar, no log-probabilities)
@@ -368,7 +383,7 @@ impl<D: Device> Executor<D> {
                 self.seqs.get_mut(&p.seq_id).expect("planned sequences are held").last_sampled = Some(id);
                 sampled.push(pb::Sampled { seq_id: p.seq_id, token: Some(pb::TokenProb { id, logprob: 0.0 }), top: Vec::new() });
             }
-            return Ok(self.finish_step(sampled, Vec::new(), timings, t_sample, t0));
+            return Ok(self.finish_step(sampled, Vec::new(), failed, timings, t_sample, t0));
         }
         let n_vocab = self.device.config().n_vocab;
         let scored: Vec<pb::ScoredPrompt> = order
@@ -381,22 +396,42 @@ impl<D: Device> Executor<D> {
                 pb::ScoredPrompt { seq_id: p.seq_id, tokens: score_inputs(rows, n_vocab, &inputs[1..], p.next_token, self.seqs[&p.seq_id].top_n) }
             })
             .collect();
-        let rows: Vec<(&Planned, &[f32])> = sampled_rows.into_iter().map(|(p, k, r)| (p, &logits[k][r * n_vocab..(r + 1) * n_vocab])).collect();
+        let rows: Vec<(&Planned, &[f32])> = sampled_rows
+            .into_iter()
+            .filter(|(p, _, _)| !failed.iter().any(|f| f.seq_id == p.seq_id))
+            .map(|(p, k, r)| (p, &logits[k][r * n_vocab..(r + 1) * n_vocab]))
+            .collect();
         // Rows sample in parallel: each sequence's sampler, grammar and history are its own
         // (a step names a sequence once), and a large vocabulary's filters take a while.
         let wanted: HashSet<u64> = rows.iter().map(|(p, _)| p.seq_id).collect();
         let mut states: HashMap<u64, &mut Sequence> = self.seqs.iter_mut().filter(|(id, _)| wanted.contains(id)).map(|(&id, s)| (id, s)).collect();
         let work: Vec<(&Planned, &[f32], &mut Sequence)> =
             rows.into_iter().map(|(p, row)| (p, row, states.remove(&p.seq_id).expect("planned sequences are held, once each"))).collect();
-        let sampled = work
+        let outcomes: Vec<Result<pb::Sampled, pb::FailedSequence>> = work
             .into_par_iter()
-            .map(|(p, row, seq)| sample_row(p, row, seq, step_masks.get(&p.seq_id)))
-            .collect::<Result<Vec<_>, StepError>>()?;
-        Ok(self.finish_step(sampled, scored, timings, t_sample, t0))
+            .map(|(p, row, seq)| sample_row(p, row, seq, step_masks.get(&p.seq_id)).map_err(|e| pb::FailedSequence { seq_id: p.seq_id, reason: e.to_string() }))
+            .collect();
+        let mut sampled = Vec::with_capacity(outcomes.len());
+        for o in outcomes {
+            match o {
+                Ok(s) => sampled.push(s),
+                Err(f) => failed.push(f),
+            }
+        }
+        Ok(self.finish_step(sampled, scored, failed, timings, t_sample, t0))
     }
 
-    /// The step's response: its sampled tokens, its scored prompts and its timings, closed.
-    fn finish_step(&self, sampled: Vec<pb::Sampled>, prompt_logprobs: Vec<pb::ScoredPrompt>, mut timings: pb::StepTimings, t_sample: Instant, t0: Instant) -> pb::StepResponse {
+    /// The step's response: its sampled tokens, its scored prompts, the sequences that could
+    /// not sample, and its timings, closed.
+    fn finish_step(
+        &self,
+        sampled: Vec<pb::Sampled>,
+        prompt_logprobs: Vec<pb::ScoredPrompt>,
+        failed: Vec<pb::FailedSequence>,
+        mut timings: pb::StepTimings,
+        t_sample: Instant,
+        t0: Instant,
+    ) -> pb::StepResponse {
         timings.sample_ns = ns(t_sample.elapsed());
         timings.expert_routed = self
             .device
@@ -408,7 +443,7 @@ impl<D: Device> Executor<D> {
         timings.linear_ns = timings
             .total_ns
             .saturating_sub(timings.kv_write_ns + timings.attention_gpu_ns + timings.attention_wait_ns + timings.merge_ns + timings.sample_ns + timings.gpu_kv_upload_ns);
-        pb::StepResponse { sampled, timings: Some(timings), prompt_logprobs }
+        pb::StepResponse { sampled, timings: Some(timings), prompt_logprobs, failed }
     }
 
     /// Sums the device's phase times (the CUDA device's: where its calls' time goes) and logs
@@ -578,7 +613,7 @@ fn scored(row: &[f32], id: u32, n_top: usize) -> (pb::TokenProb, Vec<pb::TokenPr
 
 /// Samples one sequence's next token from its logits row (its grammar's mask applied), and
 /// advances its grammar.
-fn sample_row(p: &Planned, row: &[f32], seq: &mut Sequence, mask: Option<&SimpleVob>) -> Result<pb::Sampled, StepError> {
+fn sample_row(p: &Planned, row: &[f32], seq: &mut Sequence, mask: Option<&SimpleVob>) -> Result<pb::Sampled, GrammarError> {
     let masked_row;
     let row = match mask {
         Some(mask) => {
@@ -593,7 +628,7 @@ fn sample_row(p: &Planned, row: &[f32], seq: &mut Sequence, mask: Option<&Simple
     let id = sampler.sample(row, &seq.tokens);
     // Once the grammar is complete only end of generation was allowed: nothing to follow.
     if let Some(m) = seq.matcher.as_mut().filter(|m| !m.is_stopped()) {
-        m.consume_token(id).map_err(|e| StepError::Sequence { seq_id: p.seq_id, problem: GrammarError::Refused(e.to_string()).into() })?;
+        grammar::consume(m, id)?;
     }
     seq.last_sampled = Some(id);
     let (token, top) = if seq.top_n > 0 { scored(row, id, seq.top_n) } else { (pb::TokenProb { id, logprob: 0.0 }, Vec::new()) };
