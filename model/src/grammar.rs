@@ -136,8 +136,8 @@ impl Grammars {
         let mut m = self.matcher(g)?;
         match m.compute_mask_or_eos() {
             Ok(mask) if !mask.is_zero() => Ok(()),
-            Ok(_) => Err(GrammarError::NoText("no token may start it".into())),
-            Err(e) => Err(GrammarError::NoText(first_line(&e.to_string()))),
+            Ok(_) => Err(GrammarError::NoText("no token can start it".into())),
+            Err(e) => Err(GrammarError::NoText(format!("no token can start it ({})", first_line(&e.to_string())))),
         }
     }
 }

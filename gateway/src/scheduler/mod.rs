@@ -557,6 +557,13 @@ impl Scheduler {
         let s = &self.sessions[id];
         let mut full = s.history.clone();
         let mut messages = s.messages.clone();
+        // A chat turn is rendered from the session's messages, which text turns do not add
+        // to: mixing the two would silently drop turns from the conversation.
+        let chat_turn = matches!(p.prompt, Prompt::Chat { .. });
+        if !s.history.is_empty() && chat_turn == messages.is_empty() {
+            let (was, send) = if chat_turn { ("text", "text or token ids") } else { ("chat", "chat messages") };
+            return Err(GatewayError::InvalidArgument(format!("session {id} holds a {was} conversation: continue it with {send}")));
+        }
         match &p.prompt {
             Prompt::Chat { messages: new, tools } => {
                 messages.extend(new.iter().cloned());

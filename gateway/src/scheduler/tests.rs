@@ -367,6 +367,21 @@ async fn a_session_turn_reuses_its_kv() {
 }
 
 #[tokio::test]
+async fn a_session_keeps_the_kind_of_prompt_it_began_with() {
+    let h = harness(64);
+    let s = run(&h.backend, request(&[40, 41, 42], 3, SessionMode::Create(None))).await.unwrap().session.unwrap();
+    let messages = vec![duet_model::chat::ChatMessage::new("user", "hi")];
+    let chat = GenerateParams { prompt: Prompt::Chat { messages, tools: None }, ..request(&[], 3, SessionMode::Continue(s.clone())) };
+    match run(&h.backend, chat).await {
+        Err(GatewayError::InvalidArgument(m)) => assert!(m.contains("text conversation") && m.contains("text or token ids"), "{m}"),
+        other => panic!("expected InvalidArgument, got {:?}", other.map(|o| o.ids)),
+    }
+    // Refused before it ran: the session goes on as it was.
+    let next = run(&h.backend, request(&[43], 3, SessionMode::Continue(s))).await.unwrap();
+    assert_eq!(next.cached, 5, "the whole conversation's KV is still there");
+}
+
+#[tokio::test]
 async fn an_evicted_session_says_so() {
     // 6 blocks of 16: a session of 40 positions (3 blocks) and a request that needs 4.
     let h = harness(6);
