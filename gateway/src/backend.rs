@@ -84,8 +84,11 @@ impl Backend for SchedulerBackend {
 
     async fn generate(&self, mut params: GenerateParams) -> Result<EventStream, GatewayError> {
         params.validate()?;
-        if let Some(g) = &params.sampling.grammar {
-            self.text.check_grammar(g)?;
+        if let Some(g) = params.sampling.grammar.clone() {
+            // Compiling it and its first mask may take milliseconds for a large schema: off
+            // the runtime's workers.
+            let text = self.text.clone();
+            tokio::task::spawn_blocking(move || text.check_grammar(&g)).await.map_err(|e| GatewayError::Internal(format!("checking the grammar: {e}")))??;
         }
         let biased: Vec<u32> = params.sampling.logit_bias.iter().map(|&(id, _)| id).collect();
         self.text.tokenizer.check_ids(&biased).map_err(|e| GatewayError::InvalidArgument(format!("logit_bias: {e}")))?;

@@ -76,8 +76,9 @@ pub struct Session {
     /// The gpu-worker generation (see the scheduler) its sequence was last sent to: a session
     /// older than the running gpu-worker is taken up again from its KV (`Seq::restore`).
     pub gpu_generation: u64,
-    /// A request on the session failed: the gpu-worker forgets the sequences of a step it
-    /// refuses, so the next turn takes the sequence up again from its KV.
+    /// A request on the session failed: the gpu-worker may have forgotten the sequence (it
+    /// forgets a failed step's sequences, and one that could not sample), so the next turn
+    /// takes it up again from its KV (harmless where it had not).
     pub take_up: bool,
 }
 

@@ -1,8 +1,9 @@
 //! Streaming detokenisation with stop strings: text is released as tokens complete it,
 //! except a tail that could be the start of a stop string, which is held back until it is
 //! known not to be one; at a stop string the text ends just before it. Each stop string is
-//! followed a byte at a time (Knuth–Morris–Pratt), so a token costs what its bytes do, however
-//! long the stop strings and the held tail.
+//! followed a byte at a time (Knuth–Morris–Pratt): a token's cost grows with its bytes and the
+//! number of stop strings, not with their length or the held tail's (searching the held tail
+//! for every prefix of every stop string at each token made a long stop string cubic).
 
 use duet_model::tokenizer::StreamDecoder;
 

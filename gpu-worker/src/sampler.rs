@@ -271,10 +271,10 @@ fn penalise(logits: &mut [f32], recent: &[u32], p: SamplingParams) {
     }
     for (t, n) in counts {
         if let Some(l) = logits.get_mut(t as usize) {
-            if p.repetition_penalty != 1.0 {
-                // Kept finite: a tiny penalty would make a logit infinite, and the softmax's
-                // inf − inf NaN.
-                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty }.clamp(-f32::MAX, f32::MAX);
+            if p.repetition_penalty != 1.0 && l.is_finite() {
+                // Kept finite, as it was: an extreme penalty would make a logit infinite (and
+                // the softmax's inf − inf NaN). A token a grammar forbids stays at −inf.
+                *l = if *l > 0.0 { (*l / p.repetition_penalty).min(f32::MAX) } else { (*l * p.repetition_penalty).max(-f32::MAX) };
             }
             *l -= n as f32 * p.frequency_penalty + p.presence_penalty;
         }
@@ -411,9 +411,17 @@ mod tests {
         assert_eq!(l[2], f32::MAX);
         let s = Sampler::new(SamplingParams { temperature: 1.0, repetition_penalty: 1e-39, seed: 1, ..Default::default() }).unwrap();
         assert!((0..20).all(|pos| s.sample(&logits, &[2]) == 2 && s.sample(&logits, &vec![2; pos + 1]) == 2));
-        // A huge one makes a seen negative logit the smallest finite one.
-        penalise(&mut l, &[3], SamplingParams { repetition_penalty: 1e38, ..Default::default() });
-        assert_eq!(l[3], -f32::MAX);
+        // A huge one makes a seen negative logit the smallest finite one; a forbidden token
+        // (a grammar's mask: −inf) stays forbidden under either.
+        l[1] = f32::NEG_INFINITY;
+        penalise(&mut l, &[1, 3], SamplingParams { repetition_penalty: 1e38, ..Default::default() });
+        assert_eq!((l[1], l[3]), (f32::NEG_INFINITY, -f32::MAX));
+        penalise(&mut l, &[1], SamplingParams { repetition_penalty: 1e-39, ..Default::default() });
+        assert_eq!(l[1], f32::NEG_INFINITY);
+        // Every allowed token seen and saturated: greedy still picks an allowed one.
+        let masked = [f32::NEG_INFINITY, -1.0, f32::NEG_INFINITY, -2.0];
+        let s = Sampler::new(SamplingParams { repetition_penalty: f32::MAX, ..Default::default() }).unwrap();
+        assert_eq!(s.sample(&masked, &[0, 1, 2, 3]), 1, "tokens 1 and 3 tie at the smallest finite logit; 0 and 2 stay forbidden");
     }
 
     #[test]

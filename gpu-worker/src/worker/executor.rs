@@ -173,6 +173,8 @@ impl<D: Device> Executor<D> {
 
     /// Runs one step. If it fails, the gpu-worker forgets every sequence of the step (their
     /// KV may be half written): the gateway fails them or starts them again from position 0.
+    /// A sequence that could not sample (its grammar) is forgotten alone, named in the
+    /// response's `failed`.
     pub fn step(&mut self, req: &pb::StepRequest) -> Result<pb::StepResponse, StepError> {
         let t0 = Instant::now();
         for id in &req.released {
@@ -221,7 +223,7 @@ impl<D: Device> Executor<D> {
             }
             let sub = &mut subs[s.sub_batch as usize];
             let Some(p) = self.accept(s, bs, req.after_step != 0)? else {
-                tracing::debug!(step = req.step, seq = s.seq_id, "sequence skipped: the step before failed and took it");
+                tracing::debug!(step = req.step, seq = s.seq_id, "sequence skipped: the step before failed and took it, or it failed there alone");
                 continue;
             };
             order.push((s.sub_batch as usize, sub.plan.len()));
@@ -472,8 +474,8 @@ impl<D: Device> Executor<D> {
     /// Checks one sequence's part of a step and applies it to the sequence's state. With
     /// `skip_unknown` (the step was sent while the one before ran), a sequence that goes on
     /// from a position the gpu-worker does not hold is skipped (`None`): the step before
-    /// failed and took it, and the gateway has failed its request; failing this whole step
-    /// would take the requests that joined it too.
+    /// failed and took it (or it could not sample there), and the gateway has failed its
+    /// request; failing this whole step would take the requests that joined it too.
     fn accept(&mut self, s: &pb::SequenceStep, bs: usize, skip_unknown: bool) -> Result<Option<Planned>, StepError> {
         let start = s.start_pos as usize;
         let invalid = |problem: SequenceError| Err(StepError::Sequence { seq_id: s.seq_id, problem });
