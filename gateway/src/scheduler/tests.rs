@@ -217,7 +217,9 @@ fn harness(blocks: u32) -> Harness {
 /// With a KV mirror of `gpu_kv_positions` on the gpu-worker.
 fn harness_with(blocks: u32, gpu_kv_positions: usize) -> Harness {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let text: Arc<TextModel> = Arc::new(crate::serve::load_text_model(&root.join("testdata/tiny/arch/qwen2_q4_1.gguf"), None).unwrap());
+    // (A chat template for chat sessions: the tiny model has none.)
+    let template = root.join("testdata/templates/Qwen-Qwen2.5-7B-Instruct.jinja");
+    let text: Arc<TextModel> = Arc::new(crate::serve::load_text_model(&root.join("testdata/tiny/arch/qwen2_q4_1.gguf"), Some(&template)).unwrap());
     let cfg = SchedulerConfig {
         max_step_tokens: 256,
         prefill_chunk: 64,
@@ -379,6 +381,14 @@ async fn a_session_keeps_the_kind_of_prompt_it_began_with() {
     // Refused before it ran: the session goes on as it was.
     let next = run(&h.backend, request(&[43], 3, SessionMode::Continue(s))).await.unwrap();
     assert_eq!(next.cached, 5, "the whole conversation's KV is still there");
+    // And the reverse: text on a chat session.
+    let messages = vec![duet_model::chat::ChatMessage::new("user", "hi")];
+    let chat = GenerateParams { prompt: Prompt::Chat { messages, tools: None }, ..request(&[], 3, SessionMode::Create(None)) };
+    let s = run(&h.backend, chat).await.unwrap().session.unwrap();
+    match run(&h.backend, request(&[43], 3, SessionMode::Continue(s))).await {
+        Err(GatewayError::InvalidArgument(m)) => assert!(m.contains("chat conversation") && m.contains("chat messages"), "{m}"),
+        other => panic!("expected InvalidArgument, got {:?}", other.map(|o| o.ids)),
+    }
 }
 
 #[tokio::test]
