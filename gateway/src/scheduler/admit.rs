@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::{Scheduler, SessionUse, Waiting};
 use crate::error::GatewayError;
 use crate::metrics;
-use crate::request::{Event, SessionMode, DEFAULT_MAX_TOKENS};
+use crate::request::{Event, DEFAULT_MAX_TOKENS};
 use crate::sequence::{common_prefix, Events, Seq, Session};
 use crate::text_stream::TextStream;
 
@@ -69,11 +69,9 @@ impl Scheduler {
             Ok(x) => x,
             Err(e) => return fail(w, e),
         };
-        // Kept for the next try if it waits (a session's continuation is resolved again).
+        // Kept for the next try if it waits.
         let wait = |mut w: Waiting, full: &[u32]| {
-            if !matches!(w.params.session, SessionMode::Continue(_)) {
-                w.prompt_ids = Some(full.to_vec());
-            }
+            w.prompt_ids = Some(full.to_vec());
             w
         };
         if full.is_empty() {

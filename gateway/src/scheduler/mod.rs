@@ -513,7 +513,7 @@ impl Scheduler {
     /// the session's chat messages once this request's are added.
     /// `known`: the prompt's tokens, if computed before.
     fn resolve(&self, p: &GenerateParams, known: Option<Vec<u32>>) -> Result<Resolved, GatewayError> {
-        let whole = |session: SessionUse| -> Result<Resolved, GatewayError> {
+        let whole = |session: SessionUse, known: Option<Vec<u32>>| -> Result<Resolved, GatewayError> {
             let messages = match &p.prompt {
                 Prompt::Chat { messages, .. } => messages.clone(),
                 _ => Vec::new(),
@@ -525,7 +525,7 @@ impl Scheduler {
             Ok((ids, session, messages))
         };
         let id = match &p.session {
-            SessionMode::None => return whole(SessionUse::None),
+            SessionMode::None => return whole(SessionUse::None, known),
             SessionMode::Create(key) => {
                 let name = match key {
                     Some(key) => self.session_name(key)?,
@@ -534,17 +534,17 @@ impl Scheduler {
                 if self.sessions.contains_key(&name) {
                     return Err(GatewayError::SessionExists(name));
                 }
-                return whole(SessionUse::New(name));
+                return whole(SessionUse::New(name), known);
             }
             SessionMode::Conversation(id) => {
                 let name = self.session_name(id)?;
                 if !self.sessions.contains_key(&name) {
                     // The request carries the whole conversation: nothing is lost by
                     // starting the session afresh (after it expired or was evicted).
-                    return whole(SessionUse::New(name));
+                    return whole(SessionUse::New(name), known);
                 }
                 self.check_session(&name)?;
-                return whole(SessionUse::Existing(name));
+                return whole(SessionUse::Existing(name), known);
             }
             SessionMode::Continue(id) => id,
         };
@@ -564,9 +564,17 @@ impl Scheduler {
             let (was, send) = if chat_turn { ("text", "text or token ids") } else { ("chat", "chat messages") };
             return Err(GatewayError::InvalidArgument(format!("session {id} holds a {was} conversation: continue it with {send}")));
         }
+        if let Prompt::Chat { messages: new, .. } = &p.prompt {
+            messages.extend(new.iter().cloned());
+        }
+        if let Some(ids) = known {
+            // Resolved when it first tried and waited for KV: nothing was admitted before it
+            // meanwhile, so the session is as it was (and rendering a long conversation again
+            // on every try would hold up the scheduler's steps).
+            return Ok((ids, SessionUse::Existing(id.clone()), messages));
+        }
         match &p.prompt {
-            Prompt::Chat { messages: new, tools } => {
-                messages.extend(new.iter().cloned());
+            Prompt::Chat { tools, .. } => {
                 full = self.text.prompt_ids(&Prompt::Chat { messages: messages.clone(), tools: tools.clone() })?;
             }
             Prompt::Text(t) => full.extend(self.text.tokenizer.encode(t, true)?),

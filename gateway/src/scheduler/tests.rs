@@ -596,6 +596,43 @@ async fn kv_full_is_reported_while_a_request_waits_for_kv_and_a_drain_finishes_i
 }
 
 #[tokio::test]
+async fn a_session_turn_that_waits_for_kv_continues_the_conversation() {
+    // 6 blocks of 16: the session holds 2 (24 positions), a running request 4 (50), and the
+    // session's next turn needs 2 more (54): it waits, resolved once, until they are free.
+    let h = harness(6);
+    h.gpu.state.lock().unwrap().step_time = Duration::from_millis(5);
+    let p1: Vec<u32> = (50..70).collect();
+    let t1 = run(&h.backend, request(&p1, 4, SessionMode::Create(None))).await.unwrap();
+    let big: Vec<u32> = (33..73).collect();
+    let mut rx = h.backend.generate(request(&big, 10, SessionMode::None)).await.unwrap();
+    let _ = rx.recv().await.unwrap().unwrap();
+    let p2: Vec<u32> = (80..100).collect();
+    let turn = tokio::spawn({
+        let (backend, p2, session) = (h.backend.clone(), p2.clone(), t1.session.clone().unwrap());
+        async move { run(&backend, request(&p2, 10, SessionMode::Continue(session))).await }
+    });
+    let mut saw_full = false;
+    for _ in 0..200 {
+        if h.backend.info().await.unwrap().kv_full {
+            saw_full = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(saw_full, "the turn waits for KV");
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        if let Event::Token { id, .. } = ev.unwrap() {
+            ids.push(id);
+        }
+    }
+    assert_eq!(ids, expected(&big, 10));
+    let whole: Vec<u32> = p1.iter().chain(&t1.ids).chain(&p2).copied().collect();
+    let got = turn.await.unwrap().unwrap();
+    assert_eq!((got.ids, got.cached as usize), (expected(&whole, 10), p1.len() + 3));
+}
+
+#[tokio::test]
 async fn a_prompt_starts_from_the_kv_cached_from_an_earlier_one() {
     let h = harness(64);
     let system: Vec<u32> = (40..90).collect();
