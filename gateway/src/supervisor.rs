@@ -401,9 +401,8 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
         let Workers { mut gpu, gpu_info, mut cpus, cpu_infos } = workers;
         let mut gpu_pid = Some(gpu_info.pid);
         let mut cpu_pids: Vec<Option<u32>> = cpu_infos.iter().map(|i| Some(i.pid)).collect();
-        // Each cpu-worker's arena generation when last seen: one more after a restart means it
-        // re-attached to the same arena (its KV kept).
-        let mut cpu_generations: Vec<u64> = cpu_infos.iter().map(|i| i.arena_generation).collect();
+        // Each cpu-worker as last seen answering: its process and its arena's generation.
+        let mut cpu_seen: Vec<(u32, u64)> = cpu_infos.iter().map(|i| (i.pid, i.arena_generation)).collect();
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(WATCH_PERIOD) => {}
@@ -424,7 +423,13 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
                     let mut ok = true;
                     for (w, c) in cpus.iter_mut().enumerate() {
                         if let Ok(info) = cpu_info_quick(c).await {
-                            ok &= attach(&mut gpu, &info, local).await.inspect_err(|e| tracing::warn!("{e}")).is_ok();
+                            let attached = attach(&mut gpu, &info, local).await.inspect_err(|e| tracing::warn!("{e}")).is_ok();
+                            ok &= attached;
+                            if attached && cpu_pids[w] != Some(info.pid) {
+                                // It went down (or restarted) with the gpu-worker: the loop
+                                // below would see it attached and say nothing.
+                                cpu_back(&scheduler, w as u32, &info, cpu_pids[w], &mut cpu_seen[w]).await;
+                            }
                             cpu_pids[w] = Some(info.pid);
                         } else {
                             ok = false;
@@ -444,20 +449,13 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
                         cpu_pids[w] = None;
                         let _ = scheduler.send(Command::WorkerDown { worker, reason: format!("it stopped answering: {}", e.message()) }).await;
                     }
-                    (Ok(info), old) if old != Some(info.pid) => {
-                        if old.is_some() {
-                            let _ = scheduler.send(Command::WorkerDown { worker, reason: "it restarted".into() }).await;
+                    (Ok(info), old) if old != Some(info.pid) => match attach(&mut gpu, &info, local).await {
+                        Ok(_) => {
+                            cpu_back(&scheduler, worker, &info, old, &mut cpu_seen[w]).await;
+                            cpu_pids[w] = Some(info.pid);
                         }
-                        match attach(&mut gpu, &info, local).await {
-                            Ok(_) => {
-                                cpu_pids[w] = Some(info.pid);
-                                let kv_kept = old_generation_kept(cpu_generations[w], info.arena_generation);
-                                cpu_generations[w] = info.arena_generation;
-                                let _ = scheduler.send(Command::WorkerUp { worker, kv_kept }).await;
-                            }
-                            Err(e) => tracing::warn!("re-attaching cpu-worker {worker}: {e}"),
-                        }
-                    }
+                        Err(e) => tracing::warn!("re-attaching cpu-worker {worker}: {e}"),
+                    },
                     _ => {}
                 }
             }
@@ -465,11 +463,25 @@ pub fn watch(workers: Workers, local: bool, scheduler: mpsc::Sender<Command>, mu
     })
 }
 
+/// Tells the scheduler that cpu-worker `worker`, re-attached, serves again (`old`: the
+/// process it knew serving, `None` if it saw it go down), and whether the KV is as it was.
+async fn cpu_back(scheduler: &mpsc::Sender<Command>, worker: u32, info: &pb::CpuInfoResponse, old: Option<u32>, seen: &mut (u32, u64)) {
+    if old.is_some() {
+        let _ = scheduler.send(Command::WorkerDown { worker, reason: "it restarted".into() }).await;
+    }
+    let restarted = info.pid != seen.0;
+    let kv_kept = !restarted || old_generation_kept(seen.1, info.arena_generation);
+    *seen = (info.pid, info.arena_generation);
+    let _ = scheduler.send(Command::WorkerUp { worker, kv_kept, restarted }).await;
+}
+
 /// Whether a restarted cpu-worker re-attached to the arena its predecessor had: the
-/// generation counts each attach, so exactly one more means the same arena, K/V intact (a
-/// rebuilt arena starts again at 1; 0 is a worker that does not say).
+/// generation counts each attach, so more than before means the same arena, K/V intact (one
+/// more a restart, more if it restarted again between two looks). A rebuilt arena starts
+/// again at 1, so it would take `before` more restarts within one look to pass for the old
+/// one; 0 is a worker that does not say.
 fn old_generation_kept(before: u64, now: u64) -> bool {
-    before > 0 && now == before + 1
+    before > 0 && now > before
 }
 
 async fn gpu_info_quick(c: &mut GpuWorkerClient<Channel>) -> Result<pb::GpuInfoResponse, tonic::Status> {
@@ -506,7 +518,7 @@ mod tests {
         assert!(!old_generation_kept(3, 1), "a rebuilt arena starts again at 1");
         assert!(!old_generation_kept(1, 1), "the same generation is another arena created afresh");
         assert!(!old_generation_kept(0, 1), "a worker that did not say");
-        assert!(!old_generation_kept(2, 4), "another worker attached in between");
+        assert!(old_generation_kept(2, 4), "it restarted twice between two looks, re-attaching each time");
     }
 
     #[test]

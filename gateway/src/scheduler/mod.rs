@@ -46,8 +46,9 @@ pub enum Command {
     /// for [`Command::WorkerUp`] to learn whether its arena (their KV) was kept.
     WorkerDown { worker: u32, reason: String },
     /// A cpu-worker is (again) serving and attached to the gpu-worker; `kv_kept`: it re-attached
-    /// to its predecessor's arena, so the KV of the sessions on it is intact.
-    WorkerUp { worker: u32, kv_kept: bool },
+    /// to its predecessor's arena, or is the same process after a stall (`restarted` false), so
+    /// the KV of the sessions on it is intact.
+    WorkerUp { worker: u32, kv_kept: bool, restarted: bool },
     /// The gpu-worker died: every sequence is gone.
     GpuDown { reason: String },
     GpuUp,
@@ -306,10 +307,11 @@ impl Scheduler {
                 self.stats.reset_errors();
             }
             Command::WorkerDown { worker, reason } => self.worker_down(worker, &reason),
-            Command::WorkerUp { worker, kv_kept } => {
+            Command::WorkerUp { worker, kv_kept, restarted } => {
                 let Some(&was_up) = self.worker_up.get(worker as usize) else { return };
                 if !was_up {
-                    self.restarts[worker as usize] += 1;
+                    // (Not restarted: the same process answers again, after a stall.)
+                    self.restarts[worker as usize] += u32::from(restarted);
                     if !kv_kept {
                         self.pool.forget_cached(WorkerId(worker));
                         self.fail_unresumable(Some(worker));
@@ -368,8 +370,13 @@ impl Scheduler {
         }
         let mut failed = Vec::new();
         for (i, seq) in self.running.iter_mut().enumerate() {
+            // One outage is one resume, however many failures it brings (the gpu-worker and
+            // each cpu-worker going down, the step in flight failing): a request counts
+            // again only once it has run since.
+            if seq.paused_since.is_none() {
+                seq.resumes += 1;
+            }
             seq.rewind();
-            seq.resumes += 1;
             if seq.sampling.grammar.is_some() || seq.resumes > MAX_RESUMES {
                 failed.push((i, Err(GatewayError::Unavailable(format!("{why}; the request could not be resumed")))));
             }

@@ -515,6 +515,42 @@ async fn a_failed_turn_leaves_its_session_to_go_on_and_others_alone() {
 }
 
 #[tokio::test]
+async fn one_outage_is_one_resume_however_many_failures_report_it() {
+    // Twice, the gpu-worker and the cpu-worker go down together, and the step in flight
+    // fails: three reports of one outage each time. Counted as six resumes, the request
+    // would fail (at most 3).
+    let h = harness(64);
+    let p: Vec<u32> = (70..80).collect();
+    let mut rx = h.backend.generate(request(&p, 60, SessionMode::None)).await.unwrap();
+    let mut ids = Vec::new();
+    let mut next = async |ids: &mut Vec<u32>| loop {
+        match rx.recv().await.unwrap().unwrap() {
+            Event::Token { id, .. } => return ids.push(id),
+            Event::Finished { .. } => return,
+            Event::Prompt { .. } | Event::PromptLogprobs { .. } => {}
+        }
+    };
+    for outage in 1..=2 {
+        while ids.len() < 10 * outage {
+            next(&mut ids).await;
+        }
+        h.gpu.restart();
+        let step = h.gpu.state.lock().unwrap().steps + 1;
+        h.gpu.state.lock().unwrap().fail.insert(step);
+        h.commands.send(Command::GpuDown { reason: "killed".into() }).await.unwrap();
+        h.commands.send(Command::WorkerDown { worker: 0, reason: "killed".into() }).await.unwrap();
+        h.commands.send(Command::GpuUp).await.unwrap();
+        h.commands.send(Command::WorkerUp { worker: 0, kv_kept: true, restarted: true }).await.unwrap();
+    }
+    while ids.len() < 60 {
+        let before = ids.len();
+        next(&mut ids).await;
+        assert!(ids.len() > before, "finished early");
+    }
+    assert_eq!(ids, expected(&p, 60), "the request goes on from its KV after both outages");
+}
+
+#[tokio::test]
 async fn sessions_are_named_key_at_node_and_other_nodes_sessions_are_refused_by_name() {
     let h = harness(64);
     let p: Vec<u32> = (50..60).collect();
