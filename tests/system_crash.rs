@@ -1,6 +1,7 @@
 //! Nothing lost when a worker dies, under load: 8 streams run and 4 multi-turn sessions sit
 //! idle while the cpu-worker is killed with SIGKILL, then the same while the gpu-worker is.
 //! Every stream completes with the tokens of an uninterrupted greedy run (up to near ties),
+//! also when the gpu-worker dies while the cpu-worker hangs,
 //! and every session's next turn works from the KV kept in the arena. And a gateway killed
 //! with SIGKILL takes its workers and their shared memory with it.
 
@@ -28,9 +29,9 @@ async fn references(gw: &Gateway) -> Vec<RefGeneration> {
     out
 }
 
-/// Starts the 8 streams, kills `victim` once each has a few tokens, and checks they complete
-/// as the references.
-async fn streams_survive(gw: &Gateway, victim: &[&str], refs: &[RefGeneration]) {
+/// Starts the 8 streams, once each has a few tokens sends each process `victims` name its
+/// signal (and waits the given time after it), and checks they complete as the references.
+async fn streams_survive(gw: &Gateway, victims: &[(&[&str], i32, Duration)], refs: &[RefGeneration]) {
     let (tx, mut started) = tokio::sync::mpsc::channel(STREAMS);
     let mut tasks = Vec::new();
     for i in 0..STREAMS {
@@ -59,15 +60,24 @@ async fn streams_survive(gw: &Gateway, victim: &[&str], refs: &[RefGeneration]) 
     for _ in 0..STREAMS {
         started.recv().await.expect("every stream starts");
     }
-    let pids = pids_with(victim);
-    assert_eq!(pids.len(), 1, "one {victim:?}: {pids:?}");
-    // SAFETY: killing the test's own grandchild.
-    unsafe { libc::kill(pids[0] as libc::pid_t, libc::SIGKILL) };
-    for (i, t) in tasks.into_iter().enumerate() {
-        let ids = t.await.unwrap().unwrap_or_else(|e| panic!("stream {i} failed after {victim:?} was killed: {e}"));
-        same_up_to_near_tie(&ids, &refs[i], 0.5).unwrap_or_else(|e| panic!("stream {i} after {victim:?} was killed vs uninterrupted: {e}"));
+    let mut killed = Vec::new();
+    for &(victim, signal, wait) in victims {
+        let pids = pids_with(victim);
+        assert_eq!(pids.len(), 1, "one {victim:?}: {pids:?}");
+        // SAFETY: signalling the test's own grandchild.
+        unsafe { libc::kill(pids[0] as libc::pid_t, signal) };
+        if signal == libc::SIGKILL {
+            killed.push((victim, pids));
+        }
+        tokio::time::sleep(wait).await;
     }
-    assert_ne!(pids_with(victim), pids, "{victim:?} was restarted");
+    for (i, t) in tasks.into_iter().enumerate() {
+        let ids = t.await.unwrap().unwrap_or_else(|e| panic!("stream {i} failed after {victims:?}: {e}"));
+        same_up_to_near_tie(&ids, &refs[i], 0.5).unwrap_or_else(|e| panic!("stream {i} after {victims:?} vs uninterrupted: {e}"));
+    }
+    for (victim, pids) in killed {
+        assert_ne!(pids_with(victim), pids, "{victim:?} was restarted");
+    }
 }
 
 /// One more turn of every session: it works and reuses the KV of the turns before.
@@ -92,12 +102,27 @@ async fn streams_and_sessions_survive_a_cpu_worker_and_a_gpu_worker_crash() {
         let g = generate(&mut gw.client(), pb::GenerateRequest { create_session: true, ..greedy(prompt(i), 8) }).await.unwrap();
         sessions.push((g.prompt.session_id.clone(), prompt(i).len() + g.ids.len()));
     }
-    streams_survive(&gw, &["duet-cpu-worker", &gw.instance], &refs).await;
+    let cpu_worker: &[&str] = &["duet-cpu-worker", &gw.instance];
+    let runtime_dir = gw.runtime_dir.to_string_lossy().into_owned();
+    let gpu_worker: &[&str] = &["duet-gpu-worker", &runtime_dir];
+    let now = Duration::ZERO;
+    streams_survive(&gw, &[(cpu_worker, libc::SIGKILL, now)], &refs).await;
     let sessions = sessions_go_on(&gw, &sessions).await;
-    streams_survive(&gw, &["duet-gpu-worker", &gw.runtime_dir.to_string_lossy()], &refs).await;
+    streams_survive(&gw, &[(gpu_worker, libc::SIGKILL, now)], &refs).await;
     // The gpu-worker may still be attaching its cpu-worker: the first turn waits for it.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    sessions_go_on(&gw, &sessions).await;
+    let sessions = sessions_go_on(&gw, &sessions).await;
+    // Both: the cpu-worker hangs (and is seen down), then the gpu-worker dies as the
+    // cpu-worker answers again; the gateway attaches the cpu-worker to the gpu-worker's
+    // successor, and must report it serving again, its KV kept (the same process). It once
+    // stayed "down" for good, and its streams and sessions waited for it (this test hung).
+    let hang = [(cpu_worker, libc::SIGSTOP, Duration::from_secs(3)), (gpu_worker, libc::SIGKILL, now), (cpu_worker, libc::SIGCONT, now)];
+    let survived = async {
+        streams_survive(&gw, &hang, &refs).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        sessions_go_on(&gw, &sessions).await;
+    };
+    tokio::time::timeout(Duration::from_secs(120), survived).await.unwrap_or_else(|_| panic!("streams or sessions still waiting for the cpu-worker after 120 s; log:\n{}", gw.log_tail()));
     let status = gw.stop();
     assert!(status.success(), "gateway exit {status}; log:\n{}", gw.log_tail());
 }
