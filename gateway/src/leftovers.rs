@@ -31,6 +31,33 @@ pub fn sweep_dead_instances() -> u64 {
     sweep(|_| true)
 }
 
+/// At a local gateway's stop, once its workers are: removes the segments of its own
+/// `instance` that no worker holds (a worker that stops removes its own; one killed for not
+/// stopping in time leaves them). Returns the bytes freed.
+pub fn sweep_own_instance(instance: &str) -> u64 {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else { return 0 };
+    let mut freed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if parse_segment_name(&name).is_none_or(|(i, _, _)| i != instance) {
+            continue;
+        }
+        if !matches!(probe(&entry.path()), Ok(Holder::Nobody)) {
+            continue;
+        }
+        let bytes = entry.metadata().map_or(0, |m| m.len());
+        match Segment::remove(&name) {
+            Ok(true) => {
+                tracing::warn!(segment = %name, bytes, "removed a segment a worker killed at the stop left");
+                freed += bytes;
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(segment = %name, "cannot remove a segment a worker killed at the stop left: {e}"),
+        }
+    }
+    freed
+}
+
 /// [`sweep_dead_instances`] of the instances `only` accepts.
 fn sweep(only: impl Fn(&str) -> bool) -> u64 {
     let own = std::process::id();
@@ -121,6 +148,27 @@ mod tests {
         assert_eq!(gateway_pid(&default_instance(4321)), Some(4321));
         for other in ["duet", "duet-", "duet-12a", "duet-+12", "t12-0", "duet-99999999999"] {
             assert_eq!(gateway_pid(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn a_stopping_gateway_sweeps_its_own_unheld_segments_only() {
+        let own = format!("own-sweep-{}", std::process::id());
+        let (arena, ring) = (arena_name(&own, 0), ring_name(&own, 0));
+        drop((leave(&arena), leave(&ring)));
+        // Its other worker still holds its arena: left.
+        let held = arena_name(&own, 1);
+        let held_seg = leave(&held);
+        let lock = lock_owner(held_seg.path()).unwrap().expect("not held yet");
+        // Another instance's: left.
+        let other = arena_name(&format!("other-sweep-{}", std::process::id()), 0);
+        drop(leave(&other));
+        assert!(sweep_own_instance(&own) >= 8192);
+        assert!(!exists(&arena) && !exists(&ring));
+        assert!(exists(&held) && exists(&other));
+        drop(lock);
+        for name in [held, other] {
+            Segment::remove(&name).unwrap();
         }
     }
 

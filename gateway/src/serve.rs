@@ -371,6 +371,7 @@ pub async fn run(args: ServeArgs, listeners: Listeners, shutdown: impl Future<Ou
     let _ = scheduler_task.await;
     if let Some(k) = keeper {
         let _ = k.await;
+        crate::leftovers::sweep_own_instance(&instance);
     }
     tracing::info!("duet-gateway stopped");
     http?;
