@@ -45,17 +45,25 @@ pub fn sweep_own_instance(instance: &str) -> u64 {
         if !matches!(probe(&entry.path()), Ok(Holder::Nobody)) {
             continue;
         }
-        let bytes = entry.metadata().map_or(0, |m| m.len());
-        match Segment::remove(&name) {
-            Ok(true) => {
-                tracing::warn!(segment = %name, bytes, "removed a segment a worker killed at the stop left");
-                freed += bytes;
-            }
-            Ok(false) => {}
-            Err(e) => tracing::warn!(segment = %name, "cannot remove a segment a worker killed at the stop left: {e}"),
-        }
+        freed += remove(&name, "a worker killed at the stop left");
     }
     freed
+}
+
+/// Removes segment `name`, which `left` says who left, saying so; its bytes, if removed.
+fn remove(name: &str, left: &str) -> u64 {
+    let bytes = std::fs::symlink_metadata(Path::new(SHM_DIR).join(name)).map_or(0, |m| m.len());
+    match Segment::remove(name) {
+        Ok(true) => {
+            tracing::warn!(segment = %name, bytes, "removed a segment {left}");
+            bytes
+        }
+        Ok(false) => 0,
+        Err(e) => {
+            tracing::warn!(segment = %name, "cannot remove a segment {left}: {e}");
+            0
+        }
+    }
 }
 
 /// [`sweep_dead_instances`] of the instances `only` accepts.
@@ -78,15 +86,7 @@ fn sweep(only: impl Fn(&str) -> bool) -> u64 {
             continue;
         }
         for (name, _) in segments {
-            let bytes = std::fs::symlink_metadata(Path::new(SHM_DIR).join(&name)).map_or(0, |m| m.len());
-            match Segment::remove(&name) {
-                Ok(true) => {
-                    tracing::warn!(segment = %name, bytes, "removed a segment left by gateway {pid}, which died together with its workers");
-                    freed += bytes;
-                }
-                Ok(false) => {}
-                Err(e) => tracing::warn!(segment = %name, "cannot remove a segment left by dead gateway {pid}: {e}"),
-            }
+            freed += remove(&name, &format!("left by gateway {pid}, which died together with its workers"));
         }
     }
     freed

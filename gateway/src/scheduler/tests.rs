@@ -281,6 +281,17 @@ async fn run(backend: &SchedulerBackend, params: GenerateParams) -> Result<Outco
     Err(GatewayError::Internal("the events ended without Finished".into()))
 }
 
+/// Reads a generation's tokens into `ids` until it holds `n` (`None`: to the end).
+async fn tokens(rx: &mut crate::backend::EventStream, ids: &mut Vec<u32>, n: Option<usize>) {
+    while n.is_none_or(|n| ids.len() < n) {
+        match rx.recv().await.map(Result::unwrap) {
+            Some(Event::Token { id, .. }) => ids.push(id),
+            Some(Event::Finished { .. }) | None => return,
+            Some(Event::Prompt { .. } | Event::PromptLogprobs { .. }) => {}
+        }
+    }
+}
+
 #[tokio::test]
 async fn concurrent_requests_complete_with_the_models_tokens_and_free_their_kv() {
     let h = harness(64);
@@ -438,22 +449,12 @@ async fn a_restarted_gpu_worker_takes_up_running_requests_and_idle_sessions() {
     let p: Vec<u32> = (70..80).collect();
     let mut rx = h.backend.generate(request(&p, 60, SessionMode::None)).await.unwrap();
     let mut ids = Vec::new();
-    while ids.len() < 5 {
-        if let Event::Token { id, .. } = rx.recv().await.unwrap().unwrap() {
-            ids.push(id);
-        }
-    }
+    tokens(&mut rx, &mut ids, Some(5)).await;
     // The gpu-worker dies and comes back empty; the watch reports both.
     h.gpu.restart();
     h.commands.send(Command::GpuDown { reason: "killed".into() }).await.unwrap();
     h.commands.send(Command::GpuUp).await.unwrap();
-    while let Some(ev) = rx.recv().await {
-        match ev.unwrap() {
-            Event::Token { id, .. } => ids.push(id),
-            Event::Finished { .. } => break,
-            Event::Prompt { .. } | Event::PromptLogprobs { .. } => {}
-        }
-    }
+    tokens(&mut rx, &mut ids, None).await;
     assert_eq!(ids, expected(&p, 60), "the request goes on from its KV on the new gpu-worker");
     let next = run(&h.backend, request(&[36, 37], 4, SessionMode::Continue(session.session.clone().unwrap()))).await.unwrap();
     let mut whole = ps.clone();
@@ -493,20 +494,10 @@ async fn a_failed_turn_leaves_its_session_to_go_on_and_others_alone() {
     let other: Vec<u32> = (70..90).collect();
     let mut rx = h.backend.generate(request(&other, 40, SessionMode::None)).await.unwrap();
     let mut ids = Vec::new();
-    while ids.len() < 5 {
-        if let Event::Token { id, .. } = rx.recv().await.unwrap().unwrap() {
-            ids.push(id);
-        }
-    }
+    tokens(&mut rx, &mut ids, Some(5)).await;
     let p3 = vec![34, 35];
     let t3 = run(&h.backend, request(&p3, 6, SessionMode::Continue(session))).await;
-    while let Some(ev) = rx.recv().await {
-        match ev.unwrap() {
-            Event::Token { id, .. } => ids.push(id),
-            Event::Finished { .. } => break,
-            Event::Prompt { .. } | Event::PromptLogprobs { .. } => {}
-        }
-    }
+    tokens(&mut rx, &mut ids, None).await;
     assert_eq!(ids, expected(&other, 40));
     let whole: Vec<u32> = p1.iter().chain(&t1.ids).chain(&p3).copied().collect();
     assert_eq!(t3.unwrap().ids, expected(&whole, 6), "the turn continues the conversation before the failed one");
@@ -523,17 +514,8 @@ async fn one_outage_is_one_resume_however_many_failures_report_it() {
     let p: Vec<u32> = (70..80).collect();
     let mut rx = h.backend.generate(request(&p, 60, SessionMode::None)).await.unwrap();
     let mut ids = Vec::new();
-    let mut next = async |ids: &mut Vec<u32>| loop {
-        match rx.recv().await.unwrap().unwrap() {
-            Event::Token { id, .. } => return ids.push(id),
-            Event::Finished { .. } => return,
-            Event::Prompt { .. } | Event::PromptLogprobs { .. } => {}
-        }
-    };
     for outage in 1..=2 {
-        while ids.len() < 10 * outage {
-            next(&mut ids).await;
-        }
+        tokens(&mut rx, &mut ids, Some(10 * outage)).await;
         h.gpu.restart();
         let step = h.gpu.state.lock().unwrap().steps + 1;
         h.gpu.state.lock().unwrap().fail.insert(step);
@@ -542,11 +524,7 @@ async fn one_outage_is_one_resume_however_many_failures_report_it() {
         h.commands.send(Command::GpuUp).await.unwrap();
         h.commands.send(Command::WorkerUp { worker: 0, kv_kept: true, restarted: true }).await.unwrap();
     }
-    while ids.len() < 60 {
-        let before = ids.len();
-        next(&mut ids).await;
-        assert!(ids.len() > before, "finished early");
-    }
+    tokens(&mut rx, &mut ids, None).await;
     assert_eq!(ids, expected(&p, 60), "the request goes on from its KV after both outages");
 }
 
@@ -657,11 +635,7 @@ async fn a_session_turn_that_waits_for_kv_continues_the_conversation() {
     }
     assert!(saw_full, "the turn waits for KV");
     let mut ids = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        if let Event::Token { id, .. } = ev.unwrap() {
-            ids.push(id);
-        }
-    }
+    tokens(&mut rx, &mut ids, None).await;
     assert_eq!(ids, expected(&big, 10));
     let whole: Vec<u32> = p1.iter().chain(&t1.ids).chain(&p2).copied().collect();
     let got = turn.await.unwrap().unwrap();
@@ -722,11 +696,7 @@ async fn a_session_never_writes_into_a_block_another_request_shares() {
     }
     let edited = [&p1[..], &[90, 91]].concat();
     let t2 = run(&h.backend, request(&edited, 8, SessionMode::Conversation("chat".into()))).await.unwrap();
-    while let Some(ev) = rx.recv().await {
-        if let Event::Token { id, .. } = ev.unwrap() {
-            ids.push(id);
-        }
-    }
+    tokens(&mut rx, &mut ids, None).await;
     assert_eq!(ids, expected(&other, 40), "the shared blocks kept the conversation's first KV");
     assert_eq!((t2.ids, t2.cached), (expected(&edited, 8), 32), "the edit is computed from the block's start");
 }
