@@ -397,6 +397,20 @@ impl Scheduler {
     /// a cpu-worker that came back without it.
     fn fail_unresumable(&mut self, lost_worker: Option<u32>) {
         let now = Instant::now();
+        // The workers a request waited for: the gpu-worker, or those of its KV that are down.
+        let (gpu_up, worker_up) = (self.gpu_up, &self.worker_up);
+        let waited_for = |s: &Seq| {
+            let mut down: Vec<String> = (!gpu_up).then(|| "the gpu-worker".to_string()).into_iter().collect();
+            let mut workers: Vec<u32> = s.table.blocks().iter().map(|b| b.0 .0).filter(|&w| !worker_up.get(w as usize).copied().unwrap_or(true)).collect();
+            workers.sort_unstable();
+            workers.dedup();
+            down.extend(workers.into_iter().map(|w| format!("cpu-worker {w}")));
+            if down.is_empty() {
+                "its workers".to_string()
+            } else {
+                down.join(" and ")
+            }
+        };
         let outcomes: Vec<_> = self
             .running
             .iter()
@@ -407,7 +421,7 @@ impl Scheduler {
                 (on_lost || waited).then(|| {
                     let why = match lost_worker.filter(|_| on_lost) {
                         Some(w) => format!("cpu-worker {w} restarted without the request's KV"),
-                        None => format!("no worker came back within {} s to resume it", RESUME_WAIT.as_secs()),
+                        None => format!("{} did not come back within {} s to resume it", waited_for(s), RESUME_WAIT.as_secs()),
                     };
                     (i, Err(GatewayError::Unavailable(why)))
                 })
