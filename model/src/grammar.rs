@@ -126,16 +126,16 @@ impl Grammars {
             None => Ok(matcher),
         }
     }
-}
 
-impl Grammars {
     /// Whether `g` can be used: it compiles and allows a first token (a regular expression
     /// such as `[a&&b]` compiles to a language with no text in it, and would fail its
     /// generation's first step).
     pub fn check(&self, g: &Grammar) -> Result<(), GrammarError> {
         // (llguidance answers a mask that would allow nothing with an error.)
-        let mut m = self.matcher(g)?;
-        m.compute_mask_or_eos().map(drop).map_err(|e| GrammarError::NoText(format!("no token can start it ({})", first_line(&e.to_string()))))
+        allowed(&mut self.matcher(g)?).map(drop).map_err(|e| match e {
+            GrammarError::DeadEnd(why) => GrammarError::NoText(format!("no token can start it ({why})")),
+            e => e,
+        })
     }
 }
 

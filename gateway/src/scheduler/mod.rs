@@ -398,10 +398,9 @@ impl Scheduler {
     fn fail_unresumable(&mut self, lost_worker: Option<u32>) {
         let now = Instant::now();
         // The workers a request waited for: the gpu-worker, or those of its KV that are down.
-        let (gpu_up, worker_up) = (self.gpu_up, &self.worker_up);
         let waited_for = |s: &Seq| {
-            let mut down: Vec<String> = (!gpu_up).then(|| "the gpu-worker".to_string()).into_iter().collect();
-            let mut workers: Vec<u32> = s.table.blocks().iter().map(|b| b.0 .0).filter(|&w| !worker_up.get(w as usize).copied().unwrap_or(true)).collect();
+            let mut down: Vec<String> = (!self.gpu_up).then(|| "the gpu-worker".to_string()).into_iter().collect();
+            let mut workers: Vec<u32> = self.workers_down(&s.table).collect();
             workers.sort_unstable();
             workers.dedup();
             down.extend(workers.into_iter().map(|w| format!("cpu-worker {w}")));
@@ -621,11 +620,16 @@ impl Scheduler {
         GatewayError::SessionElsewhere { session: session.to_string(), node: node.to_string(), here: self.cfg.node_name.clone() }
     }
 
+    /// The cpu-workers that hold blocks of `table` and are down (once per block).
+    fn workers_down<'a>(&'a self, table: &'a duet_kv::BlockTable) -> impl Iterator<Item = u32> + 'a {
+        table.blocks().iter().map(|b| b.0 .0).filter(|&w| !self.worker_up.get(w as usize).copied().unwrap_or(true))
+    }
+
     /// A session this node holds can take a request now: it is idle and its KV's workers serve.
     fn check_session(&self, id: &str) -> Result<(), GatewayError> {
         let s = self.sessions.get(id).ok_or_else(|| self.lost_sessions.missing(id))?;
         let Some(table) = &s.table else { return Err(GatewayError::SessionBusy(id.to_string())) };
-        if let Some(down) = table.blocks().iter().map(|b| b.0 .0).find(|&w| !self.worker_up.get(w as usize).copied().unwrap_or(true)) {
+        if let Some(down) = self.workers_down(table).next() {
             return Err(GatewayError::Unavailable(format!(
                 "session {id}: its KV is on cpu-worker {down}, which is restarting; retry shortly (the session is kept if the worker's arena is)"
             )));

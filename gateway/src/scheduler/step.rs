@@ -77,7 +77,7 @@ impl Scheduler {
         for i in order {
             let seq = &self.running[i];
             // KV on a cpu-worker that is down: the request waits for it.
-            if seq.table.blocks().iter().any(|b| !self.worker_up.get(b.0 .0 as usize).copied().unwrap_or(true)) {
+            if self.workers_down(&seq.table).next().is_some() {
                 continue;
             }
             let fed_sampled = seq.samples_in_flight > 0;
